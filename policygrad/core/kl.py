@@ -1,0 +1,377 @@
+"""KL to the reference policy: per-token estimators, KL-shaped rewards, KL loss terms, controllers.
+
+Conventions (the KL-estimator section of the seed, section 9): "reverse KL" is KL(pi || pi_ref),
+the one in the RLHF objective; "forward KL" is KL(pi_ref || pi). Samples are tokens drawn from
+pi (on-policy) or pi_old. Estimators follow Schulman (2020), "Approximating KL divergence":
+
+- ``k1 = log(pi / pi_ref)``: unbiased for KL(pi || pi_ref), high variance, can be negative.
+- ``k2 = 0.5 * log(pi / pi_ref)^2``: biased, low variance, >= 0.
+- ``k3 = (r - 1) - log r`` with ``r = pi_ref / pi``: unbiased, low variance when pi ~ pi_ref, >= 0.
+
+Two places to put the KL:
+
+- In the reward (:func:`kl_shaped_rewards`, PPO-RLHF): detached, part of the return, so it reaches
+  the parameters through the score function; k1 there gives the gradient of the sequence-level
+  reverse KL.
+- In the loss (:func:`kl_loss`, GRPO): differentiated at the sampled tokens. The expected
+  gradient of k1 is 0, of k2 the (per-token) reverse-KL gradient, of k3 the FORWARD-KL gradient.
+  Multiplying by ``w = pi / pi_old`` kept in the graph (DeepSeek-V3.2, 2025; Zhang et al. 2025)
+  makes k3's expected gradient the reverse-KL gradient.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any
+
+import torch
+
+__all__ = [
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "kl_estimate",
+    "kl_loss",
+    "kl_shaped_rewards",
+]
+
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+"""Valid ``kind`` values of the KL estimators (Schulman 2020)."""
+
+
+def _check_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_same_shape(ref: torch.Tensor, ref_name: str, **others: torch.Tensor | None) -> None:
+    for name, value in others.items():
+        if value is None:
+            continue
+        _check_tensor(value, name)
+        if value.shape != ref.shape:
+            raise ValueError(
+                f"{name} must have the same shape as {ref_name} {tuple(ref.shape)}, got {tuple(value.shape)}"
+            )
+
+
+def _check_kind(kind: object) -> None:
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+
+
+def _check_real(value: object, name: str) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token sample estimate of KL(pi || pi_ref) at tokens sampled from pi.
+
+    With ``log_ratio = logprobs - ref_logprobs = log(pi / pi_ref)`` (Schulman 2020; seed section 9):
+
+    - ``k1 = log_ratio``
+    - ``k2 = 0.5 * log_ratio**2``
+    - ``k3 = (r - 1) - log r`` with ``r = pi_ref / pi = exp(-log_ratio)``, computed as
+      ``expm1(-log_ratio) + log_ratio`` (exact near r = 1, where k3 is second-order small).
+
+    No clamping: a token with pi << pi_ref gives a large k3 (``r`` is exponential in the
+    log-ratio), which is the honest value. Differentiable in both inputs.
+
+    Args:
+        logprobs: [B, T] (any shape) log pi of the sampled tokens, floating.
+        ref_logprobs: same shape, log pi_ref of the same tokens.
+        kind: one of :data:`KL_KINDS`.
+
+    Returns:
+        tensor of the inputs' shape and (promoted) dtype. Garbage in masked positions stays
+        there: mask the result (as :func:`kl_loss` and :func:`kl_shaped_rewards` do).
+
+    Raises:
+        TypeError: an input is not a tensor.
+        ValueError: ``ref_logprobs`` shape differs from ``logprobs``; unknown ``kind`` (lists the
+            valid ones).
+    """
+    logprobs = _check_tensor(logprobs, "logprobs")
+    _check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs)
+    _check_kind(kind)
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio.square()
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def _valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    return response_mask if response_mask.dtype == torch.bool else response_mask != 0
+
+
+def kl_shaped_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    beta: float,
+    kind: str = "k1",
+) -> torch.Tensor:
+    """Per-token rewards of PPO-RLHF: a KL penalty on every token plus the score on the last one.
+
+    ``token_rewards[i, t] = -beta * KL_t`` on every valid token, plus ``scores[i]`` on the last
+    valid token of row i; exactly 0 on masked positions (Ziegler et al. 2019; Stiennon et al.
+    2020; Ouyang et al. 2022; seed section 9 and the RLHF-details section: the per-token k1
+    sample in the reward gives, through the return, the gradient of the sequence-level reverse
+    KL). Detached: the KL here is part of the reward, never differentiated.
+
+    Args:
+        scores: [B] sequence-level rewards (e.g. reward-model scores).
+        logprobs: [B, T] log pi of the sampled tokens (the sampling policy's, at its temperature).
+        ref_logprobs: [B, T] log pi_ref of the same tokens.
+        response_mask: [B, T], nonzero = valid token.
+        beta: KL coefficient, >= 0 (a number or the ``.value`` of a KL controller).
+        kind: estimator, one of :data:`KL_KINDS` (``k1`` is the standard choice here).
+
+    Returns:
+        [B, T] token rewards, dtype promoted from ``scores`` and ``logprobs``, no gradient.
+
+    Raises:
+        TypeError: an input is not a tensor; ``beta`` not a number.
+        ValueError: shape mismatch (names the argument: ``scores`` must be [B], the others
+            [B, T]); unknown ``kind``; ``beta`` < 0; a row with no valid token (names the rows:
+            it has no last token to carry the score).
+    """
+    logprobs = _check_tensor(logprobs, "logprobs")
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be 2-D [B, T], got shape {tuple(logprobs.shape)}")
+    _check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs, response_mask=response_mask)
+    scores = _check_tensor(scores, "scores")
+    if tuple(scores.shape) != (logprobs.shape[0],):
+        raise ValueError(f"scores must have shape [B] = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
+    _check_kind(kind)
+    beta = _check_real(beta, "beta")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0 (the KL coefficient), got {beta}")
+    with torch.no_grad():
+        mask = _valid_mask(response_mask).to(logprobs.device)
+        empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"response_mask has no valid token in row(s) {empty}: the score needs a last valid token"
+            )
+        dtype = torch.promote_types(scores.dtype, torch.promote_types(logprobs.dtype, ref_logprobs.dtype))
+        zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+        lp = torch.where(mask, logprobs.to(dtype), zero)
+        ref = torch.where(mask, ref_logprobs.to(dtype), zero)
+        rewards = torch.where(mask, -beta * kl_estimate(lp, ref, kind), zero)
+        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+        last = torch.where(mask, positions, -1).max(dim=-1).values
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        rewards[rows, last] += scores.to(device=rewards.device, dtype=dtype)
+        return rewards
+
+
+def kl_loss(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    kind: str = "k3",
+    old_logprobs: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Per-token KL term for the loss (GRPO-style), optionally importance-weighted.
+
+    ``loss[i, t] = KL_kind(logprobs, ref_logprobs)`` on valid tokens, 0 on masked positions
+    (Shao et al. 2024, DeepSeekMath, eq. 4, with k3). Differentiated through ``logprobs``;
+    ``ref_logprobs`` is treated as a constant (detached).
+
+    Expected gradient for tokens sampled from pi (seed section 9): k1 -> 0; k2 -> the per-token
+    reverse-KL gradient; k3 -> the forward-KL gradient grad KL(pi_ref || pi). With
+    ``old_logprobs`` the term is ``w * KL`` with ``w = exp(logprobs - old_logprobs)`` = pi/pi_old
+    kept in the graph (``old_logprobs`` detached), the correction of DeepSeek-V3.2 (2025) and
+    Zhang et al. (2025): ``grad(w k3) = w log(pi/pi_ref) grad log pi``, whose expectation under
+    pi_old is the reverse-KL gradient, also on-policy where ``w == 1`` numerically. Reduce the
+    result with ``masking.aggregate`` and multiply by beta.
+
+    Args:
+        logprobs: [B, T] log pi of the sampled tokens, with gradient.
+        ref_logprobs: [B, T] log pi_ref of the same tokens.
+        response_mask: [B, T], nonzero = valid token.
+        kind: one of :data:`KL_KINDS`; default ``k3``.
+        old_logprobs: [B, T] log pi_old (the policy that sampled), or None for no weight.
+
+    Returns:
+        [B, T] per-token KL term in ``logprobs``' (promoted) dtype; exactly 0 at masked
+        positions, and NaN/inf there reach neither the value nor the gradient.
+
+    Raises:
+        TypeError: an input is not a tensor.
+        ValueError: shape mismatch (names the argument); unknown ``kind`` (lists the valid ones).
+    """
+    logprobs = _check_tensor(logprobs, "logprobs")
+    _check_same_shape(
+        logprobs,
+        "logprobs",
+        ref_logprobs=ref_logprobs,
+        response_mask=response_mask,
+        old_logprobs=old_logprobs,
+    )
+    _check_kind(kind)
+    mask = _valid_mask(response_mask).to(logprobs.device)
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    lp = torch.where(mask, logprobs, zero)
+    ref = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), zero)
+    term = kl_estimate(lp, ref, kind)
+    if old_logprobs is not None:
+        old = torch.where(mask, old_logprobs.detach().to(logprobs.dtype), zero)
+        term = torch.exp(lp - old) * term
+    return torch.where(mask, term, zero)
+
+
+class FixedKLController:
+    """Constant KL coefficient beta (InstructGPT, Ouyang et al. 2022, beta = 0.02).
+
+    Same interface as :class:`AdaptiveKLController` so the trainer can hold either.
+
+    Args:
+        beta: KL coefficient, finite and >= 0.
+
+    Raises:
+        TypeError: ``beta`` not a number. ValueError: ``beta`` < 0 or not finite.
+    """
+
+    def __init__(self, beta: float) -> None:
+        beta = _check_real(beta, "beta")
+        if beta < 0:
+            raise ValueError(f"beta must be >= 0, got {beta}")
+        self.value = beta
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Ignore the measurement (the coefficient is fixed); validate it and return ``.value``.
+
+        Raises:
+            TypeError/ValueError: ``current_kl`` not a finite number, ``n_steps`` not an int >= 0.
+        """
+        _check_real(current_kl, "current_kl")
+        _check_n_steps(n_steps)
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"value": beta}``."""
+        return {"value": self.value}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``.value`` from :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: the ``value`` key is missing or invalid.
+        """
+        value = _state_value(state_dict, "value")
+        if value < 0:
+            raise ValueError(f"state_dict['value'] must be >= 0, got {value}")
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"FixedKLController(beta={self.value})"
+
+
+def _check_n_steps(n_steps: object) -> int:
+    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
+        raise TypeError(f"n_steps must be an int (samples or steps since the last update), got {n_steps!r}")
+    if n_steps < 0:
+        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
+    return int(n_steps)
+
+
+def _state_value(state_dict: object, key: str) -> float:
+    if not isinstance(state_dict, dict):
+        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
+    if key not in state_dict:
+        raise ValueError(f"state_dict is missing the key {key!r} (keys present: {sorted(state_dict)})")
+    return _check_real(state_dict[key], f"state_dict[{key!r}]")
+
+
+class AdaptiveKLController:
+    """Proportional controller of the KL coefficient (Ziegler et al. 2019, section 2.2).
+
+    After a batch with measured KL ``current_kl`` covering ``n_steps`` steps (samples):
+
+        e = clip(current_kl / target - 1, -0.2, 0.2)
+        beta <- beta * (1 + e * n_steps / horizon)
+
+    so beta grows when the KL is above target and shrinks below it, by at most 20% per
+    ``horizon`` steps (seed RLHF-details section, "KL control"; ``n_steps / horizon`` plays the
+    role of K_beta).
+
+    Args:
+        init_beta: initial coefficient, finite and >= 0.
+        target: target KL (nats, in the units of ``current_kl``), > 0.
+        horizon: steps over which the full +-20% correction applies, > 0.
+
+    Raises:
+        TypeError: an argument is not a number. ValueError: ``init_beta`` < 0, ``target`` <= 0,
+        ``horizon`` <= 0, or a non-finite value.
+    """
+
+    def __init__(self, init_beta: float, target: float, horizon: float) -> None:
+        init_beta = _check_real(init_beta, "init_beta")
+        target = _check_real(target, "target")
+        horizon = _check_real(horizon, "horizon")
+        if init_beta < 0:
+            raise ValueError(f"init_beta must be >= 0, got {init_beta}")
+        if target <= 0:
+            raise ValueError(f"target must be > 0 (the target KL), got {target}")
+        if horizon <= 0:
+            raise ValueError(f"horizon must be > 0, got {horizon}")
+        self.value = init_beta
+        self.target = target
+        self.horizon = horizon
+
+    def update(self, current_kl: float, n_steps: int) -> float:
+        """Apply one controller step and return the new ``.value``.
+
+        Args:
+            current_kl: measured KL of the last batch (float or 1-element tensor), finite.
+            n_steps: steps (samples) the measurement covers, int >= 0.
+
+        Raises:
+            TypeError/ValueError: ``current_kl`` not a finite number; ``n_steps`` not an int >= 0.
+        """
+        current_kl = _check_real(current_kl, "current_kl")
+        n_steps = _check_n_steps(n_steps)
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+        return self.value
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"value", "target", "horizon"}``: everything needed to resume."""
+        return {"value": self.value, "target": self.target, "horizon": self.horizon}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``.value``, ``.target`` and ``.horizon`` from :meth:`state_dict`'s output.
+
+        Raises:
+            ValueError: a key is missing or holds an invalid value.
+        """
+        value = _state_value(state_dict, "value")
+        target = _state_value(state_dict, "target")
+        horizon = _state_value(state_dict, "horizon")
+        if value < 0 or target <= 0 or horizon <= 0:
+            raise ValueError(
+                "invalid state_dict: need value >= 0, target > 0, horizon > 0; "
+                f"got {value}, {target}, {horizon}"
+            )
+        self.value, self.target, self.horizon = value, target, horizon
+
+    def __repr__(self) -> str:
+        return f"AdaptiveKLController(value={self.value}, target={self.target}, horizon={self.horizon})"

@@ -1,0 +1,329 @@
+"""Token log-probabilities from logits, and importance weights for train/inference mismatch.
+
+The log-probs that enter a policy-gradient loss must be those of the distribution the tokens
+were sampled from: ``log softmax(logits / temperature)`` at the sampling temperature, after the
+same top-k / top-p truncation the sampler applied. Dividing the log-probs by the temperature, or
+forgetting it, gives a different number (see the tests: logits [2, 1, 0], temperature 0.5,
+token 0 has log-prob -0.1429; the raw logits give -0.4076).
+
+:func:`logprobs_from_logits` never materialises a float32 [B, T, V] log-softmax: it works in
+blocks of rows, and its backward recomputes the softmax block by block. For a 150k vocabulary
+and 16k tokens a float32 log-softmax is ~9.8 GB; the largest temporary here is one block.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+
+from policygrad.core.masking import masked_sum
+
+__all__ = [
+    "IMPORTANCE_LEVELS",
+    "IMPORTANCE_MODES",
+    "logprobs_from_logits",
+    "truncated_importance_weights",
+]
+
+IMPORTANCE_LEVELS: tuple[str, ...] = ("token", "sequence")
+"""Valid ``level`` values of :func:`truncated_importance_weights`."""
+
+IMPORTANCE_MODES: tuple[str, ...] = ("truncate", "mask")
+"""Valid ``mode`` values of :func:`truncated_importance_weights`."""
+
+# Elements per block of rows: 2**24 float32 values = 64 MiB per temporary.
+_BLOCK_ELEMENTS = 1 << 24
+
+
+def _default_chunk_rows(vocab_size: int) -> int:
+    return max(1, _BLOCK_ELEMENTS // max(1, vocab_size))
+
+
+def _row_blocks(x: torch.Tensor, chunk_rows: int):
+    """Yield ``(start, stop, block)`` with ``block`` the rows ``start:stop`` of ``x`` seen as [N, V].
+
+    ``x`` has shape [..., V]. When the leading dims can be flattened without a copy (e.g. a
+    contiguous tensor) the block is a view; otherwise (e.g. ``logits[:, :-1]`` of a [B, T+1, V]
+    tensor) only the block's rows are gathered, a block-sized copy, never the whole tensor.
+    """
+    vocab = x.shape[-1]
+    lead = x.shape[:-1]
+    n = math.prod(lead)
+    try:
+        flat = x.view(n, vocab)
+    except RuntimeError:
+        flat = None
+    for start in range(0, n, chunk_rows):
+        stop = min(n, start + chunk_rows)
+        if flat is not None:
+            yield start, stop, flat[start:stop]
+        else:
+            idx = torch.arange(start, stop, device=x.device)
+            yield start, stop, x[torch.unravel_index(idx, lead)]
+
+
+def _keep_thresholds(z: torch.Tensor, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """Smallest kept value per row after Hugging Face's top-k then top-p warpers. z: [n, V] scaled logits.
+
+    Top-k keeps every value >= the k-th largest (ties kept), as ``TopKLogitsWarper``. Top-p
+    follows ``TopPLogitsWarper``: sort ascending, cumulative softmax, drop the prefix whose
+    cumulative probability is <= 1 - top_p, always keep the largest. The kept set is then
+    ``z >= threshold``; the only difference from the sort-based mask is at exact ties with the
+    smallest kept value, where all tied tokens are kept (the sort order among ties is
+    implementation-defined).
+    """
+    vocab = z.shape[-1]
+    threshold = torch.full((z.shape[0],), -math.inf, dtype=z.dtype, device=z.device)
+    if top_k is not None:
+        k = min(top_k, vocab)
+        threshold = torch.topk(z, k, dim=-1).values[:, -1]
+    if top_p is not None and top_p < 1.0:
+        filtered = z if top_k is None else z.masked_fill(z < threshold[:, None], -math.inf)
+        sorted_z = torch.sort(filtered, dim=-1, descending=False).values
+        cumulative = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        removed = cumulative <= (1.0 - top_p)
+        removed[:, -1] = False
+        n_removed = removed.sum(dim=-1, keepdim=True)
+        threshold = torch.maximum(threshold, sorted_z.gather(-1, n_removed).squeeze(-1))
+    return threshold
+
+
+class _LogprobsFromLogits(torch.autograd.Function):
+    """log softmax(logits / T) at ``tokens``, forward and backward in blocks of rows."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, top_k, top_p, chunk_rows):
+        vocab = logits.shape[-1]
+        n = tokens.numel()
+        compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        flat_tokens = tokens.reshape(n)
+        lse = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        token_z = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        truncated = top_k is not None or (top_p is not None and top_p < 1.0)
+        thresholds = torch.empty(n, dtype=compute_dtype, device=logits.device) if truncated else None
+        for start, stop, block in _row_blocks(logits, chunk_rows):
+            z = block.to(compute_dtype, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            tok = flat_tokens[start:stop]
+            token_z[start:stop] = z.gather(1, tok[:, None]).squeeze(1)
+            if truncated:
+                thr = _keep_thresholds(z, top_k, top_p)
+                thresholds[start:stop] = thr
+                z.masked_fill_(z < thr[:, None], -math.inf)
+            lse[start:stop] = torch.logsumexp(z, dim=-1)
+            del z
+        out = token_z - lse
+        if truncated:
+            out = torch.where(token_z < thresholds, torch.full_like(out, -math.inf), out)
+        ctx.save_for_backward(logits, flat_tokens, lse, thresholds)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        ctx.truncated = truncated
+        ctx.vocab = vocab
+        return out.reshape(tokens.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, flat_tokens, lse, thresholds = ctx.saved_tensors
+        temperature = ctx.temperature
+        compute_dtype = lse.dtype
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_flat = grad_logits.view(-1, ctx.vocab)
+        g_all = grad_out.reshape(-1).to(compute_dtype) / temperature
+        for start, stop, block in _row_blocks(logits, ctx.chunk_rows):
+            z = block.to(compute_dtype, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            if ctx.truncated:
+                z.masked_fill_(z < thresholds[start:stop, None], -math.inf)
+            z.sub_(lse[start:stop, None])
+            p = z.exp_()  # softmax of the (truncated) scaled logits, block rows only
+            g = g_all[start:stop]
+            p.mul_(-g[:, None])
+            p.scatter_add_(1, flat_tokens[start:stop, None], g[:, None])
+            grad_flat[start:stop] = p
+            del p, z
+        return grad_logits, None, None, None, None, None
+
+
+def _check_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``, memory-bounded.
+
+    ``logprob[b, t] = z[b, t, tok] - logsumexp_v z[b, t, v]`` with ``z = logits / temperature``
+    (the distribution a sampler at that temperature draws from; the seed's RLHF-details section
+    on recomputing log-probs at the sampling temperature). With ``top_k`` / ``top_p`` the
+    log-sum-exp runs over the tokens Hugging Face's ``TopKLogitsWarper`` then
+    ``TopPLogitsWarper`` keep, applied after the temperature as ``generate`` does, so the result
+    is the log-prob under the truncated distribution actually sampled.
+
+    Memory: a ``torch.autograd.Function``. The forward walks blocks of ``chunk_size`` rows
+    (rows = positions of the flattened leading dims), upcasting one block at a time to float32,
+    and saves only the input ``logits`` (alive anyway), ``tokens`` and the per-row log-sum-exp
+    (plus a per-row truncation threshold with top-k/top-p). The backward recomputes the softmax
+    block by block and writes ``grad * (onehot - softmax(z)) / temperature`` into one gradient
+    tensor of the logits' dtype. No float32 [B, T, V] tensor is ever alive. Non-contiguous
+    ``logits`` (e.g. ``logits[:, :-1]``) are read in place when their rows can be flattened
+    without a copy, otherwise gathered one block of rows at a time (never copied whole).
+
+    Args:
+        logits: [B, T, V] (any leading shape [..., V]), float32, bfloat16, float16 or float64.
+        tokens: [B, T] integer token ids (shape ``logits.shape[:-1]``), each in [0, V).
+        temperature: sampling temperature, > 0.
+        top_k: keep the ``top_k`` largest scaled logits (ties with the k-th kept); None = off.
+        top_p: nucleus mass in (0, 1]; None or 1.0 = off. Ties with the smallest kept value are
+            all kept (Hugging Face's sort order among exact ties is implementation-defined).
+        chunk_size: rows per block; default ``max(1, 2**24 // V)`` (a 64 MiB float32 block).
+
+    Returns:
+        [B, T] float32 (float64 when ``logits`` are float64) log-probs, differentiable with
+        respect to ``logits``. A token outside the top-k/top-p kept set has probability 0 under
+        the sampled distribution: its log-prob is ``-inf`` (a sampler cannot have produced it, so
+        the log-probs were requested with settings that differ from the sampler's); its
+        gradient stays finite (``-softmax / temperature``), but any loss using it will be inf/NaN.
+
+    Raises:
+        TypeError: ``logits``/``tokens`` not tensors, ``logits`` not floating, ``tokens`` not
+            integer, ``top_k`` not an int.
+        ValueError: ``tokens`` shape differs from ``logits.shape[:-1]``; a token id outside
+            [0, V); ``temperature`` <= 0 or not finite; ``top_k`` < 1; ``top_p`` outside (0, 1];
+            ``chunk_size`` < 1.
+    """
+    logits = _check_tensor(logits, "logits")
+    tokens = _check_tensor(tokens, "tokens")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension: shape [B, T, V]")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must be an integer tensor of token ids, got dtype {tokens.dtype}")
+    if tuple(tokens.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"tokens must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(tokens.shape)}"
+        )
+    vocab = logits.shape[-1]
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
+        raise ValueError(
+            f"tokens must be ids in [0, {vocab}) (V = logits.shape[-1]); got values in "
+            f"[{int(tokens.min())}, {int(tokens.max())}]"
+        )
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(
+            f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}"
+        )
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, or None to disable top-k truncation; got {top_k}")
+        top_k = int(top_k)
+    if top_p is not None:
+        top_p = float(top_p)
+        if not (0.0 < top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], or None to disable nucleus truncation; got {top_p}")
+    if chunk_size is None:
+        chunk_size = _default_chunk_rows(vocab)
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (rows per block), got {chunk_size!r}")
+    tokens = tokens.to(device=logits.device, dtype=torch.long)
+    return _LogprobsFromLogits.apply(logits, tokens, temperature, top_k, top_p, int(chunk_size))
+
+
+def _check_same_shape(ref: torch.Tensor, ref_name: str, **others: torch.Tensor) -> None:
+    for name, value in others.items():
+        _check_tensor(value, name)
+        if value.shape != ref.shape:
+            raise ValueError(
+                f"{name} must have the same shape as {ref_name} {tuple(ref.shape)}, got {tuple(value.shape)}"
+            )
+
+
+def truncated_importance_weights(
+    behavior_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    level: str = "token",
+    cap: float = 2.0,
+    mode: str = "truncate",
+) -> torch.Tensor:
+    """Importance weights pi_train / pi_behavior correcting the train/inference mismatch, capped.
+
+    The rollout engine's probabilities (``behavior_logprobs``) differ from the trainer's
+    (``logprobs``) even at identical weights, so a nominally on-policy update is off-policy
+    (the "your on-policy algorithm is not on-policy" section of the seed; Yao et al. 2025, "Your
+    Efficient RL Framework Secretly Brings You Off-Policy RL Training", truncated importance
+    sampling). With ``log w_t = logprobs_t - behavior_logprobs_t``:
+
+    - ``level="token"``: ``w_t = exp(log w_t)`` per token.
+    - ``level="sequence"``: ``W_i = exp(sum over valid t of log w_it)``, the product of the
+      sequence's token ratios, broadcast to each of its valid tokens.
+
+    then ``mode="truncate"``: ``min(w, cap)`` (truncated IS), or ``mode="mask"``: ``w`` where
+    ``w <= cap`` and 0 where ``w > cap`` (the sample is dropped). Both are computed in log
+    space (``exp(min(log w, log cap))``), so a sequence ratio that would overflow float32 is
+    still exact: it is capped or masked, never inf. Multiply the per-token policy loss by the
+    result.
+
+    Args:
+        behavior_logprobs: [B, T] log-probs of the sampled tokens under the rollout engine.
+        logprobs: [B, T] log-probs under the training policy (any floating dtype).
+        response_mask: [B, T], nonzero = valid token.
+        level: one of :data:`IMPORTANCE_LEVELS`.
+        cap: upper bound on the weight, > 0 (2.0 is a common choice).
+        mode: one of :data:`IMPORTANCE_MODES`.
+
+    Returns:
+        [B, T] detached weights in ``logprobs``' dtype (promoted with ``behavior_logprobs``),
+        in [0, cap]; exactly 0 at masked positions (NaN there never leaks).
+
+    Raises:
+        TypeError: an argument is not a tensor, ``cap`` not a number.
+        ValueError: shapes differ (names the argument); unknown ``level``/``mode`` (lists the
+            valid ones); ``cap`` <= 0 or not finite.
+    """
+    logprobs = _check_tensor(logprobs, "logprobs")
+    _check_same_shape(logprobs, "logprobs", behavior_logprobs=behavior_logprobs, response_mask=response_mask)
+    if level not in IMPORTANCE_LEVELS:
+        raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(IMPORTANCE_LEVELS)}")
+    if mode not in IMPORTANCE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(IMPORTANCE_MODES)}")
+    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
+        raise TypeError(f"cap must be a number, got {type(cap).__name__}")
+    cap = float(cap)
+    if not (math.isfinite(cap) and cap > 0):
+        raise ValueError(f"cap must be a finite number > 0, got {cap}")
+    with torch.no_grad():
+        mask = response_mask != 0
+        dtype = torch.promote_types(logprobs.dtype, behavior_logprobs.dtype)
+        zero = torch.zeros((), dtype=dtype, device=logprobs.device)
+        log_w = torch.where(mask, logprobs.to(dtype) - behavior_logprobs.to(dtype), zero)
+        if level == "sequence":
+            log_w = masked_sum(log_w, mask, dim=-1)[..., None].expand_as(log_w)
+        log_cap = math.log(cap)
+        if mode == "truncate":
+            weights = torch.exp(torch.clamp(log_w, max=log_cap))
+        else:
+            weights = torch.where(log_w > log_cap, zero, torch.exp(torch.clamp(log_w, max=log_cap)))
+        return torch.where(mask, weights, zero)

@@ -1,0 +1,577 @@
+"""Policy losses (a registry, one signature), the value loss and the entropy of a softmax.
+
+Every policy loss has the signature
+
+    fn(logprobs[B, T], old_logprobs[B, T], advantages[B, T], response_mask[B, T], **options)
+        -> (loss_matrix[B, T], metrics: dict[str, Tensor])
+
+``loss_matrix`` holds the per-token loss to MINIMISE (the negated surrogate objective), exactly 0
+on masked positions; reduce it with ``policygrad.core.masking.aggregate`` and a named mode.
+``advantages`` and ``old_logprobs`` are constants (detached); only ``logprobs`` carries gradient.
+Masked positions may hold NaN or inf: inputs are selected with :func:`torch.where` before any
+arithmetic, so garbage there reaches neither the loss nor any gradient.
+
+Metrics (detached 0-d tensors, over the valid tokens of the given batch):
+
+- ``clipfrac``: fraction of valid tokens whose gradient the clip removes. For PPO this depends
+  on the sign of the advantage (ratio 1.5 with A < 0 is NOT clipped: PPO always lets a mistake
+  be undone); it is ``clipfrac_low + clipfrac_high + clipfrac_dual``.
+- ``clipfrac_low``: tokens with A < 0 and ratio < 1 - clip_low (gradient removed).
+- ``clipfrac_high``: tokens with A > 0 and ratio > 1 + clip_high (gradient removed).
+- ``clipfrac_dual``: tokens with A < 0 and ratio > dual_clip (the dual clip's constant region).
+- ``approx_kl``: mean k3 estimate of KL(pi_old || pi) on the sampled tokens,
+  ``(r - 1) - log r`` with ``r = pi / pi_old`` (Schulman 2020; seed section 7's diagnostics).
+- ``ratio_mean``, ``ratio_max``: of the importance ratio pi / pi_old over valid tokens
+  (``ratio_max`` is 0 when there is no valid token).
+- ``num_tokens``: int64 count of valid tokens. Every other metric except ``ratio_max`` is a mean
+  over these tokens, so the exact average over micro-batches (and ranks) is
+  ``sum(metric * num_tokens) / sum(num_tokens)``; ``ratio_max`` combines with ``max``.
+
+Registered losses: ``vanilla``, ``ppo``, ``gspo``, ``cispo``. Adding one is one decorated
+function: ``@register_policy_loss("name")``.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable
+
+import torch
+
+from policygrad.core.logprobs import _row_blocks
+from policygrad.core.masking import masked_mean, masked_sum
+
+__all__ = [
+    "PolicyLossFn",
+    "cispo_loss",
+    "entropy_from_logits",
+    "get_policy_loss",
+    "gspo_loss",
+    "list_policy_losses",
+    "ppo_loss",
+    "register_policy_loss",
+    "vanilla_loss",
+    "value_loss",
+]
+
+PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
+"""``fn(logprobs, old_logprobs, advantages, response_mask, **options) -> (loss_matrix, metrics)``."""
+
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator registering a policy loss under ``name``.
+
+    Usage: ``@register_policy_loss("my_loss")`` above a function with the module's signature.
+
+    Raises:
+        TypeError: ``name`` is not a non-empty string.
+        ValueError: ``name`` is already registered (names must be unique; pick another name).
+    """
+    if not isinstance(name, str) or not name:
+        raise TypeError(f"policy loss name must be a non-empty string, got {name!r}")
+    if name in _POLICY_LOSSES:
+        raise ValueError(f"policy loss {name!r} is already registered; choose another name")
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in _POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered; choose another name")
+        _POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    """The policy loss registered under ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    if name not in _POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(list_policy_losses())}")
+    return _POLICY_LOSSES[name]
+
+
+def list_policy_losses() -> list[str]:
+    """Sorted names of the registered policy losses."""
+    return sorted(_POLICY_LOSSES)
+
+
+# --------------------------------------------------------------------------------------------
+# shared helpers
+
+
+def _check_tensor(value: object, name: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _prepare(
+    first_name: str, first: torch.Tensor, **others: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """Validate [B, T] inputs; return the bool mask, ``first`` and the others (detached), 0 where masked."""
+    first = _check_tensor(first, first_name)
+    if first.dim() != 2:
+        raise ValueError(f"{first_name} must be 2-D [B, T], got shape {tuple(first.shape)}")
+    if not first.is_floating_point():
+        raise TypeError(f"{first_name} must be a floating tensor, got dtype {first.dtype}")
+    for name, value in others.items():
+        _check_tensor(value, name)
+        if value.shape != first.shape:
+            raise ValueError(
+                f"{name} must have the same shape as {first_name} {tuple(first.shape)}, "
+                f"got {tuple(value.shape)}"
+            )
+    mask_value = others.pop("response_mask")
+    mask = (mask_value if mask_value.dtype == torch.bool else mask_value != 0).to(first.device)
+    zero = torch.zeros((), dtype=first.dtype, device=first.device)
+    clean_first = torch.where(mask, first, zero)
+    cleaned = [
+        torch.where(mask, v.detach().to(device=first.device, dtype=first.dtype), zero)
+        for v in others.values()
+    ]
+    return mask, clean_first, cleaned
+
+
+def _check_fraction(
+    value: object, name: str, *, allow_none: bool, upper: float | None = None
+) -> float | None:
+    if value is None:
+        if allow_none:
+            return None
+        raise TypeError(f"{name} must be a number, got None")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0 or (upper is not None and value > upper):
+        bound = f"[0, {upper}]" if upper is not None else ">= 0"
+        raise ValueError(f"{name} must be a finite number in {bound}, got {value}")
+    return value
+
+
+def _ratio_metrics(
+    log_ratio: torch.Tensor,
+    ratio: torch.Tensor,
+    mask: torch.Tensor,
+    clipped_low: torch.Tensor | None = None,
+    clipped_high: torch.Tensor | None = None,
+    clipped_dual: torch.Tensor | None = None,
+) -> dict[str, torch.Tensor]:
+    """Detached float32 metrics over valid tokens (see the module docstring)."""
+    with torch.no_grad():
+        log_ratio = log_ratio.detach().float()
+        ratio = ratio.detach().float()
+        none = torch.zeros_like(mask)
+        low = (clipped_low if clipped_low is not None else none) & mask
+        high = (clipped_high if clipped_high is not None else none) & mask
+        dual = (clipped_dual if clipped_dual is not None else none) & mask
+        k3 = torch.expm1(log_ratio) - log_ratio
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        ratio_max = torch.where(mask, ratio, zero).max() if mask.numel() else zero
+        return {
+            "clipfrac": masked_mean((low | high | dual).float(), mask),
+            "clipfrac_low": masked_mean(low.float(), mask),
+            "clipfrac_high": masked_mean(high.float(), mask),
+            "clipfrac_dual": masked_mean(dual.float(), mask),
+            "approx_kl": masked_mean(k3, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "ratio_max": ratio_max,
+            "num_tokens": mask.sum(),
+        }
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+    dual_clip: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, dual-clipped for A < 0.
+
+    Written region by region so the value is the formula's and the gradient is exactly zero in
+    the clipped regions (no tie-splitting at the band's edge): A > 0 and r > 1 + clip_high gives
+    the constant ``-(1 + clip_high) A``; A < 0 and r < 1 - clip_low gives ``-(1 - clip_low) A``;
+    A < 0 and r > dual_clip gives ``-dual_clip A``; elsewhere ``-r A`` (gradient ``-A r grad log pi``).
+    Returns ``(loss, clipped_low, clipped_high, clipped_dual)``.
+    """
+    with torch.no_grad():
+        r = ratio.detach()
+        positive = advantages > 0
+        negative = advantages < 0
+        clipped_high = positive & (r > 1.0 + clip_high)
+        clipped_low = negative & (r < 1.0 - clip_low)
+        if dual_clip is not None:
+            clipped_dual = negative & (r > dual_clip)
+        else:
+            clipped_dual = torch.zeros_like(positive)
+    surrogate_ratio = torch.where(
+        clipped_high,
+        ratio.new_tensor(1.0 + clip_high),
+        torch.where(clipped_low, ratio.new_tensor(1.0 - clip_low), ratio),
+    )
+    loss = -advantages * surrogate_ratio
+    if dual_clip is not None:
+        loss = torch.where(clipped_dual, -dual_clip * advantages, loss)
+    return loss, clipped_low, clipped_high, clipped_dual
+
+
+# --------------------------------------------------------------------------------------------
+# registered policy losses
+
+
+@register_policy_loss("vanilla")
+def vanilla_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """On-policy policy gradient (REINFORCE): ``loss = -A * logprob`` per valid token.
+
+    Williams (1992); seed section on the policy-gradient theorem / REINFORCE. Its gradient is
+    ``-A grad log pi``; averaging over samples estimates the negated policy gradient.
+    ``old_logprobs`` enters only the metrics (ratio, approx_kl; on-policy the ratio is 1).
+
+    Args:
+        logprobs: [B, T] float log pi of the sampled tokens, with gradient.
+        old_logprobs: [B, T] log-probs of the sampling policy (metrics only).
+        advantages: [B, T] advantages (detached).
+        response_mask: [B, T], nonzero = valid token.
+
+    Returns:
+        ``(loss_matrix [B, T] in logprobs' dtype, 0 on masked positions; metrics)`` with the
+        module's metrics (all clip fractions are 0).
+
+    Raises:
+        TypeError: an input is not a tensor, ``logprobs`` not floating.
+        ValueError: ``logprobs`` not 2-D, or another input's shape differs (names it).
+    """
+    mask, lp, (old, adv) = _prepare(
+        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
+    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
+    loss = torch.where(mask, -adv * lp, zero)
+    log_ratio = (lp - old).detach()
+    return loss, _ratio_metrics(log_ratio, torch.exp(log_ratio), mask)
+
+
+@register_policy_loss("ppo")
+def ppo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped surrogate, per token, with optional clip-higher and dual clip.
+
+    ``loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with ``r = pi / pi_old``
+    (Schulman et al. 2017, eq. 7; seed section 7). ``clip_high > clip_low`` is DAPO's
+    clip-higher (Yu et al. 2025, which uses 0.2 / 0.28). ``dual_clip = c > 1`` caps the loss of
+    tokens with A < 0 at ``-c A`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
+    Deep RL", eq. 5), so a bad token whose ratio exploded cannot dominate the batch.
+
+    Gradient by region (seed section 7's table): A > 0, r > 1 + clip_high -> 0; A < 0,
+    r < 1 - clip_low -> 0; A < 0, r > c -> 0 (dual clip); elsewhere ``-A r grad log pi``. At
+    r = 1 (the first step on fresh samples) this is exactly the vanilla gradient.
+
+    Args:
+        logprobs: [B, T] float log pi of the sampled tokens, with gradient.
+        old_logprobs: [B, T] log pi_old (the sampling policy), detached.
+        advantages: [B, T], detached.
+        response_mask: [B, T], nonzero = valid token.
+        clip_low: lower band 1 - clip_low, in [0, 1].
+        clip_high: upper band 1 + clip_high, >= 0.
+        dual_clip: None, or the dual-clip constant c > 1.
+
+    Returns:
+        ``(loss_matrix [B, T], metrics)``; 0 on masked positions; the module's metrics.
+
+    Raises:
+        TypeError: an input is not a tensor or an option not a number.
+        ValueError: shape mismatch (names the argument); ``clip_low`` outside [0, 1];
+            ``clip_high`` < 0; ``dual_clip`` <= 1.
+    """
+    clip_low = _check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
+    clip_high = _check_fraction(clip_high, "clip_high", allow_none=False)
+    if dual_clip is not None:
+        if isinstance(dual_clip, bool) or not isinstance(dual_clip, numbers.Real):
+            raise TypeError(f"dual_clip must be a number or None, got {type(dual_clip).__name__}")
+        dual_clip = float(dual_clip)
+        if not (math.isfinite(dual_clip) and dual_clip > 1.0):
+            raise ValueError(f"dual_clip must be a finite number > 1 (e.g. 3.0), or None; got {dual_clip}")
+    mask, lp, (old, adv) = _prepare(
+        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
+    log_ratio = lp - old
+    ratio = torch.exp(log_ratio)
+    loss, low, high, dual = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
+    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    return loss, _ratio_metrics(log_ratio, ratio, mask, low, high, dual)
+
+
+@register_policy_loss("gspo")
+def gspo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GSPO: clipped surrogate on the length-normalised sequence ratio (Zheng et al. 2025).
+
+    ``s_i = exp(mean over valid t of (log pi - log pi_old))`` = (pi(y_i) / pi_old(y_i))^(1/|y_i|),
+    clipped per sequence to [1 - clip_low, 1 + clip_high] (GSPO eq. 5-7). Implemented in the
+    paper's token-level form (GSPO-token, eq. 13-14): ``s_it = sg(s_i) * pi_t / sg(pi_t)``, whose
+    value is ``s_i`` on every token and whose gradient w.r.t. ``log pi_t`` is ``s_i``; the
+    per-token loss is ``-min(s_it A_it, clip(s_it) A_it)``. Reduced with the ``seq-mean-token-mean``
+    aggregation (mean over each sequence's tokens, then over sequences) and a per-sequence
+    advantage, the gradient equals the sequence-level GSPO gradient
+    ``-A_i grad s_i``. Defaults 3e-4 / 4e-4 are the paper's clipping ranges (section 5.1);
+    sequence ratios are far closer to 1 than token ratios, hence the tiny band.
+
+    Metrics: as the module's, with ``ratio_mean`` / ``ratio_max`` of the sequence ratio ``s_i``
+    (each sequence weighted by its valid tokens), the clip fractions counting the valid tokens
+    of clipped sequences, and ``approx_kl`` from the token ratios.
+
+    Args:
+        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
+        clip_low: lower band of the sequence ratio, in [0, 1].
+        clip_high: upper band, >= 0.
+
+    Returns:
+        ``(loss_matrix [B, T], metrics)``; 0 on masked positions. A row with no valid token
+        contributes 0 and no gradient.
+
+    Raises:
+        TypeError/ValueError: as :func:`ppo_loss`.
+    """
+    clip_low = _check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
+    clip_high = _check_fraction(clip_high, "clip_high", allow_none=False)
+    mask, lp, (old, adv) = _prepare(
+        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
+    token_log_ratio = lp - old
+    lengths = mask.sum(dim=-1).clamp_min(1).to(lp.dtype)
+    seq_log_ratio = masked_sum(token_log_ratio, mask, dim=-1) / lengths  # [B]
+    log_s = seq_log_ratio.detach()[:, None] + lp - lp.detach()
+    s = torch.exp(log_s)
+    loss, low, high, _ = _clipped_surrogate(s, adv, clip_low, clip_high, None)
+    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    metrics = _ratio_metrics(token_log_ratio, s, mask, low, high)
+    return loss, metrics
+
+
+@register_policy_loss("cispo")
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_low: float | None = None,
+    clip_high: float | None = 0.28,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO: clipped, detached importance weight times the REINFORCE term (MiniMax-M1, 2025).
+
+    ``loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi`` with ``r = pi / pi_old``
+    (MiniMax-M1 technical report, eq. 4-5). Unlike PPO no token's gradient is ever dropped: the
+    clip bounds the weight, the gradient ``-w A grad log pi`` always flows. ``clip_low=None``
+    means no lower bound, as in the paper (which sets the lower range large and tunes only the
+    upper one, without publishing its value); ``clip_high=None`` means no upper bound. The
+    default ``clip_high=0.28`` borrows DAPO's upper clip; tune it.
+
+    Metrics: as the module's, except that the clip fractions count tokens whose weight was
+    truncated (any sign of A): ``clipfrac_high`` r > 1 + clip_high, ``clipfrac_low``
+    r < 1 - clip_low. Their gradient is scaled down, not removed.
+
+    Args:
+        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
+        clip_low: None or a number in [0, 1].
+        clip_high: None or a number >= 0.
+
+    Returns:
+        ``(loss_matrix [B, T], metrics)``; 0 on masked positions.
+
+    Raises:
+        TypeError/ValueError: as :func:`ppo_loss`.
+    """
+    clip_low = _check_fraction(clip_low, "clip_low", allow_none=True, upper=1.0)
+    clip_high = _check_fraction(clip_high, "clip_high", allow_none=True)
+    mask, lp, (old, adv) = _prepare(
+        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
+    )
+    log_ratio = (lp - old).detach()
+    ratio = torch.exp(log_ratio)
+    lower = None if clip_low is None else 1.0 - clip_low
+    upper = None if clip_high is None else 1.0 + clip_high
+    weight = ratio.clamp(min=lower, max=upper) if (lower is not None or upper is not None) else ratio
+    loss = torch.where(mask, -(weight * adv) * lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
+    low = ratio < lower if lower is not None else None
+    high = ratio > upper if upper is not None else None
+    return loss, _ratio_metrics(log_ratio, ratio, mask, low, high)
+
+
+# --------------------------------------------------------------------------------------------
+# value loss and entropy
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_range: float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss ``0.5 * (V - G)^2`` per token, with optional PPO-style value clipping.
+
+    With ``clip_range = eps_v``: ``V_clip = V_old + clamp(V - V_old, -eps_v, eps_v)`` and
+    ``loss = 0.5 * max((V - G)^2, (V_clip - G)^2)`` (seed section 7, from the reference PPO
+    implementations, not the paper; Andrychowicz et al. 2020 found it does not help, so it is
+    off by default). Where the clipped error is the larger one, the gradient is 0 if ``V`` is
+    outside ``V_old +- eps_v``.
+
+    Args:
+        values: [B, T] float critic predictions V, with gradient.
+        old_values: [B, T] predictions at rollout time (detached).
+        returns: [B, T] targets G, e.g. GAE returns (detached).
+        response_mask: [B, T], nonzero = valid token.
+        clip_range: None or eps_v > 0.
+
+    Returns:
+        ``(loss_matrix [B, T], metrics)``: 0 on masked positions; metrics ``vf_clipfrac``
+        (fraction of valid tokens where the clipped error is selected, i.e. strictly larger)
+        and ``num_tokens`` (int64), detached.
+
+    Raises:
+        TypeError: an input is not a tensor, ``values`` not floating, ``clip_range`` not a number.
+        ValueError: shape mismatch (names the argument); ``clip_range`` <= 0.
+    """
+    if clip_range is not None:
+        if isinstance(clip_range, bool) or not isinstance(clip_range, numbers.Real):
+            raise TypeError(f"clip_range must be a number or None, got {type(clip_range).__name__}")
+        clip_range = float(clip_range)
+        if not (math.isfinite(clip_range) and clip_range > 0):
+            raise ValueError(f"clip_range must be a finite number > 0, or None to disable; got {clip_range}")
+    mask, v, (old, ret) = _prepare(
+        "values", values, old_values=old_values, returns=returns, response_mask=response_mask
+    )
+    error = (v - ret).square()
+    if clip_range is None:
+        loss = 0.5 * error
+        clipped = torch.zeros_like(mask)
+    else:
+        v_clipped = old + torch.clamp(v - old, -clip_range, clip_range)
+        error_clipped = (v_clipped - ret).square()
+        clipped = (error_clipped > error).detach()
+        loss = 0.5 * torch.where(clipped, error_clipped, error)
+    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
+    with torch.no_grad():
+        metrics = {"vf_clipfrac": masked_mean((clipped & mask).float(), mask), "num_tokens": mask.sum()}
+    return loss, metrics
+
+
+class _EntropyFromLogits(torch.autograd.Function):
+    """H(softmax(logits / T)) per row, forward and backward in blocks of rows."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, chunk_rows):
+        vocab = logits.shape[-1]
+        n = math.prod(logits.shape[:-1])
+        compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        entropy = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty(n, dtype=compute_dtype, device=logits.device)
+        for start, stop, block in _row_blocks(logits, chunk_rows):
+            z = block.to(compute_dtype, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            block_lse = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(block_lse[:, None])
+            plogp = logp.exp() * logp
+            plogp = torch.where(torch.isfinite(logp), plogp, torch.zeros((), dtype=z.dtype, device=z.device))
+            entropy[start:stop] = -plogp.sum(dim=-1)
+            lse[start:stop] = block_lse
+            del z, logp, plogp
+        ctx.save_for_backward(logits, entropy, lse)
+        ctx.temperature = temperature
+        ctx.chunk_rows = chunk_rows
+        ctx.vocab = vocab
+        return entropy.reshape(logits.shape[:-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        logits, entropy, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_flat = grad_logits.view(-1, ctx.vocab)
+        g_all = grad_out.reshape(-1).to(entropy.dtype) / temperature
+        for start, stop, block in _row_blocks(logits, ctx.chunk_rows):
+            z = block.to(entropy.dtype, copy=True)
+            if temperature != 1.0:
+                z.div_(temperature)
+            logp = z.sub_(lse[start:stop, None])
+            # dH/dz_j = -p_j (log p_j + H); zero where p_j = 0 (a -inf logit).
+            term = logp.exp() * (logp + entropy[start:stop, None])
+            term = torch.where(
+                torch.isfinite(logp), term, torch.zeros((), dtype=term.dtype, device=term.device)
+            )
+            grad_flat[start:stop] = term.mul_(-g_all[start:stop, None])
+            del z, logp, term
+        return grad_logits, None, None
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, *, temperature: float = 1.0, chunk_size: int | None = None
+) -> torch.Tensor:
+    """Exact entropy of ``softmax(logits / temperature)`` over the full vocabulary, per position.
+
+    ``H = -sum_v p_v log p_v`` with ``log p = z - logsumexp(z)``, ``z = logits / temperature``
+    (seed section 7: the entropy diagnostic / bonus c2 H). Computed in float32 (float64 for
+    float64 logits) in blocks of ``chunk_size`` rows of the flattened leading dims: each block
+    is upcast, reduced and freed before the next, so for bf16 logits no float32 copy of the
+    whole [N, V] tensor is ever alive, neither in the forward nor in the backward (a
+    ``torch.autograd.Function`` that saves only the logits and two [N] vectors and recomputes the
+    softmax block by block; ``dH/dz = -p (log p + H)``). Logits of -inf (banned tokens) have
+    probability 0 and contribute 0.
+
+    Args:
+        logits: [..., V] floating (e.g. [B, T, V] bf16).
+        temperature: > 0; pass the sampling temperature to get the sampled distribution's entropy.
+        chunk_size: rows per block; default ``max(1, 2**24 // V)``.
+
+    Returns:
+        [...] (``logits.shape[:-1]``) float32 entropies in nats, differentiable w.r.t. ``logits``.
+        Uniform logits over V give ``log V``.
+
+    Raises:
+        TypeError: ``logits`` not a floating tensor; ``temperature`` not a number.
+        ValueError: ``logits`` 0-d; ``temperature`` <= 0; ``chunk_size`` < 1.
+    """
+    logits = _check_tensor(logits, "logits")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    if logits.dim() < 1:
+        raise ValueError("logits must have a vocabulary dimension: shape [..., V]")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    temperature = float(temperature)
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    vocab = logits.shape[-1]
+    if chunk_size is None:
+        chunk_size = max(1, (1 << 24) // max(1, vocab))
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int (rows per block), got {chunk_size!r}")
+    return _EntropyFromLogits.apply(logits, temperature, int(chunk_size))
