@@ -1,0 +1,196 @@
+"""Answer extraction and the built-in rule-based reward functions."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+
+from policygrad.rewards.verifiers import (
+    answer_correctness,
+    answer_format,
+    answer_matches,
+    extract_answer,
+    length_penalty,
+    math_verify_available,
+    normalize_number,
+    parse_number,
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("The answer is 1,234.", "1234"),  # thousands comma dropped, sentence period not a decimal
+        ("#### 42\nLater I also mention 7 and 99.", "42"),  # #### wins over later numbers
+        ("so 5 + 5 = 10\n#### 10", "10"),
+        ("\\boxed{3.50}", "3.5"),  # trailing zero dropped
+        ("We get \\boxed{\\frac{1}{2}} here, then 7", "0.5"),  # boxed wins over a later number
+        ("It is -5", "-5"),  # negative number
+        ("x = \u22123", "-3"),  # U+2212 minus sign
+        ("12 + 7 = 19", "19"),  # last number
+        ("12-7=5", "5"),  # "-7" after a digit is subtraction, not a negative number
+        ("The cost is $1,450,000.00 total", "1450000"),
+        ("about 50% of them", "50"),
+        ("+8 degrees", "8"),
+        ("3/4 of the cake", "0.75"),  # a fraction with a finite decimal is written as one
+        ("6/8", "0.75"),
+        ("2/6", "1/3"),  # otherwise it is reduced
+        ("#### $2,125", "2125"),
+        ("#### yes", "yes"),  # non-numeric #### answer kept as text
+        ("\\boxed{x+1}", "x+1"),  # non-numeric boxed answer kept as text
+        ("\\boxed{\\text{{a}}}", "\\text{{a}}"),  # nested braces are balanced
+        ("no digits here", None),
+        ("", None),
+        ("####   \n the result is 3", "3"),  # empty #### remainder falls through to the last number
+        ("1,2345", "2345"),  # a comma not in groups of three separates two numbers
+        ("v2 of the model gives 0.25", "0.25"),
+        (".5 of it", "0.5"),
+    ],
+)
+def test_extract_answer(text, expected):
+    assert extract_answer(text) == expected
+
+
+def test_extract_answer_rejects_non_string():
+    with pytest.raises(TypeError, match="expects a string"):
+        extract_answer(42)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("40.0", "40"),
+        ("-0", "0"),
+        ("$3.50", "3.5"),
+        ("+7", "7"),
+        ("1,234", "1234"),
+        ("2/4", "0.5"),
+        ("1/3", "1/3"),  # not a finite decimal: kept as a fraction
+        ("\\frac{3}{4}", "0.75"),
+        ("1e3", "1000"),
+        ("-12.5", "-12.5"),
+        ("1,2", None),
+        ("twelve", None),
+        ("1 2", None),  # two numbers, not one
+    ],
+)
+def test_normalize_number(text, expected):
+    assert normalize_number(text) == expected
+
+
+def test_parse_number_is_exact():
+    # 3.50 = 350/100 = 7/2 exactly; 0.1 + 0.2 == 0.3 holds for Fractions (it fails for floats).
+    assert parse_number("3.50") == Fraction(7, 2)
+    assert parse_number("0.1") + parse_number("0.2") == parse_number("0.3")
+    assert parse_number("1/0") is None
+    assert parse_number(None) is None
+    assert parse_number("") is None and parse_number("-") is None
+    assert parse_number("-$5") == -5 and parse_number("-\\frac{1}{4}") == Fraction(-1, 4)
+    assert parse_number("1e999999999") is None  # refused, not computed
+    assert extract_answer("\\boxed{1e999999999}") == "1e999999999"  # kept as text, not a number
+
+
+def test_answer_matches_numeric_and_text():
+    assert answer_matches("3.5", "3.50")
+    assert answer_matches("3.5", "7/2")
+    assert answer_matches("1234", "1,234")
+    assert answer_matches("18", "Janet makes 9 * 2 = $18\n#### 18")  # reference with a worked solution
+    assert answer_matches("40", 40)  # an int reference from JSON
+    assert answer_matches("2.5", 2.5)
+    assert not answer_matches("0.333", "1/3", use_math_verify=False)  # exact, no tolerance
+    assert not answer_matches(None, "3")
+    assert answer_matches("Yes", "yes.")  # loose text comparison
+    assert not answer_matches("5", "-5")
+
+
+def test_answer_matches_requires_math_verify_when_asked():
+    if math_verify_available():
+        pytest.skip("math-verify is installed here")
+    with pytest.raises(ImportError, match="math-verify"):
+        answer_matches("1", "1", use_math_verify=True)
+
+
+def test_answer_correctness_numeric_path():
+    prompts = ["p"] * 7
+    completions = [
+        "The answer is 1,234.",  # ref 1234 -> 1
+        "#### 42\nbut maybe 41",  # ref 42 -> 1 (#### wins)
+        "\\boxed{3.50}",  # ref 3.5 -> 1
+        "I don't know",  # no number -> 0
+        "It is -5",  # ref -5 -> 1
+        "12 + 7 = 19",  # ref 19 -> 1
+        "12 + 7 = 8",  # ref 19 -> 0
+    ]
+    answers = ["1234", "42", "3.5", "7", "-5", 19, "19"]
+    assert answer_correctness(prompts, completions, answer=answers, use_math_verify=False) == [
+        1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0,
+    ]  # fmt: skip
+    # Default (auto) gives the same here: plain numbers never reach math-verify.
+    assert answer_correctness(prompts, completions, answer=answers) == [1.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def test_answer_correctness_ignores_other_row_fields():
+    assert answer_correctness(["p"], ["5"], answer=["5"], solution=["2+3=5"], index=[0]) == [1.0]
+
+
+def test_answer_correctness_without_answer_field_names_the_fix():
+    with pytest.raises(ValueError, match="row field 'answer'.*answer_field"):
+        answer_correctness(["p"], ["5"])
+    with pytest.raises(ValueError, match="list of 2 answers"):
+        answer_correctness(["p", "q"], ["5", "6"], answer=["5"])
+    with pytest.raises(ValueError, match="2 prompts but 1 completions"):
+        answer_correctness(["p", "q"], ["5"], answer=["5"])
+
+
+@pytest.mark.skipif(not math_verify_available(), reason="math-verify (optional extra) is not installed")
+def test_answer_correctness_math_verify_path():
+    # \frac{1}{2} is not a plain number for the numeric path ("\frac{1}{2}" parses, but "\sqrt{4}"
+    # does not): math-verify decides sqrt(4) == 2.
+    assert answer_correctness(["p"], ["\\boxed{\\sqrt{4}}"], answer=["2"], use_math_verify=True) == [1.0]
+    assert answer_correctness(["p"], ["\\boxed{\\sqrt{5}}"], answer=["2"], use_math_verify=True) == [0.0]
+    assert answer_correctness(["p"], ["\\boxed{\\sqrt{4}}"], answer=["2"], use_math_verify=False) == [0.0]
+
+
+def test_answer_format():
+    completions = [
+        "So the total is 42.",  # ends with a number (+ period) -> 1
+        "**42**",  # markdown bold -> 1
+        "#### 7",  # -> 1
+        "\\boxed{x+1} is it, I think",  # boxed -> 1
+        "42 apples",  # ends with a word -> 0
+        "I am not sure",  # -> 0
+        "####  ",  # empty #### -> 0
+        "\\boxed{}",  # empty boxed -> 0
+        "40",  # -> 1
+    ]
+    assert answer_format(["p"] * 9, completions) == [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+
+
+def test_length_penalty_by_hand():
+    # max_length=10 words, buffer=4: soft limit 6. Lengths 5, 6, 7, 9, 10, 11 ->
+    # 0, 0, (6-7)/4=-0.25, (6-9)/4=-0.75, (6-10)/4=-1.0, -1 (over max_length).
+    completions = [" ".join(["w"] * n) for n in (5, 6, 7, 9, 10, 11)]
+    got = length_penalty(["p"] * 6, completions, max_length=10, buffer=4)
+    assert got == [0.0, 0.0, -0.25, -0.75, -1.0, -1.0]
+
+
+def test_length_penalty_chars_default_buffer_and_hard_cut():
+    # unit chars, max_length 8 -> default buffer 8 // 4 = 2, soft limit 6.
+    # "abcdefg" has 7 chars -> (6-7)/2 = -0.5; "a b" has 3 chars -> 0.
+    assert length_penalty(["p", "p"], ["abcdefg", "a b"], max_length=8, unit="chars") == [-0.5, 0.0]
+    # buffer=0: a hard cut at max_length.
+    assert length_penalty(["p", "p"], ["a b c", "a b"], max_length=2, buffer=0) == [-1.0, 0.0]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_length": 0}, "max_length must be a positive integer"),
+        ({"max_length": 10, "buffer": 11}, "buffer must be an integer in"),
+        ({"unit": "tokens"}, "unknown unit 'tokens'; valid units: words, chars"),
+    ],
+)
+def test_length_penalty_bad_options(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        length_penalty(["p"], ["x"], **kwargs)
