@@ -1,0 +1,192 @@
+"""The rollout batch and the interface every generation engine implements.
+
+Layout of a batch of B = n_prompts x G sequences (design.md, "Conventions"):
+
+- prompts are left-padded, responses right-padded, so ``cat(prompt_ids, response_ids)`` has every
+  prompt's last token in column P-1 and every response's first token in column P;
+- the G samples of prompt i are rows i*G .. i*G+G-1;
+- ``response_mask`` is 1 on the tokens the policy chose, up to and including the first
+  end-of-sequence token, and 0 on padding and after EOS;
+- ``sampler_logprobs`` are log-probs under the distribution that was actually sampled:
+  ``softmax(logits / temperature)`` restricted to the top-k / top-p set and renormalised.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One batch of sampled responses (B sequences, P prompt columns, T response columns).
+
+    Attributes:
+        prompt_ids: LongTensor [B, P], left-padded with the pad id. Row i*G+g holds prompt i.
+        prompt_mask: LongTensor [B, P], 1 on real prompt tokens, 0 on left padding.
+        response_ids: LongTensor [B, T], right-padded with the pad id. T is the longest response
+            of this batch (not max_new_tokens). Tokens after the first EOS are the pad id.
+        response_mask: FloatTensor [B, T] (float32), 1.0 on the tokens the policy chose up to and
+            including the first EOS, 0.0 after it and on padding.
+        truncated: BoolTensor [B], True where no EOS was produced within max_new_tokens (the
+            response was cut, and its mask covers all of its max_new_tokens tokens).
+        sampler_logprobs: FloatTensor [B, T] (float32), natural-log probability of each chosen
+            token under the distribution sampled from (temperature, then top-k, then top-p,
+            renormalised); 0.0 where ``response_mask`` is 0.
+        group_index: LongTensor [B], index (within this batch) of the prompt each row answers;
+            rows of one prompt are contiguous, so ``group_index = arange(n).repeat_interleave(G)``.
+        group_size: G, samples per prompt.
+        temperature: sampling temperature the log-probs refer to.
+        top_k: top-k truncation used (None = off).
+        top_p: nucleus mass used (None = off).
+        greedy: True when tokens were chosen by argmax instead of sampling.
+
+    Raises (on construction):
+        ValueError: tensors whose shapes disagree (names the fields).
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    truncated: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    group_index: torch.Tensor
+    group_size: int = 1
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        B, P = self.prompt_ids.shape
+        if self.prompt_mask.shape != (B, P):
+            raise ValueError(
+                f"prompt_mask shape {tuple(self.prompt_mask.shape)} != prompt_ids shape {(B, P)}"
+            )
+        if self.response_ids.dim() != 2 or self.response_ids.shape[0] != B:
+            raise ValueError(f"response_ids shape {tuple(self.response_ids.shape)} does not have B={B} rows")
+        T = self.response_ids.shape[1]
+        for name in ("response_mask", "sampler_logprobs"):
+            if getattr(self, name).shape != (B, T):
+                raise ValueError(
+                    f"{name} shape {tuple(getattr(self, name).shape)} != response_ids shape {(B, T)}"
+                )
+        for name in ("truncated", "group_index"):
+            if getattr(self, name).shape != (B,):
+                raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != (B,) = ({B},)")
+
+    @property
+    def batch_size(self) -> int:
+        """B, the number of sequences."""
+        return self.response_ids.shape[0]
+
+    @property
+    def num_prompts(self) -> int:
+        """Number of distinct prompts (distinct ``group_index`` values)."""
+        return int(torch.unique(self.group_index).numel())
+
+    @property
+    def response_lengths(self) -> torch.Tensor:
+        """LongTensor [B]: tokens per response, the first EOS included (= ``response_mask.sum(-1)``)."""
+        return self.response_mask.sum(-1).long()
+
+    def input_ids(self) -> torch.Tensor:
+        """LongTensor [B, P+T]: ``cat(prompt_ids, response_ids)``, the full sequences."""
+        return torch.cat([self.prompt_ids, self.response_ids], dim=1)
+
+    def attention_mask(self) -> torch.Tensor:
+        """LongTensor [B, P+T]: 1 on real prompt tokens and on response tokens up to the first EOS."""
+        return torch.cat([self.prompt_mask.long(), (self.response_mask > 0).long()], dim=1)
+
+    def position_ids(self) -> torch.Tensor:
+        """LongTensor [B, P+T]: ``cumsum(attention_mask) - 1``, 0 on padding.
+
+        The first real token of every row is at position 0 whatever its left padding, the
+        rule Hugging Face ``generate`` uses, so a training forward sees the positions the
+        sampler saw.
+        """
+        mask = self.attention_mask()
+        return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+    def select(self, index: torch.Tensor | Sequence[int] | slice) -> Rollout:
+        """A sub-rollout of the rows ``index`` (LongTensor/list of row ids, BoolTensor [B], or a slice).
+
+        Columns are kept as they are (P and T unchanged; see :meth:`trim`); ``group_index`` keeps its
+        values, so rows of a group are still recognisable. ``group_size`` is kept as metadata.
+        """
+        if not isinstance(index, (slice, torch.Tensor)):
+            index = torch.as_tensor(list(index), dtype=torch.long)
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.response_ids.device)
+        return self._map(lambda t: t[index])
+
+    def trim(self) -> Rollout:
+        """The same rows with prompt columns that are padding in every row and response columns
+        masked in every row removed (the result has the smallest P and T that hold the batch)."""
+        P = self.prompt_ids.shape[1]
+        real_cols = self.prompt_mask.any(0).nonzero()
+        first = int(real_cols[0]) if real_cols.numel() else P
+        T = int(self.response_lengths.max()) if self.batch_size else 0
+        return dataclasses.replace(
+            self,
+            prompt_ids=self.prompt_ids[:, first:],
+            prompt_mask=self.prompt_mask[:, first:],
+            response_ids=self.response_ids[:, :T],
+            response_mask=self.response_mask[:, :T],
+            sampler_logprobs=self.sampler_logprobs[:, :T],
+        )
+
+    def to(self, device: torch.device | str) -> Rollout:
+        """All tensors moved to ``device`` (a no-op copy-free view where already there)."""
+        return self._map(lambda t: t.to(device))
+
+    def _map(self, fn) -> Rollout:
+        changes = {
+            f.name: fn(getattr(self, f.name))
+            for f in dataclasses.fields(self)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return dataclasses.replace(self, **changes)
+
+
+class RolloutEngine(abc.ABC):
+    """Something that samples G responses per prompt and returns a :class:`Rollout`."""
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        group_size: int = 1,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        max_new_tokens: int,
+        greedy: bool = False,
+        generator_seed: int | None = None,
+    ) -> Rollout:
+        """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch.
+
+        Args:
+            prompt_token_ids: n prompts, each a non-empty list of token ids.
+            group_size: G >= 1 samples per prompt; the result has B = n * G rows, prompt i's
+                samples in rows i*G .. i*G+G-1.
+            temperature: > 0; logits are divided by it before sampling.
+            top_p: nucleus mass in (0, 1]; None or 1.0 = off.
+            top_k: keep the k most likely tokens; None or 0 = off.
+            max_new_tokens: >= 1, the most tokens a response may have (EOS included).
+            greedy: choose the most likely token instead of sampling.
+            generator_seed: None samples from torch's global RNG stream; an int makes the result
+                depend on this seed only.
+
+        Returns:
+            A :class:`Rollout` with B = n * G rows.
+        """
+
+    @abc.abstractmethod
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Make the engine sample from ``model``'s current weights (call after every update)."""

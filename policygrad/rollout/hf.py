@@ -1,0 +1,311 @@
+"""Rollouts with Hugging Face ``generate``: the live policy model, KV cache, one batch for all samples.
+
+How sampling and its log-probs are kept consistent: ``generate`` runs with every built-in logits
+processor and warper switched off (the model's own ``generation_config.json`` is set aside for the
+call, so a repetition penalty or a default top-k stored there cannot leak in), and one processor of
+ours does the whole transformation: ``logits / temperature``, then Hugging Face's top-k and top-p
+warpers (same order and tie rules as ``generate`` itself). ``generate`` samples from the softmax
+of what that processor returns, and the processor records the log-softmax of the same scores at
+the token sampled, one step later. Only one step's scores [B, V] are held at any time; the
+log-probs fill a [B, T] tensor column by column.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+
+import torch
+
+from policygrad.rollout.base import Rollout, RolloutEngine
+
+
+class _WarpAndRecord:
+    """Logits processor: apply temperature / top-k / top-p, and record log-probs of the chosen tokens.
+
+    Called by ``generate`` once per new token with ``input_ids`` [B, P + t] and the next-token
+    ``scores`` [B, V] (float32). At call t it first gathers, from call t-1's warped scores, the
+    log-prob of the token chosen at step t-1 (now ``input_ids[:, -1]``). :meth:`finish` does the
+    same for the last step.
+    """
+
+    def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
+        from transformers.generation.logits_process import (
+            LogitsProcessorList,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        warpers = LogitsProcessorList()
+        if temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(temperature))
+        if top_k:
+            warpers.append(TopKLogitsWarper(top_k=top_k, min_tokens_to_keep=1))
+        if top_p is not None and top_p < 1.0:
+            warpers.append(TopPLogitsWarper(top_p=top_p, min_tokens_to_keep=1))
+        self.warpers = warpers
+        self.columns: list[torch.Tensor] = []
+        self._prev_scores: torch.Tensor | None = None
+        self._prev_lse: torch.Tensor | None = None
+
+    def _record(self, tokens: torch.Tensor) -> None:
+        chosen = self._prev_scores.gather(1, tokens[:, None].long()).squeeze(1)
+        self.columns.append((chosen - self._prev_lse).float())
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if self._prev_scores is not None:
+            self._record(input_ids[:, -1])
+        scores = self.warpers(input_ids, scores)
+        self._prev_scores = scores
+        self._prev_lse = torch.logsumexp(scores, dim=-1)
+        return scores
+
+    def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
+        """Record the last step and return the log-probs, FloatTensor [B, steps]."""
+        if self._prev_scores is not None:
+            self._record(last_tokens)
+        self._prev_scores = self._prev_lse = None
+        return torch.stack(self.columns, dim=1)
+
+
+def _check_prompts(prompt_token_ids) -> list[list[int]]:
+    if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError(
+            "prompt_token_ids must be a list of token-id lists (one per prompt, unpadded), "
+            f"got {type(prompt_token_ids).__name__}"
+        )
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty; give at least one prompt")
+    out = []
+    for i, ids in enumerate(prompt_token_ids):
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+        ):
+            raise TypeError(f"prompt_token_ids[{i}] must be a list of ints")
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def _unwrap(model):
+    """The transformers model that owns ``generation_config`` (inside a peft wrapper, if any)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class HFRolloutEngine(RolloutEngine):
+    """Sampling with ``model.generate`` on the live policy model.
+
+    Args:
+        model: a causal LM (``PreTrainedModel`` or a peft ``PeftModel``). The engine keeps a
+            reference to it and always samples with its current weights.
+        tokenizer: its tokenizer; supplies the pad id (falls back to the first EOS id).
+        eos_token_ids: every id that ends a response; None -> ``eos_token_ids(tokenizer, model)``
+            from :mod:`policygrad.models.loading`.
+
+    Raises:
+        ValueError: an empty ``eos_token_ids``.
+    """
+
+    def __init__(self, model, tokenizer, eos_token_ids: list[int] | None = None):
+        if eos_token_ids is None:
+            from policygrad.models.loading import eos_token_ids as find_eos
+
+            eos_token_ids = find_eos(tokenizer, model)
+        eos_token_ids = sorted({int(i) for i in eos_token_ids})
+        if not eos_token_ids:
+            raise ValueError("eos_token_ids is empty; give at least one end-of-sequence token id")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        pad = getattr(tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else eos_token_ids[0]
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Point the engine at ``model``. Generation already uses the live model object, so after an
+        optimizer step nothing needs copying; passing a different model object switches to it."""
+        self.model = model
+
+    def _max_positions(self) -> int | None:
+        config = getattr(_unwrap(self.model), "config", None)
+        if config is None:
+            return None
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        return getattr(text, "max_position_embeddings", None)
+
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        group_size: int = 1,
+        temperature: float = 1.0,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        max_new_tokens: int,
+        greedy: bool = False,
+        generator_seed: int | None = None,
+    ) -> Rollout:
+        """Sample ``group_size`` responses per prompt in one batched ``generate`` call.
+
+        All n * G sequences decode together with the KV cache; prompts are left-padded with the
+        attention mask set, and ``generate`` derives position ids from it (cumsum - 1), so a
+        padded prompt is continued exactly as it would be alone. Every id in ``eos_token_ids``
+        ends a sequence; after it the row holds the pad id. The batch stops early when every row
+        has ended, and T is trimmed to the longest response.
+
+        Log-probs (``sampler_logprobs``) are float32 log-softmax of the processed scores
+        (``logits / temperature`` then top-k then top-p, the rule of Hugging Face's warpers) at
+        the chosen token. With ``greedy=True`` the argmax token is taken (the same token under any
+        temperature or truncation) and its log-prob is still reported under that processed
+        distribution at the given ``temperature`` / ``top_k`` / ``top_p``.
+
+        The model is put in eval mode under ``torch.no_grad()`` for the call and every module's
+        train/eval flag restored afterwards; its ``generation_config`` is set aside during the
+        call and put back.
+
+        Randomness: with ``generator_seed=None`` the draws come from torch's global RNG (the
+        caller seeds it, e.g. once per step, and the stream advances); with an int the call runs
+        inside ``torch.random.fork_rng`` seeded with it, so the result depends on the seed alone
+        and the caller's RNG stream is left untouched.
+
+        Args: see :meth:`RolloutEngine.generate`. ``top_k`` 0 and ``top_p`` 1.0 mean off.
+
+        Returns:
+            :class:`Rollout` with B = len(prompt_token_ids) * group_size rows.
+
+        Raises:
+            TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
+                ``top_k`` / ``max_new_tokens``.
+            ValueError: empty prompt list or prompt; ``group_size`` < 1; ``temperature`` <= 0;
+                ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; longest prompt +
+                ``max_new_tokens`` beyond the model's ``max_position_embeddings``.
+        """
+        prompts = _check_prompts(prompt_token_ids)
+        for name, value in (("group_size", group_size), ("max_new_tokens", max_new_tokens)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        temperature = float(temperature)
+        if not temperature > 0 or temperature == float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+        if top_k is not None:
+            if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+                raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+            if top_k < 0:
+                raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
+            top_k = int(top_k) or None
+        if top_p is not None:
+            top_p = float(top_p)
+            if not 0.0 < top_p <= 1.0:
+                raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
+            if top_p == 1.0:
+                top_p = None
+        longest = max(len(p) for p in prompts)
+        limit = self._max_positions()
+        if limit is not None and longest + max_new_tokens > limit:
+            raise ValueError(
+                f"the longest prompt ({longest} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"model's context of {limit} positions; shorten the prompts or lower max_new_tokens"
+            )
+
+        device = next(self.model.parameters()).device
+        G = int(group_size)
+        n = len(prompts)
+        pad = self.pad_token_id
+        prompt_ids = torch.full((n, longest), pad, dtype=torch.long)
+        prompt_mask = torch.zeros((n, longest), dtype=torch.long)
+        for i, ids in enumerate(prompts):
+            prompt_ids[i, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
+            prompt_mask[i, longest - len(ids):] = 1
+        prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)
+        prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)
+        group_index = torch.arange(n, device=device).repeat_interleave(G)
+
+        sequences, logprobs = self._run_generate(
+            prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
+            max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
+        )
+        responses = sequences[:, longest:]
+        steps = responses.shape[1]
+        eos = torch.tensor(self.eos_token_ids, device=device)
+        is_eos = torch.isin(responses, eos)
+        has_eos = is_eos.any(dim=1)
+        # argmax returns the first maximum: the first EOS of a row that has one.
+        lengths = torch.where(has_eos, is_eos.int().argmax(dim=1) + 1, steps)
+        T = int(lengths.max()) if lengths.numel() else 0
+        keep = torch.arange(T, device=device)[None, :] < lengths[:, None]
+        response_ids = responses[:, :T].masked_fill(~keep, pad)
+        sampler_logprobs = torch.where(keep, logprobs[:, :T], torch.zeros((), device=device))
+        return Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            response_ids=response_ids,
+            response_mask=keep.float(),
+            truncated=~has_eos,
+            sampler_logprobs=sampler_logprobs,
+            group_index=group_index,
+            group_size=G,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            greedy=bool(greedy),
+        )
+
+    def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,
+                      generator_seed):
+        """``sequences`` LongTensor [B, P + steps] and log-probs FloatTensor [B, steps]."""
+        from transformers import GenerationConfig
+        from transformers.generation.logits_process import LogitsProcessorList
+
+        recorder = _WarpAndRecord(temperature, top_k, top_p)
+        generation_config = GenerationConfig(
+            do_sample=not greedy,
+            num_beams=1,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=0,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            repetition_penalty=1.0,
+            no_repeat_ngram_size=0,
+            use_cache=True,
+            eos_token_id=list(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            return_dict_in_generate=False,
+            output_scores=False,
+        )
+        model = self.model
+        inner = _unwrap(model)
+        modes = [(module, module.training) for module in model.modules()]
+        saved_config = getattr(inner, "generation_config", None)
+        device = prompt_ids.device
+        if generator_seed is None:
+            rng = contextlib.nullcontext()
+        else:
+            devices = [device.index or 0] if device.type == "cuda" else []
+            rng = torch.random.fork_rng(devices=devices)
+        try:
+            # generate fills unset fields from model.generation_config; a blank one leaves only
+            # the neutral global defaults (every other processor off).
+            inner.generation_config = GenerationConfig()
+            model.eval()
+            with rng, torch.no_grad():
+                if generator_seed is not None:
+                    torch.manual_seed(int(generator_seed))
+                sequences = model.generate(
+                    input_ids=prompt_ids,
+                    attention_mask=prompt_mask,
+                    generation_config=generation_config,
+                    logits_processor=LogitsProcessorList([recorder]),
+                )
+                logprobs = recorder.finish(sequences[:, -1])
+        finally:
+            inner.generation_config = saved_config
+            for module, mode in modes:
+                module.training = mode
+        return sequences, logprobs

@@ -1,0 +1,15 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.tiny import make_tiny_llama
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A local Hugging Face model folder holding the tiny Llama of ``tests.tiny`` (seed 0)."""
+    path = tmp_path_factory.mktemp("tiny_llama")
+    make_tiny_llama(path, seed=0)
+    return str(path)
