@@ -1,0 +1,157 @@
+"""``policygrad``: the command-line front door.
+
+    policygrad train [CONFIG.yaml] [--key=value ...] [--resume RUN_DIR]
+    policygrad eval --model M --dataset D [--limit N] [--samples k] [--output FILE]
+
+A user's mistake (bad config, missing file, bad data) prints one clear ``error:`` line and exits
+with status 2; it never ends in a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+TRAIN_USAGE = """usage: policygrad train [CONFIG.yaml] [--key=value ...] [--resume RUN_DIR]
+
+Runs a training job. With no arguments: GRPO on the bundled SmolLM2-135M-Instruct and the
+built-in arithmetic task. Every config field can be overridden, e.g. --kl.beta=0.04 --steps=10.
+--resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint (its saved config plus
+any overrides given here).
+"""
+
+
+def _user_errors():
+    from policygrad.trainer.config import ConfigError
+
+    errors: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, ValueError, TypeError)
+    try:
+        from policygrad.rewards.registry import RewardError
+
+        errors += (RewardError,)
+    except ImportError:
+        pass
+    return errors
+
+
+def cmd_train(argv: list[str]) -> int:
+    from policygrad.trainer.config import load_config
+    from policygrad.trainer.loop import Trainer
+
+    if argv and argv[0] in ("-h", "--help"):
+        print(TRAIN_USAGE)
+        return 0
+    config_path = None
+    resume = None
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--resume" or arg.startswith("--resume="):
+            if "=" in arg:
+                resume = arg.split("=", 1)[1]
+            else:
+                if i + 1 >= len(argv):
+                    raise ValueError("--resume needs a run directory: --resume RUN_DIR")
+                resume = argv[i + 1]
+                i += 1
+        elif not arg.startswith("--") and config_path is None and not rest:
+            config_path = arg
+        else:
+            rest.append(arg)
+        i += 1
+    if resume is not None:
+        saved = os.path.join(resume, "config.yaml")
+        if not os.path.exists(saved):
+            raise FileNotFoundError(
+                f"--resume {resume}: {saved} not found; is this a policygrad run directory?"
+            )
+        config = load_config(config_path or saved, rest + [f"--output_dir={resume}"])
+    else:
+        if config_path is not None and not os.path.exists(config_path):
+            raise FileNotFoundError(f"config file {config_path} not found")
+        config = load_config(config_path, rest)
+    trainer = Trainer(config, resume_from=resume)
+    summary = trainer.train()
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+def cmd_eval(argv: list[str]) -> int:
+    from policygrad.trainer.config import DataConfig, TrainConfig
+    from policygrad.trainer.evaluate import evaluate_model
+
+    p = argparse.ArgumentParser(prog="policygrad eval", description="Greedy accuracy and pass@k of a model.")
+    p.add_argument(
+        "--model", default="bundled:smollm2-135m-instruct", help="model folder, hub id or bundled:NAME"
+    )
+    p.add_argument(
+        "--dataset", default="builtin:arithmetic", help="JSONL path or builtin:arithmetic (held-out split)"
+    )
+    p.add_argument("--limit", type=int, default=100, help="first N items (default 100)")
+    p.add_argument(
+        "--samples", type=int, default=1, help="k samples per item for pass@k (default 1: greedy only)"
+    )
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--difficulty", default="medium", help="difficulty of builtin:arithmetic")
+    p.add_argument("--prompt-field", default=None)
+    p.add_argument("--answer-field", default=None)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--output", default=None, help="JSONL of every completion (default: eval-<dataset>.jsonl)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    data = DataConfig(
+        dataset=args.dataset,
+        difficulty=args.difficulty,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        eval_dataset=args.dataset,
+        eval_size=args.limit,
+    )
+    TrainConfig(data=data)  # validates
+    result = evaluate_model(
+        args.model,
+        data,
+        limit=args.limit,
+        samples=args.samples,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        output=args.output,
+        seed=args.seed,
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            "usage: policygrad {train,eval} ...\n\n"
+            "  train   run a training job (no arguments: the default GRPO job on the bundled model)\n"
+            "  eval    greedy accuracy / pass@k of a model on a dataset\n"
+        )
+        return 0 if argv else 0
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"error: unknown command {command!r}; choose one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    try:
+        return COMMANDS[command](rest)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except _user_errors() as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

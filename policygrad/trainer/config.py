@@ -1,0 +1,519 @@
+"""The typed configuration tree of a training run.
+
+One dataclass per pipeline stage; a YAML file and ``--key=value`` overrides map onto the tree one
+to one (``--kl.beta=0.04`` sets ``TrainConfig.kl.beta``). Every field is validated when the tree
+is built, and every error names the field and says how to fix it.
+
+Algorithms are *presets*, not code paths: ``ALGORITHMS[name]`` says which registered advantage
+estimator, which estimator options, which policy loss and which loss aggregation the algorithm
+uses. The trainer only ever looks things up by name in ``policygrad.core``'s registries, so an
+algorithm added here needs no change in the training loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from policygrad.core.kl import KL_KINDS
+from policygrad.core.masking import AGGREGATION_MODES
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the field."""
+
+
+@dataclass(frozen=True)
+class AlgorithmPreset:
+    """What an algorithm name means: estimator, its options, loss and aggregation.
+
+    Fields:
+        estimator: name registered with ``core.advantages.register_advantage_estimator``.
+        estimator_options: keyword options passed to the estimator.
+        policy_loss: name registered with ``core.losses.register_policy_loss``.
+        loss_agg_mode: one of ``core.masking.AGGREGATION_MODES``.
+        min_group_size: the smallest G the estimator accepts.
+        greedy_baseline: the estimator needs the reward of a greedy response per prompt
+            (ReMax); the trainer then decodes one greedy sample per prompt and passes its reward
+            as ``baseline_rewards``.
+        reference: the paper the preset follows.
+    """
+
+    estimator: str
+    estimator_options: dict[str, Any]
+    policy_loss: str
+    loss_agg_mode: str
+    min_group_size: int
+    greedy_baseline: bool
+    reference: str
+
+
+ALGORITHMS: dict[str, AlgorithmPreset] = {
+    "reinforce": AlgorithmPreset(
+        "reinforce", {"baseline": 0.0}, "ppo", "token-mean", 1, False, "Williams 1992"
+    ),
+    "rloo": AlgorithmPreset(
+        "rloo", {}, "ppo", "token-mean", 2, False, "Kool et al. 2019; Ahmadian et al. 2024"
+    ),
+    "remax": AlgorithmPreset("remax", {}, "ppo", "token-mean", 1, True, "Li et al. 2023"),
+    "grpo": AlgorithmPreset(
+        "grpo", {"scale": "group"}, "ppo", "seq-mean-token-mean", 2, False, "Shao et al. 2024"
+    ),
+    "dr_grpo": AlgorithmPreset(
+        "grpo", {"scale": "none"}, "ppo", "seq-mean-token-sum-norm", 2, False, "Liu et al. 2025"
+    ),
+    "reinforce_pp": AlgorithmPreset(
+        "reinforce_pp", {}, "ppo", "token-mean", 1, False, "Hu 2025 (REINFORCE++)"
+    ),
+}
+
+
+def _check_choice(path: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
+
+
+def _check_positive(path: str, value, *, allow_zero: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{path} must be {bound}, got {value!r}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft). ``rank: 0`` means a full fine-tune."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def validate(self, path: str) -> None:
+        _check_positive(f"{path}.rank", self.rank, allow_zero=True)
+        _check_positive(f"{path}.alpha", self.alpha)
+
+
+@dataclass
+class ModelConfig:
+    """The policy. ``name``: ``bundled:smollm2-135m-instruct``, a local HF folder, or a hub id.
+
+    ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
+    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one.
+    """
+
+    name: str = "bundled:smollm2-135m-instruct"
+    dtype: str = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+
+    def validate(self, path: str) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
+        _check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        self.lora.validate(f"{path}.lora")
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out prompts.
+
+    ``dataset``: ``builtin:arithmetic`` (procedurally generated, the default) or a JSONL path
+    (GSM8K's ``question``/``answer`` format works without a field mapping). ``prompt_field`` and
+    ``answer_field`` map other formats. ``eval_dataset``: a path, or empty for the built-in
+    task's held-out split. ``eval_size``: held-out problems per evaluation.
+    """
+
+    dataset: str = "builtin:arithmetic"
+    difficulty: str = "medium"
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    max_prompt_length: int = 512
+    eval_dataset: str | None = None
+    eval_size: int = 200
+    shuffle: bool = True
+
+    def validate(self, path: str) -> None:
+        _check_positive(f"{path}.max_prompt_length", self.max_prompt_length)
+        _check_positive(f"{path}.eval_size", self.eval_size, allow_zero=True)
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling. B = ``prompts_per_step`` x ``group_size`` sequences per step.
+
+    ``top_k: 0`` and ``top_p: 1.0`` sample the full softmax at ``temperature``; training
+    log-probs always use the same temperature and truncation as the sampler.
+    """
+
+    engine: str = "hf"
+    prompts_per_step: int = 4
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+
+    def validate(self, path: str) -> None:
+        _check_choice(f"{path}.engine", self.engine, {"hf"})
+        _check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
+        _check_positive(f"{path}.group_size", self.group_size)
+        _check_positive(f"{path}.temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p!r}")
+        _check_positive(f"{path}.top_k", self.top_k, allow_zero=True)
+        _check_positive(f"{path}.max_new_tokens", self.max_new_tokens)
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions, summed with weights.
+
+    ``functions``: built-in names (``answer_correctness``, ``answer_format``, ``length_penalty``),
+    ``module:function`` or ``path.py:function``. ``weights``: one per function (default 1 each).
+    ``on_error``: ``raise`` stops the run naming the row and the function; ``skip`` excludes the
+    row from the loss and counts it in ``reward/invalid_frac``. ``truncation``: what a completion
+    without EOS gets: ``none`` (scored as is), ``penalty`` (the N+ EOS trick: the score is
+    replaced by ``truncation_penalty``) or ``exclude`` (no loss on it).
+    """
+
+    functions: list[str] = field(default_factory=lambda: ["answer_correctness"])
+    weights: list[float] | None = None
+    on_error: str = "raise"
+    truncation: str = "none"
+    truncation_penalty: float = -1.0
+
+    def validate(self, path: str) -> None:
+        if not self.functions:
+            raise ConfigError(f"{path}.functions is empty; give at least one reward function")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ConfigError(
+                f"{path}.weights has {len(self.weights)} entries for {len(self.functions)} functions; "
+                "give one weight per function or leave it unset"
+            )
+        _check_choice(f"{path}.on_error", self.on_error, {"raise", "skip"})
+        _check_choice(f"{path}.truncation", self.truncation, {"none", "penalty", "exclude"})
+
+
+@dataclass
+class KLConfig:
+    """KL to the reference model.
+
+    ``placement``: ``none`` (no reference model is loaded), ``reward`` (per-token -beta * KL in the
+    reward, PPO-RLHF style) or ``loss`` (a KL term added to the loss, GRPO style). ``kind``: the
+    estimator k1/k2/k3; ``None`` means k1 in the reward and k3 in the loss. ``controller``:
+    ``fixed`` or ``adaptive`` (Ziegler et al. 2019 with ``target`` and ``horizon``).
+    ``importance_weighted``: in the loss, multiply the KL term by pi/pi_old (DeepSeek-V3.2).
+    """
+
+    placement: str = "none"
+    kind: str | None = None
+    beta: float = 0.0
+    controller: str = "fixed"
+    target: float = 6.0
+    horizon: float = 10000.0
+    importance_weighted: bool = False
+
+    def validate(self, path: str) -> None:
+        _check_choice(f"{path}.placement", self.placement, {"none", "reward", "loss"})
+        if self.kind is not None:
+            _check_choice(f"{path}.kind", self.kind, set(KL_KINDS))
+        _check_positive(f"{path}.beta", self.beta, allow_zero=True)
+        _check_choice(f"{path}.controller", self.controller, {"fixed", "adaptive"})
+        _check_positive(f"{path}.target", self.target)
+        _check_positive(f"{path}.horizon", self.horizon)
+        if self.placement != "none" and self.beta == 0 and self.controller == "fixed":
+            raise ConfigError(
+                f"{path}.placement={self.placement!r} with {path}.beta=0 computes a KL that has no "
+                f"effect; set {path}.beta > 0 or {path}.placement=none"
+            )
+
+    def resolved_kind(self) -> str:
+        if self.kind is not None:
+            return self.kind
+        return "k1" if self.placement == "reward" else "k3"
+
+
+@dataclass
+class AdvantageConfig:
+    """Overrides of the algorithm preset's estimator. ``estimator: null`` keeps the preset's;
+    ``options`` are merged over the preset's options. ``whiten``: whiten advantages over the
+    valid tokens of the batch after estimation (``masked_whiten``)."""
+
+    estimator: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+    whiten: bool = False
+
+
+@dataclass
+class LossConfig:
+    """Policy loss. ``policy_loss`` / ``agg_mode``: ``null`` keeps the preset's. ``clip_low`` /
+    ``clip_high`` / ``dual_clip`` go to the loss; ``entropy_coef`` adds -coef x entropy."""
+
+    policy_loss: str | None = None
+    agg_mode: str | None = None
+    clip_low: float | None = 0.2
+    clip_high: float | None = 0.2
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
+
+    def validate(self, path: str) -> None:
+        if self.agg_mode is not None:
+            _check_choice(f"{path}.agg_mode", self.agg_mode, set(AGGREGATION_MODES))
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with gradient clipping, linear warmup and a schedule (``constant`` or ``cosine``
+    or ``linear`` decay to 0 over the run). ``ppo_epochs`` x ``num_minibatches`` optimizer steps
+    per RL step; ``micro_batch_size`` sequences per forward (gradient accumulation; the summed
+    loss equals the minibatch's loss exactly)."""
+
+    lr: float = 2e-5
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+    ppo_epochs: int = 1
+    num_minibatches: int = 1
+    micro_batch_size: int = 32
+
+    def validate(self, path: str) -> None:
+        _check_positive(f"{path}.lr", self.lr)
+        _check_positive(f"{path}.max_grad_norm", self.max_grad_norm)
+        _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
+        _check_choice(f"{path}.schedule", self.schedule, {"constant", "cosine", "linear"})
+        _check_positive(f"{path}.ppo_epochs", self.ppo_epochs)
+        _check_positive(f"{path}.num_minibatches", self.num_minibatches)
+        _check_positive(f"{path}.micro_batch_size", self.micro_batch_size)
+
+
+@dataclass
+class TrainConfig:
+    """A whole run. ``policygrad train`` with no arguments runs these defaults: GRPO on the
+    bundled SmolLM2-135M-Instruct and the built-in arithmetic task."""
+
+    algorithm: str = "grpo"
+    steps: int = 300
+    seed: int = 0
+    output_dir: str = "runs/default"
+    max_minutes: float | None = 24.0
+    eval_every: int = 0
+    eval_before: bool = True
+    eval_after: bool = True
+    save_every: int = 0
+    log_completions: int = 2
+    drop_zero_variance_groups: bool = False
+    num_threads: int | None = None
+    tensorboard: bool = True
+    progress: bool = True
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        _check_choice("algorithm", self.algorithm, set(ALGORITHMS))
+        _check_positive("steps", self.steps, allow_zero=True)
+        _check_positive("eval_every", self.eval_every, allow_zero=True)
+        _check_positive("save_every", self.save_every, allow_zero=True)
+        for name in ("model", "data", "rollout", "reward", "kl", "loss", "optim"):
+            getattr(self, name).validate(name)
+        preset = self.preset
+        if self.rollout.group_size < preset.min_group_size:
+            raise ConfigError(
+                f"algorithm={self.algorithm!r} needs rollout.group_size >= {preset.min_group_size} "
+                f"(it compares samples of the same prompt), got {self.rollout.group_size}"
+            )
+        batch = self.rollout.prompts_per_step * self.rollout.group_size
+        if batch < self.optim.num_minibatches:
+            raise ConfigError(
+                f"optim.num_minibatches={self.optim.num_minibatches} exceeds the batch of {batch} "
+                "sequences (rollout.prompts_per_step x rollout.group_size); lower it"
+            )
+
+    @property
+    def preset(self) -> AlgorithmPreset:
+        return ALGORITHMS[self.algorithm]
+
+    # Resolved choices: the preset unless the user overrode it.
+    @property
+    def estimator_name(self) -> str:
+        return self.advantage.estimator or self.preset.estimator
+
+    @property
+    def estimator_options(self) -> dict[str, Any]:
+        options = dict(self.preset.estimator_options) if not self.advantage.estimator else {}
+        options.update(self.advantage.options)
+        return options
+
+    @property
+    def policy_loss_name(self) -> str:
+        return self.loss.policy_loss or self.preset.policy_loss
+
+    @property
+    def agg_mode(self) -> str:
+        return self.loss.agg_mode or self.preset.loss_agg_mode
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the tree from YAML and overrides.
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML value to the annotated type, or raise a ConfigError naming ``path``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping of its fields, got {value!r}")
+        return _build(annotation, value, path)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path} must be a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        if origin is tuple:
+            return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return dict(value)
+    return value
+
+
+def _build(cls, data: dict[str, Any], prefix: str = ""):
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(path, value, types[name])
+    return cls(**kwargs)
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = {}
+            node[key] = child
+        if not isinstance(child, dict):
+            raise ConfigError(f"cannot set {dotted}: {key} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """Turn ``["--kl.beta=0.04", "--steps", "10"]`` into a nested dict (values parsed as YAML)."""
+    tree: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ConfigError(f"expected --key=value, got {arg!r}")
+        key, sep, raw = arg[2:].partition("=")
+        if not sep:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{key} needs a value: --{key}=VALUE")
+            raw = args[i + 1]
+            i += 1
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError as e:
+            raise ConfigError(f"--{key}: cannot parse value {raw!r}: {e}") from None
+        _set_path(tree, key.replace("-", "_"), value)
+        i += 1
+    return tree
+
+
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] | dict[str, Any] | None = None) -> TrainConfig:
+    """Build a validated :class:`TrainConfig` from an optional YAML file and overrides.
+
+    Raises:
+        ConfigError: unknown key, wrong type or invalid value, naming the dotted field.
+        FileNotFoundError: the YAML file does not exist.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: a config file must be a YAML mapping of fields")
+        data = loaded
+    if overrides:
+        over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
+        data = _merge(data, over)
+    return _build(TrainConfig, data)

@@ -1,0 +1,784 @@
+"""The critic-free training loop: sample, score, estimate advantages, update.
+
+One RL step, top to bottom (``Trainer.step``):
+
+1. take ``prompts_per_step`` prompts from the data stream and sample ``group_size`` responses for
+   each, all in one batch (rows of one prompt are contiguous);
+2. score them with the reward functions, apply the truncation policy, and (ReMax) score one greedy
+   response per prompt as the baseline;
+3. reference log-probs (only when the KL has a placement) and old log-probs (only when the update
+   is not exactly on-policy) under ``torch.inference_mode``;
+4. token rewards (score on the last valid token, minus beta x KL per token when the KL sits in the
+   reward), then the advantage estimator *looked up by name* in ``policygrad.core``;
+5. ``ppo_epochs`` x ``num_minibatches`` optimizer steps; each minibatch is processed in
+   micro-batches whose losses use the minibatch's global token and sequence counts, so the summed
+   gradient equals the full minibatch's exactly.
+
+The loop never branches on the algorithm's name: the preset in ``trainer.config.ALGORITHMS``
+supplies the registry names. Global counts flow into ``aggregate`` explicitly, so data-parallel
+training only has to all-reduce those counts and the gradients.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import yaml
+
+from policygrad.core.advantages import estimate_advantages
+from policygrad.core.diagnostics import zero_variance_group_fraction
+from policygrad.core.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    kl_estimate,
+    kl_loss,
+    kl_shaped_rewards,
+)
+from policygrad.core.logprobs import logprobs_from_logits
+from policygrad.core.losses import entropy_from_logits, get_policy_loss
+from policygrad.core.masking import aggregate, masked_mean, masked_whiten
+from policygrad.rollout.base import Rollout
+from policygrad.trainer.config import ConfigError, TrainConfig
+from policygrad.trainer.evaluate import decode_completions
+from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue; the message says why and what to change."""
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (when installed) and torch from one integer."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % (2**32))
+    except ImportError:
+        pass
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: float32 on CPU (bf16 matmul is slower than fp32 on CPUs without AMX or
+    AVX512-BF16, measured 4x slower on the reference machine), bfloat16 on CUDA."""
+    if name == "float32":
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs of response tokens: logits only at response positions.
+
+
+def response_logits(model, rollout: Rollout) -> torch.Tensor:
+    """Logits that predict each response token, computed only at those positions.
+
+    Args:
+        model: a causal LM (plain or peft-wrapped) that accepts ``logits_to_keep``.
+        rollout: left-padded prompts and right-padded responses.
+
+    Returns:
+        logits [B, T, V] in the model's dtype. ``logits[:, t]`` is computed from the prompt and
+        response tokens before t (it is the last-prompt-token position for t = 0).
+    """
+    input_ids = rollout.input_ids()
+    attention_mask = rollout.attention_mask()
+    position_ids = rollout.position_ids()
+    P = rollout.prompt_ids.shape[1]
+    T = rollout.response_ids.shape[1]
+    # Positions P-1 .. P+T-2 predict response tokens 0 .. T-1; the lm_head runs on those only,
+    # and the result is a contiguous [B, T, V] tensor.
+    keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        logits_to_keep=keep,
+        use_cache=False,
+    )
+    return out.logits
+
+
+def policy_logprobs(
+    model, rollout: Rollout, *, temperature: float, top_k: int, top_p: float, with_entropy: bool | str = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 log-probs [B, T] of the response tokens under the sampled distribution
+    (``logits / temperature`` with the sampler's top-k/top-p truncation), and the entropy [B, T]
+    of the full tempered distribution when ``with_entropy`` is True (detached, a diagnostic) or
+    ``"grad"`` (differentiable, for an entropy bonus); None otherwise."""
+    logits = response_logits(model, rollout)
+    kwargs = {}
+    if top_k:
+        kwargs["top_k"] = top_k
+    if top_p < 1.0:
+        kwargs["top_p"] = top_p
+    logprobs = logprobs_from_logits(logits, rollout.response_ids, temperature=temperature, **kwargs)
+    entropy = None
+    if with_entropy == "grad":
+        entropy = entropy_from_logits(logits, temperature=temperature)
+    elif with_entropy:
+        with torch.no_grad():  # a diagnostic only: no graph through the [B, T, V] logits
+            entropy = entropy_from_logits(logits.detach(), temperature=temperature)
+    return logprobs, entropy
+
+
+@dataclass
+class StepBatch:
+    """Everything the update needs for one RL step; rows are sequences (B)."""
+
+    rollout: Rollout
+    loss_mask: torch.Tensor  # [B, T] float32: response_mask of rows that take part in the loss
+    advantages: torch.Tensor  # [B, T] float32
+    old_logprobs: torch.Tensor | None  # [B, T] or None when on-policy (the ratio is then exactly 1)
+    ref_logprobs: torch.Tensor | None  # [B, T] or None when the KL is not in the loss
+
+
+class PromptStream:
+    """A resumable stream of training rows over a source with ``train_row(i)`` (a pure function
+    of the position ``i``), so resuming at a saved position gives exactly the rows a straight run
+    would have seen."""
+
+    def __init__(self, source):
+        self.source = source
+        self.position = 0
+
+    def take(self, k: int) -> list[dict[str, Any]]:
+        rows = [self.source.train_row(self.position + j) for j in range(k)]
+        self.position += k
+        return rows
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    """Runs a :class:`TrainConfig`: builds the models, data and rewards, then trains.
+
+    Args:
+        config: the validated run configuration.
+        resume_from: a run directory to resume from (its latest checkpoint), or None.
+
+    Raises:
+        ConfigError / ValueError: bad configuration or data, with the field named.
+    """
+
+    def __init__(self, config: TrainConfig, *, resume_from: str | None = None):
+        from policygrad.models.loading import (
+            apply_lora,
+            eos_token_ids,
+            load_causal_lm,
+            load_tokenizer,
+            resolve_model_path,
+        )
+        from policygrad.rewards.registry import CompositeReward
+        from policygrad.rollout.hf import HFRolloutEngine
+        from policygrad.trainer.sources import build_eval_rows, build_train_source
+
+        self.config = cfg = config
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        seed_everything(cfg.seed)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dtype = resolve_dtype(cfg.model.dtype, self.device)
+        self.run_dir = cfg.output_dir
+        os.makedirs(self.run_dir, exist_ok=True)
+
+        # Models. The policy may be restored from a checkpoint; the reference is always the base.
+        self.model_path = resolve_model_path(cfg.model.name)
+        self.tokenizer = load_tokenizer(self.model_path)
+        ckpt = latest_checkpoint(resume_from) if resume_from else None
+        if resume_from and ckpt is None:
+            raise TrainingError(
+                f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
+            )
+        self.policy = load_causal_lm(self.model_path, dtype=self.dtype).to(self.device)
+        if cfg.model.lora.rank > 0:
+            self.policy = apply_lora(
+                self.policy,
+                rank=cfg.model.lora.rank,
+                alpha=cfg.model.lora.alpha,
+                dropout=cfg.model.lora.dropout,
+                target_modules=cfg.model.lora.target_modules,
+            )
+        if ckpt is not None:
+            load_policy_weights(self.policy, os.path.join(ckpt, "model"))
+        if cfg.model.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+        self.reference = None
+        if cfg.kl.placement != "none" and cfg.model.lora.rank == 0:
+            self.reference = load_causal_lm(self.model_path, dtype=self.dtype, trainable=False).to(
+                self.device
+            )
+        self.eos_ids = eos_token_ids(self.tokenizer, self.policy)
+        self.engine = HFRolloutEngine(self.policy, self.tokenizer, self.eos_ids)
+
+        # Data and rewards.
+        self.train_source = build_train_source(cfg.data, seed=cfg.seed)
+        self.stream = PromptStream(self.train_source)
+        self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
+        weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
+        self.reward_fn = CompositeReward(
+            list(zip(cfg.reward.functions, weights)), on_error=cfg.reward.on_error
+        )
+
+        # Loss, optimizer, schedule, KL controller.
+        self.policy_loss = get_policy_loss(cfg.policy_loss_name)
+        self.loss_options = self._loss_options()
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            params,
+            lr=cfg.optim.lr,
+            betas=tuple(cfg.optim.betas),
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+        )
+        total = max(1, cfg.steps * cfg.optim.ppo_epochs * cfg.optim.num_minibatches)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.optim, total))
+        if cfg.kl.controller == "adaptive":
+            self.kl_ctl = AdaptiveKLController(cfg.kl.beta, cfg.kl.target, cfg.kl.horizon)
+        else:
+            self.kl_ctl = FixedKLController(cfg.kl.beta)
+
+        self.step_idx = 0
+        if ckpt is not None:
+            self._load_state(ckpt)
+        else:
+            with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
+        self.logger = MetricsLogger(
+            self.run_dir,
+            tensorboard=cfg.tensorboard,
+            truncate_after_step=self.step_idx if ckpt is not None else None,
+        )
+        if ckpt is None and os.path.exists(self.logger.path):
+            os.remove(self.logger.path)  # a new run in an old directory starts a fresh file
+
+    # ------------------------------------------------------------------------------------------
+    def _loss_options(self) -> dict[str, Any]:
+        cfg = self.config.loss
+        wanted = {"clip_low": cfg.clip_low, "clip_high": cfg.clip_high, "dual_clip": cfg.dual_clip}
+        params = inspect.signature(self.policy_loss).parameters
+        accepts_any = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        options = {}
+        for key, value in wanted.items():
+            if key in params or accepts_any:
+                options[key] = value
+            elif key == "dual_clip" and value is not None:
+                raise ConfigError(
+                    f"loss.dual_clip is set but loss.policy_loss={self.config.policy_loss_name!r} has no "
+                    "dual clip; unset it or use policy_loss=ppo"
+                )
+        return options
+
+    # ------------------------------------------------------------------------------------------
+    def _prompt_ids(self, rows: list[dict[str, Any]]) -> list[list[int]]:
+        from policygrad.data.chat import format_prompt, tokenize_prompts
+
+        d = self.config.data
+        texts = [
+            format_prompt(
+                self.tokenizer,
+                r["prompt"],
+                system_prompt=d.system_prompt,
+                use_chat_template=d.use_chat_template,
+            )
+            for r in rows
+        ]
+        return tokenize_prompts(self.tokenizer, texts, max_prompt_length=d.max_prompt_length)
+
+    def _completions(self, rollout: Rollout) -> list[str]:
+        return decode_completions(self.tokenizer, rollout)
+
+    def _score(self, rows: list[dict[str, Any]], completions: list[str], repeat: int):
+        """Rewards [B] float32, per-function components and a validity mask [B] bool."""
+        prompts = [r["prompt"] for r in rows for _ in range(repeat)]
+        fields: dict[str, list] = {}
+        for key in rows[0]:
+            if key != "prompt":
+                fields[key] = [r.get(key) for r in rows for _ in range(repeat)]
+        return self.reward_fn(prompts, completions, **fields)
+
+    @torch.inference_mode()
+    def _inference_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+        r = self.config.rollout
+        mbs = self.config.optim.micro_batch_size
+        chunks = []
+        for start in range(0, rollout.batch_size, mbs):
+            sub = rollout.select(torch.arange(start, min(start + mbs, rollout.batch_size)))
+            lp, _ = policy_logprobs(model, sub, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+            chunks.append(lp)
+        return torch.cat(chunks).clone()  # a normal tensor, usable next to autograd tensors
+
+    def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        if self.reference is not None:
+            return self._inference_logprobs(self.reference, rollout)
+        with self.policy.disable_adapter():  # LoRA: the base weights are the reference
+            return self._inference_logprobs(self.policy, rollout)
+
+    # ------------------------------------------------------------------------------------------
+    def step(self) -> dict[str, Any]:
+        """One RL step: rollout, rewards, advantages, update. Returns the step's metrics."""
+        cfg = self.config
+        r = cfg.rollout
+        G = r.group_size
+        metrics: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        # A per-step seed makes every step reproducible on its own, so a resumed run samples
+        # exactly what a straight run would have.
+        torch.manual_seed(cfg.seed * 1_000_003 + self.step_idx)
+
+        rows = self.stream.take(r.prompts_per_step)
+        prompt_ids = self._prompt_ids(rows)
+        rollout = self.engine.generate(
+            prompt_ids,
+            group_size=G,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+        )
+        completions = self._completions(rollout)
+        scored = self._score(rows, completions, G)
+        scores, valid = scored.rewards, scored.valid
+        raw_scores = scores.clone()
+        from policygrad.rewards.registry import apply_truncation_policy
+
+        scores, valid = apply_truncation_policy(
+            scores,
+            rollout.truncated,
+            mode=cfg.reward.truncation,
+            penalty=cfg.reward.truncation_penalty,
+            valid=valid,
+        )
+        estimator_options = dict(cfg.estimator_options)
+        if cfg.preset.greedy_baseline:
+            greedy = self.engine.generate(
+                prompt_ids,
+                group_size=1,
+                max_new_tokens=r.max_new_tokens,
+                greedy=True,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k,
+            )
+            base = self._score(rows, self._completions(greedy), 1).rewards
+            base, _ = apply_truncation_policy(
+                base, greedy.truncated, mode=cfg.reward.truncation, penalty=cfg.reward.truncation_penalty
+            )
+            estimator_options["baseline_rewards"] = base.repeat_interleave(G)
+        t_gen = time.perf_counter()
+        metrics["time/generation_s"] = t_gen - t0
+
+        rollout = rollout.to(self.device)
+        response_mask = rollout.response_mask.float()
+        loss_mask = response_mask * valid.to(response_mask)[:, None]
+        # Reference and old log-probs, only when something uses them.
+        beta = float(self.kl_ctl.value)
+        ref_logprobs = None
+        if cfg.kl.placement != "none":
+            ref_logprobs = self._reference_logprobs(rollout)
+        on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.num_minibatches == 1
+        old_logprobs = None if on_policy else self._inference_logprobs(self.policy, rollout)
+
+        # Token rewards: the score on the last valid token, KL per token when it is in the reward.
+        kl_kind = cfg.kl.resolved_kind()
+        behaviour = old_logprobs if old_logprobs is not None else rollout.sampler_logprobs
+        if cfg.kl.placement == "reward":
+            token_rewards = kl_shaped_rewards(
+                scores.to(self.device), behaviour, ref_logprobs, response_mask, beta=beta, kind=kl_kind
+            )
+        else:
+            token_rewards = kl_shaped_rewards(
+                scores.to(self.device), behaviour, behaviour, response_mask, beta=0.0, kind="k1"
+            )
+        advantages, returns = estimate_advantages(
+            cfg.estimator_name,
+            token_rewards,
+            response_mask,
+            group_index=rollout.group_index,
+            values=None,
+            **estimator_options,
+        )
+        if cfg.advantage.whiten:
+            advantages = masked_whiten(advantages, loss_mask)
+        zero_var = zero_variance_group_fraction(scores, rollout.group_index)
+        if cfg.drop_zero_variance_groups:
+            keep = _rows_of_varied_groups(scores, rollout.group_index)
+            loss_mask = loss_mask * keep.to(loss_mask)[:, None]
+
+        batch = StepBatch(
+            rollout, loss_mask, advantages, old_logprobs, ref_logprobs if cfg.kl.placement == "loss" else None
+        )
+        update_metrics = self._update(batch, beta)
+        t_train = time.perf_counter()
+
+        # KL to the reference of this batch (k1 mean per token, the controller's input).
+        if ref_logprobs is not None:
+            kl_tokens = kl_estimate(behaviour, ref_logprobs, "k1")
+            kl_mean = masked_mean(kl_tokens, response_mask).item()
+            metrics["kl/ref"] = kl_mean
+            seq_kl = (kl_tokens * response_mask).sum(-1).mean().item()
+            self.kl_ctl.update(seq_kl, r.prompts_per_step * G)
+        metrics["kl/coef"] = beta
+
+        lengths = response_mask.sum(-1)
+        metrics.update(
+            {
+                "reward/mean": scores.mean().item(),
+                "reward/std": scores.std().item() if scores.numel() > 1 else 0.0,
+                "reward/score_raw_mean": raw_scores.mean().item(),
+                "reward/valid_frac": valid.float().mean().item(),
+                "reward/zero_variance_group_frac": float(zero_var),
+                "response/length_mean": lengths.mean().item(),
+                "response/length_max": lengths.max().item(),
+                "response/truncated_frac": rollout.truncated.float().mean().item(),
+                "advantages/mean": masked_mean(advantages, loss_mask).item() if loss_mask.any() else 0.0,
+                "returns/mean": masked_mean(returns, response_mask).item(),
+            }
+        )
+        metrics.update(scored.metrics())
+        metrics.update(update_metrics)
+        n_tokens = int(response_mask.sum().item())
+        metrics["time/training_s"] = t_train - t_gen
+        metrics["time/step_s"] = t_train - t0
+        metrics["perf/tokens_per_s"] = n_tokens / max(t_train - t0, 1e-9)
+        metrics["memory/peak_rss_gb"] = peak_rss_gb()
+        if torch.cuda.is_available():
+            metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        self.step_idx += 1
+        self._last_samples = [
+            {"prompt": rows[i // G]["prompt"], "completion": completions[i], "reward": float(scores[i])}
+            for i in range(len(completions))
+        ]
+        return metrics
+
+    # ------------------------------------------------------------------------------------------
+    def _update(self, batch: StepBatch, beta: float) -> dict[str, Any]:
+        """``ppo_epochs`` x ``num_minibatches`` optimizer steps over ``batch``."""
+        cfg = self.config
+        r = cfg.rollout
+        o = cfg.optim
+        B = batch.rollout.batch_size
+        self.policy.train()
+        sums: dict[str, float] = {}
+        maxima: dict[str, float] = {}
+        losses: list[float] = []
+        weight_total = 0.0
+        skipped = 0
+        steps = 0
+        grad_norms = []
+        g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_idx)
+        for _epoch in range(o.ppo_epochs):
+            order = torch.randperm(B, generator=g) if o.num_minibatches > 1 else torch.arange(B)
+            for mb_rows in torch.tensor_split(order, o.num_minibatches):
+                mb_mask = batch.loss_mask[mb_rows]
+                num_tokens = mb_mask.sum()
+                num_seqs = (mb_mask.sum(-1) > 0).sum()
+                if num_tokens.item() == 0:
+                    continue  # every row of this minibatch is excluded from the loss
+                self.optimizer.zero_grad(set_to_none=True)
+                finite = True
+                mb_loss = 0.0
+                for micro in torch.split(mb_rows, o.micro_batch_size):
+                    sub = batch.rollout.select(micro)
+                    mask = batch.loss_mask[micro]
+                    logprobs, entropy = policy_logprobs(
+                        self.policy,
+                        sub,
+                        temperature=r.temperature,
+                        top_k=r.top_k,
+                        top_p=r.top_p,
+                        with_entropy="grad" if cfg.loss.entropy_coef else True,
+                    )
+                    if batch.old_logprobs is None:
+                        old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
+                    else:
+                        old = batch.old_logprobs[micro]
+                    loss_mat, m = self.policy_loss(
+                        logprobs, old, batch.advantages[micro], mask, **self.loss_options
+                    )
+                    if batch.ref_logprobs is not None:
+                        kl_mat = kl_loss(
+                            logprobs,
+                            batch.ref_logprobs[micro],
+                            mask,
+                            kind=cfg.kl.resolved_kind(),
+                            old_logprobs=old if cfg.kl.importance_weighted else None,
+                        )
+                        loss_mat = loss_mat + beta * kl_mat
+                        m = {**m, "kl_loss": masked_mean(kl_mat.detach(), mask)}
+                    if cfg.loss.entropy_coef:
+                        loss_mat = loss_mat - cfg.loss.entropy_coef * torch.where(mask > 0, entropy, 0.0)
+                    loss = aggregate(
+                        loss_mat,
+                        mask,
+                        cfg.agg_mode,
+                        num_tokens=num_tokens,
+                        num_seqs=num_seqs,
+                        max_len=r.max_new_tokens,
+                    )
+                    if not torch.isfinite(loss):
+                        finite = False
+                        break
+                    loss.backward()
+                    w = float(mask.sum())
+                    weight_total += w
+                    mb_loss = mb_loss + loss.item()
+                    m = {**m, "entropy": masked_mean(entropy.detach(), mask)}
+                    if steps == 0:
+                        diff = (logprobs.detach() - sub.sampler_logprobs).abs()
+                        m["mismatch_abs_mean"] = masked_mean(diff, mask)
+                    for key, value in m.items():
+                        if key.startswith("num_"):
+                            continue  # counts, not per-token averages
+                        if key.endswith("_max"):
+                            maxima[key] = max(maxima.get(key, -math.inf), float(value))
+                        else:
+                            sums[key] = sums.get(key, 0.0) + float(value) * w
+                if finite:
+                    grad_norm = torch.nn.utils.clip_grad_norm_(
+                        [p for p in self.policy.parameters() if p.requires_grad], o.max_grad_norm
+                    )
+                    finite = bool(torch.isfinite(grad_norm))
+                    grad_norms.append(float(grad_norm))
+                if not finite:
+                    # Leave weights and optimizer state untouched; record the skip.
+                    self.optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    continue
+                self.optimizer.step()
+                self.scheduler.step()
+                steps += 1
+                losses.append(mb_loss)
+        self.optimizer.zero_grad(set_to_none=True)
+        names = {
+            "clipfrac": "policy/clipfrac",
+            "clipfrac_low": "policy/clipfrac_low",
+            "clipfrac_high": "policy/clipfrac_high",
+            "approx_kl": "policy/approx_kl",
+            "ratio_mean": "policy/ratio_mean",
+            "ratio_max": "policy/ratio_max",
+            "entropy": "policy/entropy",
+            "kl_loss": "kl/loss_term",
+            "mismatch_abs_mean": "mismatch/logprob_abs_mean",
+        }
+        out: dict[str, Any] = {}
+        for key, total in sums.items():
+            out[names.get(key, f"policy/{key}")] = total / max(weight_total, 1e-12)
+        for key, value in maxima.items():
+            out[names.get(key, f"policy/{key}")] = value
+        out["policy/loss"] = sum(losses) / len(losses) if losses else float("nan")
+        out["optim/steps"] = steps
+        out["optim/skipped_nonfinite"] = skipped
+        out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        return out
+
+    # ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def evaluate(self, rows: list[dict[str, Any]] | None = None, *, batch_size: int = 64, tag: str = "eval"):
+        """Greedy accuracy on held-out rows, judged by the answer-correctness verifier.
+
+        Returns ``(accuracy, records)``; records (prompt, completion, answer, reward) are also
+        written to ``RUN_DIR/<tag>.jsonl``."""
+        from policygrad.rewards.verifiers import answer_correctness
+
+        rows = self.eval_rows if rows is None else rows
+        if not rows:
+            return float("nan"), []
+        records = []
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            rollout = self.engine.generate(
+                self._prompt_ids(chunk),
+                group_size=1,
+                max_new_tokens=self.config.rollout.max_new_tokens,
+                greedy=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+            )
+            completions = self._completions(rollout)
+            rewards = answer_correctness(
+                [r["prompt"] for r in chunk], completions, answer=[r["answer"] for r in chunk]
+            )
+            for row, completion, reward in zip(chunk, completions, rewards):
+                records.append(
+                    {
+                        "prompt": row["prompt"],
+                        "answer": row["answer"],
+                        "completion": completion,
+                        "reward": float(reward),
+                    }
+                )
+        accuracy = sum(r["reward"] for r in records) / len(records)
+        _write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), records)
+        return accuracy, records
+
+    # ------------------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        """Run ``config.steps`` steps (or until ``max_minutes``), with held-out evaluation before
+        and after. Returns a summary that is also written to ``RUN_DIR/summary.json``."""
+        import json
+
+        from tqdm import tqdm
+
+        cfg = self.config
+        start = time.perf_counter()
+        summary: dict[str, Any] = {"run_dir": self.run_dir}
+        if cfg.eval_before and self.eval_rows and self.step_idx == 0:
+            acc, _ = self.evaluate(tag="eval_before")
+            summary["accuracy_before"] = acc
+            self.logger.log(0, {"eval/accuracy": acc})
+            print(f"held-out greedy accuracy before training: {acc:.3f} ({len(self.eval_rows)} problems)")
+        bar = tqdm(
+            total=cfg.steps, initial=self.step_idx, disable=not cfg.progress, desc="train", dynamic_ncols=True
+        )
+        stopped_early = False
+        while self.step_idx < cfg.steps:
+            if cfg.max_minutes is not None and (time.perf_counter() - start) / 60 > cfg.max_minutes:
+                stopped_early = True
+                break
+            metrics = self.step()
+            if cfg.eval_every and self.step_idx % cfg.eval_every == 0 and self.step_idx < cfg.steps:
+                metrics["eval/accuracy"], _ = self.evaluate(tag=f"eval_step{self.step_idx}")
+            self.logger.log(self.step_idx, metrics)
+            bar.update(1)
+            bar.set_postfix(
+                reward=f"{metrics['reward/mean']:.3f}",
+                len=f"{metrics['response/length_mean']:.0f}",
+                s=f"{metrics['time/step_s']:.1f}",
+            )
+            if cfg.log_completions and self.step_idx % 10 == 1:
+                for sample in self._last_samples[: cfg.log_completions]:
+                    bar.write(
+                        f"  [step {self.step_idx}] reward={sample['reward']:.2f} "
+                        f"{sample['completion'][:120]!r}"
+                    )
+            if cfg.save_every and self.step_idx % cfg.save_every == 0:
+                self.save_checkpoint()
+        bar.close()
+        summary["steps"] = self.step_idx
+        summary["stopped_by_max_minutes"] = stopped_early
+        summary["train_minutes"] = (time.perf_counter() - start) / 60
+        if cfg.eval_after and self.eval_rows:
+            acc, _ = self.evaluate(tag="eval_after")
+            summary["accuracy_after"] = acc
+            self.logger.log(self.step_idx, {"eval/accuracy": acc})
+            print(f"held-out greedy accuracy after training:  {acc:.3f} ({len(self.eval_rows)} problems)")
+            if "accuracy_before" in summary:
+                summary["accuracy_gain"] = acc - summary["accuracy_before"]
+                print(f"change: {summary['accuracy_gain']:+.3f}")
+        summary["wall_minutes"] = (time.perf_counter() - start) / 60
+        summary["peak_rss_gb"] = peak_rss_gb()
+        if not cfg.save_every or self.step_idx % cfg.save_every:
+            self.save_checkpoint()
+        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=2)
+        self.logger.close()
+        return summary
+
+    # ------------------------------------------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        """Write ``RUN_DIR/checkpoints/step_N``: weights (safetensors; the adapter with LoRA),
+        optimizer, scheduler, KL controller, data position and RNG states."""
+        path = os.path.join(self.run_dir, "checkpoints", f"step_{self.step_idx}")
+        os.makedirs(path, exist_ok=True)
+        self.policy.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        state = {
+            "step": self.step_idx,
+            "data_position": self.stream.position,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "kl_controller": self.kl_ctl.state_dict(),
+            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+        }
+        torch.save(state, os.path.join(path, "trainer_state.pt"))
+        return path
+
+    def _load_state(self, ckpt: str) -> None:
+        state = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        self.step_idx = state["step"]
+        self.stream.position = state["data_position"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+
+# ----------------------------------------------------------------------------------------------
+def _rows_of_varied_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
+    """[B] bool: rows whose group has at least two different scores (dynamic sampling, DAPO)."""
+    n = int(group_index.max()) + 1
+    g = group_index.cpu()
+    hi = torch.full((n,), -math.inf).scatter_reduce(0, g, scores, "amax")
+    lo = torch.full((n,), math.inf).scatter_reduce(0, g, scores, "amin")
+    return (hi > lo)[g]
+
+
+def _schedule(o, total: int):
+    def factor(step: int) -> float:
+        if o.warmup_steps and step < o.warmup_steps:
+            return (step + 1) / o.warmup_steps
+        if o.schedule == "constant":
+            return 1.0
+        progress = (step - o.warmup_steps) / max(1, total - o.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if o.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The ``checkpoints/step_N`` folder with the largest N under ``run_dir``, or None."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return None
+    steps = [
+        int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_") and d.split("_")[1].isdigit()
+    ]
+    return os.path.join(root, f"step_{max(steps)}") if steps else None
+
+
+def load_policy_weights(model, folder: str) -> None:
+    """Load saved policy weights (full model safetensors or a peft adapter) into ``model``."""
+    from safetensors.torch import load_file
+
+    adapter = os.path.join(folder, "adapter_model.safetensors")
+    if os.path.exists(adapter):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, load_file(adapter))
+        return
+    state = {}
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".safetensors"):
+            state.update(load_file(os.path.join(folder, name)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if "lm_head" not in k]  # tied embeddings are saved once
+    if missing or unexpected:
+        raise TrainingError(
+            f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}"
+        )
+
+
+def _write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    import json
+
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
