@@ -28,9 +28,9 @@ def _user_errors():
 
     errors: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, ValueError, TypeError)
     try:
-        from policygrad.rewards.registry import RewardError
+        from policygrad.rewards.registry import RewardFunctionError
 
-        errors += (RewardError,)
+        errors += (RewardFunctionError,)
     except ImportError:
         pass
     return errors
@@ -90,7 +90,7 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument(
         "--dataset", default="builtin:arithmetic", help="JSONL path or builtin:arithmetic (held-out split)"
     )
-    p.add_argument("--limit", type=int, default=100, help="first N items (default 100)")
+    p.add_argument("--limit", type=int, default=100, help="first N items (default 100; all when fewer)")
     p.add_argument(
         "--samples", type=int, default=1, help="k samples per item for pass@k (default 1: greedy only)"
     )

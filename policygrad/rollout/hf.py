@@ -269,7 +269,7 @@ class HFRolloutEngine(RolloutEngine):
             max_new_tokens=max_new_tokens,
             min_new_tokens=0,
             temperature=1.0,
-            top_k=0,
+            top_k=None if greedy else 0,  # greedy: unset, or transformers warns about an unused flag
             top_p=1.0,
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,

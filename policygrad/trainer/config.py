@@ -13,6 +13,7 @@ algorithm added here needs no change in the training loop.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,7 +418,13 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{path} must be an integer, got {value!r}")
         return value
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, str):
+            # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
             raise ConfigError(f"{path} must be a number, got {value!r}")
         return float(value)
     if annotation is str:

@@ -40,8 +40,8 @@ def evaluate_model(
     seed: int = 0,
 ) -> dict[str, Any]:
     """Greedy accuracy (answer-correctness verifier) on the first ``limit`` items of
-    ``data.eval_dataset`` and, with ``samples`` = k > 1, pass@k from k samples at
-    ``temperature``. Every completion and its reward go to a JSONL file.
+    ``data.eval_dataset`` (all of them when it has fewer) and, with ``samples`` = k > 1, pass@k
+    from k samples at ``temperature``. Every completion and its reward go to a JSONL file.
 
     Returns a dict with ``accuracy``, ``pass@k`` (when k > 1), ``n``, ``output`` and timings.
     """
@@ -53,7 +53,7 @@ def evaluate_model(
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    rows = build_eval_rows(data, seed=seed)[:limit]
+    rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
     path = resolve_model_path(model)
     tokenizer = load_tokenizer(path)
     policy = load_causal_lm(path, dtype="float32", trainable=False)

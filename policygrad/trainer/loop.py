@@ -43,7 +43,7 @@ from policygrad.core.kl import (
 )
 from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.core.losses import entropy_from_logits, get_policy_loss
-from policygrad.core.masking import aggregate, masked_mean, masked_whiten
+from policygrad.core.masking import aggregate, masked_mean, masked_sum, masked_whiten
 from policygrad.rollout.base import Rollout
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.evaluate import decode_completions
@@ -309,21 +309,25 @@ class Trainer:
         return self.reward_fn(prompts, completions, **fields)
 
     @torch.inference_mode()
-    def _inference_logprobs(self, model, rollout: Rollout) -> torch.Tensor:
+    def _inference_logprobs(self, model, rollout: Rollout, *, truncate: bool = True) -> torch.Tensor:
         r = self.config.rollout
         mbs = self.config.optim.micro_batch_size
+        top_k, top_p = (r.top_k, r.top_p) if truncate else (0, 1.0)
         chunks = []
         for start in range(0, rollout.batch_size, mbs):
             sub = rollout.select(torch.arange(start, min(start + mbs, rollout.batch_size)))
-            lp, _ = policy_logprobs(model, sub, temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
+            lp, _ = policy_logprobs(model, sub, temperature=r.temperature, top_k=top_k, top_p=top_p)
             chunks.append(lp)
         return torch.cat(chunks).clone()  # a normal tensor, usable next to autograd tensors
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
+        # The reference is never sampled from, so its log-probs are of the full tempered softmax:
+        # truncated to its own top-k/top-p set it would give -inf (an infinite KL) to every token
+        # the updated policy samples outside that set.
         if self.reference is not None:
-            return self._inference_logprobs(self.reference, rollout)
+            return self._inference_logprobs(self.reference, rollout, truncate=False)
         with self.policy.disable_adapter():  # LoRA: the base weights are the reference
-            return self._inference_logprobs(self.policy, rollout)
+            return self._inference_logprobs(self.policy, rollout, truncate=False)
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -427,7 +431,9 @@ class Trainer:
             kl_tokens = kl_estimate(behaviour, ref_logprobs, "k1")
             kl_mean = masked_mean(kl_tokens, response_mask).item()
             metrics["kl/ref"] = kl_mean
-            seq_kl = (kl_tokens * response_mask).sum(-1).mean().item()
+            # masked_sum, not a product with the mask: with top-k/top-p the log-probs of padding
+            # tokens are -inf, and inf * 0 would make the controller's input NaN.
+            seq_kl = masked_sum(kl_tokens, response_mask, dim=-1).mean().item()
             self.kl_ctl.update(seq_kl, r.prompts_per_step * G)
         metrics["kl/coef"] = beta
 

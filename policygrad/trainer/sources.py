@@ -26,10 +26,11 @@ def build_train_source(data, *, seed: int):
     )
 
 
-def build_eval_rows(data, *, seed: int) -> list[dict[str, Any]]:
+def build_eval_rows(data, *, seed: int, at_most: bool = False) -> list[dict[str, Any]]:
     """Held-out rows: ``data.eval_dataset`` if set, else the built-in task's held-out split.
 
-    A file dataset without ``data.eval_dataset`` has no held-out split (evaluating on training
+    ``data.eval_size`` rows; more than a file holds is an error, unless ``at_most`` (then all of
+    them). A file dataset without ``data.eval_dataset`` has no held-out split (evaluating on training
     rows would overstate accuracy), so no evaluation runs and a note says so.
     """
     if not data.eval_size:
@@ -53,4 +54,7 @@ def build_eval_rows(data, *, seed: int) -> list[dict[str, Any]]:
         answer_field=data.answer_field,
         shuffle=False,
     )
-    return source.eval_rows(data.eval_size)
+    n = data.eval_size
+    if at_most and hasattr(source, "__len__"):
+        n = min(n, len(source))  # ``policygrad eval --limit N``: the first N rows, or all of fewer
+    return source.eval_rows(n)

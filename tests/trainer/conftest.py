@@ -1,0 +1,136 @@
+"""Fixtures of the trainer tests: a tiny model whose responses often end early, reward functions
+in a file (loaded as ``path.py:function``), small JSONL datasets and a config factory with tiny
+settings (2 prompts x G 4, 6 new tokens, no evaluation, no progress bar, no TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+from policygrad.trainer.config import load_config
+from tests.tiny import BOS_ID, PAD_ID, make_tiny_llama
+
+# Every 7th id from <|im_end|> (2, 9, ..., 93: 14 of the 100 ids) ends a response, so 6-token
+# responses of the random model both stop early (post-EOS padding in [B, T]) and get truncated.
+MANY_EOS = list(range(2, 100, 7))
+
+REWARDS_PY = '''
+def digit_fraction(prompts, completions, **fields):
+    """Fraction of the completion's characters that are digits: varies between samples, so the
+    advantages of a random model are not all zero."""
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def flaky(prompts, completions, bad=None, **fields):
+    """Like digit_fraction, but raises on rows whose dataset field ``bad`` is true."""
+    bad = bad or [False] * len(completions)
+    if any(bad):
+        raise RuntimeError("cannot score this row")
+    return digit_fraction(prompts, completions)
+
+
+def constant_if_same(prompts, completions, **fields):
+    """1.0 for every sample of a prompt containing "same" (a zero-variance group), else
+    digit_fraction."""
+    scores = digit_fraction(prompts, completions)
+    return [1.0 if "same" in p else s for p, s in zip(prompts, scores)]
+
+
+def not_a_number(prompts, completions, bad=None, **fields):
+    """Returns a string instead of a score on rows whose field ``bad`` is true."""
+    bad = bad or [False] * len(completions)
+    return ["n/a" if b else s for b, s in zip(bad, digit_fraction(prompts, completions))]
+'''
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning
+    OpenMP threads make each step about 50x slower; restored after the test."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def eos_model_dir(tmp_path_factory) -> str:
+    """Tiny Llama (seed 0, peaked next-token distributions) that stops at any of ``MANY_EOS``."""
+    path = tmp_path_factory.mktemp("tiny_llama_many_eos")
+    model, _ = make_tiny_llama(path, seed=0, initializer_range=0.5)
+    model.generation_config = GenerationConfig(
+        bos_token_id=BOS_ID, eos_token_id=MANY_EOS, pad_token_id=PAD_ID
+    )
+    model.generation_config.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def rewards_py(tmp_path_factory) -> str:
+    """Path of a .py file holding the reward functions of ``REWARDS_PY``."""
+    path = tmp_path_factory.mktemp("rewards") / "my_rewards.py"
+    path.write_text(REWARDS_PY)
+    return str(path)
+
+
+def write_jsonl(path, rows) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def bad_row_dataset(tmp_path) -> str:
+    """Two prompts in file order; the second has ``bad: true`` (rows 4..7 of a G=4 batch)."""
+    return write_jsonl(
+        tmp_path / "bad_row.jsonl",
+        [
+            {"prompt": "What is 2+3?", "answer": "5", "bad": False},
+            {"prompt": "What is 7-4?", "answer": "3", "bad": True},
+        ],
+    )
+
+
+def tiny_overrides(model_dir: str, reward_spec: str, output_dir, **sections) -> dict:
+    """The override mapping of a tiny run; ``sections`` replace top-level fields or update a
+    section's mapping (``rollout={"group_size": 2}`` keeps the other rollout fields)."""
+    tree = {
+        "algorithm": "grpo",
+        "steps": 2,
+        "seed": 0,
+        "output_dir": os.fspath(output_dir),
+        "progress": False,
+        "tensorboard": False,
+        "eval_before": False,
+        "eval_after": False,
+        "log_completions": 0,
+        "model": {"name": model_dir},
+        "data": {"eval_size": 0, "difficulty": "easy"},
+        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+        "reward": {"functions": [reward_spec]},
+        "optim": {"lr": 1e-2, "micro_batch_size": 8},
+    }
+    for key, value in sections.items():
+        if isinstance(value, dict) and isinstance(tree.get(key), dict):
+            tree[key] = {**tree[key], **value}
+        else:
+            tree[key] = value
+    return tree
+
+
+@pytest.fixture
+def make_config(eos_model_dir, rewards_py, tmp_path):
+    """``make_config(name="run", reward_fn="digit_fraction", **sections)`` -> a validated
+    TrainConfig of a tiny run writing to ``tmp_path / name``, scored by ``reward_fn`` of the
+    reward file."""
+
+    def factory(name: str = "run", *, reward_fn: str = "digit_fraction", **sections):
+        spec = f"{rewards_py}:{reward_fn}"
+        return load_config(None, tiny_overrides(eos_model_dir, spec, tmp_path / name, **sections))
+
+    return factory

@@ -1,0 +1,283 @@
+"""Tests of ``policygrad train`` / ``policygrad eval`` through ``policygrad.cli.main``: every bad
+input ends in one ``error:`` line naming the field and the fix (exit status 2), resume from the
+command line, and evaluation with its JSONL of completions."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from policygrad.cli import main
+from policygrad.rewards.verifiers import extract_answer
+from policygrad.trainer.evaluate import pass_at_k
+from tests.trainer.conftest import tiny_overrides, write_jsonl
+
+VOLATILE = ("time/", "perf/", "memory/")
+
+
+@pytest.fixture
+def tiny_yaml(eos_model_dir, rewards_py, tmp_path):
+    """``tiny_yaml(name="run", reward_fn="digit_fraction", **sections)`` -> path of a config file
+    of a tiny run writing to ``tmp_path / name``."""
+
+    def factory(name: str = "run", *, reward_fn: str = "digit_fraction", **sections) -> str:
+        tree = tiny_overrides(eos_model_dir, f"{rewards_py}:{reward_fn}", tmp_path / name, **sections)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        return str(path)
+
+    return factory
+
+
+def _fails(argv, capsys) -> str:
+    """Run the CLI, expect exit status 2 and return the single ``error:`` line."""
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+def test_unknown_algorithm(capsys):
+    line = _fails(["train", "--algorithm=ppo2"], capsys)
+    assert line == (
+        "error: algorithm='ppo2' is not valid; choose one of "
+        "['dr_grpo', 'grpo', 'reinforce', 'reinforce_pp', 'remax', 'rloo']"
+    )
+
+
+def test_unknown_option(capsys):
+    line = _fails(["train", "--kl.bta=1"], capsys)
+    assert line.startswith("error: unknown config key kl.bta; valid keys here: beta, controller, horizon, ")
+
+
+@pytest.mark.parametrize("algorithm", ["rloo", "grpo", "dr_grpo"])
+def test_group_size_one_with_a_group_baseline(algorithm, capsys):
+    line = _fails(["train", f"--algorithm={algorithm}", "--rollout.group_size=1"], capsys)
+    assert f"algorithm={algorithm!r} needs rollout.group_size >= 2" in line
+
+
+def test_config_file_errors(tmp_path, capsys):
+    assert "config file /nonexistent.yaml not found" in _fails(["train", "/nonexistent.yaml"], capsys)
+    path = tmp_path / "bad.yaml"
+    path.write_text("optim:\n  lr: fast\n")
+    assert "optim.lr must be a number, got 'fast'" in _fails(["train", str(path)], capsys)
+
+
+def test_resume_errors(tmp_path, capsys):
+    line = _fails(["train", "--resume", str(tmp_path)], capsys)
+    assert (
+        f"--resume {tmp_path}: {tmp_path}/config.yaml not found; is this a policygrad run directory?" in line
+    )
+    assert "--resume needs a run directory" in _fails(["train", "--resume"], capsys)
+
+
+def test_unknown_command(capsys):
+    assert "unknown command 'fit'; choose one of train, eval" in _fails(["fit"], capsys)
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def test_prompt_longer_than_the_context_budget(tiny_yaml, capsys):
+    line = _fails(["train", tiny_yaml(), "--data.max_prompt_length=8"], capsys)
+    assert "tokens long, over max_prompt_length=8" in line
+    assert "raise max_prompt_length, or shorten or drop the long prompts" in line
+
+
+def test_empty_dataset(tiny_yaml, tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = _fails(["train", tiny_yaml(), f"--data.dataset={empty}"], capsys)
+    assert f"dataset {empty} is empty (no rows)" in line
+
+
+def test_missing_prompt_field(tiny_yaml, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": "What is 1+1?", "answer": "2"}])
+    line = _fails(["train", tiny_yaml(), f"--data.dataset={data}"], capsys)
+    assert "cannot tell which field holds the prompt; the rows have the fields 'text', 'answer'" in line
+    assert "Set prompt_field to one of them" in line
+
+
+def test_row_without_the_mapped_field(tiny_yaml, tmp_path, capsys):
+    data = write_jsonl(
+        tmp_path / "holes.jsonl",
+        [{"text": "What is 1+1?", "answer": "2"}, {"body": "What is 2+2?", "answer": "4"}],
+    )
+    line = _fails(["train", tiny_yaml(), f"--data.dataset={data}", "--data.prompt_field=text"], capsys)
+    assert "row 1 (line 2) has no field 'text'; its fields are 'body', 'answer'" in line
+
+
+def test_missing_reward_file(tiny_yaml, tmp_path, capsys):
+    line = _fails(["train", tiny_yaml(), f"--reward.functions=[{tmp_path}/nope.py:score]"], capsys)
+    assert "reward function file" in line and "nope.py" in line and "does not exist" in line
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def test_reward_function_that_raises(tiny_yaml, bad_row_dataset, rewards_py, capsys):
+    argv = [
+        "train",
+        tiny_yaml(reward_fn="flaky"),
+        f"--data.dataset={bad_row_dataset}",
+        "--data.shuffle=false",
+    ]
+    line = _fails(argv, capsys)
+    assert line == (
+        f"error: reward function '{rewards_py}:flaky' raised RuntimeError: cannot score this row for row 4 "
+        "(prompt: 'What is 7-4?'); fix the function, or set on_error='skip' to leave such rows out of "
+        "the loss and count them in reward/invalid_frac"
+    )
+
+
+def test_reward_function_returning_a_non_number(tiny_yaml, bad_row_dataset, rewards_py, capsys):
+    argv = [
+        "train",
+        tiny_yaml(reward_fn="not_a_number"),
+        f"--data.dataset={bad_row_dataset}",
+        "--data.shuffle=false",
+    ]
+    line = _fails(argv, capsys)
+    assert (
+        f"reward function '{rewards_py}:not_a_number' returned 'n/a' (str), not a finite real number" in line
+    )
+    assert "for row 4 (prompt: 'What is 7-4?')" in line
+
+
+def test_reward_errors_skipped_are_counted(tiny_yaml, bad_row_dataset, tmp_path, capsys):
+    argv = [
+        "train",
+        tiny_yaml("skip", reward_fn="flaky"),
+        f"--data.dataset={bad_row_dataset}",
+        "--data.shuffle=false",
+        "--reward.on_error=skip",
+    ]
+    assert main(argv) == 0
+    with open(tmp_path / "skip" / "metrics.jsonl", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["reward/invalid_frac"] for r in rows] == [0.5, 0.5]  # 4 of 8 rows each step
+    assert all(r["optim/steps"] == 1 and math.isfinite(r["policy/loss"]) for r in rows)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in f]
+
+
+def _weights(run_dir, step) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "checkpoints", f"step_{step}", "model", "*.safetensors")):
+        out.update(load_file(path))
+    assert out
+    return out
+
+
+def test_resume_from_the_command_line(tiny_yaml, tmp_path, capsys):
+    # 2 steps, stop, `--resume` with 2 more steps == 4 straight steps (metrics and weights bitwise).
+    extra = ["--kl.placement=reward", "--kl.beta=0.05", "--optim.num_minibatches=2"]
+    assert main(["train", tiny_yaml("straight"), "--steps=4", *extra]) == 0
+    assert main(["train", tiny_yaml("resumed"), "--steps=2", *extra]) == 0
+    assert main(["train", "--resume", str(tmp_path / "resumed"), "--steps=4"]) == 0
+    capsys.readouterr()
+    straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert resumed == straight
+    a, b = _weights(tmp_path / "straight", 4), _weights(tmp_path / "resumed", 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------- eval
+
+
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (5, 2, 2, 0.7),  # 1 - C(3,2)/C(5,2) = 1 - 3/10
+        (5, 1, 1, 0.2),  # pass@1 = c/n
+        (10, 3, 1, 0.3),
+        (4, 0, 2, 0.0),  # nothing correct
+        (4, 3, 2, 1.0),  # n - c = 1 < k: every draw of 2 holds a correct sample
+        (6, 2, 3, 0.8),  # 1 - C(4,3)/C(6,3) = 1 - 4/20
+        (3, 3, 3, 1.0),
+    ],
+)
+def test_pass_at_k_by_hand(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_rejects_bad_counts():
+    with pytest.raises(ValueError, match=r"k=3 must be <= n=2"):
+        pass_at_k(2, 1, 3)
+    with pytest.raises(ValueError, match=r"c=5 must be in \[0, n=4\]"):
+        pass_at_k(4, 5, 1)
+
+
+def _eval(argv, capsys) -> dict:
+    assert main(["eval", *argv]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_eval_reports_accuracy_and_writes_completions(eos_model_dir, tmp_path, capsys):
+    prompts = [f"What is {a} + {b}?" for a, b in [(1, 2), (3, 4), (5, 6), (7, 8), (9, 10), (11, 12)]]
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": p, "answer": "-999"} for p in prompts])
+    out = tmp_path / "completions.jsonl"
+    common = ["--model", eos_model_dir, "--limit", "6", "--max-new-tokens", "8", "--output", str(out)]
+    result = _eval(["--dataset", data, "--samples", "3", *common], capsys)
+    assert (result["n"], result["output"]) == (6, str(out)) and result["accuracy"] == 0.0
+    assert result["pass@3"] == 0.0
+    with open(out, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["prompt"] for r in records] == prompts
+    for r in records:
+        assert r["answer"] == "-999" and r["reward"] == 0.0 and isinstance(r["completion"], str)
+        assert len(r["samples"]) == 3 and all(s["reward"] == 0.0 for s in r["samples"])
+
+    # Second pass: make the reference answer of each row the final number of its greedy
+    # completion (greedy decoding repeats itself), so exactly those rows are correct.
+    finals = [extract_answer(r["completion"]) for r in records]
+    assert any(finals), [r["completion"] for r in records]
+    data = write_jsonl(
+        tmp_path / "d2.jsonl", [{"question": p, "answer": f or "-999"} for p, f in zip(prompts, finals)]
+    )
+    result = _eval(["--dataset", data, *common], capsys)
+    assert result["accuracy"] == pytest.approx(sum(f is not None for f in finals) / 6, abs=1e-12)
+    assert "pass@1" not in result
+    with open(out, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["reward"] for r in records] == [1.0 if f else 0.0 for f in finals]
+
+
+def test_eval_limit_larger_than_the_dataset_takes_every_row(eos_model_dir, tmp_path, capsys):
+    data = write_jsonl(
+        tmp_path / "two.jsonl", [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    )
+    out = tmp_path / "o.jsonl"
+    result = _eval(
+        ["--model", eos_model_dir, "--dataset", data, "--max-new-tokens", "4", "--output", str(out)], capsys
+    )  # default --limit 100
+    assert result["n"] == 2
+
+
+def test_eval_errors(eos_model_dir, tmp_path, capsys):
+    line = _fails(["eval", "--model", eos_model_dir, "--dataset", str(tmp_path / "none.jsonl")], capsys)
+    assert "none.jsonl" in line
+    data = write_jsonl(tmp_path / "one.jsonl", [{"question": "1+1?", "answer": "2"}])
+    assert "--samples must be >= 1, got 0" in _fails(
+        ["eval", "--model", eos_model_dir, "--dataset", data, "--samples", "0"], capsys
+    )

@@ -1,0 +1,287 @@
+"""Tests of the typed config tree: YAML + overrides, coercion, presets, errors naming the field."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from policygrad.core.advantages import list_advantage_estimators
+from policygrad.core.losses import list_policy_losses
+from policygrad.core.masking import AGGREGATION_MODES
+from policygrad.trainer.config import (
+    ALGORITHMS,
+    ConfigError,
+    RolloutConfig,
+    TrainConfig,
+    load_config,
+    parse_overrides,
+)
+
+
+def _yaml(tmp_path, data, name="cfg.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- YAML and overrides
+
+
+def test_yaml_and_overrides_map_onto_the_tree(tmp_path):
+    path = _yaml(
+        tmp_path,
+        {
+            "algorithm": "rloo",
+            "steps": 7,
+            "kl": {"placement": "loss", "beta": 0.04},
+            "optim": {"betas": [0.8, 0.95], "warmup_steps": 3},
+            "reward": {"functions": ["answer_correctness", "answer_format"], "weights": [1, 0.5]},
+        },
+    )
+    cfg = load_config(path, ["--kl.beta=0.1", "--rollout.group_size", "4", "--data.prompt_field=question"])
+    # overrides win; YAML values stay where nothing overrides them; defaults fill the rest
+    assert cfg.kl.beta == 0.1 and cfg.kl.placement == "loss"
+    assert cfg.rollout.group_size == 4 and cfg.rollout.prompts_per_step == RolloutConfig().prompts_per_step
+    assert cfg.data.prompt_field == "question"
+    assert (cfg.algorithm, cfg.steps, cfg.optim.warmup_steps) == ("rloo", 7, 3)
+    assert cfg.optim.betas == (0.8, 0.95) and isinstance(cfg.optim.betas, tuple)
+    assert cfg.reward.functions == ["answer_correctness", "answer_format"]
+    assert cfg.reward.weights == [1.0, 0.5] and all(type(w) is float for w in cfg.reward.weights)
+
+
+def test_list_and_mapping_overrides_are_the_same():
+    as_list = load_config(None, ["--kl.placement=reward", "--kl.beta=0.05", "--optim.lr=3e-4", "--steps=5"])
+    as_dict = load_config(
+        None, {"kl": {"placement": "reward", "beta": 0.05}, "optim": {"lr": 3e-4}, "steps": 5}
+    )
+    assert as_list == as_dict
+    assert parse_overrides(["--kl.beta", "0.05", "--model.lora.rank=8"]) == {
+        "kl": {"beta": 0.05},
+        "model": {"lora": {"rank": 8}},
+    }
+
+
+@pytest.mark.parametrize(
+    "override, path, expected, kind",
+    [
+        ("--kl.beta=1", ("kl", "beta"), 1.0, float),  # int -> float
+        ("--steps=10.0", ("steps",), 10, int),  # integral float -> int
+        ("--optim.lr=1e-5", ("optim", "lr"), 1e-5, float),  # YAML 1.1 reads 1e-5 as a string
+        ("--optim.lr=2.5E-4", ("optim", "lr"), 2.5e-4, float),
+        ("--progress=false", ("progress",), False, bool),
+        ("--data.prompt_field=null", ("data", "prompt_field"), None, type(None)),
+        ("--loss.dual_clip=3", ("loss", "dual_clip"), 3.0, float),  # float | None
+        ("--max_minutes=2", ("max_minutes",), 2.0, float),
+        (
+            "--model.lora.target_modules=[q_proj, v_proj]",
+            ("model", "lora", "target_modules"),
+            ["q_proj", "v_proj"],
+            list,
+        ),
+        ("--model.lora.target_modules=all-linear", ("model", "lora", "target_modules"), "all-linear", str),
+        ("--advantage.options={scale: batch}", ("advantage", "options"), {"scale": "batch"}, dict),
+    ],
+)
+def test_values_are_coerced_to_the_annotated_type(override, path, expected, kind):
+    cfg = load_config(None, [override])
+    value = cfg
+    for name in path:
+        value = getattr(value, name)
+    assert value == expected and type(value) is kind
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--steps=1.5", "steps must be an integer, got 1.5"),
+        ("--rollout.group_size=abc", "rollout.group_size must be an integer, got 'abc'"),
+        ("--progress=maybe", "progress must be true or false, got 'maybe'"),
+        ("--optim.lr=fast", "optim.lr must be a number, got 'fast'"),
+        ("--kl.beta=nan", "kl.beta must be a number, got nan"),
+        ("--model.name=[a, b]", "model.name must be a string"),
+        ("--reward.functions=answer_correctness", "reward.functions must be a list"),
+        ("--model=3", "model must be a mapping of its fields"),
+    ],
+)
+def test_wrong_types_name_the_dotted_field(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+# ----------------------------------------------------------------------------- unknown keys
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("--stepz=3", "unknown config key stepz; valid keys here: "),
+        ("--kl.bta=1", "unknown config key kl.bta; valid keys here: beta, controller, horizon"),
+        ("--model.lora.rnk=4", "unknown config key model.lora.rnk; valid keys here: alpha, dropout, rank"),
+    ],
+)
+def test_unknown_keys_are_named_with_their_section(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert message in str(info.value)
+
+
+def test_unknown_nested_key_in_yaml_is_named(tmp_path):
+    path = _yaml(tmp_path, {"optim": {"lr": 1e-4, "lrr": 1e-4}})
+    with pytest.raises(ConfigError, match=r"unknown config key optim\.lrr; valid keys here: betas, eps"):
+        load_config(path)
+
+
+def test_malformed_overrides_and_files():
+    with pytest.raises(ConfigError, match=r"expected --key=value, got 'steps=3'"):
+        load_config(None, ["steps=3"])
+    with pytest.raises(ConfigError, match=r"--steps needs a value: --steps=VALUE"):
+        load_config(None, ["--steps"])
+    with pytest.raises(ConfigError, match=r"cannot set kl\.beta\.x: beta is not a section"):
+        parse_overrides(["--kl.beta=1", "--kl.beta.x=2"])
+    with pytest.raises(FileNotFoundError):
+        load_config("/nonexistent/run.yaml")
+
+
+def test_config_file_must_be_a_mapping(tmp_path):
+    path = _yaml(tmp_path, ["grpo", "rloo"])
+    with pytest.raises(ConfigError, match="a config file must be a YAML mapping"):
+        load_config(path)
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(
+        None,
+        [
+            "--algorithm=dr_grpo",
+            "--kl.placement=loss",
+            "--kl.beta=0.02",
+            "--optim.lr=5e-6",
+            "--model.lora.rank=8",
+            "--reward.weights=[2]",
+        ],
+    )
+    path = _yaml(tmp_path, cfg.to_dict())
+    assert load_config(path) == cfg
+
+
+# ----------------------------------------------------------------------------- presets
+
+
+@pytest.mark.parametrize(
+    "algorithm, estimator, options, agg_mode, min_group",
+    [
+        ("reinforce", "reinforce", {"baseline": 0.0}, "token-mean", 1),
+        ("rloo", "rloo", {}, "token-mean", 2),
+        ("remax", "remax", {}, "token-mean", 1),
+        ("grpo", "grpo", {"scale": "group"}, "seq-mean-token-mean", 2),
+        # Dr.GRPO (Liu et al. 2025): GRPO's group baseline without the std scale, and a constant
+        # normaliser (num_seqs x max_new_tokens) instead of each sequence's length.
+        ("dr_grpo", "grpo", {"scale": "none"}, "seq-mean-token-sum-norm", 2),
+        ("reinforce_pp", "reinforce_pp", {}, "token-mean", 1),
+    ],
+)
+def test_presets_resolve_to_registered_names(algorithm, estimator, options, agg_mode, min_group):
+    cfg = load_config(None, [f"--algorithm={algorithm}", f"--rollout.group_size={max(min_group, 2)}"])
+    assert cfg.estimator_name == estimator and cfg.estimator_options == options
+    assert cfg.policy_loss_name == "ppo" and cfg.agg_mode == agg_mode
+    assert cfg.preset.min_group_size == min_group
+    # the trainer only looks these names up in core's registries
+    assert estimator in list_advantage_estimators() and "ppo" in list_policy_losses()
+    assert agg_mode in AGGREGATION_MODES
+
+
+def test_every_preset_names_registered_functions():
+    for name, preset in ALGORITHMS.items():
+        assert preset.estimator in list_advantage_estimators(), name
+        assert preset.policy_loss in list_policy_losses(), name
+        assert preset.loss_agg_mode in AGGREGATION_MODES, name
+
+
+def test_overrides_of_the_preset():
+    cfg = load_config(
+        None, ["--algorithm=dr_grpo", "--advantage.options={scale: batch}", "--loss.agg_mode=token-mean"]
+    )
+    assert cfg.estimator_name == "grpo"
+    assert cfg.estimator_options == {"scale": "batch"}  # merged over the preset's {"scale": "none"}
+    assert cfg.agg_mode == "token-mean"
+    # another estimator drops the preset's options (they belong to the preset's estimator)
+    cfg = load_config(None, ["--algorithm=grpo", "--advantage.estimator=rloo"])
+    assert (cfg.estimator_name, cfg.estimator_options) == ("rloo", {})
+    cfg = load_config(None, ["--loss.policy_loss=vanilla"])
+    assert cfg.policy_loss_name == "vanilla"
+
+
+def test_kl_kind_defaults_by_placement():
+    # k1 in the reward (unbiased KL per token), k3 in the loss (GRPO's estimator)
+    assert load_config(None, ["--kl.placement=reward", "--kl.beta=0.1"]).kl.resolved_kind() == "k1"
+    assert load_config(None, ["--kl.placement=loss", "--kl.beta=0.1"]).kl.resolved_kind() == "k3"
+    assert (
+        load_config(None, ["--kl.placement=loss", "--kl.beta=0.1", "--kl.kind=k2"]).kl.resolved_kind() == "k2"
+    )
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["--algorithm=ppo2"],
+            "algorithm='ppo2' is not valid; choose one of ['dr_grpo', 'grpo', 'reinforce', "
+            "'reinforce_pp', 'remax', 'rloo']",
+        ),
+        (["--algorithm=rloo", "--rollout.group_size=1"], "algorithm='rloo' needs rollout.group_size >= 2"),
+        (["--algorithm=grpo", "--rollout.group_size=1"], "algorithm='grpo' needs rollout.group_size >= 2"),
+        (
+            ["--algorithm=dr_grpo", "--rollout.group_size=1"],
+            "algorithm='dr_grpo' needs rollout.group_size >= 2",
+        ),
+        (["--rollout.top_p=1.5"], "rollout.top_p must be in (0, 1], got 1.5"),
+        (["--rollout.temperature=0"], "rollout.temperature must be > 0, got 0.0"),
+        (["--rollout.engine=vllm"], "rollout.engine='vllm' is not valid; choose one of ['hf']"),
+        (["--optim.lr=-1e-5"], "optim.lr must be > 0"),
+        (
+            ["--optim.schedule=step"],
+            "optim.schedule='step' is not valid; choose one of ['constant', 'cosine', 'linear']",
+        ),
+        (
+            ["--rollout.prompts_per_step=4", "--rollout.group_size=8", "--optim.num_minibatches=33"],
+            "optim.num_minibatches=33 exceeds the batch of 32 sequences",
+        ),
+        (["--kl.placement=loss"], "kl.placement='loss' with kl.beta=0 computes a KL that has no effect"),
+        (["--kl.kind=k4"], "kl.kind='k4' is not valid; choose one of ['k1', 'k2', 'k3']"),
+        (["--loss.agg_mode=mean"], "loss.agg_mode='mean' is not valid"),
+        (["--reward.weights=[1, 2]"], "reward.weights has 2 entries for 1 functions"),
+        (
+            ["--reward.on_error=ignore"],
+            "reward.on_error='ignore' is not valid; choose one of ['raise', 'skip']",
+        ),
+        (["--reward.truncation=drop"], "reward.truncation='drop' is not valid"),
+        (["--reward.functions=[]"], "reward.functions is empty"),
+        (["--model.lora.rank=-1"], "model.lora.rank must be >= 0, got -1"),
+        (["--model.dtype=float16"], "model.dtype='float16' is not valid"),
+        (["--data.max_prompt_length=0"], "data.max_prompt_length must be > 0, got 0"),
+        (["--eval_every=-1"], "eval_every must be >= 0, got -1"),
+    ],
+)
+def test_validation_errors_name_the_dotted_field(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm", ["reinforce", "remax", "reinforce_pp"])
+def test_group_size_one_is_fine_without_a_group_baseline(algorithm):
+    cfg = load_config(None, [f"--algorithm={algorithm}", "--rollout.group_size=1"])
+    assert cfg.rollout.group_size == 1
+
+
+def test_construction_validates():
+    with pytest.raises(ConfigError, match="algorithm='nope'"):
+        TrainConfig(algorithm="nope")
+    cfg = TrainConfig()
+    cfg.rollout.group_size = 1  # mutated after construction: validate() catches it
+    with pytest.raises(ConfigError, match="needs rollout.group_size >= 2"):
+        cfg.validate()

@@ -1,0 +1,598 @@
+"""Tests of the training loop on a tiny random Llama: every algorithm end to end, what carries
+loss, the on-policy ratio, resume, gradient accumulation, skipped non-finite updates, reward
+failures, dynamic sampling and the run directory.
+
+Rewards come from ``tests/trainer/conftest.py``'s reward file (the answer-correctness reward of a
+random model is always 0, which would make every advantage 0)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import glob
+import json
+import math
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import policygrad.trainer.loop as loop
+from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
+from policygrad.rewards.registry import RewardFunctionError
+from policygrad.rollout import HFRolloutEngine
+from policygrad.trainer.loop import Trainer
+from tests.trainer.conftest import write_jsonl
+
+VOLATILE = ("time/", "perf/", "memory/")
+
+
+def _comparable(metrics: dict) -> dict:
+    """Metrics without wall-clock and memory readings; NaN replaced by a marker so == works."""
+    return {
+        k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
+        for k, v in metrics.items()
+        if not k.startswith(VOLATILE)
+    }
+
+
+def _weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _optimizer_state(optimizer) -> dict:
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def _same_tree(a, b) -> bool:
+    """Bitwise equality of nested dicts/lists of tensors and plain values."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+class Spy:
+    """Records every training forward of a trainer: the response logits (their gradient is kept)
+    with the response mask of the rows it ran on (as the rollout engine produced it), and the
+    arguments and metrics of the policy-loss call that follows, with the number of optimizer steps
+    taken before it."""
+
+    def __init__(self, trainer: Trainer, monkeypatch):
+        self.calls: list[dict] = []
+        self.logits: list[torch.Tensor] = []
+        self.response_masks: list[torch.Tensor] = []
+        self.optimizer_steps = 0
+        trainer.optimizer.register_step_post_hook(self._count)
+        policy_loss = trainer.policy_loss
+
+        def spy_loss(logprobs, old_logprobs, advantages, mask, **options):
+            out = policy_loss(logprobs, old_logprobs, advantages, mask, **options)
+            self.calls.append(
+                {
+                    "logprobs": logprobs.detach().clone(),
+                    "old": old_logprobs.detach().clone(),
+                    "advantages": advantages.detach().clone(),
+                    "mask": mask.detach().clone(),
+                    "metrics": {k: float(v) for k, v in out[1].items()},
+                    "after_steps": self.optimizer_steps,
+                }
+            )
+            return out
+
+        trainer.policy_loss = spy_loss
+        response_logits = loop.response_logits
+
+        def spy_logits(model, rollout):
+            logits = response_logits(model, rollout)
+            if logits.requires_grad:  # training forwards only (inference runs without autograd)
+                logits.retain_grad()
+                self.logits.append(logits)
+                self.response_masks.append(rollout.response_mask.clone())
+            return logits
+
+        monkeypatch.setattr(loop, "response_logits", spy_logits)
+
+    def _count(self, *args):
+        self.optimizer_steps += 1
+
+
+def poison_masked_positions(trainer: Trainer) -> None:
+    """Fill everything the loss must not see with garbage: prompt padding and post-EOS token ids
+    become random tokens, and the sampler's, old and reference log-probs become NaN wherever
+    ``response_mask`` is 0. A loop that masks correctly gives bitwise the same step."""
+    inference_logprobs = trainer._inference_logprobs
+
+    def poisoned_logprobs(model, rollout, **kwargs):
+        out = inference_logprobs(model, rollout, **kwargs)
+        return out.masked_fill(rollout.response_mask == 0, float("nan"))
+
+    generate = trainer.engine.generate
+
+    def poisoned_generate(*args, **kwargs):
+        r = generate(*args, **kwargs)
+        g = torch.Generator().manual_seed(123)
+        junk_response = torch.randint(4, 100, r.response_ids.shape, generator=g)
+        junk_prompt = torch.randint(4, 100, r.prompt_ids.shape, generator=g)
+        return dataclasses.replace(
+            r,
+            response_ids=torch.where(r.response_mask > 0, r.response_ids, junk_response),
+            prompt_ids=torch.where(r.prompt_mask > 0, r.prompt_ids, junk_prompt),
+            sampler_logprobs=r.sampler_logprobs.masked_fill(r.response_mask == 0, float("nan")),
+        )
+
+    trainer._inference_logprobs = poisoned_logprobs
+    trainer.engine.generate = poisoned_generate
+
+
+# ----------------------------------------------------------------------------- every algorithm
+
+# One variant per algorithm so that together they cover both KL placements, k1/k2/k3, the
+# importance-weighted KL term, the adaptive controller, recomputed old log-probs (minibatches or
+# epochs) and the truncation policies. Every variant has an entropy bonus.
+VARIANTS = {
+    "reinforce": {"kl": {"placement": "reward", "beta": 0.1}, "optim": {"num_minibatches": 2}},
+    "rloo": {"kl": {"placement": "loss", "beta": 0.1}, "optim": {"ppo_epochs": 2}},
+    "remax": {"kl": {"placement": "reward", "beta": 0.1, "kind": "k2"}},
+    "grpo": {
+        "kl": {"placement": "loss", "beta": 0.1, "importance_weighted": True},
+        "optim": {"num_minibatches": 2},
+        "reward": {"truncation": "exclude"},
+    },
+    "dr_grpo": {
+        "kl": {"placement": "loss", "beta": 0.1, "kind": "k2"},
+        "optim": {"ppo_epochs": 2},
+        "reward": {"truncation": "penalty", "truncation_penalty": -0.5},
+    },
+    "reinforce_pp": {
+        "kl": {"placement": "reward", "beta": 0.1, "controller": "adaptive", "target": 0.5, "horizon": 100},
+        "optim": {"num_minibatches": 2},
+    },
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(VARIANTS))
+def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_config, monkeypatch):
+    sections = {"algorithm": algorithm, "loss": {"entropy_coef": 0.01}, **VARIANTS[algorithm]}
+    trainer = Trainer(make_config("clean", **sections))
+    before = _weights(trainer.policy)
+    spy = Spy(trainer, monkeypatch)
+    metrics = [trainer.step() for _ in range(2)]
+
+    # Parameters changed (every tensor of the model), losses finite, nothing skipped.
+    after = _weights(trainer.policy)
+    assert all(not torch.equal(before[k], after[k]) for k in before)
+    for m in metrics:
+        assert math.isfinite(m["policy/loss"]) and math.isfinite(m["policy/entropy"])
+        assert m["optim/steps"] >= 1 and m["optim/skipped_nonfinite"] == 0
+        assert math.isfinite(m["kl/ref"]) and m["kl/coef"] > 0
+        if sections["kl"]["placement"] == "loss":
+            assert math.isfinite(m["kl/loss_term"])
+    assert any(bool((c["advantages"][c["mask"] > 0] != 0).any()) for c in spy.calls)
+
+    # Gradients w.r.t. the response logits: exactly 0 wherever the engine's response mask is 0
+    # (padding, after EOS) and on rows excluded from the loss, with the policy loss, the KL term
+    # (placement loss) and the entropy bonus all in the loss; nonzero at the other tokens. Prompt
+    # positions get no logits at all: the forward keeps only the T positions that predict
+    # response tokens.
+    assert len(spy.logits) == len(spy.calls) == len(spy.response_masks)
+    masked_after_eos = 0
+    for logits, response_mask, call in zip(spy.logits, spy.response_masks, spy.calls):
+        loss_mask = call["mask"]
+        assert logits.shape[:2] == response_mask.shape and logits.grad is not None
+        # the loss mask is the response mask on the rows that take part in the loss
+        assert torch.equal(loss_mask, response_mask * loss_mask.any(-1, keepdim=True))
+        assert torch.count_nonzero(logits.grad[response_mask == 0]) == 0
+        assert torch.count_nonzero(logits.grad[loss_mask == 0]) == 0
+        assert torch.count_nonzero(logits.grad[loss_mask > 0]) > 0
+        masked_after_eos += int(((response_mask == 0) & response_mask.any(-1, keepdim=True)).sum())
+    assert masked_after_eos > 0  # the check above saw real post-EOS padding
+
+    # Garbage at every masked position (prompt padding and post-EOS token ids, NaN sampler / old /
+    # reference log-probs) changes nothing: same metrics, bitwise the same weights.
+    poisoned = Trainer(make_config("poisoned", **sections))
+    poison_masked_positions(poisoned)
+    poisoned_metrics = [poisoned.step() for _ in range(2)]
+    assert [_comparable(m) for m in poisoned_metrics] == [_comparable(m) for m in metrics]
+    assert _same_tree(_weights(poisoned.policy), after)
+
+
+def test_kl_placement_none_loads_no_reference(make_config):
+    trainer = Trainer(make_config(kl={"placement": "none"}))
+    assert trainer.reference is None
+    m = trainer.step()
+    assert "kl/ref" not in m and "kl/loss_term" not in m and m["kl/coef"] == 0.0
+
+
+@pytest.mark.parametrize("placement", ["reward", "loss"])
+def test_top_k_sampling_with_a_kl_stays_finite(placement, make_config):
+    # Log-probs of the top-k-truncated sampler are -inf outside the top-k set. The reference is
+    # never sampled from, so its log-probs are of the full softmax; truncated like the policy's,
+    # every token the updated policy samples outside the reference's top-k would get an infinite
+    # KL (NaN controller input, inf loss and every update skipped).
+    trainer = Trainer(make_config(rollout={"top_k": 5}, kl={"placement": placement, "beta": 0.1}))
+    for _ in range(3):
+        m = trainer.step()
+        assert math.isfinite(m["kl/ref"]) and m["kl/ref"] >= 0.0
+        assert math.isfinite(m["policy/loss"]) and m["optim/skipped_nonfinite"] == 0
+
+
+def test_training_logprobs_are_those_of_the_response_tokens(eos_model_dir):
+    # policy_logprobs must give, at every valid position, the log-prob of that response token
+    # given its prompt and the response before it, whatever the left padding of the batch: the
+    # same value as a forward of that row alone with no padding, and the sampler's value.
+    tokenizer = load_tokenizer(eos_model_dir)
+    model = load_causal_lm(eos_model_dir, trainable=True)
+    engine = HFRolloutEngine(model, tokenizer, eos_token_ids(tokenizer, model))
+    prompts = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ["7+8=", "What is 12*3?", "x"]]
+    for temperature, top_k, top_p in [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.0, 0, 0.9)]:
+        rollout = engine.generate(
+            prompts,
+            group_size=2,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            max_new_tokens=6,
+            generator_seed=3,
+        )
+        with torch.no_grad():
+            lp, _ = loop.policy_logprobs(model, rollout, temperature=temperature, top_k=top_k, top_p=top_p)
+        valid = rollout.response_mask > 0
+        assert lp.shape == rollout.response_ids.shape
+        torch.testing.assert_close(lp[valid], rollout.sampler_logprobs[valid], atol=1e-5, rtol=0)
+        if top_k or top_p < 1.0:
+            continue
+        for i in range(rollout.batch_size):
+            prompt = rollout.prompt_ids[i][rollout.prompt_mask[i] > 0]
+            n = int(rollout.response_mask[i].sum())
+            response = rollout.response_ids[i, :n]
+            with torch.no_grad():
+                logits = model(torch.cat([prompt, response])[None]).logits[0]
+            P = prompt.numel()
+            expected = torch.log_softmax(logits[P - 1 : P - 1 + n] / temperature, -1)
+            expected = expected.gather(-1, response[:, None]).squeeze(-1)
+            torch.testing.assert_close(lp[i, :n], expected, atol=1e-5, rtol=0)
+
+
+# ----------------------------------------------------------------------------- ratio at the start
+
+
+@pytest.mark.parametrize(
+    "ppo_epochs, num_minibatches, micro_batch_size",
+    [(1, 1, 8), (1, 1, 3), (1, 2, 3), (2, 1, 8), (2, 4, 3), (3, 2, 8)],
+)
+def test_first_minibatch_ratio_is_exactly_one(
+    ppo_epochs, num_minibatches, micro_batch_size, make_config, monkeypatch
+):
+    trainer = Trainer(
+        make_config(
+            optim={
+                "ppo_epochs": ppo_epochs,
+                "num_minibatches": num_minibatches,
+                "micro_batch_size": micro_batch_size,
+                "lr": 5e-2,
+            }
+        )
+    )
+    recomputed = []
+    inference_logprobs = trainer._inference_logprobs
+    trainer._inference_logprobs = lambda *a, **k: recomputed.append(1) or inference_logprobs(*a, **k)
+    spy = Spy(trainer, monkeypatch)
+    trainer.step()
+    on_policy = ppo_epochs == 1 and num_minibatches == 1
+    # the extra forward for old log-probs runs only when the update is not exactly on-policy
+    assert len(recomputed) == (0 if on_policy else 1)
+    first = [c for c in spy.calls if c["after_steps"] == 0]
+    assert first and len(first) == math.ceil(8 / num_minibatches / micro_batch_size)
+    for c in first:
+        valid = c["mask"] > 0
+        # bitwise: the old log-probs are computed exactly as the training forward computes them
+        assert torch.equal(c["logprobs"][valid], c["old"][valid])
+        assert c["metrics"]["approx_kl"] == 0.0 and c["metrics"]["ratio_mean"] == 1.0
+        assert c["metrics"]["ratio_max"] == 1.0 and c["metrics"]["clipfrac"] == 0.0
+    if not on_policy:
+        # after an update the ratio moves: old log-probs are the pre-update ones, not recomputed
+        later = [c for c in spy.calls if c["after_steps"] > 0]
+        assert later and any(c["metrics"]["approx_kl"] > 0 for c in later)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def _resume_sections(tmp_path, lora: bool) -> dict:
+    data = write_jsonl(
+        tmp_path / "train.jsonl",
+        [{"prompt": f"What is {a}+{a}?", "answer": str(2 * a)} for a in (3, 5, 8)],
+    )
+    sections = {
+        "steps": 4,
+        "eval_before": True,
+        "eval_after": True,
+        "eval_every": 2,
+        "data": {"dataset": data, "eval_dataset": data, "eval_size": 2, "shuffle": True},
+        "kl": {"placement": "reward", "beta": 0.05, "controller": "adaptive", "target": 0.1, "horizon": 50},
+        "optim": {"schedule": "cosine", "warmup_steps": 1, "ppo_epochs": 2, "num_minibatches": 2, "lr": 1e-2},
+        "loss": {"entropy_coef": 0.01},
+    }
+    if lora:
+        sections["model"] = {"lora": {"rank": 4, "alpha": 8.0}}
+        sections["kl"] = {"placement": "loss", "beta": 0.05}
+    return sections
+
+
+def _metrics_rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [_comparable(json.loads(line)) for line in f]
+
+
+def _final_tensors(run_dir, step: int) -> dict[str, torch.Tensor]:
+    folder = os.path.join(run_dir, "checkpoints", f"step_{step}", "model")
+    tensors = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        tensors.update(load_file(path))
+    assert tensors
+    return tensors
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monkeypatch):
+    # Over a data epoch boundary (3 rows, 2 per step), a cosine schedule with warmup, an adaptive
+    # KL controller, old log-probs from 2 epochs x 2 minibatches, and evaluations on the way.
+    sections = _resume_sections(tmp_path, lora)
+    straight = Trainer(make_config("straight", **sections))
+    straight.train()
+
+    # Interrupted: a checkpoint at step 2, step 3 runs and is logged, then the run dies.
+    cfg = make_config("resumed", save_every=2, **sections)
+    step = Trainer.step
+
+    def dies_at_step_4(self):
+        if self.step_idx == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).train()
+    monkeypatch.setattr(Trainer, "step", step)
+    assert [r["step"] for r in _metrics_rows(cfg.output_dir)] == [0, 1, 2, 3]
+    resumed = Trainer(cfg, resume_from=cfg.output_dir)
+    assert resumed.step_idx == 2 and resumed.stream.position == 4
+    resumed.train()
+
+    # The row of step 3 written before the interruption is dropped; each step appears once.
+    rows = _metrics_rows(cfg.output_dir)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 4]  # eval before, 4 steps, eval after
+    assert rows == _metrics_rows(straight.run_dir)
+    a, b = _final_tensors(straight.run_dir, 4), _final_tensors(cfg.output_dir, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _same_tree(_weights(resumed.policy), _weights(straight.policy))
+    assert _same_tree(_optimizer_state(resumed.optimizer), _optimizer_state(straight.optimizer))
+    assert resumed.kl_ctl.state_dict() == straight.kl_ctl.state_dict()
+    assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()
+
+
+def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
+    with pytest.raises(loop.TrainingError, match="no checkpoint found under"):
+        Trainer(make_config(), resume_from=str(tmp_path / "empty"))
+
+
+# ----------------------------------------------------------------------------- gradient accumulation
+
+
+def _one_step_gradients(make_config, name, algorithm, micro_batch_size):
+    # eps = 1 and lr = 1 make AdamW's first step w - g / (|g| + 1) ~ w - g (sensitive to the
+    # gradient's scale, unlike the sign-like step of a small eps); no clipping.
+    trainer = Trainer(
+        make_config(
+            name,
+            algorithm=algorithm,
+            optim={"micro_batch_size": micro_batch_size, "lr": 1.0, "eps": 1.0, "max_grad_norm": 1e9},
+            loss={"entropy_coef": 0.01},
+            kl={"placement": "loss", "beta": 0.1},
+        )
+    )
+    grads = {}
+
+    def record(optimizer, args, kwargs):
+        for name_, p in trainer.policy.named_parameters():
+            grads[name_] = p.grad.detach().clone()
+
+    trainer.optimizer.register_step_pre_hook(record)
+    trainer.step()
+    return grads, _weights(trainer.policy)
+
+
+def _relative_error(grads: dict, reference: dict) -> float:
+    """Largest |g - g_ref| of any tensor, relative to that tensor's largest |g_ref|."""
+    return max(float((grads[k] - reference[k]).abs().max() / reference[k].abs().max()) for k in reference)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    ["reinforce", "grpo", "dr_grpo"],
+    ids=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
+)
+def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config, monkeypatch):
+    full_grads, full_weights = _one_step_gradients(make_config, "full", algorithm, 8)
+    for micro in (2, 3):  # 3: uneven micro-batches (3 + 3 + 2 rows)
+        grads, weights = _one_step_gradients(make_config, f"micro{micro}", algorithm, micro)
+        # float32 sums in another order: measured 5e-7 of each tensor's largest entry
+        assert _relative_error(grads, full_grads) < 1e-5
+        for k in full_weights:
+            torch.testing.assert_close(weights[k], full_weights[k], atol=1e-6, rtol=0)
+
+    # Control: normalising each micro-batch by its own counts (what omitting the global counts
+    # does) changes the gradient by far more than the tolerance above.
+    aggregate = loop.aggregate
+
+    def local_counts(loss_matrix, mask, mode, **kwargs):
+        return aggregate(loss_matrix, mask, mode, max_len=kwargs.get("max_len"))
+
+    monkeypatch.setattr(loop, "aggregate", local_counts)
+    wrong, _ = _one_step_gradients(make_config, "wrong", algorithm, 2)
+    assert _relative_error(wrong, full_grads) > 0.1  # measured 2.8 to 3
+
+
+# ----------------------------------------------------------------------------- non-finite loss
+
+
+def test_nonfinite_loss_skips_the_update_and_leaves_state_untouched(make_config):
+    trainer = Trainer(make_config("nan", steps=3))
+    policy_loss = trainer.policy_loss
+
+    def nan_on_step_2(logprobs, *args, **kwargs):
+        loss, metrics = policy_loss(logprobs, *args, **kwargs)
+        return (loss * float("nan") if trainer.step_idx == 1 else loss), metrics
+
+    trainer.policy_loss = nan_on_step_2
+    first = trainer.step()
+    assert (first["optim/steps"], first["optim/skipped_nonfinite"]) == (1, 0)
+    weights, optim_state = _weights(trainer.policy), _optimizer_state(trainer.optimizer)
+    scheduler_state = trainer.scheduler.state_dict()
+    skipped = trainer.step()
+    assert (skipped["optim/steps"], skipped["optim/skipped_nonfinite"]) == (0, 1)
+    assert _same_tree(_weights(trainer.policy), weights)
+    assert _same_tree(_optimizer_state(trainer.optimizer), optim_state)  # Adam moments and step count
+    assert trainer.scheduler.state_dict() == scheduler_state
+    assert all(p.grad is None for p in trainer.policy.parameters())
+    third = trainer.step()  # training goes on
+    assert (third["optim/steps"], third["optim/skipped_nonfinite"]) == (1, 0)
+    assert not _same_tree(_weights(trainer.policy), weights)
+
+
+def test_nonfinite_loss_is_logged(make_config):
+    trainer = Trainer(make_config("nan_logged", steps=2))
+    policy_loss = trainer.policy_loss
+
+    def inf_loss(*args, **kwargs):
+        loss, metrics = policy_loss(*args, **kwargs)
+        return loss * float("inf"), metrics
+
+    trainer.policy_loss = inf_loss
+    trainer.train()
+    rows = _metrics_rows(trainer.run_dir)
+    assert [r["optim/skipped_nonfinite"] for r in rows] == [1, 1]
+    assert [r["optim/steps"] for r in rows] == [0, 0]
+    assert [r["policy/loss"] for r in rows] == [None, None]  # no finite loss to report
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_row_dataset, monkeypatch):
+    trainer = Trainer(
+        make_config(
+            reward_fn="flaky",
+            data={"dataset": bad_row_dataset, "shuffle": False},
+            reward={"on_error": "skip"},
+            loss={"entropy_coef": 0.01},
+        )
+    )
+    spy = Spy(trainer, monkeypatch)
+    before = _weights(trainer.policy)
+    for _ in range(2):
+        m = trainer.step()
+        # rows 4..7 (the G samples of the bad prompt) are invalid: 4 of 8
+        assert m["reward/invalid_frac"] == 0.5 and m["reward/valid_frac"] == 0.5
+        assert m["optim/steps"] == 1 and math.isfinite(m["policy/loss"])
+    assert not _same_tree(_weights(trainer.policy), before)
+    for logits, call in zip(spy.logits, spy.calls):
+        assert torch.count_nonzero(call["mask"][4:]) == 0
+        assert torch.count_nonzero(logits.grad[4:]) == 0
+        assert torch.count_nonzero(logits.grad[:4]) > 0
+
+
+@pytest.mark.parametrize(
+    "reward, problem",
+    [("flaky", "raised RuntimeError: cannot score this row"), ("not_a_number", "returned 'n/a' (str)")],
+)
+def test_reward_errors_raise_naming_the_row(reward, problem, make_config, bad_row_dataset):
+    trainer = Trainer(make_config(reward_fn=reward, data={"dataset": bad_row_dataset, "shuffle": False}))
+    with pytest.raises(RewardFunctionError) as info:
+        trainer.step()
+    message = str(info.value)
+    assert f":{reward}'" in message and problem in message
+    assert "for row 4 (prompt: 'What is 7-4?')" in message and "on_error='skip'" in message
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path, monkeypatch):
+    data = write_jsonl(
+        tmp_path / "same.jsonl",
+        [{"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "the same: 2+2?", "answer": "4"}],
+    )
+    trainer = Trainer(
+        make_config(
+            reward_fn="constant_if_same",
+            drop_zero_variance_groups=drop,
+            data={"dataset": data, "shuffle": False},
+            loss={"entropy_coef": 0.01},
+        )
+    )
+    spy = Spy(trainer, monkeypatch)
+    m = trainer.step()
+    assert m["reward/zero_variance_group_frac"] == 0.5
+    (logits,) = spy.logits
+    # the constant group's advantages are 0, so only the entropy bonus gives its rows a gradient
+    assert (torch.count_nonzero(logits.grad[4:]) == 0) == drop
+    assert torch.count_nonzero(logits.grad[:4]) > 0
+
+
+# ----------------------------------------------------------------------------- outputs
+
+
+def test_train_writes_the_run_directory(make_config):
+    trainer = Trainer(
+        make_config(
+            "outputs",
+            steps=2,
+            tensorboard=True,
+            eval_before=True,
+            eval_after=True,
+            data={"eval_size": 3},
+            kl={"placement": "reward", "beta": 0.1},
+        )
+    )
+    summary = trainer.train()
+    run = trainer.run_dir
+    for name in ("config.yaml", "metrics.jsonl", "summary.json", "eval_before.jsonl", "eval_after.jsonl"):
+        assert os.path.isfile(os.path.join(run, name)), name
+    assert glob.glob(os.path.join(run, "tensorboard", "events.out.tfevents.*"))
+    assert os.path.isfile(os.path.join(run, "checkpoints", "step_2", "trainer_state.pt"))
+    with open(os.path.join(run, "summary.json"), encoding="utf-8") as f:
+        assert json.load(f) == json.loads(json.dumps(summary))
+    assert summary["steps"] == 2 and summary["accuracy_before"] == 0.0 and summary["accuracy_after"] == 0.0
+    rows = _metrics_rows(run)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2]
+    step_row = rows[1]
+    with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
+        raw = json.loads(f.readlines()[1])
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "kl/ref",
+        "policy/entropy",
+        "policy/clipfrac",
+        "policy/approx_kl",
+        "response/length_mean",
+        "response/length_max",
+        "response/truncated_frac",
+        "reward/zero_variance_group_frac",
+        "reward/invalid_frac",
+        "optim/lr",
+        "optim/grad_norm",
+    ):
+        assert key in step_row, key
+    for key in ("perf/tokens_per_s", "time/generation_s", "time/training_s", "memory/peak_rss_gb"):
+        assert raw[key] >= 0, key
+    with open(os.path.join(run, "eval_after.jsonl"), encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 3 and set(records[0]) == {"prompt", "answer", "completion", "reward"}
