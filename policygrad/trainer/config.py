@@ -42,6 +42,10 @@ class AlgorithmPreset:
             (ReMax); the trainer then decodes one greedy sample per prompt and passes its reward
             as ``baseline_rewards``.
         reference: the paper the preset follows.
+        critic: the algorithm trains a value model; the trainer builds one and passes its
+            values V(s_t) to the estimator (``critic.enabled`` overrides).
+        whiten_advantages: whiten the advantages over the batch's valid tokens by default
+            (``advantage.whiten`` overrides).
     """
 
     estimator: str
@@ -51,6 +55,12 @@ class AlgorithmPreset:
     min_group_size: int
     greedy_baseline: bool
     reference: str
+    critic: bool = False
+    whiten_advantages: bool = False
+
+
+# Estimators that read the critic's values (``values=``); they need a value model.
+VALUE_ESTIMATORS: tuple[str, ...] = ("gae",)
 
 
 ALGORITHMS: dict[str, AlgorithmPreset] = {
@@ -69,6 +79,17 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
     ),
     "reinforce_pp": AlgorithmPreset(
         "reinforce_pp", {}, "ppo", "token-mean", 1, False, "Hu 2025 (REINFORCE++)"
+    ),
+    "ppo": AlgorithmPreset(
+        "gae",
+        {"gamma": 1.0, "lam": 0.95},
+        "ppo",
+        "token-mean",
+        1,
+        False,
+        "Schulman et al. 2017; Ouyang et al. 2022; Huang et al. 2024 (N+)",
+        critic=True,
+        whiten_advantages=True,
     ),
 }
 
@@ -183,6 +204,17 @@ class RewardConfig:
     row from the loss and counts it in ``reward/invalid_frac``. ``truncation``: what a completion
     without EOS gets: ``none`` (scored as is), ``penalty`` (the N+ EOS trick: the score is
     replaced by ``truncation_penalty``) or ``exclude`` (no loss on it).
+
+    A learned reward model is an entry ``reward_model:/path/to/folder`` (a local
+    ``AutoModelForSequenceClassification`` with one label, read at the last real token; see
+    ``policygrad.rewards.reward_model``), batched by ``model_batch_size``, at most
+    ``model_max_length`` tokens per row, in its chat template when ``model_chat_template``.
+
+    ``normalize`` (applied to the summed score before the truncation penalty): ``none``;
+    ``fixed_offset`` (subtract the mean score of the first batch, samples of the initial policy,
+    so they average 0: N+ detail 15); ``running`` (running mean/std, "Secrets of RLHF"), clamped
+    to +-``normalize_clip`` when set. ``whiten``: whiten the per-token rewards (score plus KL
+    penalty) over the batch's valid tokens, scale only (N+ reward whitening).
     """
 
     functions: list[str] = field(default_factory=lambda: ["answer_correctness"])
@@ -190,6 +222,12 @@ class RewardConfig:
     on_error: str = "raise"
     truncation: str = "none"
     truncation_penalty: float = -1.0
+    normalize: str = "none"
+    normalize_clip: float | None = None
+    whiten: bool = False
+    model_batch_size: int = 16
+    model_max_length: int = 1024
+    model_chat_template: bool = True
 
     def validate(self, path: str) -> None:
         if not self.functions:
@@ -201,6 +239,12 @@ class RewardConfig:
             )
         _check_choice(f"{path}.on_error", self.on_error, {"raise", "skip"})
         _check_choice(f"{path}.truncation", self.truncation, {"none", "penalty", "exclude"})
+        _check_choice(f"{path}.normalize", self.normalize, {"none", "fixed_offset", "running"})
+        if self.normalize_clip is not None:
+            _check_positive(f"{path}.normalize_clip", self.normalize_clip)
+        _check_positive(f"{path}.model_batch_size", self.model_batch_size)
+        if self.model_max_length < 2:
+            raise ConfigError(f"{path}.model_max_length must be >= 2, got {self.model_max_length}")
 
 
 @dataclass
@@ -245,12 +289,14 @@ class KLConfig:
 @dataclass
 class AdvantageConfig:
     """Overrides of the algorithm preset's estimator. ``estimator: null`` keeps the preset's;
-    ``options`` are merged over the preset's options. ``whiten``: whiten advantages over the
-    valid tokens of the batch after estimation (``masked_whiten``)."""
+    ``options`` are merged over the preset's options (``gae``: ``gamma``, ``lam``, ``critic_lam``
+    for VC-PPO's decoupled GAE, ``length_adaptive_alpha`` for VAPO's length-adaptive lam).
+    ``whiten``: whiten advantages over the valid tokens of the batch after estimation
+    (``masked_whiten``); ``null`` keeps the preset's choice (on for ``ppo``, off otherwise)."""
 
     estimator: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
-    whiten: bool = False
+    whiten: bool | None = None
 
 
 @dataclass
@@ -275,7 +321,10 @@ class OptimConfig:
     """AdamW with gradient clipping, linear warmup and a schedule (``constant`` or ``cosine``
     or ``linear`` decay to 0 over the run). ``ppo_epochs`` x ``num_minibatches`` optimizer steps
     per RL step; ``micro_batch_size`` sequences per forward (gradient accumulation; the summed
-    loss equals the minibatch's loss exactly)."""
+    loss equals the minibatch's loss exactly). ``target_kl``: stop the update (the remaining
+    minibatches and epochs, critic included) before the first minibatch whose measured
+    ``policy/approx_kl`` exceeds it (an early stop of the epoch, as in the reference PPO
+    implementations); ``null`` never stops."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -287,8 +336,11 @@ class OptimConfig:
     ppo_epochs: int = 1
     num_minibatches: int = 1
     micro_batch_size: int = 32
+    target_kl: float | None = None
 
     def validate(self, path: str) -> None:
+        if self.target_kl is not None:
+            _check_positive(f"{path}.target_kl", self.target_kl)
         _check_positive(f"{path}.lr", self.lr)
         _check_positive(f"{path}.max_grad_norm", self.max_grad_norm)
         _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
@@ -296,6 +348,72 @@ class OptimConfig:
         _check_positive(f"{path}.ppo_epochs", self.ppo_epochs)
         _check_positive(f"{path}.num_minibatches", self.num_minibatches)
         _check_positive(f"{path}.micro_batch_size", self.micro_batch_size)
+
+
+@dataclass
+class CriticConfig:
+    """The value model V(s_t) (a transformer with a scalar head; ``policygrad.models.value``).
+
+    ``enabled``: ``null`` follows the algorithm preset (``ppo`` has a critic). ``init_from``:
+    ``policy`` (the policy's transformer, zero head: every value starts at 0) or a model folder:
+    a one-label reward model (its transformer and score head, as InstructGPT) or a causal LM.
+    It must share the policy's tokenizer. The critic has its own AdamW (``lr``, ``weight_decay``,
+    ``max_grad_norm``; betas, eps, warmup and schedule from ``optim``) and trains on the same
+    ``optim.ppo_epochs`` x ``optim.num_minibatches`` minibatches as the policy, with
+    ``micro_batch_size`` sequences per forward (``null``: ``optim.micro_batch_size``).
+    ``clip_range``: PPO-style value clipping around the rollout-time values (``null``: off).
+    ``pretrain_steps``: the first N of ``steps`` train only the critic, policy frozen, on
+    Monte-Carlo returns (lam = 1), as VC-PPO and "Secrets of RLHF" recommend. ``lora``: adapters
+    on the critic's transformer (the head always trains fully)."""
+
+    enabled: bool | None = None
+    init_from: str = "policy"
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    clip_range: float | None = None
+    pretrain_steps: int = 0
+    micro_batch_size: int | None = None
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    def validate(self, path: str) -> None:
+        if not isinstance(self.init_from, str) or not self.init_from.strip():
+            raise ConfigError(f"{path}.init_from must be 'policy' or a model folder")
+        _check_positive(f"{path}.lr", self.lr)
+        _check_positive(f"{path}.max_grad_norm", self.max_grad_norm)
+        if self.clip_range is not None:
+            _check_positive(f"{path}.clip_range", self.clip_range)
+        _check_positive(f"{path}.pretrain_steps", self.pretrain_steps, allow_zero=True)
+        if self.micro_batch_size is not None:
+            _check_positive(f"{path}.micro_batch_size", self.micro_batch_size)
+        self.lora.validate(f"{path}.lora")
+
+
+@dataclass
+class PtxConfig:
+    """PPO-ptx: ``coef`` x a language-modelling loss on pretraining/SFT text added to every
+    policy minibatch step (Ouyang et al. 2022, eq. 2; InstructGPT used 27.8). ``dataset``: a
+    JSONL file of ``{text_field: "..."}`` rows; ``batch_size`` texts per optimizer step, at most
+    ``max_length`` tokens each. ``coef: 0`` turns it off."""
+
+    dataset: str | None = None
+    coef: float = 0.0
+    text_field: str = "text"
+    batch_size: int = 4
+    max_length: int = 256
+
+    def validate(self, path: str) -> None:
+        _check_positive(f"{path}.coef", self.coef, allow_zero=True)
+        _check_positive(f"{path}.batch_size", self.batch_size)
+        if self.max_length < 2:
+            raise ConfigError(f"{path}.max_length must be >= 2, got {self.max_length}")
+        if self.coef > 0 and not self.dataset:
+            raise ConfigError(f"{path}.coef={self.coef} needs {path}.dataset (a JSONL file of text)")
+        if self.dataset and self.coef == 0:
+            raise ConfigError(
+                f"{path}.dataset is set but {path}.coef=0 gives it no effect; set {path}.coef > 0 "
+                f"(InstructGPT: 27.8) or unset {path}.dataset"
+            )
 
 
 @dataclass
@@ -325,6 +443,8 @@ class TrainConfig:
     advantage: AdvantageConfig = field(default_factory=AdvantageConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    ptx: PtxConfig = field(default_factory=PtxConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -334,7 +454,7 @@ class TrainConfig:
         _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("eval_every", self.eval_every, allow_zero=True)
         _check_positive("save_every", self.save_every, allow_zero=True)
-        for name in ("model", "data", "rollout", "reward", "kl", "loss", "optim"):
+        for name in ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx"):
             getattr(self, name).validate(name)
         preset = self.preset
         if self.rollout.group_size < preset.min_group_size:
@@ -347,6 +467,21 @@ class TrainConfig:
             raise ConfigError(
                 f"optim.num_minibatches={self.optim.num_minibatches} exceeds the batch of {batch} "
                 "sequences (rollout.prompts_per_step x rollout.group_size); lower it"
+            )
+        if self.estimator_name in VALUE_ESTIMATORS and not self.uses_critic:
+            raise ConfigError(
+                f"advantage estimator {self.estimator_name!r} reads a critic's values, but there is no "
+                "critic; set critic.enabled=true or use a critic-free estimator"
+            )
+        if self.critic.pretrain_steps and not self.uses_critic:
+            raise ConfigError(
+                f"critic.pretrain_steps={self.critic.pretrain_steps} needs a critic; set "
+                "critic.enabled=true or algorithm=ppo"
+            )
+        if self.steps and self.critic.pretrain_steps >= self.steps:
+            raise ConfigError(
+                f"critic.pretrain_steps={self.critic.pretrain_steps} leaves no policy step out of "
+                f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
             )
 
     @property
@@ -371,6 +506,16 @@ class TrainConfig:
     @property
     def agg_mode(self) -> str:
         return self.loss.agg_mode or self.preset.loss_agg_mode
+
+    @property
+    def uses_critic(self) -> bool:
+        """A value model is trained: ``critic.enabled``, or the preset's choice when it is null."""
+        return self.preset.critic if self.critic.enabled is None else self.critic.enabled
+
+    @property
+    def whiten_advantages(self) -> bool:
+        """``advantage.whiten``, or the preset's choice when it is null."""
+        return self.preset.whiten_advantages if self.advantage.whiten is None else self.advantage.whiten
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

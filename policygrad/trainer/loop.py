@@ -1,22 +1,30 @@
-"""The critic-free training loop: sample, score, estimate advantages, update.
+"""The training loop: sample, score, estimate advantages, update the policy (and the critic).
 
 One RL step, top to bottom (``Trainer.step``):
 
 1. take ``prompts_per_step`` prompts from the data stream and sample ``group_size`` responses for
    each, all in one batch (rows of one prompt are contiguous);
-2. score them with the reward functions, apply the truncation policy, and (ReMax) score one greedy
-   response per prompt as the baseline;
-3. reference log-probs (only when the KL has a placement) and old log-probs (only when the update
-   is not exactly on-policy) under ``torch.inference_mode``;
+2. score them with the reward functions (verifiers, reward models), normalise the scores
+   (``reward.normalize``), apply the truncation policy, and (ReMax) score one greedy response per
+   prompt as the baseline;
+3. reference log-probs (only when the KL has a placement), old log-probs (only when the update
+   is not exactly on-policy) and, with a critic, the values V(s_t) under ``torch.inference_mode``;
 4. token rewards (score on the last valid token, minus beta x KL per token when the KL sits in the
-   reward), then the advantage estimator *looked up by name* in ``policygrad.core``;
+   reward; optionally whitened), then the advantage estimator *looked up by name* in
+   ``policygrad.core``, which also gives the critic's targets (lambda-returns);
 5. ``ppo_epochs`` x ``num_minibatches`` optimizer steps; each minibatch is processed in
    micro-batches whose losses use the minibatch's global token and sequence counts, so the summed
-   gradient equals the full minibatch's exactly.
+   gradient equals the full minibatch's exactly. With a critic, each minibatch also takes one
+   critic step (its own optimizer); with ``ptx.coef`` an LM loss on text joins the policy loss;
+   with ``optim.target_kl`` the update stops at the first minibatch whose approx-KL exceeds it.
+
+The first ``critic.pretrain_steps`` steps train only the critic, on Monte-Carlo returns (lam = 1),
+with the policy frozen.
 
 The loop never branches on the algorithm's name: the preset in ``trainer.config.ALGORITHMS``
-supplies the registry names. Global counts flow into ``aggregate`` explicitly, so data-parallel
-training only has to all-reduce those counts and the gradients.
+supplies the registry names and says whether there is a critic. Global counts flow into
+``aggregate`` explicitly, so data-parallel training only has to all-reduce those counts and the
+gradients.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ import torch
 import yaml
 
 from policygrad.core.advantages import estimate_advantages
-from policygrad.core.diagnostics import zero_variance_group_fraction
+from policygrad.core.diagnostics import explained_variance, zero_variance_group_fraction
 from policygrad.core.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -44,10 +52,12 @@ from policygrad.core.kl import (
 from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.core.losses import entropy_from_logits, get_policy_loss
 from policygrad.core.masking import aggregate, masked_mean, masked_sum, masked_whiten
+from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rollout.base import Rollout
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
+from policygrad.trainer.ppo import CriticTrainer, PtxData, RewardNormalizer, monte_carlo_returns, ptx_loss
 
 
 class TrainingError(RuntimeError):
@@ -141,6 +151,10 @@ class StepBatch:
     advantages: torch.Tensor  # [B, T] float32
     old_logprobs: torch.Tensor | None  # [B, T] or None when on-policy (the ratio is then exactly 1)
     ref_logprobs: torch.Tensor | None  # [B, T] or None when the KL is not in the loss
+    old_values: torch.Tensor | None = None  # [B, T] critic values at rollout time, or None
+    returns: torch.Tensor | None = None  # [B, T] the critic's targets, or None without a critic
+    critic_mask: torch.Tensor | None = None  # [B, T] tokens that train the critic
+    train_policy: bool = True  # False in the critic-pretraining steps
 
 
 class PromptStream:
@@ -227,9 +241,58 @@ class Trainer:
         self.stream = PromptStream(self.train_source)
         self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
         weights = cfg.reward.weights or [1.0] * len(cfg.reward.functions)
-        self.reward_fn = CompositeReward(
-            list(zip(cfg.reward.functions, weights)), on_error=cfg.reward.on_error
+        functions = resolve_reward_functions(
+            cfg.reward.functions,
+            dtype=self.dtype,
+            device=self.device,
+            batch_size=cfg.reward.model_batch_size,
+            max_length=cfg.reward.model_max_length,
+            use_chat_template=cfg.reward.model_chat_template,
         )
+        self.reward_fn = CompositeReward(list(zip(functions, weights)), on_error=cfg.reward.on_error)
+        self.reward_normalizer = RewardNormalizer(cfg.reward.normalize, clip=cfg.reward.normalize_clip)
+
+        # The critic (PPO): its own network, optimizer and schedule.
+        self.critic = None
+        self.critic_trainer = None
+        if cfg.uses_critic:
+            from policygrad.models.value import load_value_model
+
+            c = cfg.critic
+            self.critic = load_value_model(
+                c.init_from,
+                policy_path=self.model_path,
+                dtype=self.dtype,
+                lora_rank=c.lora.rank,
+                lora_alpha=c.lora.alpha,
+                lora_dropout=c.lora.dropout,
+                lora_target_modules=c.lora.target_modules,
+                gradient_checkpointing=cfg.model.gradient_checkpointing,
+                device=self.device,
+            )
+            if ckpt is not None:
+                self.critic.load(os.path.join(ckpt, "critic"))
+            critic_total = max(1, cfg.steps * cfg.optim.ppo_epochs * cfg.optim.num_minibatches)
+            self.critic_trainer = CriticTrainer(
+                self.critic,
+                lr=c.lr,
+                betas=tuple(cfg.optim.betas),
+                eps=cfg.optim.eps,
+                weight_decay=c.weight_decay,
+                max_grad_norm=c.max_grad_norm,
+                clip_range=c.clip_range,
+                micro_batch_size=c.micro_batch_size or cfg.optim.micro_batch_size,
+                lr_lambda=_schedule(cfg.optim, critic_total),
+            )
+        self.ptx_data = None
+        if cfg.ptx.coef > 0:
+            self.ptx_data = PtxData(
+                cfg.ptx.dataset,
+                self.tokenizer,
+                field=cfg.ptx.text_field,
+                max_length=cfg.ptx.max_length,
+                batch_size=cfg.ptx.batch_size,
+            )
 
         # Loss, optimizer, schedule, KL controller.
         self.policy_loss = get_policy_loss(cfg.policy_loss_name)
@@ -355,6 +418,8 @@ class Trainer:
         scored = self._score(rows, completions, G)
         scores, valid = scored.rewards, scored.valid
         raw_scores = scores.clone()
+        # Normalised before the EOS penalty, so a truncated completion gets exactly the penalty.
+        scores = self.reward_normalizer(scores, valid)
         from policygrad.rewards.registry import apply_truncation_policy
 
         scores, valid = apply_truncation_policy(
@@ -376,6 +441,7 @@ class Trainer:
                 top_k=r.top_k,
             )
             base = self._score(rows, self._completions(greedy), 1).rewards
+            base = self.reward_normalizer(base, update=False)
             base, _ = apply_truncation_policy(
                 base, greedy.truncated, mode=cfg.reward.truncation, penalty=cfg.reward.truncation_penalty
             )
@@ -391,8 +457,11 @@ class Trainer:
         ref_logprobs = None
         if cfg.kl.placement != "none":
             ref_logprobs = self._reference_logprobs(rollout)
-        on_policy = cfg.optim.ppo_epochs == 1 and cfg.optim.num_minibatches == 1
+        # Critic pretraining (VC-PPO): the policy is frozen, so its old log-probs are not needed.
+        pretraining = self.critic is not None and self.step_idx < cfg.critic.pretrain_steps
+        on_policy = (cfg.optim.ppo_epochs == 1 and cfg.optim.num_minibatches == 1) or pretraining
         old_logprobs = None if on_policy else self._inference_logprobs(self.policy, rollout)
+        old_values = self.critic_trainer.values(rollout) if self.critic_trainer is not None else None
 
         # Token rewards: the score on the last valid token, KL per token when it is in the reward.
         kl_kind = cfg.kl.resolved_kind()
@@ -405,28 +474,54 @@ class Trainer:
             token_rewards = kl_shaped_rewards(
                 scores.to(self.device), behaviour, behaviour, response_mask, beta=0.0, kind="k1"
             )
+        # The KL part of the per-token reward, summed per sequence (0 without a KL in the reward).
+        non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
+        if cfg.reward.whiten and loss_mask.sum() >= 2:
+            # N+ reward whitening: scale only, over the valid tokens of the batch.
+            token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False)
         advantages, returns = estimate_advantages(
             cfg.estimator_name,
             token_rewards,
             response_mask,
             group_index=rollout.group_index,
-            values=None,
+            values=old_values,
             **estimator_options,
         )
-        if cfg.advantage.whiten:
+        if pretraining:
+            # Value pretraining fits Monte-Carlo returns (lam = 1), not the estimator's lam-returns.
+            returns = monte_carlo_returns(
+                token_rewards, response_mask, gamma=float(estimator_options.get("gamma", 1.0))
+            )
+        if cfg.whiten_advantages and loss_mask.sum() >= 2:
             advantages = masked_whiten(advantages, loss_mask)
+        critic_mask = loss_mask.clone()
         zero_var = zero_variance_group_fraction(scores, rollout.group_index)
         if cfg.drop_zero_variance_groups:
             keep = _rows_of_varied_groups(scores, rollout.group_index)
             loss_mask = loss_mask * keep.to(loss_mask)[:, None]
 
         batch = StepBatch(
-            rollout, loss_mask, advantages, old_logprobs, ref_logprobs if cfg.kl.placement == "loss" else None
+            rollout,
+            loss_mask,
+            advantages,
+            old_logprobs,
+            ref_logprobs if cfg.kl.placement == "loss" else None,
+            old_values=old_values,
+            returns=returns if old_values is not None else None,
+            critic_mask=critic_mask,
+            train_policy=not pretraining,
         )
         update_metrics = self._update(batch, beta)
         t_train = time.perf_counter()
 
-        # KL to the reference of this batch (k1 mean per token, the controller's input).
+        if old_values is not None:
+            ev = explained_variance(old_values, returns, critic_mask) if critic_mask.any() else float("nan")
+            metrics["critic/explained_variance"] = float(ev)
+            metrics["critic/values_mean"] = masked_mean(old_values, response_mask).item()
+            metrics["critic/pretraining"] = float(pretraining)
+
+        # KL to the reference of this batch (k1 mean per token, the controller's input). The
+        # controller stands still while the policy is frozen (critic pretraining).
         if ref_logprobs is not None:
             kl_tokens = kl_estimate(behaviour, ref_logprobs, "k1")
             kl_mean = masked_mean(kl_tokens, response_mask).item()
@@ -434,8 +529,11 @@ class Trainer:
             # masked_sum, not a product with the mask: with top-k/top-p the log-probs of padding
             # tokens are -inf, and inf * 0 would make the controller's input NaN.
             seq_kl = masked_sum(kl_tokens, response_mask, dim=-1).mean().item()
-            self.kl_ctl.update(seq_kl, r.prompts_per_step * G)
+            if not pretraining:
+                self.kl_ctl.update(seq_kl, r.prompts_per_step * G)
         metrics["kl/coef"] = beta
+        metrics["reward/score"] = scores.mean().item()
+        metrics["reward/non_score"] = non_score.mean().item()
 
         lengths = response_mask.sum(-1)
         metrics.update(
@@ -471,7 +569,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _update(self, batch: StepBatch, beta: float) -> dict[str, Any]:
-        """``ppo_epochs`` x ``num_minibatches`` optimizer steps over ``batch``."""
+        """``ppo_epochs`` x ``num_minibatches`` optimizer steps over ``batch``: per minibatch one
+        policy step (unless ``batch.train_policy`` is False) and, with a critic, one critic step
+        on the same rows. With ``optim.target_kl``, the first minibatch whose measured approx-KL
+        exceeds it takes no step, and the update ends there (remaining minibatches and epochs,
+        critic included)."""
         cfg = self.config
         r = cfg.rollout
         o = cfg.optim
@@ -480,93 +582,133 @@ class Trainer:
         sums: dict[str, float] = {}
         maxima: dict[str, float] = {}
         losses: list[float] = []
+        ptx_losses: list[float] = []
         weight_total = 0.0
         skipped = 0
         steps = 0
         grad_norms = []
+        critic_sums: dict[str, float] = {}
+        critic_tokens = 0.0
+        critic_steps = 0
+        critic_skipped = 0
+        critic_grad_norms = []
+        early_stopped = False
+        trains_critic = self.critic_trainer is not None and batch.returns is not None
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_idx)
         for _epoch in range(o.ppo_epochs):
+            if early_stopped:
+                break
             order = torch.randperm(B, generator=g) if o.num_minibatches > 1 else torch.arange(B)
             for mb_rows in torch.tensor_split(order, o.num_minibatches):
                 mb_mask = batch.loss_mask[mb_rows]
                 num_tokens = mb_mask.sum()
                 num_seqs = (mb_mask.sum(-1) > 0).sum()
-                if num_tokens.item() == 0:
-                    continue  # every row of this minibatch is excluded from the loss
-                self.optimizer.zero_grad(set_to_none=True)
-                finite = True
-                mb_loss = 0.0
-                for micro in torch.split(mb_rows, o.micro_batch_size):
-                    sub = batch.rollout.select(micro)
-                    mask = batch.loss_mask[micro]
-                    logprobs, entropy = policy_logprobs(
-                        self.policy,
-                        sub,
-                        temperature=r.temperature,
-                        top_k=r.top_k,
-                        top_p=r.top_p,
-                        with_entropy="grad" if cfg.loss.entropy_coef else True,
-                    )
-                    if batch.old_logprobs is None:
-                        old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
-                    else:
-                        old = batch.old_logprobs[micro]
-                    loss_mat, m = self.policy_loss(
-                        logprobs, old, batch.advantages[micro], mask, **self.loss_options
-                    )
-                    if batch.ref_logprobs is not None:
-                        kl_mat = kl_loss(
-                            logprobs,
-                            batch.ref_logprobs[micro],
-                            mask,
-                            kind=cfg.kl.resolved_kind(),
-                            old_logprobs=old if cfg.kl.importance_weighted else None,
-                        )
-                        loss_mat = loss_mat + beta * kl_mat
-                        m = {**m, "kl_loss": masked_mean(kl_mat.detach(), mask)}
-                    if cfg.loss.entropy_coef:
-                        loss_mat = loss_mat - cfg.loss.entropy_coef * torch.where(mask > 0, entropy, 0.0)
-                    loss = aggregate(
-                        loss_mat,
-                        mask,
-                        cfg.agg_mode,
-                        num_tokens=num_tokens,
-                        num_seqs=num_seqs,
-                        max_len=r.max_new_tokens,
-                    )
-                    if not torch.isfinite(loss):
-                        finite = False
-                        break
-                    loss.backward()
-                    w = float(mask.sum())
-                    weight_total += w
-                    mb_loss = mb_loss + loss.item()
-                    m = {**m, "entropy": masked_mean(entropy.detach(), mask)}
-                    if steps == 0:
-                        diff = (logprobs.detach() - sub.sampler_logprobs).abs()
-                        m["mismatch_abs_mean"] = masked_mean(diff, mask)
-                    for key, value in m.items():
-                        if key.startswith("num_"):
-                            continue  # counts, not per-token averages
-                        if key.endswith("_max"):
-                            maxima[key] = max(maxima.get(key, -math.inf), float(value))
-                        else:
-                            sums[key] = sums.get(key, 0.0) + float(value) * w
-                if finite:
-                    grad_norm = torch.nn.utils.clip_grad_norm_(
-                        [p for p in self.policy.parameters() if p.requires_grad], o.max_grad_norm
-                    )
-                    finite = bool(torch.isfinite(grad_norm))
-                    grad_norms.append(float(grad_norm))
-                if not finite:
-                    # Leave weights and optimizer state untouched; record the skip.
+                if batch.train_policy and num_tokens.item() > 0:
                     self.optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                    continue
-                self.optimizer.step()
-                self.scheduler.step()
-                steps += 1
-                losses.append(mb_loss)
+                    finite = True
+                    mb_loss = 0.0
+                    mb_kl = 0.0
+                    mb_weight = 0.0
+                    for micro in torch.split(mb_rows, o.micro_batch_size):
+                        sub = batch.rollout.select(micro)
+                        mask = batch.loss_mask[micro]
+                        logprobs, entropy = policy_logprobs(
+                            self.policy,
+                            sub,
+                            temperature=r.temperature,
+                            top_k=r.top_k,
+                            top_p=r.top_p,
+                            with_entropy="grad" if cfg.loss.entropy_coef else True,
+                        )
+                        if batch.old_logprobs is None:
+                            old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
+                        else:
+                            old = batch.old_logprobs[micro]
+                        loss_mat, m = self.policy_loss(
+                            logprobs, old, batch.advantages[micro], mask, **self.loss_options
+                        )
+                        if batch.ref_logprobs is not None:
+                            kl_mat = kl_loss(
+                                logprobs,
+                                batch.ref_logprobs[micro],
+                                mask,
+                                kind=cfg.kl.resolved_kind(),
+                                old_logprobs=old if cfg.kl.importance_weighted else None,
+                            )
+                            loss_mat = loss_mat + beta * kl_mat
+                            m = {**m, "kl_loss": masked_mean(kl_mat.detach(), mask)}
+                        if cfg.loss.entropy_coef:
+                            loss_mat = loss_mat - cfg.loss.entropy_coef * torch.where(mask > 0, entropy, 0.0)
+                        loss = aggregate(
+                            loss_mat,
+                            mask,
+                            cfg.agg_mode,
+                            num_tokens=num_tokens,
+                            num_seqs=num_seqs,
+                            max_len=r.max_new_tokens,
+                        )
+                        if not torch.isfinite(loss):
+                            finite = False
+                            break
+                        loss.backward()
+                        w = float(mask.sum())
+                        weight_total += w
+                        mb_loss = mb_loss + loss.item()
+                        m = {**m, "entropy": masked_mean(entropy.detach(), mask)}
+                        if "approx_kl" in m and w > 0:
+                            mb_kl += float(m["approx_kl"]) * w
+                            mb_weight += w
+                        if steps == 0:
+                            diff = (logprobs.detach() - sub.sampler_logprobs).abs()
+                            m["mismatch_abs_mean"] = masked_mean(diff, mask)
+                        for key, value in m.items():
+                            if key.startswith("num_"):
+                                continue  # counts, not per-token averages
+                            if key.endswith("_max"):
+                                maxima[key] = max(maxima.get(key, -math.inf), float(value))
+                            else:
+                                sums[key] = sums.get(key, 0.0) + float(value) * w
+                    if o.target_kl is not None and mb_weight > 0 and mb_kl / mb_weight > o.target_kl:
+                        # The policy has moved too far from the one that sampled: no step, stop.
+                        self.optimizer.zero_grad(set_to_none=True)
+                        early_stopped = True
+                        break
+                    if finite and self.ptx_data is not None:
+                        ids, attn = self.ptx_data.next_batch()
+                        lm_loss = ptx_loss(self.policy, ids.to(self.device), attn.to(self.device))
+                        if torch.isfinite(lm_loss):
+                            (cfg.ptx.coef * lm_loss).backward()
+                            ptx_losses.append(lm_loss.item())
+                        else:
+                            finite = False
+                    if finite:
+                        grad_norm = torch.nn.utils.clip_grad_norm_(
+                            [p for p in self.policy.parameters() if p.requires_grad], o.max_grad_norm
+                        )
+                        finite = bool(torch.isfinite(grad_norm))
+                        grad_norms.append(float(grad_norm))
+                    if finite:
+                        self.optimizer.step()
+                        self.scheduler.step()
+                        steps += 1
+                        losses.append(mb_loss)
+                    else:
+                        # Leave weights and optimizer state untouched; record the skip.
+                        self.optimizer.zero_grad(set_to_none=True)
+                        skipped += 1
+                if trains_critic:
+                    cm = self.critic_trainer.fit_minibatch(
+                        batch.rollout, mb_rows, batch.old_values, batch.returns, batch.critic_mask
+                    )
+                    if cm:
+                        critic_skipped += int(cm["skipped"])
+                        if not cm["skipped"]:
+                            critic_steps += 1
+                            critic_grad_norms.append(cm["grad_norm"])
+                            n = cm["num_tokens"]
+                            critic_tokens += n
+                            for key in ("vf_loss", "vf_clipfrac"):
+                                critic_sums[key] = critic_sums.get(key, 0.0) + cm[key] * n
         self.optimizer.zero_grad(set_to_none=True)
         names = {
             "clipfrac": "policy/clipfrac",
@@ -588,6 +730,19 @@ class Trainer:
         out["optim/steps"] = steps
         out["optim/skipped_nonfinite"] = skipped
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+        if o.target_kl is not None:
+            out["optim/early_stopped"] = float(early_stopped)
+        if self.ptx_data is not None:
+            out["ptx/loss"] = sum(ptx_losses) / len(ptx_losses) if ptx_losses else float("nan")
+        if trains_critic:
+            for key, total in critic_sums.items():
+                out[f"critic/{key}"] = total / max(critic_tokens, 1e-12)
+            out["critic/steps"] = critic_steps
+            out["critic/skipped_nonfinite"] = critic_skipped
+            out["critic/grad_norm"] = (
+                sum(critic_grad_norms) / len(critic_grad_norms) if critic_grad_norms else float("nan")
+            )
+            out["critic/lr"] = self.critic_trainer.scheduler.get_last_lr()[0]
         return out
 
     # ------------------------------------------------------------------------------------------
@@ -697,7 +852,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
         """Write ``RUN_DIR/checkpoints/step_N``: weights (safetensors; the adapter with LoRA),
-        optimizer, scheduler, KL controller, data position and RNG states."""
+        optimizer, scheduler, KL controller, data position and RNG states; with a critic its
+        weights (``critic/``) and optimizer; the reward normaliser and the PPO-ptx position."""
         path = os.path.join(self.run_dir, "checkpoints", f"step_{self.step_idx}")
         os.makedirs(path, exist_ok=True)
         self.policy.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
@@ -707,8 +863,14 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
+            "reward_normalizer": self.reward_normalizer.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         }
+        if self.critic is not None:
+            self.critic.save(os.path.join(path, "critic"))
+            state["critic"] = self.critic_trainer.state_dict()
+        if self.ptx_data is not None:
+            state["ptx_position"] = self.ptx_data.position
         torch.save(state, os.path.join(path, "trainer_state.pt"))
         return path
 
@@ -719,6 +881,16 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        if "reward_normalizer" in state:
+            self.reward_normalizer.load_state_dict(state["reward_normalizer"])
+        if self.critic_trainer is not None:
+            if "critic" not in state:
+                raise TrainingError(
+                    f"checkpoint {ckpt} has no critic state; it was written by a run without a critic"
+                )
+            self.critic_trainer.load_state_dict(state["critic"])
+        if self.ptx_data is not None:
+            self.ptx_data.position = state.get("ptx_position", 0)
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
 

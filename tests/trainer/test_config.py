@@ -229,7 +229,7 @@ def test_kl_kind_defaults_by_placement():
     [
         (
             ["--algorithm=ppo2"],
-            "algorithm='ppo2' is not valid; choose one of ['dr_grpo', 'grpo', 'reinforce', "
+            "algorithm='ppo2' is not valid; choose one of ['dr_grpo', 'grpo', 'ppo', 'reinforce', "
             "'reinforce_pp', 'remax', 'rloo']",
         ),
         (["--algorithm=rloo", "--rollout.group_size=1"], "algorithm='rloo' needs rollout.group_size >= 2"),
