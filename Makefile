@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: venv
-	$(BIN)/policygrad train $(ARGS)
+	$(BIN)/policygrad train --overwrite=true $(ARGS)
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

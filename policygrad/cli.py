@@ -2,6 +2,9 @@
 
     policygrad train [CONFIG.yaml] [--key=value ...] [--resume RUN_DIR]
     policygrad eval --model M --dataset D [--limit N] [--samples k] [--output FILE]
+    policygrad memory --model M --algorithm A [--lora-rank r] [--batch B --seq-len T] ...
+    policygrad lab {gradient-snr,kl-estimators,mismatch} [options]
+    policygrad report RUN_DIR [RUN_DIR ...] [--output report.html]
 
 A user's mistake (bad config, missing file, bad data) prints one clear ``error:`` line and exits
 with status 2; it never ends in a traceback.
@@ -14,6 +17,8 @@ import json
 import os
 import sys
 
+import yaml
+
 TRAIN_USAGE = """usage: policygrad train [CONFIG.yaml] [--key=value ...] [--resume RUN_DIR]
 
 Runs a training job. With no arguments: GRPO on the bundled SmolLM2-135M-Instruct and the
@@ -25,8 +30,13 @@ any overrides given here).
 
 def _user_errors():
     from policygrad.trainer.config import ConfigError
+    from policygrad.trainer.loop import TrainingError
 
-    errors: tuple[type[BaseException], ...] = (ConfigError, FileNotFoundError, ValueError, TypeError)
+    # OSError covers missing files and unwritable folders; ImportError and SyntaxError come from a
+    # user's reward-function file. POLICYGRAD_DEBUG=1 shows the full traceback instead.
+    errors: tuple[type[BaseException], ...] = (
+        ConfigError, OSError, ValueError, TypeError, TrainingError, ImportError, SyntaxError, yaml.YAMLError,
+    )
     try:
         from policygrad.rewards.registry import RewardFunctionError
 
@@ -102,7 +112,21 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--output", default=None, help="JSONL of every completion (default: eval-<dataset>.jsonl)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     args = p.parse_args(argv)
+    checks = (("--limit", args.limit), ("--batch-size", args.batch_size), ("--samples", args.samples),
+              ("--max-new-tokens", args.max_new_tokens))
+    for flag, value in checks:
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.num_threads is not None:
+        if args.num_threads < 1:
+            raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
+        import torch
+
+        torch.set_num_threads(args.num_threads)
+    if args.output is not None and os.path.isdir(args.output):
+        raise ValueError(f"--output {args.output} is a folder; give a file, e.g. {args.output}/eval.jsonl")
     data = DataConfig(
         dataset=args.dataset,
         difficulty=args.difficulty,
@@ -127,16 +151,55 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval}
+LAB_USAGE = """usage: policygrad lab {gradient-snr,kl-estimators,mismatch} [options]
+
+  gradient-snr    gradient signal-to-noise and cosine to a reference of advantage estimators
+  kl-estimators   bias and spread of k1/k2/k3, and which KL each placement's gradient follows
+  mismatch        sampler vs trainer and bf16 vs fp32 log-prob mismatch, growth with length
+
+Each prints a table and writes a JSON result and a PNG plot under --output-dir (lab-results/).
+"""
+
+
+def cmd_memory(argv: list[str]) -> int:
+    from policygrad.lab import memory
+
+    return memory.main(argv)
+
+
+def cmd_lab(argv: list[str]) -> int:
+    import importlib
+
+    from policygrad.lab import LAB_COMMANDS
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(LAB_USAGE)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in LAB_COMMANDS:
+        raise ValueError(f"unknown lab experiment {name!r}; choose one of {', '.join(LAB_COMMANDS)}")
+    return importlib.import_module(LAB_COMMANDS[name]).main(rest)
+
+
+def cmd_report(argv: list[str]) -> int:
+    from policygrad.lab import report
+
+    return report.main(argv)
+
+
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "memory": cmd_memory, "lab": cmd_lab, "report": cmd_report}
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: policygrad {train,eval} ...\n\n"
+            "usage: policygrad {train,eval,memory,lab,report} ...\n\n"
             "  train   run a training job (no arguments: the default GRPO job on the bundled model)\n"
             "  eval    greedy accuracy / pass@k of a model on a dataset\n"
+            "  memory  the memory bill of an RL job (models, optimiser state, KV cache, logits)\n"
+            "  lab     experiments: gradient-snr, kl-estimators, mismatch\n"
+            "  report  one HTML page with a run's curves, config and completions\n"
         )
         return 0 if argv else 0
     command, rest = argv[0], argv[1:]
@@ -149,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except _user_errors() as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("POLICYGRAD_DEBUG"):
+            raise
+        message = str(e).strip().replace("\n", " ") or type(e).__name__
+        print(f"error: {message}", file=sys.stderr)
         return 2
 
 

@@ -58,8 +58,11 @@ def _fields(row: Mapping) -> str:
 
 def _read_jsonl(path: str) -> list[tuple[str, Any]]:
     """(location, parsed object) per non-blank line; a JSON list file is read whole."""
-    with open(path, encoding="utf-8") as handle:
-        text = handle.read()
+    try:
+        with open(path, encoding="utf-8-sig") as handle:  # -sig: a leading byte-order mark is fine
+            text = handle.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path} is not UTF-8 text ({exc}); convert the file to UTF-8") from None
     stripped = text.lstrip()
     if path.endswith(".json") and stripped.startswith("["):
         try:
@@ -68,7 +71,8 @@ def _read_jsonl(path: str) -> list[tuple[str, Any]]:
             raise ValueError(f"{path}: not valid JSON ({exc}); fix the file or write it as JSONL") from exc
         return [(f"item {k}", obj) for k, obj in enumerate(data)]
     out = []
-    for number, line in enumerate(text.splitlines(), start=1):
+    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators.
+    for number, line in enumerate(text.split("\n"), start=1):
         if not line.strip():
             continue
         try:

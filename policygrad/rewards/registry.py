@@ -120,9 +120,12 @@ def load_reward_function(spec: str | Callable) -> Callable:
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
-        except Exception:
+        except Exception as exc:
             sys.modules.pop(module_name, None)
-            raise
+            raise RewardFunctionError(
+                f"reward function file {path!r} failed to load: {type(exc).__name__}: {exc}; fix the file "
+                "(reward.functions)"
+            ) from exc
         where = f"file {target!r}"
     else:
         try:

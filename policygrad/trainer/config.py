@@ -342,6 +342,12 @@ class OptimConfig:
         if self.target_kl is not None:
             _check_positive(f"{path}.target_kl", self.target_kl)
         _check_positive(f"{path}.lr", self.lr)
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(
+                f"{path}.betas must be two numbers in [0, 1), e.g. [0.9, 0.999], got {list(self.betas)}"
+            )
+        _check_positive(f"{path}.eps", self.eps)
+        _check_positive(f"{path}.weight_decay", self.weight_decay, allow_zero=True)
         _check_positive(f"{path}.max_grad_norm", self.max_grad_norm)
         _check_positive(f"{path}.warmup_steps", self.warmup_steps, allow_zero=True)
         _check_choice(f"{path}.schedule", self.schedule, {"constant", "cosine", "linear"})
@@ -380,6 +386,7 @@ class CriticConfig:
         if not isinstance(self.init_from, str) or not self.init_from.strip():
             raise ConfigError(f"{path}.init_from must be 'policy' or a model folder")
         _check_positive(f"{path}.lr", self.lr)
+        _check_positive(f"{path}.weight_decay", self.weight_decay, allow_zero=True)
         _check_positive(f"{path}.max_grad_norm", self.max_grad_norm)
         if self.clip_range is not None:
             _check_positive(f"{path}.clip_range", self.clip_range)
@@ -425,6 +432,7 @@ class TrainConfig:
     steps: int = 300
     seed: int = 0
     output_dir: str = "runs/default"
+    overwrite: bool = False
     max_minutes: float | None = 24.0
     eval_every: int = 0
     eval_before: bool = True
@@ -451,6 +459,17 @@ class TrainConfig:
 
     def validate(self) -> None:
         _check_choice("algorithm", self.algorithm, set(ALGORITHMS))
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ConfigError(f"num_threads must be >= 1 (or null: torch's default), got {self.num_threads}")
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ConfigError(f"max_minutes must be > 0 (or null for no time limit), got {self.max_minutes}")
+        if self.kl.placement != "none" and (self.rollout.top_k or self.rollout.top_p < 1.0):
+            raise ConfigError(
+                f"kl.placement={self.kl.placement!r} with rollout.top_k/top_p truncation is not supported: "
+                "the truncated sampler's log-probs are not comparable to the reference's full softmax, so "
+                "the KL would not be 0 even for an unchanged policy; set rollout.top_k=0 and "
+                "rollout.top_p=1.0, or kl.placement=none"
+            )
         _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("eval_every", self.eval_every, allow_zero=True)
         _check_positive("save_every", self.save_every, allow_zero=True)
@@ -569,8 +588,8 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
                 value = float(value)
             except ValueError:
                 raise ConfigError(f"{path} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-            raise ConfigError(f"{path} must be a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):

@@ -205,7 +205,14 @@ class Trainer:
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = resolve_dtype(cfg.model.dtype, self.device)
         self.run_dir = cfg.output_dir
-        os.makedirs(self.run_dir, exist_ok=True)
+        if resume_from is None:
+            _prepare_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
+        try:
+            os.makedirs(self.run_dir, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(
+                f"output_dir={self.run_dir!r} cannot be created ({e}); choose another folder"
+            ) from None
 
         # Models. The policy may be restored from a checkpoint; the reference is always the base.
         self.model_path = resolve_model_path(cfg.model.name)
@@ -429,6 +436,11 @@ class Trainer:
             penalty=cfg.reward.truncation_penalty,
             valid=valid,
         )
+        failed = ~scored.valid
+        if failed.any():
+            # A row whose reward function failed (on_error=skip) has no score: it is left out of
+            # the loss, and its group mean stands in for it so it moves no group statistic.
+            scores = _fill_with_group_mean(scores, failed, rollout.group_index.cpu())
         estimator_options = dict(cfg.estimator_options)
         if cfg.preset.greedy_baseline:
             greedy = self.engine.generate(
@@ -538,7 +550,7 @@ class Trainer:
         lengths = response_mask.sum(-1)
         metrics.update(
             {
-                "reward/mean": scores.mean().item(),
+                "reward/mean": scores[~failed].mean().item() if (~failed).any() else float("nan"),
                 "reward/std": scores.std().item() if scores.numel() > 1 else 0.0,
                 "reward/score_raw_mean": raw_scores.mean().item(),
                 "reward/valid_frac": valid.float().mean().item(),
@@ -857,6 +869,8 @@ class Trainer:
         path = os.path.join(self.run_dir, "checkpoints", f"step_{self.step_idx}")
         os.makedirs(path, exist_ok=True)
         self.policy.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
+        # The tokenizer too, so a checkpoint is a complete model folder (policygrad eval --model).
+        self.tokenizer.save_pretrained(os.path.join(path, "model"))
         state = {
             "step": self.step_idx,
             "data_position": self.stream.position,
@@ -896,6 +910,49 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------------
+def _prepare_new_run_dir(run_dir: str, *, overwrite: bool) -> None:
+    """A new run never mixes with an old one: an ``output_dir`` that already holds a run is an
+    error unless ``overwrite`` is set, in which case the old run's files are removed.
+
+    Raises:
+        ConfigError: ``run_dir`` holds a run and ``overwrite`` is False, or it is a file.
+    """
+    import shutil
+
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"output_dir={run_dir!r} is a file; give a folder")
+    markers = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json")
+    if not os.path.isdir(run_dir) or not any(os.path.exists(os.path.join(run_dir, m)) for m in markers):
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"output_dir={run_dir!r} already holds a run; continue it with --resume {run_dir}, choose a new "
+            "--output_dir, or replace it with --overwrite=true"
+        )
+    for name in (*markers, "tensorboard"):
+        path = os.path.join(run_dir, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path)
+        elif os.path.exists(path):
+            os.remove(path)
+    for name in os.listdir(run_dir):
+        if name.startswith("eval") and name.endswith(".jsonl"):
+            os.remove(os.path.join(run_dir, name))
+
+
+def _fill_with_group_mean(
+    scores: torch.Tensor, missing: torch.Tensor, group_index: torch.Tensor
+) -> torch.Tensor:
+    """[B] scores with ``missing`` rows replaced by the mean of their group's other rows (0 when
+    the whole group is missing), so they change neither the group mean nor any advantage."""
+    n = int(group_index.max()) + 1
+    present = (~missing).to(scores.dtype)
+    sums = torch.zeros(n, dtype=scores.dtype).index_add(0, group_index, torch.where(missing, 0.0, scores))
+    counts = torch.zeros(n, dtype=scores.dtype).index_add(0, group_index, present)
+    means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    return torch.where(missing, means[group_index], scores)
+
+
 def _rows_of_varied_groups(scores: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
     """[B] bool: rows whose group has at least two different scores (dynamic sampling, DAPO)."""
     n = int(group_index.max()) + 1

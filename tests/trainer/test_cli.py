@@ -281,3 +281,69 @@ def test_eval_errors(eos_model_dir, tmp_path, capsys):
     assert "--samples must be >= 1, got 0" in _fails(
         ["eval", "--model", eos_model_dir, "--dataset", data, "--samples", "0"], capsys
     )
+
+
+# ----------------------------------------------------------------------------- found by trying to break it
+
+
+def test_a_new_run_never_mixes_with_an_old_one(tiny_yaml, tmp_path, capsys):
+    # A second run into the same output_dir would keep the old run's checkpoints, and a later
+    # --resume would silently continue the old run: refused unless --overwrite=true.
+    cfg = tiny_yaml("run")
+    assert main(["train", cfg]) == 0
+    line = _fails(["train", cfg, "--seed=5"], capsys)
+    assert "already holds a run" in line and "--resume" in line and "--overwrite=true" in line
+    assert main(["train", cfg, "--seed=5", "--steps=1", "--overwrite=true"]) == 0
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_1"]  # the old step_2 is gone
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1]
+
+
+def test_a_checkpoint_is_a_complete_model_folder(tiny_yaml, tmp_path, capsys):
+    # README: `policygrad eval --model RUN_DIR/checkpoints/step_N/model` needs the tokenizer there.
+    assert main(["train", tiny_yaml("run")]) == 0
+    folder = tmp_path / "run" / "checkpoints" / "step_2" / "model"
+    assert (folder / "tokenizer_config.json").exists()
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(folder),
+                "--dataset",
+                data,
+                "--limit",
+                "1",
+                "--max-new-tokens",
+                "4",
+                "--output",
+                str(tmp_path / "e.jsonl"),
+            ]
+        )
+        == 0
+    )
+
+
+def test_resume_without_checkpoint_yaml_error_and_broken_reward_file_are_one_line_errors(
+    tiny_yaml, tmp_path, capsys
+):
+    cfg = tiny_yaml("run")
+    os.makedirs(tmp_path / "interrupted")
+    with open(cfg) as src, open(tmp_path / "interrupted" / "config.yaml", "w") as dst:
+        dst.write(src.read())
+    assert "no checkpoint found" in _fails(["train", "--resume", str(tmp_path / "interrupted")], capsys)
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("steps: [\n")
+    assert _fails(["train", str(bad_yaml)], capsys).startswith("error: while parsing")
+    broken = tmp_path / "broken.py"
+    broken.write_text("import a_module_that_does_not_exist\n")
+    line = _fails(["train", cfg, f"--reward.functions=[{broken}:f]"], capsys)
+    assert "failed to load" in line and "ModuleNotFoundError" in line
+    assert "is a file" in _fails(["train", cfg, f"--output_dir={broken}"], capsys)
+
+
+def test_eval_rejects_a_useless_batch_size_or_limit(capsys):
+    assert _fails(["eval", "--batch-size", "-1"], capsys) == "error: --batch-size must be >= 1, got -1"
+    assert _fails(["eval", "--limit", "0"], capsys) == "error: --limit must be >= 1, got 0"
