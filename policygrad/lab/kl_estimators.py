@@ -1,0 +1,714 @@
+"""How good are the KL estimators k1, k2, k3, and which KL does each placement optimise
+(``policygrad lab kl-estimators``).
+
+Three experiments, all on :func:`policygrad.core.kl.kl_estimate` and the core's KL terms:
+
+1. Gaussian pairs (Schulman 2020, "Approximating KL divergence"; seed chapter 1, section 9):
+   samples ``x ~ q = N(0, 1)``, ``p = N(mu, 1)``, true ``KL(q || p) = mu^2 / 2``. With
+   ``log(q/p) = mu^2/2 - mu x`` each estimator's bias and standard deviation are reported relative
+   to the true KL, next to their closed forms:
+
+   - k1: bias 0, ``std / KL = 2 / mu`` (20 at mu = 0.1);
+   - k2: ``bias / KL = mu^2 / 4``, ``std / KL = sqrt(mu^4/2 + mu^6/4) / (mu^2/2)``;
+   - k3: bias 0, ``std / KL = sqrt(exp(mu^2) - 1 - mu^2) / (mu^2/2)`` (1.417 at mu = 0.1),
+     from ``E_q[r] = 1``, ``E_q[r^2] = exp(mu^2)``, ``E_q[r log r] = mu^2/2`` with ``r = p/q``.
+
+2. Real token distributions: a model pi and a perturbed copy pi_ref (every weight tensor W gets
+   ``W + s * rms(W) * N(0, 1)`` noise). Tokens are sampled from pi; at every response position the
+   exact ``KL(pi || pi_ref)`` of the full softmax is compared with k1/k2/k3 at the sampled token.
+
+3. Placements, by exact enumeration over a small categorical (seed section 9; Shah et al. 2025;
+   Zhang et al. 2025): the expected gradient of each placement (k1/k2/k3 in the reward, through
+   the score function; k1/k2/k3 and ``w * k3`` in the loss, differentiated at the sampled token)
+   is compared with the autograd gradients of ``KL(pi || ref)`` (reverse) and ``KL(ref || pi)``
+   (forward). Theory: k1 in the reward -> reverse; k2 in the loss -> reverse; k3 in the loss ->
+   forward; ``w * k3`` in the loss -> reverse; k1 in the loss -> zero; k2 and k3 in the reward
+   -> neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from policygrad.core.kl import KL_KINDS, kl_estimate, kl_loss, kl_shaped_rewards
+from policygrad.core.logprobs import logprobs_from_logits
+from policygrad.core.losses import get_policy_loss
+from policygrad.lab.common import (
+    DEFAULT_OUTPUT_DIR,
+    check_positive_int,
+    ensure_output_dir,
+    format_table,
+    parse_float_list,
+    pyplot,
+    save_figure,
+    set_threads,
+    tokenize_user_prompts,
+    write_json,
+)
+
+DEFAULT_MUS = (0.1, 0.5, 1.0, 2.0)
+DEFAULT_PROMPTS = (
+    "What is 12 + 7? Answer with just the number.",
+    "Name three colours.",
+    "Write one sentence about the sea.",
+    "What is the capital of France?",
+)
+
+
+# ---------------------------------------------------------------------------------------------- 1. Gaussians
+
+
+def gaussian_theory(mu: float, kind: str) -> tuple[float, float]:
+    """Closed-form ``(bias / KL, std / KL)`` of estimator ``kind`` for q = N(0,1), p = N(mu,1).
+
+    Derivations in the module docstring (x ~ q, log(q/p) = mu^2/2 - mu x).
+
+    Raises:
+        ValueError: ``mu`` == 0 (the KL is 0, relative numbers undefined); unknown ``kind``.
+    """
+    if mu == 0:
+        raise ValueError("mu must be != 0: the true KL is 0 and relative bias/std are undefined")
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
+    kl = mu * mu / 2
+    if kind == "k1":
+        return 0.0, abs(mu) / kl
+    if kind == "k2":
+        return mu * mu / 4, math.sqrt(mu**4 / 2 + mu**6 / 4) / kl
+    return 0.0, math.sqrt(math.expm1(mu * mu) - mu * mu) / kl
+
+
+@dataclasses.dataclass
+class GaussianRow:
+    """One (mu, estimator) line of Schulman's table.
+
+    Fields:
+        mu: mean of p; true_kl: ``mu^2 / 2``; kind: k1/k2/k3; n_samples: N.
+        bias_rel: ``(mean estimate - KL) / KL``; std_rel: ``std(estimate) / KL``.
+        theory_bias_rel, theory_std_rel: the closed forms of :func:`gaussian_theory`.
+        frac_negative: share of samples with a negative estimate.
+    """
+
+    mu: float
+    true_kl: float
+    kind: str
+    n_samples: int
+    bias_rel: float
+    std_rel: float
+    theory_bias_rel: float
+    theory_std_rel: float
+    frac_negative: float
+
+
+def gaussian_kl_table(
+    mus: Sequence[float] = DEFAULT_MUS, *, n_samples: int = 1_000_000, seed: int = 0
+) -> list[GaussianRow]:
+    """Monte Carlo bias and std of k1, k2, k3 relative to the true KL, for each ``mu``.
+
+    The same N draws ``x ~ N(0, 1)`` (float64, ``torch.Generator`` seeded with ``seed``) serve
+    every mu; ``logprobs = log q(x)``, ``ref_logprobs = log p(x)`` go through
+    :func:`policygrad.core.kl.kl_estimate`.
+
+    Raises:
+        ValueError: an empty ``mus`` or a zero mu; ``n_samples`` < 2.
+    """
+    n_samples = check_positive_int(n_samples, "n_samples", minimum=2)
+    if not mus:
+        raise ValueError("mus is empty; give at least one distance such as 0.1")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_samples, generator=g, dtype=torch.float64)
+    log_q = -0.5 * x.square()  # the shared normaliser cancels in every log-ratio
+    rows = []
+    for mu in mus:
+        mu = float(mu)
+        if mu == 0:
+            raise ValueError("mu = 0 gives KL = 0; relative bias/std are undefined; drop it")
+        log_p = -0.5 * (x - mu).square()
+        kl = mu * mu / 2
+        for kind in KL_KINDS:
+            est = kl_estimate(log_q, log_p, kind)
+            tb, ts = gaussian_theory(mu, kind)
+            rows.append(
+                GaussianRow(
+                    mu=mu,
+                    true_kl=kl,
+                    kind=kind,
+                    n_samples=n_samples,
+                    bias_rel=float((est.mean() - kl) / kl),
+                    std_rel=float(est.std() / kl),
+                    theory_bias_rel=tb,
+                    theory_std_rel=ts,
+                    frac_negative=float((est < 0).double().mean()),
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- 3. placements
+
+
+PLACEMENT_THEORY: dict[tuple[str, str], str] = {
+    ("reward", "k1"): "reverse KL",
+    ("reward", "k2"): "neither",
+    ("reward", "k3"): "neither",
+    ("loss", "k1"): "zero",
+    ("loss", "k2"): "reverse KL",
+    ("loss", "k3"): "forward KL",
+    ("loss", "w*k3"): "reverse KL",
+}
+"""What the expected gradient of each (placement, estimator) follows (seed section 9)."""
+
+
+@dataclasses.dataclass
+class PlacementRow:
+    """Expected gradient of one KL placement against the true gradients.
+
+    Fields:
+        setting: ``near`` (ref logits = pi logits + 0.1 noise) or ``far`` (independent logits).
+        placement: ``reward`` or ``loss``; estimator: ``k1``, ``k2``, ``k3`` or ``w*k3``.
+        theory: what it should follow (:data:`PLACEMENT_THEORY`); measured: what it follows here
+            (``reverse KL`` / ``forward KL`` when the relative error is < 1e-6, ``zero`` when its
+            norm is < 1e-12 of the reverse gradient's, else ``neither``).
+        cos_reverse, cos_forward: cosine with grad KL(pi||ref) and grad KL(ref||pi) (0 for zero).
+        rel_err_reverse, rel_err_forward: ``||g - g_true|| / ||g_true||``.
+        grad_norm: ``||g||``.
+    """
+
+    setting: str
+    placement: str
+    estimator: str
+    theory: str
+    measured: str
+    cos_reverse: float
+    cos_forward: float
+    rel_err_reverse: float
+    rel_err_forward: float
+    grad_norm: float
+
+    @property
+    def matches(self) -> bool:
+        """True when the measured divergence is the theory's."""
+        return self.measured == self.theory
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    na, nb = a.norm(), b.norm()
+    if na == 0 or nb == 0:
+        return 0.0
+    return float(a @ b / (na * nb))
+
+
+def placement_gradients(theta: torch.Tensor, ref_theta: torch.Tensor) -> dict[tuple[str, str], torch.Tensor]:
+    """Expected gradient, with respect to the logits ``theta`` [V], of each KL placement.
+
+    The V outcomes are laid out as V rows of one token each (``[V, 1]`` tensors), and every
+    expectation over y ~ pi is the exact sum ``sum_y pi(y) * term(y)`` (pi detached as the
+    sampling weight):
+
+    - in the reward: ``kl_shaped_rewards(0, log pi, log ref, beta=1, kind)`` is the per-token
+      reward ``-k(y)``; the ``vanilla`` policy loss ``-A log pi`` with ``A = -k`` gives the
+      score-function gradient ``E[k grad log pi]`` of the penalty;
+    - in the loss: ``kl_loss(log pi, log ref, kind)`` differentiated at each y; ``w*k3`` is
+      ``kl_loss(..., kind="k3", old_logprobs=log pi detached)``, pi_old = pi.
+
+    Args:
+        theta: [V] float64 logits of pi (not modified). ref_theta: [V] logits of the reference.
+
+    Returns:
+        ``{(placement, estimator): gradient [V] float64}`` for the keys of :data:`PLACEMENT_THEORY`,
+        each the gradient of the quantity the optimiser MINIMISES (the penalty).
+    """
+    theta = theta.detach().to(torch.float64)
+    ref_logp = torch.log_softmax(ref_theta.detach().to(torch.float64), -1)[:, None]
+    mask = torch.ones(theta.shape[0], 1, dtype=torch.bool)
+    vanilla = get_policy_loss("vanilla")
+    out = {}
+    for placement, est in PLACEMENT_THEORY:
+        th = theta.clone().requires_grad_(True)
+        logp = torch.log_softmax(th, -1)[:, None]
+        weight = logp.detach().exp()
+        if placement == "reward":
+            rewards = kl_shaped_rewards(
+                torch.zeros(theta.shape[0], dtype=torch.float64),
+                logp.detach(),
+                ref_logp,
+                mask,
+                beta=1.0,
+                kind=est,
+            )
+            term, _ = vanilla(logp, logp.detach(), rewards, mask)
+        elif est == "w*k3":
+            term = kl_loss(logp, ref_logp, mask, kind="k3", old_logprobs=logp.detach())
+        else:
+            term = kl_loss(logp, ref_logp, mask, kind=est)
+        (grad,) = torch.autograd.grad((weight * term).sum(), th)
+        out[(placement, est)] = grad
+    return out
+
+
+def true_kl_gradients(theta: torch.Tensor, ref_theta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Autograd gradients w.r.t. ``theta`` of ``KL(pi || ref)`` (reverse) and ``KL(ref || pi)``
+    (forward), pi = softmax(theta), ref = softmax(ref_theta), exact sums over the V outcomes."""
+    th = theta.detach().to(torch.float64).requires_grad_(True)
+    logp = torch.log_softmax(th, -1)
+    logr = torch.log_softmax(ref_theta.detach().to(torch.float64), -1)
+    reverse = (logp.exp() * (logp - logr)).sum()
+    forward = (logr.exp() * (logr - logp)).sum()
+    (g_rev,) = torch.autograd.grad(reverse, th, retain_graph=True)
+    (g_fwd,) = torch.autograd.grad(forward, th)
+    return g_rev, g_fwd
+
+
+def placement_table(*, vocab_size: int = 8, seed: int = 0) -> list[PlacementRow]:
+    """The placement table for a ``near`` and a ``far`` reference over a V-outcome categorical.
+
+    Logits ``theta ~ N(0, 1)``; ``near``: ``ref = theta + 0.1 N(0, 1)``; ``far``: ``ref ~ N(0, 1)``
+    independent (seeded with ``seed``).
+
+    Raises:
+        ValueError: ``vocab_size`` < 3 (with 2 outcomes every gradient is collinear).
+    """
+    vocab_size = check_positive_int(vocab_size, "vocab_size", minimum=3)
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.randn(vocab_size, generator=g, dtype=torch.float64)
+    settings = {
+        "near": theta + 0.1 * torch.randn(vocab_size, generator=g, dtype=torch.float64),
+        "far": torch.randn(vocab_size, generator=g, dtype=torch.float64),
+    }
+    rows = []
+    for setting, ref_theta in settings.items():
+        g_rev, g_fwd = true_kl_gradients(theta, ref_theta)
+        for (placement, est), grad in placement_gradients(theta, ref_theta).items():
+            err_rev = float((grad - g_rev).norm() / g_rev.norm())
+            err_fwd = float((grad - g_fwd).norm() / g_fwd.norm())
+            if grad.norm() < 1e-12 * g_rev.norm():
+                measured = "zero"
+            elif err_rev < 1e-6:
+                measured = "reverse KL"
+            elif err_fwd < 1e-6:
+                measured = "forward KL"
+            else:
+                measured = "neither"
+            rows.append(
+                PlacementRow(
+                    setting=setting,
+                    placement=placement,
+                    estimator=est,
+                    theory=PLACEMENT_THEORY[(placement, est)],
+                    measured=measured,
+                    cos_reverse=_cos(grad, g_rev),
+                    cos_forward=_cos(grad, g_fwd),
+                    rel_err_reverse=err_rev,
+                    rel_err_forward=err_fwd,
+                    grad_norm=float(grad.norm()),
+                )
+            )
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------- 2. tokens
+
+
+@dataclasses.dataclass
+class TokenRow:
+    """k1/k2/k3 at sampled tokens against the exact per-position KL, for one noise scale.
+
+    Fields:
+        noise_scale: s, noise relative to each weight tensor's RMS.
+        kind: k1/k2/k3; n_tokens: response positions measured.
+        exact_kl_mean: mean over positions of the exact ``KL(pi || pi_ref)`` (nats per token).
+        estimate_mean: mean of the estimator at the sampled tokens.
+        bias_rel: ``(estimate_mean - exact_kl_mean) / exact_kl_mean``.
+        std_rel: ``std(estimate) / exact_kl_mean`` over positions.
+        frac_negative: share of positions with a negative estimate.
+    """
+
+    noise_scale: float
+    kind: str
+    n_tokens: int
+    exact_kl_mean: float
+    estimate_mean: float
+    bias_rel: float
+    std_rel: float
+    frac_negative: float
+
+
+def perturbed_copy(model: torch.nn.Module, scale: float, *, seed: int = 0) -> torch.nn.Module:
+    """A deep copy of ``model`` with ``W + scale * rms(W) * N(0, 1)`` added to every parameter
+    tensor (tied tensors once), drawn from a generator seeded with ``seed``.
+
+    Raises:
+        ValueError: ``scale`` < 0 or not finite.
+    """
+    if not (math.isfinite(scale) and scale >= 0):
+        raise ValueError(f"noise scale must be a finite number >= 0, got {scale}")
+    other = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            rms = p.detach().float().square().mean().sqrt()
+            noise = torch.randn(p.shape, generator=g, dtype=torch.float32)
+            p.add_((scale * rms * noise).to(p.dtype))
+    return other
+
+
+def token_kl_measurements(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    noise_scales: Sequence[float] = (0.02, 0.05),
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 32,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> tuple[list[TokenRow], dict[float, dict[str, list[float]]]]:
+    """Exact per-position KL(pi || pi_ref) against k1/k2/k3 at tokens sampled from pi.
+
+    Responses are sampled with :class:`~policygrad.rollout.hf.HFRolloutEngine` from ``model``;
+    both models' logits at the response positions come from
+    :func:`policygrad.trainer.loop.response_logits`; the estimators use
+    :func:`~policygrad.core.logprobs.logprobs_from_logits` at ``temperature`` and
+    :func:`~policygrad.core.kl.kl_estimate`; the exact KL is the float64 sum over the vocabulary
+    of ``softmax(z/T) * (log_softmax(z/T) - log_softmax(z_ref/T))``.
+
+    Returns:
+        ``(rows, per_token)``: the :class:`TokenRow` table, and for each noise scale the lists
+        ``exact``, ``k1``, ``k2``, ``k3`` of per-position values (for plots).
+
+    Raises:
+        ValueError: bad prompts, counts or noise scales.
+    """
+    from policygrad.rollout.hf import HFRolloutEngine
+    from policygrad.trainer.loop import response_logits
+
+    check_positive_int(samples_per_prompt, "samples_per_prompt")
+    check_positive_int(max_new_tokens, "max_new_tokens")
+    if not noise_scales:
+        raise ValueError("noise_scales is empty; give at least one scale such as 0.05")
+    prompt_ids = tokenize_user_prompts(tokenizer, prompts)
+    engine = HFRolloutEngine(model, tokenizer)
+    rollout = engine.generate(
+        prompt_ids,
+        group_size=samples_per_prompt,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        generator_seed=seed,
+    )
+    mask = rollout.response_mask > 0
+    with torch.no_grad():
+        logits = response_logits(model, rollout).double() / temperature
+        logp_all = torch.log_softmax(logits, -1)
+        logprobs = logprobs_from_logits(logits, rollout.response_ids)
+    rows, per_token = [], {}
+    for i, scale in enumerate(noise_scales):
+        ref_model = perturbed_copy(model, float(scale), seed=seed + 1 + i)
+        with torch.no_grad():
+            ref_logits = response_logits(ref_model, rollout).double() / temperature
+            ref_all = torch.log_softmax(ref_logits, -1)
+            exact = (logp_all.exp() * (logp_all - ref_all)).sum(-1)[mask]
+            ref_logprobs = logprobs_from_logits(ref_logits, rollout.response_ids)
+        del ref_model, ref_logits, ref_all
+        kl_mean = float(exact.mean())
+        per_token[float(scale)] = {"exact": exact.tolist()}
+        for kind in KL_KINDS:
+            est = kl_estimate(logprobs, ref_logprobs, kind)[mask]
+            per_token[float(scale)][kind] = est.tolist()
+            rows.append(
+                TokenRow(
+                    noise_scale=float(scale),
+                    kind=kind,
+                    n_tokens=int(mask.sum()),
+                    exact_kl_mean=kl_mean,
+                    estimate_mean=float(est.mean()),
+                    bias_rel=float((est.mean() - kl_mean) / kl_mean),
+                    std_rel=float(est.std() / kl_mean),
+                    frac_negative=float((est < 0).double().mean()),
+                )
+            )
+    return rows, per_token
+
+
+# ---------------------------------------------------------------------------------------------- result, plot
+
+
+@dataclasses.dataclass
+class KLEstimatorsResult:
+    """Everything ``policygrad lab kl-estimators`` measured.
+
+    Fields:
+        gaussian: :class:`GaussianRow` per (mu, kind).
+        placements: :class:`PlacementRow` per (setting, placement, estimator).
+        tokens: :class:`TokenRow` per (noise scale, kind); empty when no model was given.
+        token_values: per noise scale, the per-position exact KL and estimates (not in the table).
+        model: the model spec used for the token experiment, or None.
+        table: the printed text; json_path, png_path: files written (or None).
+    """
+
+    gaussian: list[GaussianRow]
+    placements: list[PlacementRow]
+    tokens: list[TokenRow]
+    token_values: dict[float, dict[str, list[float]]]
+    model: str | None = None
+    table: str = ""
+    json_path: str | None = None
+    png_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (the per-token values are left out: they are large)."""
+        return {
+            "model": self.model,
+            "gaussian": [dataclasses.asdict(r) for r in self.gaussian],
+            "placements": [dataclasses.asdict(r) for r in self.placements],
+            "tokens": [dataclasses.asdict(r) for r in self.tokens],
+        }
+
+
+def kl_tables(result: KLEstimatorsResult) -> str:
+    """The three tables as text."""
+    parts = [
+        "Gaussian pairs q = N(0,1), p = N(mu,1): estimator bias and std relative to the true KL "
+        f"(N = {result.gaussian[0].n_samples:,}; theory in brackets)",
+        format_table(
+            ["mu", "KL", "kind", "bias/KL", "(theory)", "std/KL", "(theory)", "P(<0)"],
+            [
+                [
+                    r.mu,
+                    r.true_kl,
+                    r.kind,
+                    r.bias_rel,
+                    r.theory_bias_rel,
+                    r.std_rel,
+                    r.theory_std_rel,
+                    r.frac_negative,
+                ]
+                for r in result.gaussian
+            ],
+        ),
+    ]
+    if result.tokens:
+        parts += [
+            "",
+            f"Token distributions: {result.model} vs a copy with weight noise s * rms(W); exact "
+            "per-position KL(pi || pi_ref) against the estimate at the sampled token",
+            format_table(
+                ["noise s", "kind", "tokens", "exact KL/token", "estimate", "bias/KL", "std/KL", "P(<0)"],
+                [
+                    [
+                        r.noise_scale,
+                        r.kind,
+                        r.n_tokens,
+                        r.exact_kl_mean,
+                        r.estimate_mean,
+                        r.bias_rel,
+                        r.std_rel,
+                        r.frac_negative,
+                    ]
+                    for r in result.tokens
+                ],
+            ),
+        ]
+    parts += [
+        "",
+        "Which KL each placement's expected gradient follows (exact enumeration, V = 8; reverse = "
+        "KL(pi||ref), forward = KL(ref||pi))",
+        format_table(
+            [
+                "setting",
+                "placement",
+                "estimator",
+                "theory",
+                "measured",
+                "cos(reverse)",
+                "cos(forward)",
+                "match",
+            ],
+            [
+                [
+                    r.setting,
+                    r.placement,
+                    r.estimator,
+                    r.theory,
+                    r.measured,
+                    r.cos_reverse,
+                    r.cos_forward,
+                    "yes" if r.matches else "NO",
+                ]
+                for r in result.placements
+            ],
+        ),
+    ]
+    return "\n".join(parts)
+
+
+def plot_kl(result: KLEstimatorsResult, path: str) -> str:
+    """Panels: std/KL vs mu, bias/KL vs mu (Gaussians), and estimate vs exact KL at real tokens."""
+    plt = pyplot()
+    n_panels = 3 if result.tokens else 2
+    fig, axes = plt.subplots(1, n_panels, figsize=(4.6 * n_panels, 3.8))
+    colors = {"k1": "#d62728", "k2": "#2ca02c", "k3": "#1f77b4"}
+    mus = sorted({r.mu for r in result.gaussian})
+    for kind in KL_KINDS:
+        rows = sorted((r for r in result.gaussian if r.kind == kind), key=lambda r: r.mu)
+        axes[0].plot(mus, [r.std_rel for r in rows], "o-", color=colors[kind], label=kind)
+        axes[0].plot(mus, [r.theory_std_rel for r in rows], ":", color=colors[kind])
+        axes[1].plot(mus, [r.bias_rel for r in rows], "o-", color=colors[kind], label=kind)
+        axes[1].plot(mus, [r.theory_bias_rel for r in rows], ":", color=colors[kind])
+    axes[0].set(
+        xscale="log",
+        yscale="log",
+        xlabel="mu  (p = N(mu,1), q = N(0,1))",
+        ylabel="std / true KL",
+        title="Spread (dotted: closed form)",
+    )
+    axes[1].set(xscale="log", xlabel="mu", ylabel="bias / true KL", title="Bias (k2 grows as mu^2/4)")
+    axes[0].legend()
+    axes[1].axhline(0, color="black", lw=0.5)
+    if result.tokens:
+        ax = axes[2]
+        scale = min(result.token_values)  # the closest pair: where k3's control variate helps
+        vals = result.token_values[scale]
+        exact = vals["exact"]
+        for kind in KL_KINDS:
+            ax.scatter(exact, vals[kind], s=5, alpha=0.45, color=colors[kind], label=kind)
+        positive = [v for v in exact if v > 0] or [1e-12]
+        lo, hi = min(positive), max(positive)
+        ax.plot([lo, hi], [lo, hi], color="black", lw=0.8, label="exact KL")
+        ax.set(
+            xscale="log",
+            xlabel="exact KL(pi || pi_ref) at the position (nats)",
+            ylabel="estimate at the sampled token",
+            title=f"Real tokens, weight noise s = {scale:g}",
+        )
+        ax.set_yscale("symlog", linthresh=1e-3)
+        ticks = [-10.0, -1.0, -0.1, -0.01, 0.0, 0.01, 0.1, 1.0, 10.0]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.axhline(0, color="black", lw=0.5)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def run_kl_estimators(
+    *,
+    mus: Sequence[float] = DEFAULT_MUS,
+    n_samples: int = 1_000_000,
+    model=None,
+    tokenizer=None,
+    model_name: str | None = None,
+    prompts: Sequence[str] = DEFAULT_PROMPTS,
+    noise_scales: Sequence[float] = (0.02, 0.05),
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 32,
+    vocab_size: int = 8,
+    seed: int = 0,
+    output_dir: str | None = DEFAULT_OUTPUT_DIR,
+) -> KLEstimatorsResult:
+    """Run the three experiments; write ``kl_estimators.json`` / ``.png`` under ``output_dir``.
+
+    Args:
+        mus, n_samples: the Gaussian table (:func:`gaussian_kl_table`).
+        model, tokenizer: a loaded causal LM and its tokenizer for the token experiment; None
+            skips it.
+        model_name: label of the model in the tables.
+        prompts, noise_scales, samples_per_prompt, max_new_tokens: :func:`token_kl_measurements`.
+        vocab_size: outcomes of the categorical of the placement table.
+        seed: seeds every draw.
+        output_dir: folder for the files; None writes nothing.
+
+    Returns:
+        :class:`KLEstimatorsResult` (``table`` filled).
+    """
+    gaussian = gaussian_kl_table(mus, n_samples=n_samples, seed=seed)
+    placements = placement_table(vocab_size=vocab_size, seed=seed)
+    tokens, values = [], {}
+    if model is not None:
+        if tokenizer is None:
+            raise ValueError("tokenizer is required with model")
+        tokens, values = token_kl_measurements(
+            model,
+            tokenizer,
+            prompts,
+            noise_scales=noise_scales,
+            samples_per_prompt=samples_per_prompt,
+            max_new_tokens=max_new_tokens,
+            seed=seed,
+        )
+    result = KLEstimatorsResult(gaussian, placements, tokens, values, model=model_name)
+    result.table = kl_tables(result)
+    if output_dir is not None:
+        out = ensure_output_dir(output_dir)
+        result.json_path = write_json(os.path.join(out, "kl_estimators.json"), result.to_dict())
+        result.png_path = plot_kl(result, os.path.join(out, "kl_estimators.png"))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="policygrad lab kl-estimators",
+        description="Bias and spread of the KL estimators k1, k2, k3 (Gaussian pairs and real token "
+        "distributions) and which KL each placement's gradient follows.",
+    )
+    p.add_argument("--mu", default=",".join(str(m) for m in DEFAULT_MUS), help="comma-separated means of p")
+    p.add_argument("--samples", type=int, default=1_000_000, help="N Gaussian samples (default 1e6)")
+    p.add_argument(
+        "--model",
+        default="bundled:smollm2-135m-instruct",
+        help="model for the token experiment; 'none' skips it",
+    )
+    p.add_argument("--noise", default="0.02,0.05", help="weight-noise scales s (relative to rms(W))")
+    p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``policygrad lab kl-estimators ...``."""
+    args = build_parser().parse_args(argv)
+    set_threads(args.threads)
+    mus = parse_float_list(args.mu, "--mu")
+    noise = parse_float_list(args.noise, "--noise")
+    if any(n <= 0 for n in noise):
+        raise ValueError(f"--noise scales must be > 0 (a copy with no noise has KL 0), got {args.noise}")
+    if any(m == 0 for m in mus):
+        raise ValueError("--mu must not contain 0: the true KL is 0 and relative bias/std are undefined")
+    check_positive_int(args.samples, "--samples", minimum=2)
+    check_positive_int(args.samples_per_prompt, "--samples-per-prompt")
+    check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
+        raise ValueError(f"--prompts must be in 1..{len(DEFAULT_PROMPTS)}, got {args.prompts}")
+    model = tokenizer = None
+    name = None
+    if args.model.lower() != "none":
+        from policygrad.lab.common import load_lab_model
+
+        model, tokenizer = load_lab_model(args.model)
+        name = args.model
+    result = run_kl_estimators(
+        mus=mus,
+        n_samples=args.samples,
+        model=model,
+        tokenizer=tokenizer,
+        model_name=name,
+        prompts=DEFAULT_PROMPTS[: args.prompts],
+        noise_scales=noise,
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed,
+        output_dir=args.output_dir,
+    )
+    print(result.table)
+    print(f"\nwrote {result.json_path}\nwrote {result.png_path}")
+    return 0

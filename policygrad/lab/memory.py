@@ -1,0 +1,786 @@
+"""The memory bill of an RL post-training job, before it runs (``policygrad memory``).
+
+Accounting (seed chapter 1, "The memory bill"; seed chapter 2, "The four models in the room";
+Rajbhandari et al. 2019, ZeRO, section 3.1):
+
+- a trainable parameter costs 16 bytes with mixed-precision Adam: bf16 weights (2) and bf16
+  gradients (2), fp32 master weights (4) and two fp32 Adam moments (4 + 4);
+- a frozen parameter costs 2 bytes (bf16 weights only);
+- the models: the policy (trainable); a reference (frozen, when a KL to it is used); a reward
+  model (frozen, only when the reward comes from a model: a verifier needs none); a critic the
+  size of the policy (trainable, PPO only); an inference engine's copy of the policy (frozen bf16
+  weights) plus its KV cache ``2 (K and V) x layers x kv_heads x head_dim x B x T x 2 bytes``;
+- with LoRA the base weights are frozen (2 B/param) and only the adapters are trainable
+  (16 B/param); an adapter on a linear layer ``in -> out`` has ``r * (in + out)`` parameters
+  (Hu et al. 2021, eq. 3), and the reference is the base with the adapters switched off (no copy);
+- the logits tensor ``B x T x V`` in bf16, the "memory event" of computing log-probs.
+
+Activations, fragmentation and temporary buffers are not counted. GB are 10^9 bytes.
+Parameter counts come from the model's ``config.json`` alone: the model is instantiated on the
+``meta`` device (shapes, no storage), so no weights are read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+from typing import Any
+
+from policygrad.lab.common import (
+    DEFAULT_OUTPUT_DIR,
+    ensure_output_dir,
+    fmt,
+    format_table,
+    pyplot,
+    save_figure,
+    write_json,
+)
+
+BYTES_TRAINABLE = 16
+"""Bytes per trainable parameter: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m 4 + Adam v 4."""
+BYTES_FROZEN = 2
+"""Bytes per frozen parameter: the bf16 weight."""
+BYTES_BF16 = 2
+"""Bytes per element of a bf16 activation (logits, KV cache)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmModels:
+    """Which models an algorithm keeps in memory.
+
+    Fields:
+        critic: a trainable value model the size of the policy (actor-critic).
+        reference: a frozen reference for the KL term (can be dropped with ``reference=False``).
+        description: one line for the table.
+    """
+
+    critic: bool
+    reference: bool
+    description: str
+
+
+ALGORITHM_MODELS: dict[str, AlgorithmModels] = {
+    "sft": AlgorithmModels(False, False, "supervised fine-tuning: the policy alone"),
+    "ppo": AlgorithmModels(True, True, "PPO (RLHF): policy, critic, reference"),
+    "grpo": AlgorithmModels(False, True, "GRPO: group baseline, no critic"),
+    "dr_grpo": AlgorithmModels(False, True, "Dr.GRPO: group baseline, no critic"),
+    "rloo": AlgorithmModels(False, True, "RLOO: leave-one-out baseline, no critic"),
+    "reinforce": AlgorithmModels(False, True, "REINFORCE, no critic"),
+    "reinforce_pp": AlgorithmModels(False, True, "REINFORCE++, no critic"),
+    "remax": AlgorithmModels(False, True, "ReMax: greedy baseline, no critic"),
+}
+
+
+# ---------------------------------------------------------------------------------------------- shapes
+
+
+@dataclasses.dataclass
+class ModelShape:
+    """What the bill needs to know about a model.
+
+    Fields:
+        params: total parameters (tied input/output embeddings counted once).
+        vocab_size: V, rows of the output head (None when unknown: no logits row).
+        num_layers, num_kv_heads, head_dim: for the KV cache (None when unknown).
+        hidden_size: width of the residual stream (informational).
+        linear_shapes: ``(name, in_features, out_features)`` of every linear layer that LoRA can
+            target (the output head excluded, as peft's ``all-linear``); None when unknown.
+        source: where the numbers came from (a config path, or "given").
+    """
+
+    params: int
+    vocab_size: int | None = None
+    num_layers: int | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_size: int | None = None
+    linear_shapes: list[tuple[str, int, int]] | None = None
+    source: str = "given"
+
+    def kv_cache_bytes(self, batch: int, seq_len: int) -> int:
+        """``2 * layers * kv_heads * head_dim * B * T * 2`` bytes (K and V, bf16).
+
+        Raises:
+            ValueError: the layer count or KV width is unknown (names the options to give).
+        """
+        if self.num_layers is None or self.num_kv_heads is None or self.head_dim is None:
+            raise ValueError(
+                "the KV cache needs the layer count and KV width: give --model, or --layers with "
+                "--kv-heads and --head-dim (or --hidden for a model without grouped-query attention)"
+            )
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * batch * seq_len * BYTES_BF16
+
+    def lora_params(self, rank: int, target_modules: str | list[str] = "all-linear") -> int:
+        """Adapter parameters: ``rank * (in + out)`` summed over the targeted linear layers.
+
+        Args:
+            rank: LoRA rank r >= 1.
+            target_modules: ``"all-linear"`` or module-name suffixes (``["q_proj", "v_proj"]``).
+
+        Raises:
+            ValueError: the linear layers' shapes are unknown, or no layer matches the targets.
+        """
+        if self.linear_shapes is None:
+            raise ValueError(
+                "LoRA needs the shapes of the linear layers: give --model, or --hidden, --layers and "
+                "--intermediate (a Llama-shaped model is assumed)"
+            )
+        if target_modules == "all-linear":
+            chosen = self.linear_shapes
+        else:
+            targets = [target_modules] if isinstance(target_modules, str) else list(target_modules)
+            chosen = [s for s in self.linear_shapes if any(s[0].split(".")[-1] == t for t in targets)]
+        if not chosen:
+            names = sorted({s[0].split(".")[-1] for s in self.linear_shapes})
+            raise ValueError(
+                f"lora target modules {target_modules!r} match no linear layer; this model's are: "
+                f"{', '.join(names)}"
+            )
+        return sum(rank * (fan_in + fan_out) for _, fan_in, fan_out in chosen)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_shape_from_config(spec: str) -> ModelShape:
+    """Parameter count and shapes of a model from its ``config.json``, without loading weights.
+
+    The model class is built from the config on the ``meta`` device (tensors with shapes and no
+    storage), so the count is exact for any architecture transformers knows, tied embeddings
+    counted once.
+
+    Args:
+        spec: ``bundled:NAME``, a local model folder, or a hub id whose files are in the local
+            Hugging Face cache.
+
+    Raises:
+        ValueError: the model cannot be found, or its config cannot be read (names ``--model``).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from policygrad.models.loading import resolve_model_path
+
+    path = resolve_model_path(spec)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--model {spec!r}: cannot read its config.json ({e})") from None
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    head = model.get_output_embeddings()
+    linears = [
+        (name, module.in_features, module.out_features)
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and module is not head
+    ]
+    text = _text_config(config)
+    heads = getattr(text, "num_attention_heads", None)
+    hidden = getattr(text, "hidden_size", None)
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or (hidden // heads if hidden and heads else None)
+    return ModelShape(
+        params=int(params),
+        vocab_size=getattr(text, "vocab_size", None),
+        num_layers=getattr(text, "num_hidden_layers", None),
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        linear_shapes=linears,
+        source=os.path.join(path, "config.json") if os.path.isdir(path) else str(path),
+    )
+
+
+def llama_linear_shapes(
+    hidden: int, layers: int, intermediate: int, *, kv_dim: int | None = None
+) -> list[tuple[str, int, int]]:
+    """The linear layers of a Llama-shaped decoder: per layer q, k, v, o projections and the
+    gate, up, down MLP projections. ``kv_dim`` = kv_heads * head_dim (default ``hidden``)."""
+    kv = hidden if kv_dim is None else kv_dim
+    shapes = []
+    for i in range(layers):
+        p = f"model.layers.{i}"
+        shapes += [
+            (f"{p}.self_attn.q_proj", hidden, hidden),
+            (f"{p}.self_attn.k_proj", hidden, kv),
+            (f"{p}.self_attn.v_proj", hidden, kv),
+            (f"{p}.self_attn.o_proj", hidden, hidden),
+            (f"{p}.mlp.gate_proj", hidden, intermediate),
+            (f"{p}.mlp.up_proj", hidden, intermediate),
+            (f"{p}.mlp.down_proj", intermediate, hidden),
+        ]
+    return shapes
+
+
+def parse_count(text: str | float | int, name: str) -> int:
+    """``"7e9"``, ``"7B"``, ``"135M"``, ``"128k"``, ``7e9`` -> an int count.
+
+    Raises:
+        ValueError: not a positive number (names the option).
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        s = str(text).strip().replace("_", "").replace(",", "")
+        scale = 1.0
+        suffixes = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+        if s and s[-1].lower() in suffixes:
+            scale = suffixes[s[-1].lower()]
+            s = s[:-1]
+        try:
+            value = float(s) * scale
+        except ValueError:
+            raise ValueError(f"{name}: {text!r} is not a number; write e.g. 7e9, 7B or 135M") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {text!r}")
+    return int(round(value))
+
+
+def resolve_shape(
+    model: str | None = None,
+    *,
+    params: int | None = None,
+    vocab: int | None = None,
+    layers: int | None = None,
+    hidden: int | None = None,
+    kv_heads: int | None = None,
+    head_dim: int | None = None,
+    intermediate: int | None = None,
+) -> ModelShape:
+    """A :class:`ModelShape` from a model's config, from numbers, or the config with numbers
+    overriding its fields (for hypothetical models: ``params=7e9, vocab=128000``).
+
+    Without ``model`` and ``params`` the bundled default model is used.
+
+    Raises:
+        ValueError: a non-positive number, or a config that cannot be read.
+    """
+    for name, value in (
+        ("--vocab", vocab),
+        ("--layers", layers),
+        ("--hidden", hidden),
+        ("--kv-heads", kv_heads),
+        ("--head-dim", head_dim),
+        ("--intermediate", intermediate),
+    ):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if model is None and params is None:
+        from policygrad.models.bundled import DEFAULT_MODEL
+
+        model = DEFAULT_MODEL
+    if model is not None:
+        shape = model_shape_from_config(model)
+    else:
+        shape = ModelShape(params=int(params))
+    if params is not None:
+        shape.params = int(params)
+        shape.source = f"{shape.source}, params given" if model is not None else "given"
+        if model is not None:
+            shape.linear_shapes = None  # a different size: the config's layers no longer apply
+    if vocab is not None:
+        shape.vocab_size = int(vocab)
+    if layers is not None:
+        shape.num_layers = int(layers)
+    if hidden is not None:
+        shape.hidden_size = int(hidden)
+    if kv_heads is not None:
+        shape.num_kv_heads = int(kv_heads)
+    if head_dim is not None:
+        shape.head_dim = int(head_dim)
+    if model is None and shape.hidden_size and shape.num_kv_heads is None and shape.head_dim is None:
+        # No grouped-query attention assumed: K and V are as wide as the residual stream.
+        shape.num_kv_heads, shape.head_dim = 1, shape.hidden_size
+    if intermediate is not None:
+        if not (shape.hidden_size and shape.num_layers):
+            raise ValueError("--intermediate needs --hidden and --layers to lay out the linear layers")
+        kv_dim = shape.num_kv_heads * shape.head_dim if shape.num_kv_heads and shape.head_dim else None
+        shape.linear_shapes = llama_linear_shapes(
+            shape.hidden_size, shape.num_layers, int(intermediate), kv_dim=kv_dim
+        )
+    return shape
+
+
+# ---------------------------------------------------------------------------------------------- the bill
+
+
+@dataclasses.dataclass
+class MemoryItem:
+    """One line of the bill.
+
+    Fields:
+        component: e.g. ``policy``, ``reference``, ``critic (LoRA adapters)``, ``KV cache``.
+        state: ``trainable``, ``frozen``, ``shared``, or ``activation``.
+        params: parameters (None for activations).
+        bytes_per_param: 16, 2 or 0 (None for activations).
+        bytes: the item's bytes.
+        note: how it was counted.
+    """
+
+    component: str
+    state: str
+    params: int | None
+    bytes_per_param: float | None
+    bytes: int
+    note: str = ""
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    """The bill of one configuration.
+
+    Fields:
+        algorithm, lora_rank, batch, seq_len, inference_engine, reward_model, reference: the inputs.
+        shape: the model's :class:`ModelShape` (``linear_shapes`` dropped from ``to_dict``).
+        items: the lines of the bill.
+        state_bytes: weights, gradients and optimiser state of every model (the seed's bars).
+        total_bytes: ``state_bytes`` + KV cache + logits.
+        sft_state_bytes: ``state_bytes`` of supervised fine-tuning of the same model (policy only,
+            same LoRA setting).
+        ratio_to_sft: ``state_bytes / sft_state_bytes``.
+        table: the text table printed by the CLI.
+        json_path, png_path: files written (None from :func:`plan_memory` alone).
+    """
+
+    algorithm: str
+    lora_rank: int
+    batch: int | None
+    seq_len: int | None
+    inference_engine: bool
+    reward_model: bool
+    reference: bool
+    shape: ModelShape
+    items: list[MemoryItem]
+    state_bytes: int
+    total_bytes: int
+    sft_state_bytes: int
+    ratio_to_sft: float
+    table: str = ""
+    json_path: str | None = None
+    png_path: str | None = None
+
+    def item(self, component: str) -> MemoryItem:
+        """The item named ``component``.
+
+        Raises:
+            KeyError: no such item (lists the present ones).
+        """
+        for it in self.items:
+            if it.component == component:
+                return it
+        raise KeyError(f"no item {component!r}; items: {[it.component for it in self.items]}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (the shape without its list of linear layers)."""
+        d = dataclasses.asdict(self)
+        d["shape"].pop("linear_shapes", None)
+        d.pop("table", None)
+        d["state_gb"] = self.state_bytes / 1e9
+        d["total_gb"] = self.total_bytes / 1e9
+        d["sft_state_gb"] = self.sft_state_bytes / 1e9
+        return d
+
+
+def _check_algorithm(algorithm: str) -> AlgorithmModels:
+    if algorithm not in ALGORITHM_MODELS:
+        raise ValueError(
+            f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHM_MODELS))}"
+        )
+    return ALGORITHM_MODELS[algorithm]
+
+
+def _model_items(name: str, params: int, trainable: bool, lora: int, note: str = "") -> list[MemoryItem]:
+    """Lines of one model: a full model (16 or 2 B/param), or a LoRA model (frozen base + adapters)."""
+    if trainable and lora:
+        return [
+            MemoryItem(
+                f"{name} (base)",
+                "frozen",
+                params,
+                BYTES_FROZEN,
+                params * BYTES_FROZEN,
+                "LoRA: base weights frozen, bf16",
+            ),
+            MemoryItem(
+                f"{name} (LoRA adapters)",
+                "trainable",
+                lora,
+                BYTES_TRAINABLE,
+                lora * BYTES_TRAINABLE,
+                "r * (in + out) per targeted linear layer",
+            ),
+        ]
+    if trainable:
+        return [
+            MemoryItem(
+                name,
+                "trainable",
+                params,
+                BYTES_TRAINABLE,
+                params * BYTES_TRAINABLE,
+                note or "bf16 weights + bf16 grads + fp32 master + 2 fp32 Adam moments",
+            )
+        ]
+    return [MemoryItem(name, "frozen", params, BYTES_FROZEN, params * BYTES_FROZEN, note or "bf16 weights")]
+
+
+def plan_memory(
+    shape: ModelShape,
+    algorithm: str = "grpo",
+    *,
+    lora_rank: int = 0,
+    lora_targets: str | list[str] = "all-linear",
+    batch: int | None = None,
+    seq_len: int | None = None,
+    inference_engine: bool = False,
+    reward_model: bool = False,
+    reference: bool | None = None,
+    critic_params: int | None = None,
+    reward_params: int | None = None,
+) -> MemoryPlan:
+    """The memory bill of ``algorithm`` on a model of ``shape`` (see the module docstring).
+
+    Args:
+        shape: from :func:`resolve_shape` or :func:`model_shape_from_config`.
+        algorithm: a key of :data:`ALGORITHM_MODELS` (``sft``, ``ppo``, ``grpo``, ``rloo``, ...).
+        lora_rank: 0 for a full fine-tune, r >= 1 for LoRA adapters on ``lora_targets``.
+        lora_targets: ``"all-linear"`` or module-name suffixes.
+        batch: B sequences (logits and KV cache; both need ``seq_len`` too).
+        seq_len: T tokens per sequence (prompt + response).
+        inference_engine: add a separate engine's bf16 copy of the policy and its KV cache.
+        reward_model: add a frozen reward model (the reward comes from a model, not a verifier).
+        reference: keep the frozen reference; None = the algorithm's default (a KL is used).
+        critic_params: critic size (default: the policy's, the seed's assumption).
+        reward_params: reward-model size (default: the policy's).
+
+    Returns:
+        :class:`MemoryPlan`; its ``table`` is filled, no file is written.
+
+    Raises:
+        ValueError: unknown algorithm (lists the valid ones); negative LoRA rank; batch without
+            seq_len or the reverse; non-positive sizes; LoRA without linear-layer shapes; ``sft``
+            with an inference engine or a reward model.
+    """
+    needs = _check_algorithm(algorithm)
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
+    if (batch is None) != (seq_len is None):
+        raise ValueError("give --batch and --seq-len together (the logits and KV cache are B x T)")
+    for name, value in (
+        ("--batch", batch),
+        ("--seq-len", seq_len),
+        ("--critic-params", critic_params),
+        ("--reward-params", reward_params),
+    ):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if shape.params <= 0:
+        raise ValueError(f"the model's parameter count must be > 0, got {shape.params}")
+    if algorithm == "sft" and (inference_engine or reward_model):
+        raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
+    use_reference = needs.reference if reference is None else bool(reference and needs.reference)
+    lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
+    p = shape.params
+
+    items = _model_items("policy", p, True, lora)
+    if use_reference:
+        if lora:
+            items.append(
+                MemoryItem(
+                    "reference", "shared", p, 0, 0, "the policy's frozen base with the adapters switched off"
+                )
+            )
+        else:
+            items += _model_items("reference", p, False, 0, "frozen copy of the initial policy, bf16")
+    if reward_model:
+        items += _model_items("reward model", reward_params or p, False, 0, "frozen, bf16")
+    if needs.critic:
+        cp = critic_params or p
+        critic_lora = lora if (lora and critic_params is None) else 0
+        if lora and critic_params is not None:
+            raise ValueError(
+                "--critic-params with --lora-rank: the critic's adapters are counted from the "
+                "policy's layers; drop --critic-params"
+            )
+        items += _model_items("critic", cp, True, critic_lora)
+    if inference_engine:
+        items.append(
+            MemoryItem(
+                "inference engine",
+                "frozen",
+                p,
+                BYTES_FROZEN,
+                p * BYTES_FROZEN,
+                "a bf16 copy of the policy" + (" (adapters merged)" if lora else ""),
+            )
+        )
+    state_bytes = sum(it.bytes for it in items)
+    if inference_engine and batch is not None:
+        kv = shape.kv_cache_bytes(batch, seq_len)
+        items.append(
+            MemoryItem(
+                "KV cache",
+                "activation",
+                None,
+                None,
+                kv,
+                f"2 (K, V) x {shape.num_layers} layers x kv width {shape.num_kv_heads * shape.head_dim} "
+                f"x B {batch} x T {seq_len} x 2 B",
+            )
+        )
+    if batch is not None and shape.vocab_size:
+        logits = batch * seq_len * shape.vocab_size * BYTES_BF16
+        items.append(
+            MemoryItem(
+                "logits B x T x V",
+                "activation",
+                None,
+                None,
+                logits,
+                f"{batch} x {seq_len} x {shape.vocab_size} x 2 B (bf16), if materialised",
+            )
+        )
+    total = sum(it.bytes for it in items)
+    sft = sum(it.bytes for it in _model_items("policy", p, True, lora))
+    plan = MemoryPlan(
+        algorithm=algorithm,
+        lora_rank=lora_rank,
+        batch=batch,
+        seq_len=seq_len,
+        inference_engine=inference_engine,
+        reward_model=reward_model,
+        reference=use_reference,
+        shape=shape,
+        items=items,
+        state_bytes=state_bytes,
+        total_bytes=total,
+        sft_state_bytes=sft,
+        ratio_to_sft=state_bytes / sft,
+    )
+    plan.table = memory_table(plan)
+    return plan
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:,.2f}" if n < 1e10 else f"{n / 1e9:,.1f}"
+
+
+def _count(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)
+
+
+def memory_table(plan: MemoryPlan) -> str:
+    """The bill as text: one line per item, then the totals and the comparison with SFT."""
+    rows = [
+        [
+            it.component,
+            it.state,
+            _count(it.params),
+            fmt(it.bytes_per_param, 3) if it.bytes_per_param is not None else "-",
+            _gb(it.bytes),
+            it.note,
+        ]
+        for it in plan.items
+    ]
+    table = format_table(["component", "state", "params", "B/param", "GB", "how"], rows)
+    lines = [
+        f"memory bill: {plan.algorithm} ({ALGORITHM_MODELS[plan.algorithm].description}); model "
+        f"{_count(plan.shape.params)} params ({plan.shape.source})"
+        + (f", LoRA r={plan.lora_rank}" if plan.lora_rank else ""),
+        table,
+        "",
+        f"weights + grads + optimiser state: {_gb(plan.state_bytes)} GB "
+        f"({plan.ratio_to_sft:.2f}x SFT of the same model: {_gb(plan.sft_state_bytes)} GB)",
+        f"with KV cache and logits:          {_gb(plan.total_bytes)} GB "
+        "(activations and fragmentation not counted; GB = 1e9 bytes)",
+    ]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------- plot and CLI
+
+
+_COLORS = {
+    "policy": "#1f77b4",
+    "reference": "#7f7f7f",
+    "reward model": "#bcbd22",
+    "critic": "#d62728",
+    "inference engine": "#9467bd",
+    "KV cache": "#c5b0d5",
+    "logits B x T x V": "#ff9896",
+}
+
+
+def _color(component: str) -> str:
+    return _COLORS.get(component.split(" (")[0], "#17becf")
+
+
+def plot_plans(plans: list[MemoryPlan], path: str) -> str:
+    """Stacked horizontal bars, one per plan, one segment per component (GB); returns ``path``."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(9, 0.8 + 0.7 * len(plans)))
+    labels = []
+    seen: set[str] = set()
+    for row, plan in enumerate(plans):
+        left = 0.0
+        for it in plan.items:
+            if it.bytes == 0:
+                continue
+            width = it.bytes / 1e9
+            hatch = "//" if it.state == "activation" else ("" if it.state == "trainable" else "..")
+            label = it.component if it.component not in seen else None
+            seen.add(it.component)
+            ax.barh(
+                row, width, left=left, color=_color(it.component), edgecolor="white", hatch=hatch, label=label
+            )
+            left += width
+        ax.text(left, row, f"  {left:,.1f} GB", va="center", fontsize=8)
+        labels.append(plan.algorithm + (f" (LoRA r={plan.lora_rank})" if plan.lora_rank else ""))
+    ax.set_yticks(range(len(plans)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel(
+        "GB (1e9 bytes); solid: trainable 16 B/param, dotted: frozen 2 B/param, hatched: activations"
+    )
+    ax.set_title(f"Memory bill, {_count(plans[0].shape.params)}-parameter policy")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set_xlim(0, max(p.total_bytes for p in plans) / 1e9 * 1.25)
+    return save_figure(fig, path)
+
+
+def run_memory(
+    shape: ModelShape,
+    algorithm: str = "grpo",
+    *,
+    output_dir: str | None = DEFAULT_OUTPUT_DIR,
+    **options,
+) -> MemoryPlan:
+    """:func:`plan_memory`, plus (with ``output_dir``) ``memory.json`` and ``memory.png`` comparing
+    the plan with SFT, a critic-free algorithm (GRPO) and PPO under the same options.
+
+    Returns:
+        the :class:`MemoryPlan` of ``algorithm`` with ``json_path`` / ``png_path`` set.
+    """
+    plan = plan_memory(shape, algorithm, **options)
+    if output_dir is None:
+        return plan
+    out = ensure_output_dir(output_dir)
+    compare = []
+    for name in ("sft", "grpo", "ppo"):
+        if name != algorithm:
+            opts = dict(options)
+            if name == "sft":  # no rollouts, no scoring: no engine, no reward model
+                opts.update(inference_engine=False, reward_model=False)
+            compare.append(plan_memory(shape, name, **opts))
+    plans = [plan] + compare
+    order = {"sft": 0, "grpo": 1, "ppo": 3}
+    plans.sort(key=lambda p: order.get(p.algorithm, 2))
+    plan.json_path = write_json(
+        os.path.join(out, "memory.json"),
+        {"plan": plan.to_dict(), "compared": [p.to_dict() for p in compare]},
+    )
+    plan.png_path = plot_plans(plans, os.path.join(out, "memory.png"))
+    return plan
+
+
+MEMORY_DESCRIPTION = """The memory bill of an RL job: 16 bytes per trainable parameter (bf16 weights and
+gradients, fp32 master weights and two Adam moments), 2 per frozen one; reference, reward model,
+critic and inference engine as the algorithm needs; KV cache and the B x T x V logits tensor.
+Parameter counts come from the model's config.json (no weights are read); --params and the shape
+options describe a hypothetical model instead."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="policygrad memory", description=MEMORY_DESCRIPTION)
+    p.add_argument(
+        "--model",
+        default=None,
+        help="bundled:NAME, a model folder or a cached hub id "
+        "(default: the bundled model, unless --params is given)",
+    )
+    p.add_argument("--algorithm", default="grpo", help=f"one of {', '.join(sorted(ALGORITHM_MODELS))}")
+    p.add_argument("--params", default=None, help="parameter count of a hypothetical model: 7e9, 7B, 135M")
+    p.add_argument("--vocab", default=None, help="vocabulary size V (for the logits tensor)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (KV cache, LoRA)")
+    p.add_argument("--hidden", type=int, default=None, help="hidden size (KV cache without GQA, LoRA)")
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (KV cache)")
+    p.add_argument("--head-dim", type=int, default=None, help="width of one attention head (KV cache)")
+    p.add_argument("--intermediate", type=int, default=None, help="MLP width (LoRA on a --params model)")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank r (0 = full fine-tune)")
+    p.add_argument(
+        "--lora-targets",
+        default="all-linear",
+        help="all-linear, or comma-separated module names such as q_proj,v_proj",
+    )
+    p.add_argument("--batch", type=int, default=None, help="B sequences (logits, KV cache)")
+    p.add_argument("--seq-len", type=int, default=None, help="T tokens per sequence (logits, KV cache)")
+    p.add_argument("--inference-engine", action="store_true", help="a separate engine's copy + KV cache")
+    p.add_argument("--reward-model", action="store_true", help="a reward model (a verifier needs none)")
+    p.add_argument("--no-reference", action="store_true", help="no KL to a reference: drop it")
+    p.add_argument("--critic-params", default=None, help="critic size (default: the policy's)")
+    p.add_argument("--reward-params", default=None, help="reward-model size (default: the policy's)")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where memory.json and memory.png go")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``policygrad memory ...``: print the bill, write the JSON and the PNG, print their paths."""
+    args = build_parser().parse_args(argv)
+    _check_algorithm(args.algorithm)
+    shape = resolve_shape(
+        args.model,
+        params=parse_count(args.params, "--params") if args.params is not None else None,
+        vocab=parse_count(args.vocab, "--vocab") if args.vocab is not None else None,
+        layers=args.layers,
+        hidden=args.hidden,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        intermediate=args.intermediate,
+    )
+    targets = args.lora_targets
+    if targets != "all-linear":
+        targets = [t.strip() for t in targets.split(",") if t.strip()]
+    plan = run_memory(
+        shape,
+        args.algorithm,
+        output_dir=args.output_dir,
+        lora_rank=args.lora_rank,
+        lora_targets=targets,
+        batch=args.batch,
+        seq_len=args.seq_len,
+        inference_engine=args.inference_engine,
+        reward_model=args.reward_model,
+        reference=False if args.no_reference else None,
+        critic_params=parse_count(args.critic_params, "--critic-params") if args.critic_params else None,
+        reward_params=parse_count(args.reward_params, "--reward-params") if args.reward_params else None,
+    )
+    print(plan.table)
+    if args.inference_engine and args.batch is None:
+        print("note: KV cache not counted; give --batch and --seq-len")
+    print(f"\nwrote {plan.json_path}\nwrote {plan.png_path}")
+    return 0
+
+
+__all__ = [
+    "ALGORITHM_MODELS",
+    "BYTES_FROZEN",
+    "BYTES_TRAINABLE",
+    "MemoryItem",
+    "MemoryPlan",
+    "ModelShape",
+    "llama_linear_shapes",
+    "main",
+    "model_shape_from_config",
+    "parse_count",
+    "plan_memory",
+    "resolve_shape",
+    "run_memory",
+]

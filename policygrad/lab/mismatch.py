@@ -1,0 +1,478 @@
+"""How off-policy is an "on-policy" run? The train/inference mismatch meter
+(``policygrad lab mismatch``).
+
+The sampler and the trainer compute the probability of the same token with the same weights by
+different arithmetic (seed chapter 2, "Your on-policy algorithm is not on-policy"; Yao et al.
+2025, truncated importance sampling; seed chapter 1, section 12 on bf16 rounding). This command
+measures, at the sampled tokens, the per-token log-ratio ``delta_t = log pi_train - log pi_other``
+for two pairs:
+
+- ``sampler vs recompute``: the generation path (:class:`~policygrad.rollout.hf.HFRolloutEngine`,
+  incremental decoding with the KV cache, its ``sampler_logprobs``) against the training recompute
+  (:func:`policygrad.trainer.loop.policy_logprobs`: one full forward, float32 weights);
+- ``bf16 vs fp32``: the full forward of a bfloat16 copy of the model against the float32 one
+  (the log-softmax itself is float32 in both, :func:`policygrad.core.logprobs_from_logits`).
+
+For each pair it reports the distribution of ``delta`` (a histogram of ``log10 |delta|``), and
+how the sequence-level log-ratio ``S_t = sum_{s<=t} delta_s`` spreads with length: the std over
+sequences of ``S_t`` against ``sigma * sqrt(t)`` (sigma = per-token std; the seed's argument that
+independent per-token differences accumulate like a random walk), and the std of the sequence
+importance weight ``W_t = exp(S_t)`` with and without truncation at ``cap``
+(:func:`policygrad.core.logprobs.truncated_importance_weights`, ``level="sequence"`` on the first
+t tokens), plus the token-level weights ``min(exp(delta_t), cap)``: fraction truncated and spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from policygrad.core.logprobs import truncated_importance_weights
+from policygrad.lab.common import (
+    DEFAULT_OUTPUT_DIR,
+    check_positive_int,
+    ensure_output_dir,
+    format_table,
+    pyplot,
+    save_figure,
+    set_threads,
+    tokenize_user_prompts,
+    write_json,
+)
+
+DEFAULT_PROMPTS = (
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle works.",
+    "Describe your favourite city in detail.",
+    "What is 23 + 19? Explain step by step.",
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclasses.dataclass
+class PairStats:
+    """Mismatch between two ways of computing the same log-probs.
+
+    Fields:
+        name: the pair; behaviour: the path treated as the sampler in the importance weight;
+            target: the training path.
+        n_tokens, n_sequences: measured.
+        mean, std (sigma), abs_mean, abs_max, abs_p50, abs_p99: of ``delta`` per token (nats).
+        token_trunc_frac: share of tokens with ``exp(delta) > cap``.
+        token_weight_std, token_weight_std_truncated: spread of the token weights.
+        seq_trunc_frac: share of sequences with ``exp(S_T) > cap`` (whole sequence).
+        seq_weight_std, seq_weight_std_truncated: spread of the whole-sequence weights.
+        seq_weight_max: largest untruncated sequence weight.
+        lengths: t = 1..T_max; cum_std: std over sequences of S_t (sequences with >= t tokens);
+            sigma_sqrt_t: ``sigma * sqrt(t)``; seq_weight_std_t / seq_weight_std_t_truncated:
+            std of ``W_t`` without / with truncation; n_at_t: sequences with >= t tokens.
+    """
+
+    name: str
+    behaviour: str
+    target: str
+    n_tokens: int
+    n_sequences: int
+    mean: float
+    std: float
+    abs_mean: float
+    abs_max: float
+    abs_p50: float
+    abs_p99: float
+    token_trunc_frac: float
+    token_weight_std: float
+    token_weight_std_truncated: float
+    seq_trunc_frac: float
+    seq_weight_std: float
+    seq_weight_std_truncated: float
+    seq_weight_max: float
+    lengths: list[int]
+    cum_std: list[float]
+    sigma_sqrt_t: list[float]
+    seq_weight_std_t: list[float]
+    seq_weight_std_t_truncated: list[float]
+    n_at_t: list[int]
+
+
+def _std(x: torch.Tensor) -> float:
+    return float(x.double().std()) if x.numel() > 1 else 0.0
+
+
+def pair_stats(
+    name: str,
+    behaviour_name: str,
+    target_name: str,
+    behaviour_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    cap: float = 2.0,
+) -> tuple[PairStats, torch.Tensor]:
+    """Statistics of ``delta = logprobs - behaviour_logprobs`` on valid tokens.
+
+    Args:
+        behaviour_logprobs: [B, T] the path that "sampled" (the importance weight's denominator).
+        logprobs: [B, T] the training path.
+        response_mask: [B, T], nonzero = valid.
+        cap: truncation of the importance weights (> 0).
+
+    Returns:
+        ``(PairStats, delta_valid)`` with ``delta_valid`` the 1-D float64 tensor of valid deltas.
+
+    Raises:
+        ValueError: no valid token; shapes differ; a bad ``cap`` (from the core function).
+    """
+    mask = response_mask != 0
+    if not bool(mask.any()):
+        raise ValueError("response_mask has no valid token: nothing to measure")
+    lp = logprobs.double()
+    bp = behaviour_logprobs.double()
+    delta = torch.where(mask, lp - bp, torch.zeros((), dtype=torch.float64))
+    valid = delta[mask]
+    sigma = _std(valid)
+    absd = valid.abs()
+    log_cap = math.log(cap)
+    token_w = truncated_importance_weights(bp, lp, mask, level="token", cap=cap)[mask]
+    raw_token_w = valid.exp()
+    lengths = mask.sum(-1)
+    seq_log = delta.sum(-1)
+    has = lengths > 0
+    seq_w_trunc = truncated_importance_weights(bp, lp, mask, level="sequence", cap=cap)
+    first = torch.where(mask, seq_w_trunc, torch.zeros_like(seq_w_trunc)).max(-1).values[has]
+
+    T = int(lengths.max())
+    cum = delta.cumsum(-1)
+    ts, cum_std, sqrt_t, w_std, w_std_trunc, n_at = [], [], [], [], [], []
+    for t in range(1, T + 1):
+        rows = lengths >= t
+        n = int(rows.sum())
+        if n < 2:
+            break
+        s_t = cum[rows, t - 1]
+        prefix = mask.clone()
+        prefix[:, t:] = False
+        w_t = truncated_importance_weights(bp, lp, prefix, level="sequence", cap=cap)[rows, 0]
+        ts.append(t)
+        cum_std.append(_std(s_t))
+        sqrt_t.append(sigma * math.sqrt(t))
+        w_std.append(_std(s_t.exp()))
+        w_std_trunc.append(_std(w_t))
+        n_at.append(n)
+    stats = PairStats(
+        name=name,
+        behaviour=behaviour_name,
+        target=target_name,
+        n_tokens=int(valid.numel()),
+        n_sequences=int(has.sum()),
+        mean=float(valid.mean()),
+        std=sigma,
+        abs_mean=float(absd.mean()),
+        abs_max=float(absd.max()),
+        abs_p50=float(absd.quantile(0.5)),
+        abs_p99=float(absd.quantile(0.99)),
+        token_trunc_frac=float((valid > log_cap).double().mean()),
+        token_weight_std=_std(raw_token_w),
+        token_weight_std_truncated=_std(token_w),
+        seq_trunc_frac=float((seq_log[has] > log_cap).double().mean()),
+        seq_weight_std=_std(seq_log[has].exp()),
+        seq_weight_std_truncated=_std(first),
+        seq_weight_max=float(seq_log[has].exp().max()),
+        lengths=ts,
+        cum_std=cum_std,
+        sigma_sqrt_t=sqrt_t,
+        seq_weight_std_t=w_std,
+        seq_weight_std_t_truncated=w_std_trunc,
+        n_at_t=n_at,
+    )
+    return stats, valid
+
+
+@dataclasses.dataclass
+class MismatchResult:
+    """Everything ``policygrad lab mismatch`` measured.
+
+    Fields:
+        pairs: :class:`PairStats` per compared pair, keyed by name (``sampler vs recompute``,
+            ``bf16 vs fp32``).
+        deltas: per pair, the valid per-token deltas (for the histogram; not in the JSON).
+        cap: the truncation cap; settings: run settings.
+        table: printed text; json_path, png_path: files written (or None).
+    """
+
+    pairs: dict[str, PairStats]
+    deltas: dict[str, list[float]]
+    cap: float
+    settings: dict[str, Any]
+    table: str = ""
+    json_path: str | None = None
+    png_path: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict (without the raw deltas)."""
+        return {
+            "cap": self.cap,
+            "settings": self.settings,
+            "pairs": {k: dataclasses.asdict(v) for k, v in self.pairs.items()},
+        }
+
+
+def run_mismatch(
+    model,
+    tokenizer,
+    prompts: Sequence[str] = DEFAULT_PROMPTS,
+    *,
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 64,
+    temperature: float = 1.0,
+    sampler_dtype: str = "float32",
+    cap: float = 2.0,
+    seed: int = 0,
+    output_dir: str | None = DEFAULT_OUTPUT_DIR,
+) -> MismatchResult:
+    """Measure the sampler/recompute and bf16/fp32 mismatches (module docstring).
+
+    Args:
+        model: a float32 causal LM (not modified; a bfloat16 deep copy is made).
+        tokenizer: its tokenizer.
+        prompts: user prompts (chat template applied); open-ended ones give long responses.
+        samples_per_prompt, max_new_tokens, temperature: sampling (full softmax, no top-k/top-p).
+        sampler_dtype: ``float32`` (default) or ``bfloat16``: the weights the sampler decodes with.
+        cap: importance-weight cap (> 0), 2 by default.
+        seed: sampling seed.
+        output_dir: folder for ``mismatch.json`` / ``.png``; None writes nothing.
+
+    Returns:
+        :class:`MismatchResult`.
+
+    Raises:
+        ValueError: unknown ``sampler_dtype`` (lists the valid ones); a model not in float32;
+            bad counts or ``cap``.
+    """
+    from policygrad.rollout.hf import HFRolloutEngine
+    from policygrad.trainer.loop import policy_logprobs
+
+    if sampler_dtype not in _DTYPES:
+        raise ValueError(f"unknown sampler dtype {sampler_dtype!r}; valid: {', '.join(_DTYPES)}")
+    check_positive_int(samples_per_prompt, "samples_per_prompt")
+    check_positive_int(max_new_tokens, "max_new_tokens")
+    if not (isinstance(cap, (int, float)) and math.isfinite(cap) and cap > 0):
+        raise ValueError(f"cap must be a finite number > 0, got {cap!r}")
+    dtype = next(model.parameters()).dtype
+    if dtype != torch.float32:
+        raise ValueError(f"the model must be loaded in float32 (the training path), got {dtype}")
+    bf16 = copy.deepcopy(model).to(torch.bfloat16).eval()
+    sampler = model if sampler_dtype == "float32" else bf16
+    prompt_ids = tokenize_user_prompts(tokenizer, prompts)
+    engine = HFRolloutEngine(sampler, tokenizer)
+    rollout = engine.generate(
+        prompt_ids,
+        group_size=samples_per_prompt,
+        temperature=temperature,
+        max_new_tokens=max_new_tokens,
+        generator_seed=seed,
+    )
+    mask = rollout.response_mask
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            lp32, _ = policy_logprobs(model, rollout, temperature=temperature, top_k=0, top_p=1.0)
+            lp16, _ = policy_logprobs(bf16, rollout, temperature=temperature, top_k=0, top_p=1.0)
+    finally:
+        model.train(was_training)
+    del bf16
+    pairs, deltas = {}, {}
+    sampler_label = f"sampler ({sampler_dtype}, KV cache)"
+    for name, behaviour, other in (
+        ("sampler vs recompute", sampler_label, rollout.sampler_logprobs),
+        ("bf16 vs fp32", "full forward, bf16", lp16),
+    ):
+        stats, valid = pair_stats(name, behaviour, "full forward, fp32", other, lp32, mask, cap=cap)
+        pairs[name] = stats
+        deltas[name] = valid.tolist()
+    result = MismatchResult(
+        pairs=pairs,
+        deltas=deltas,
+        cap=float(cap),
+        settings={
+            "prompts": len(prompts),
+            "samples_per_prompt": samples_per_prompt,
+            "max_new_tokens": max_new_tokens,
+            "temperature": temperature,
+            "sampler_dtype": sampler_dtype,
+            "seed": seed,
+            "mean_length": float(mask.sum(-1).float().mean()),
+        },
+    )
+    result.table = mismatch_table(result)
+    if output_dir is not None:
+        out = ensure_output_dir(output_dir)
+        result.json_path = write_json(os.path.join(out, "mismatch.json"), result.to_dict())
+        result.png_path = plot_mismatch(result, os.path.join(out, "mismatch.png"))
+    return result
+
+
+def mismatch_table(result: MismatchResult) -> str:
+    """Per-pair tables: the delta distribution, the importance weights, and S_t against length."""
+    pairs = list(result.pairs.values())
+    s = result.settings
+    head = (
+        f"per-token log-ratio delta = log pi_train(fp32 full forward) - log pi_other at the sampled tokens; "
+        f"{pairs[0].n_sequences} sequences, {pairs[0].n_tokens} tokens (mean length {s['mean_length']:.1f})"
+    )
+    dist = format_table(
+        ["pair", "mean", "sigma", "mean |d|", "p50 |d|", "p99 |d|", "max |d|"],
+        [[p.name, p.mean, p.std, p.abs_mean, p.abs_p50, p.abs_p99, p.abs_max] for p in pairs],
+    )
+    cap = result.cap
+    weights = format_table(
+        [
+            "pair",
+            "tok trunc frac",
+            "tok w std",
+            f"(cap {cap:g})",
+            "seq trunc frac",
+            "seq W std",
+            f"(cap {cap:g})",
+            "seq W max",
+        ],
+        [
+            [
+                p.name,
+                p.token_trunc_frac,
+                p.token_weight_std,
+                p.token_weight_std_truncated,
+                p.seq_trunc_frac,
+                p.seq_weight_std,
+                p.seq_weight_std_truncated,
+                p.seq_weight_max,
+            ]
+            for p in pairs
+        ],
+    )
+    lines = [head, dist, "", f"importance weights pi_train / pi_other (truncated at {cap:g})", weights, ""]
+    for p in pairs:
+        if not p.lengths:
+            continue
+        picks = sorted({i for i in (0, len(p.lengths) // 4, len(p.lengths) // 2, len(p.lengths) - 1)})
+        lines.append(f"{p.name}: spread of S_t = sum of the first t deltas")
+        lines.append(
+            format_table(
+                ["t", "sequences", "std S_t", "sigma sqrt(t)", "std W_t", f"std min(W_t, {cap:g})"],
+                [
+                    [
+                        p.lengths[i],
+                        p.n_at_t[i],
+                        p.cum_std[i],
+                        p.sigma_sqrt_t[i],
+                        p.seq_weight_std_t[i],
+                        p.seq_weight_std_t_truncated[i],
+                    ]
+                    for i in picks
+                ],
+            )
+        )
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def plot_mismatch(result: MismatchResult, path: str) -> str:
+    """Three panels: histogram of log10 |delta|; std of S_t vs t with sigma sqrt(t); std of W_t
+    vs t with and without truncation."""
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 3, figsize=(14, 3.9))
+    colors = {"sampler vs recompute": "#1f77b4", "bf16 vs fp32": "#d62728"}
+    logs = {}
+    for name, values in result.deltas.items():
+        d = torch.tensor(values, dtype=torch.float64).abs()
+        logs[name] = (d[d > 0].log10(), int((d == 0).sum()))
+    nonempty = [v for v, _ in logs.values() if v.numel()]
+    if nonempty:
+        allv = torch.cat(nonempty)
+        bins = torch.linspace(float(allv.min()), float(allv.max()) + 1e-9, 61).tolist()
+        for name, (v, zeros) in logs.items():
+            label = f"{name} (+{zeros} tokens with delta exactly 0)" if zeros else name
+            axes[0].hist(v.tolist(), bins=bins, alpha=0.55, color=colors.get(name), label=label)
+    axes[0].set(xlabel="log10 |log pi_train - log pi_other|", ylabel="tokens", title="Per-token mismatch")
+    axes[0].legend(fontsize=7, loc="upper left")
+    for name, p in result.pairs.items():
+        c = colors.get(name)
+        axes[1].plot(p.lengths, p.cum_std, color=c, label=f"{name}: std S_t")
+        axes[1].plot(p.lengths, p.sigma_sqrt_t, ":", color=c, label="sigma sqrt(t)")
+        axes[2].plot(p.lengths, p.seq_weight_std_t, color=c, label=f"{name}: W_t")
+        axes[2].plot(
+            p.lengths, p.seq_weight_std_t_truncated, "--", color=c, label=f"min(W_t, {result.cap:g})"
+        )
+    for ax in axes[1:]:
+        ax.set_yscale("log")
+        ax.legend(fontsize=7)
+    axes[1].set(
+        xlabel="t (response tokens)", ylabel="std over sequences", title="Sequence log-ratio S_t vs length"
+    )
+    axes[2].set(
+        xlabel="t (response tokens)", ylabel="std over sequences", title="Sequence weight W_t = exp(S_t)"
+    )
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="policygrad lab mismatch",
+        description="Per-token log-prob differences between the sampler (KV-cache decode) and the training "
+        "recompute, and between bf16 and fp32 forwards; their growth with sequence length; truncated "
+        "importance weights.",
+    )
+    p.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
+    p.add_argument("--samples-per-prompt", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--sampler-dtype", default="float32", help="float32 or bfloat16 weights for the sampler")
+    p.add_argument("--cap", type=float, default=2.0, help="importance-weight truncation")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    return p
+
+
+def main(argv: list[str]) -> int:
+    """``policygrad lab mismatch ...``."""
+    from policygrad.lab.common import load_lab_model
+
+    args = build_parser().parse_args(argv)
+    set_threads(args.threads)
+    if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
+        raise ValueError(f"--prompts must be in 1..{len(DEFAULT_PROMPTS)}, got {args.prompts}")
+    if args.sampler_dtype not in _DTYPES:
+        raise ValueError(
+            f"--sampler-dtype {args.sampler_dtype!r} is not valid; choose one of {', '.join(_DTYPES)}"
+        )
+    if not (math.isfinite(args.cap) and args.cap > 0):
+        raise ValueError(f"--cap must be a finite number > 0, got {args.cap}")
+    check_positive_int(args.samples_per_prompt, "--samples-per-prompt")
+    check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    model, tokenizer = load_lab_model(args.model)
+    result = run_mismatch(
+        model,
+        tokenizer,
+        DEFAULT_PROMPTS[: args.prompts],
+        samples_per_prompt=args.samples_per_prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        sampler_dtype=args.sampler_dtype,
+        cap=args.cap,
+        seed=args.seed,
+        output_dir=args.output_dir,
+    )
+    print(result.table)
+    print(f"\nwrote {result.json_path}\nwrote {result.png_path}")
+    return 0

@@ -1,0 +1,92 @@
+"""Tests of the mismatch meter: statistics worked by hand, and a tiny model whose bf16 forward
+disagrees with its fp32 forward far more than the KV-cache decode does."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from policygrad.cli import main
+from policygrad.lab.mismatch import pair_stats, run_mismatch
+
+
+def test_pair_stats_by_hand():
+    # delta = logprobs - behaviour = [[log 3, 0], [0.1, 0.2]], every token valid, cap 2.
+    behaviour = torch.zeros(2, 2)
+    logprobs = torch.tensor([[math.log(3.0), 0.0], [0.1, 0.2]])
+    mask = torch.ones(2, 2)
+    stats, valid = pair_stats("p", "b", "t", behaviour, logprobs, mask, cap=2.0)
+    assert stats.n_tokens == 4 and stats.n_sequences == 2
+    # Token weights exp(delta) = [3, 1, 1.105, 1.221]: only 3 > 2 -> 1 of 4 truncated.
+    assert stats.token_trunc_frac == 0.25
+    # Sequence log-ratios S = [log 3, 0.3]: W = [3, 1.3499]; truncated [2, 1.3499].
+    assert stats.seq_trunc_frac == 0.5
+    assert stats.seq_weight_max == pytest.approx(3.0, rel=1e-6)
+    assert stats.seq_weight_std_truncated == pytest.approx((2.0 - math.exp(0.3)) / math.sqrt(2), rel=1e-6)
+    assert stats.seq_weight_std == pytest.approx((3.0 - math.exp(0.3)) / math.sqrt(2), rel=1e-6)
+    # S_1 = [log 3, 0.1]: std = (log 3 - 0.1) / sqrt(2) = 0.706166; S_2 = [log 3, 0.3]: 0.564700.
+    assert stats.lengths == [1, 2]
+    assert stats.cum_std == pytest.approx(
+        [(math.log(3) - 0.1) / math.sqrt(2), (math.log(3) - 0.3) / math.sqrt(2)]
+    )
+    # sigma = sample std of the 4 deltas; sigma * sqrt(t).
+    sigma = float(torch.tensor([math.log(3.0), 0.0, 0.1, 0.2], dtype=torch.float64).std())
+    assert stats.std == pytest.approx(sigma)
+    assert stats.sigma_sqrt_t == pytest.approx([sigma, sigma * math.sqrt(2)])
+    # W_1 = [3, 1.105] truncated to [2, 1.105].
+    assert stats.seq_weight_std_t_truncated[0] == pytest.approx((2 - math.exp(0.1)) / math.sqrt(2), rel=1e-6)
+    assert stats.abs_max == pytest.approx(math.log(3.0), rel=1e-6)
+    assert valid.numel() == 4
+
+
+def test_pair_stats_masks_padding():
+    # Padding holds garbage (inf): it must not reach any number.
+    behaviour = torch.tensor([[0.0, float("inf")], [0.0, 0.0]])
+    logprobs = torch.tensor([[0.5, float("nan")], [0.1, 0.3]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    stats, _ = pair_stats("p", "b", "t", behaviour, logprobs, mask)
+    assert stats.n_tokens == 3
+    assert math.isfinite(stats.std) and math.isfinite(stats.seq_weight_std)
+    assert stats.lengths == [1]  # only one sequence has 2 tokens: the spread stops at t = 1
+    with pytest.raises(ValueError, match="no valid token"):
+        pair_stats("p", "b", "t", behaviour, logprobs, torch.zeros(2, 2))
+
+
+def test_tiny_model_bf16_mismatch_exceeds_kv_cache_mismatch(tiny_lm, tmp_path):
+    model, tokenizer = tiny_lm
+    result = run_mismatch(
+        model,
+        tokenizer,
+        ["Tell me a story.", "Count to ten."],
+        samples_per_prompt=3,
+        max_new_tokens=12,
+        seed=0,
+        output_dir=str(tmp_path),
+    )
+    kv = result.pairs["sampler vs recompute"]
+    bf16 = result.pairs["bf16 vs fp32"]
+    assert kv.n_tokens == bf16.n_tokens > 6
+    # fp32 incremental decode vs full forward: rounding-level differences only.
+    assert kv.abs_max < 1e-4
+    assert bf16.abs_mean > 10 * kv.abs_mean
+    for p in (kv, bf16):
+        assert len(p.lengths) == len(p.cum_std) == len(p.sigma_sqrt_t) == len(p.seq_weight_std_t_truncated)
+        assert 0.0 <= p.token_trunc_frac <= 1.0 and 0.0 <= p.seq_trunc_frac <= 1.0
+        assert p.seq_weight_std_truncated <= p.seq_weight_std + 1e-12
+    data = json.loads(open(result.json_path).read())
+    assert set(data["pairs"]) == {"sampler vs recompute", "bf16 vs fp32"}
+    assert open(result.png_path, "rb").read(4) == b"\x89PNG"
+    assert next(model.parameters()).dtype == torch.float32
+
+
+def test_bad_inputs(tiny_lm, capsys):
+    model, tokenizer = tiny_lm
+    with pytest.raises(ValueError, match="unknown sampler dtype 'fp8'; valid: float32, bfloat16"):
+        run_mismatch(model, tokenizer, ["Hi"], sampler_dtype="fp8", output_dir=None)
+    with pytest.raises(ValueError, match="cap must be a finite number > 0"):
+        run_mismatch(model, tokenizer, ["Hi"], cap=0.0, output_dir=None)
+    assert main(["lab", "mismatch", "--prompts", "9"]) == 2
+    assert "error: --prompts must be in 1..4" in capsys.readouterr().err
