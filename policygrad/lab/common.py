@@ -248,3 +248,10 @@ def repeat_each(items: Sequence[Any], times: int) -> list[Any]:
     """``[a, b], 2 -> [a, a, b, b]``: per-prompt values aligned with the rows of a rollout
     (the G samples of prompt i are rows i*G .. i*G+G-1)."""
     return [item for item in items for _ in range(times)]
+
+
+def add_run_args(parser) -> None:
+    """The options every model experiment shares: ``--seed``, ``--threads``, ``--output-dir``."""
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)

@@ -67,6 +67,7 @@ from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    add_run_args,
     check_positive_int,
     ensure_output_dir,
     format_table,
@@ -885,9 +886,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reward-offset", type=float, default=0.0, help="constant c added to every reward")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    add_run_args(p)
     return p
 
 

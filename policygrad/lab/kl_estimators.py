@@ -43,6 +43,7 @@ from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.core.losses import get_policy_loss
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    add_run_args,
     check_positive_int,
     ensure_output_dir,
     format_table,
@@ -668,9 +669,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
     p.add_argument("--samples-per-prompt", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    add_run_args(p)
     return p
 
 

@@ -37,6 +37,7 @@ import torch
 from policygrad.core.logprobs import truncated_importance_weights
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    add_run_args,
     check_positive_int,
     ensure_output_dir,
     format_table,
@@ -438,9 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--sampler-dtype", default="float32", help="float32 or bfloat16 weights for the sampler")
     p.add_argument("--cap", type=float, default=2.0, help="importance-weight truncation")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
-    p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR)
+    add_run_args(p)
     return p
 
 
