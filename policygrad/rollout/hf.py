@@ -13,11 +13,10 @@ log-probs fill a [B, T] tensor column by column.
 from __future__ import annotations
 
 import contextlib
-import numbers
 
 import torch
 
-from policygrad.rollout.base import Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
 
 
 class _WarpAndRecord:
@@ -67,28 +66,6 @@ class _WarpAndRecord:
             self._record(last_tokens)
         self._prev_scores = self._prev_lse = None
         return torch.stack(self.columns, dim=1)
-
-
-def _check_prompts(prompt_token_ids) -> list[list[int]]:
-    if isinstance(prompt_token_ids, torch.Tensor) or not isinstance(prompt_token_ids, (list, tuple)):
-        raise TypeError(
-            "prompt_token_ids must be a list of token-id lists (one per prompt, unpadded), "
-            f"got {type(prompt_token_ids).__name__}"
-        )
-    if not prompt_token_ids:
-        raise ValueError("prompt_token_ids is empty; give at least one prompt")
-    out = []
-    for i, ids in enumerate(prompt_token_ids):
-        if isinstance(ids, torch.Tensor):
-            ids = ids.tolist()
-        if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in ids
-        ):
-            raise TypeError(f"prompt_token_ids[{i}] must be a list of ints")
-        if not ids:
-            raise ValueError(f"prompt_token_ids[{i}] is empty; every prompt needs at least one token")
-        out.append([int(t) for t in ids])
-    return out
 
 
 def _unwrap(model):
@@ -184,27 +161,9 @@ class HFRolloutEngine(RolloutEngine):
                 ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; longest prompt +
                 ``max_new_tokens`` beyond the model's ``max_position_embeddings``.
         """
-        prompts = _check_prompts(prompt_token_ids)
-        for name, value in (("group_size", group_size), ("max_new_tokens", max_new_tokens)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        temperature = float(temperature)
-        if not temperature > 0 or temperature == float("inf"):
-            raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-        if top_k is not None:
-            if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-                raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
-            if top_k < 0:
-                raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
-            top_k = int(top_k) or None
-        if top_p is not None:
-            top_p = float(top_p)
-            if not 0.0 < top_p <= 1.0:
-                raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
-            if top_p == 1.0:
-                top_p = None
+        prompts, temperature, top_k, top_p = check_sampling_args(
+            prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens
+        )
         longest = max(len(p) for p in prompts)
         limit = self._max_positions()
         if limit is not None and longest + max_new_tokens > limit:

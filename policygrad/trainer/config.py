@@ -173,18 +173,38 @@ class RolloutConfig:
 
     ``top_k: 0`` and ``top_p: 1.0`` sample the full softmax at ``temperature``; training
     log-probs always use the same temperature and truncation as the sampler.
-    """
 
-    engine: str = "hf"
+    ``engine``: ``hf`` (transformers ``generate`` on the live policy), ``vllm`` (a vLLM engine
+    in the same process, weights pushed to it after every update) or ``auto`` (``vllm`` when the
+    ``vllm`` package is installed, else ``hf``; the choice is printed at start). ``dtype``: the
+    vLLM engine's weights and compute (``auto`` = the policy's); ``bfloat16`` on an fp32 policy
+    is a faster but mismatched sampler. ``vllm_kv_cache_gb`` (CPU) / ``vllm_gpu_memory_utilization``
+    (GPU): the engine's KV-cache budget. ``vllm_prefix_caching``: reuse the prompt's KV across the
+    G samples (the cache is reset after every weight push).
+
+    ``is_correction``: truncated importance sampling against the train/inference mismatch (Yao et
+    al. 2025; seed section on the mismatch): ``none``, ``token`` or ``sequence`` weights
+    ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
+    the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
+    of every token is multiplied by its weight."""
+
+    engine: str = "auto"
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_new_tokens: int = 32
+    dtype: str = "auto"
+    vllm_kv_cache_gb: float = 1.0
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_prefix_caching: bool = True
+    is_correction: str = "none"
+    is_cap: float = 2.0
+    is_mode: str = "truncate"
 
     def validate(self, path: str) -> None:
-        _check_choice(f"{path}.engine", self.engine, {"hf"})
+        _check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
         _check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
         _check_positive(f"{path}.group_size", self.group_size)
         _check_positive(f"{path}.temperature", self.temperature)
@@ -192,6 +212,24 @@ class RolloutConfig:
             raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p!r}")
         _check_positive(f"{path}.top_k", self.top_k, allow_zero=True)
         _check_positive(f"{path}.max_new_tokens", self.max_new_tokens)
+        _check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16", "float16"})
+        _check_positive(f"{path}.vllm_kv_cache_gb", self.vllm_kv_cache_gb)
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"{path}.vllm_gpu_memory_utilization must be in (0, 1], "
+                f"got {self.vllm_gpu_memory_utilization!r}"
+            )
+        _check_choice(f"{path}.is_correction", self.is_correction, {"none", "token", "sequence"})
+        _check_positive(f"{path}.is_cap", self.is_cap)
+        _check_choice(f"{path}.is_mode", self.is_mode, {"truncate", "mask"})
+
+    def resolved_engine(self) -> str:
+        """``hf`` or ``vllm``: ``auto`` becomes ``vllm`` when the vllm package is importable."""
+        if self.engine != "auto":
+            return self.engine
+        from policygrad.rollout.vllm import vllm_available
+
+        return "vllm" if vllm_available() else "hf"
 
 
 @dataclass
@@ -469,6 +507,12 @@ class TrainConfig:
                 "the truncated sampler's log-probs are not comparable to the reference's full softmax, so "
                 "the KL would not be 0 even for an unchanged policy; set rollout.top_k=0 and "
                 "rollout.top_p=1.0, or kl.placement=none"
+            )
+        if self.rollout.engine == "hf" and self.rollout.dtype != "auto":
+            raise ConfigError(
+                f"rollout.dtype={self.rollout.dtype!r} applies to the vllm engine only: the hf engine "
+                "samples with the policy itself (set model.dtype instead), so keep rollout.dtype=auto or use "
+                "rollout.engine=vllm"
             )
         _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("eval_every", self.eval_every, allow_zero=True)

@@ -67,3 +67,4 @@ class MetricsLogger:
     def close(self) -> None:
         if self._writer is not None:
             self._writer.close()
+            self._writer = None

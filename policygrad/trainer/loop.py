@@ -49,7 +49,7 @@ from policygrad.core.kl import (
     kl_loss,
     kl_shaped_rewards,
 )
-from policygrad.core.logprobs import logprobs_from_logits
+from policygrad.core.logprobs import logprobs_from_logits, truncated_importance_weights
 from policygrad.core.losses import entropy_from_logits, get_policy_loss
 from policygrad.core.masking import aggregate, masked_mean, masked_sum, masked_whiten
 from policygrad.rewards.reward_model import resolve_reward_functions
@@ -57,6 +57,7 @@ from policygrad.rollout.base import Rollout
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
+from policygrad.trainer.optim import make_adamw
 from policygrad.trainer.ppo import CriticTrainer, PtxData, RewardNormalizer, monte_carlo_returns, ptx_loss
 
 
@@ -90,43 +91,94 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 # Log-probs of response tokens: logits only at response positions.
 
 
-def response_logits(model, rollout: Rollout) -> torch.Tensor:
+def response_logits(model, rollout: Rollout, *, share_prompts: bool = True) -> torch.Tensor:
     """Logits that predict each response token, computed only at those positions.
+
+    With ``share_prompts`` (the default), rows whose prompts are identical (the G samples of a
+    prompt) run the prompt through the model once: one forward over the distinct prompts fills a
+    KV cache, the cache is indexed out to the B rows (``index_select``, so in the backward the
+    gradients of the G rows sum into the one prompt pass), and a second forward runs the response
+    tokens on top of it. The result equals the plain forward over ``cat(prompt, response)`` up to
+    float rounding (the same attention over the same keys), at (n_prompts x P + B x T) tokens of
+    work instead of B x (P + T). It is used when some prompt repeats and the model keeps a cache
+    (not under gradient checkpointing, which turns the cache off).
 
     Args:
         model: a causal LM (plain or peft-wrapped) that accepts ``logits_to_keep``.
         rollout: left-padded prompts and right-padded responses.
+        share_prompts: run each distinct prompt once (see above); False runs every row whole.
 
     Returns:
         logits [B, T, V] in the model's dtype. ``logits[:, t]`` is computed from the prompt and
         response tokens before t (it is the last-prompt-token position for t = 0).
     """
     input_ids = rollout.input_ids()
-    attention_mask = rollout.attention_mask()
-    position_ids = rollout.position_ids()
     P = rollout.prompt_ids.shape[1]
     T = rollout.response_ids.shape[1]
+    if share_prompts and rollout.batch_size > 1 and not getattr(model, "is_gradient_checkpointing", False):
+        key = torch.cat([rollout.prompt_ids, rollout.prompt_mask.to(rollout.prompt_ids)], dim=1)
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if distinct.shape[0] < rollout.batch_size:
+            return _shared_prompt_logits(model, rollout, distinct[:, :P], distinct[:, P:], inverse)
     # Positions P-1 .. P+T-2 predict response tokens 0 .. T-1; the lm_head runs on those only,
     # and the result is a contiguous [B, T, V] tensor.
     keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)
     out = model(
         input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        attention_mask=rollout.attention_mask(),
+        position_ids=rollout.position_ids(),
         logits_to_keep=keep,
         use_cache=False,
     )
     return out.logits
 
 
+def _shared_prompt_logits(model, rollout: Rollout, prompt_ids, prompt_mask, inverse) -> torch.Tensor:
+    """``response_logits`` with each distinct prompt (rows of ``prompt_ids`` [n, P]) run once;
+    ``inverse`` [B] maps every row of ``rollout`` to its prompt."""
+    P = rollout.prompt_ids.shape[1]
+    T = rollout.response_ids.shape[1]
+    position_ids = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids,
+        logits_to_keep=1,
+        use_cache=True,
+    )
+    first = out.logits[:, -1:].index_select(0, inverse)  # the last prompt token predicts token 0
+    if T == 1:
+        return first
+    cache = out.past_key_values
+    cache.reorder_cache(inverse)  # [n, ...] -> [B, ...] by index_select: differentiable
+    # Response tokens 0 .. T-2 predict tokens 1 .. T-1 (the last token predicts nothing we keep).
+    out = model(
+        input_ids=rollout.response_ids[:, : T - 1],
+        attention_mask=rollout.attention_mask()[:, : P + T - 1],
+        position_ids=rollout.position_ids()[:, P : P + T - 1],
+        past_key_values=cache,
+        logits_to_keep=0,
+        use_cache=True,
+    )
+    return torch.cat([first, out.logits], dim=1)
+
+
 def policy_logprobs(
-    model, rollout: Rollout, *, temperature: float, top_k: int, top_p: float, with_entropy: bool | str = False
+    model,
+    rollout: Rollout,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    with_entropy: bool | str = False,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [B, T] of the response tokens under the sampled distribution
     (``logits / temperature`` with the sampler's top-k/top-p truncation), and the entropy [B, T]
     of the full tempered distribution when ``with_entropy`` is True (detached, a diagnostic) or
-    ``"grad"`` (differentiable, for an entropy bonus); None otherwise."""
-    logits = response_logits(model, rollout)
+    ``"grad"`` (differentiable, for an entropy bonus); None otherwise. ``share_prompts``: run each
+    distinct prompt once (:func:`response_logits`)."""
+    logits = response_logits(model, rollout, share_prompts=share_prompts)
     kwargs = {}
     if top_k:
         kwargs["top_k"] = top_k
@@ -241,7 +293,37 @@ class Trainer:
                 self.device
             )
         self.eos_ids = eos_token_ids(self.tokenizer, self.policy)
-        self.engine = HFRolloutEngine(self.policy, self.tokenizer, self.eos_ids)
+        self.engine_name = cfg.rollout.resolved_engine()
+        if self.engine_name == "hf" and cfg.rollout.dtype != "auto":
+            raise ConfigError(
+                f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
+                "resolved to hf (vllm is not installed); install the vllm extra or set rollout.dtype=auto"
+            )
+        if self.engine_name == "vllm":
+            from policygrad.rollout.vllm import VLLMRolloutEngine
+
+            r = cfg.rollout
+            dtype_name = r.dtype if r.dtype != "auto" else str(self.dtype).removeprefix("torch.")
+            self.engine = VLLMRolloutEngine(
+                self.model_path,
+                self.tokenizer,
+                self.eos_ids,
+                dtype=dtype_name,
+                seed=cfg.seed,
+                max_model_len=_engine_context(self.policy, cfg.data.max_prompt_length + r.max_new_tokens),
+                kv_cache_gb=r.vllm_kv_cache_gb,
+                gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+                enable_prefix_caching=r.vllm_prefix_caching,
+            )
+            if ckpt is not None or cfg.model.lora.rank > 0:
+                self.engine.sync_weights(self.policy)  # the engine loaded the base weights
+        else:
+            self.engine = HFRolloutEngine(self.policy, self.tokenizer, self.eos_ids)
+        how = "auto: " if cfg.rollout.engine == "auto" else ""
+        detail = "configured"
+        if how:
+            detail = "vllm installed" if self.engine_name == "vllm" else "vllm not installed"
+        print(f"rollout engine: {self.engine_name} ({how}{detail})", flush=True)
 
         # Data and rewards.
         self.train_source = build_train_source(cfg.data, seed=cfg.seed)
@@ -305,7 +387,7 @@ class Trainer:
         self.policy_loss = get_policy_loss(cfg.policy_loss_name)
         self.loss_options = self._loss_options()
         params = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = make_adamw(
             params,
             lr=cfg.optim.lr,
             betas=tuple(cfg.optim.betas),
@@ -467,12 +549,19 @@ class Trainer:
         # Reference and old log-probs, only when something uses them.
         beta = float(self.kl_ctl.value)
         ref_logprobs = None
+        metrics["time/ref_logprobs_s"] = metrics["time/old_logprobs_s"] = 0.0  # 0: pass skipped
         if cfg.kl.placement != "none":
+            t_pass = time.perf_counter()
             ref_logprobs = self._reference_logprobs(rollout)
+            metrics["time/ref_logprobs_s"] = _synced_clock(self.device) - t_pass
         # Critic pretraining (VC-PPO): the policy is frozen, so its old log-probs are not needed.
         pretraining = self.critic is not None and self.step_idx < cfg.critic.pretrain_steps
         on_policy = (cfg.optim.ppo_epochs == 1 and cfg.optim.num_minibatches == 1) or pretraining
-        old_logprobs = None if on_policy else self._inference_logprobs(self.policy, rollout)
+        old_logprobs = None
+        if not on_policy:
+            t_pass = time.perf_counter()
+            old_logprobs = self._inference_logprobs(self.policy, rollout)
+            metrics["time/old_logprobs_s"] = _synced_clock(self.device) - t_pass
         old_values = self.critic_trainer.values(rollout) if self.critic_trainer is not None else None
 
         # Token rewards: the score on the last valid token, KL per token when it is in the reward.
@@ -524,7 +613,14 @@ class Trainer:
             train_policy=not pretraining,
         )
         update_metrics = self._update(batch, beta)
-        t_train = time.perf_counter()
+        t_train = _synced_clock(self.device)
+        metrics.update(self._mismatch_metrics(rollout, response_mask))
+        if self.engine_name == "vllm" and update_metrics.get("optim/steps", 0) > 0:
+            # The engine holds its own copy of the weights: push the updated ones before the
+            # next rollout (in place, no reload; its prefix cache is reset).
+            t_sync = time.perf_counter()
+            self.engine.sync_weights(self.policy)
+            metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
 
         if old_values is not None:
             ev = explained_variance(old_values, returns, critic_mask) if critic_mask.any() else float("nan")
@@ -565,9 +661,10 @@ class Trainer:
         metrics.update(scored.metrics())
         metrics.update(update_metrics)
         n_tokens = int(response_mask.sum().item())
+        t_end = time.perf_counter()
         metrics["time/training_s"] = t_train - t_gen
-        metrics["time/step_s"] = t_train - t0
-        metrics["perf/tokens_per_s"] = n_tokens / max(t_train - t0, 1e-9)
+        metrics["time/step_s"] = t_end - t0
+        metrics["perf/tokens_per_s"] = n_tokens / max(t_end - t0, 1e-9)
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
         if torch.cuda.is_available():
             metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -580,6 +677,28 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------------------------------
+    def _mismatch_metrics(self, rollout: Rollout, response_mask: torch.Tensor) -> dict[str, float]:
+        """How far the sampler's log-probs are from the trainer's for the same tokens and weights
+        (the train/inference mismatch; seed section on it, Yao et al. 2025): mean and max per-token
+        absolute difference, and the spread of the sequence-level ratio exp(sum_t (lp - lp_sampler))."""
+        lp = self._rollout_time_logprobs
+        if lp is None:
+            return {}
+        mask = response_mask > 0
+        if self._rollout_time_rows is not None:
+            mask = mask & self._rollout_time_rows[:, None]
+        if not mask.any():
+            return {}
+        diff = torch.where(mask, lp.float() - rollout.sampler_logprobs.float(), 0.0)
+        seq = diff.sum(-1)[mask.any(-1)]
+        return {
+            "mismatch/logprob_abs_mean": masked_mean(diff.abs(), mask.float()).item(),
+            "mismatch/logprob_abs_max": diff.abs().max().item(),
+            "mismatch/seq_log_ratio_std": seq.std().item() if seq.numel() > 1 else 0.0,
+            "mismatch/seq_ratio_min": seq.min().exp().item(),
+            "mismatch/seq_ratio_max": seq.max().exp().item(),
+        }
+
     def _update(self, batch: StepBatch, beta: float) -> dict[str, Any]:
         """``ppo_epochs`` x ``num_minibatches`` optimizer steps over ``batch``: per minibatch one
         policy step (unless ``batch.train_policy`` is False) and, with a critic, one critic step
@@ -606,6 +725,15 @@ class Trainer:
         critic_grad_norms = []
         early_stopped = False
         trains_critic = self.critic_trainer is not None and batch.returns is not None
+        # The trainer's log-probs of the sampled tokens before any update (for the mismatch
+        # metrics): the old-log-prob pass when there is one, else gathered from the first forward.
+        self._rollout_time_logprobs = batch.old_logprobs
+        self._rollout_time_rows = None
+        if batch.old_logprobs is None and batch.train_policy:
+            self._rollout_time_logprobs = torch.zeros_like(batch.advantages)
+            self._rollout_time_rows = torch.zeros(B, dtype=torch.bool, device=batch.advantages.device)
+        is_level = r.is_correction
+        timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_idx)
         for _epoch in range(o.ppo_epochs):
             if early_stopped:
@@ -622,6 +750,7 @@ class Trainer:
                     mb_kl = 0.0
                     mb_weight = 0.0
                     for micro in torch.split(mb_rows, o.micro_batch_size):
+                        t_fwd = time.perf_counter()
                         sub = batch.rollout.select(micro)
                         mask = batch.loss_mask[micro]
                         logprobs, entropy = policy_logprobs(
@@ -634,11 +763,22 @@ class Trainer:
                         )
                         if batch.old_logprobs is None:
                             old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
+                            if self._rollout_time_rows is not None and steps == 0:
+                                self._rollout_time_logprobs[micro] = old.to(self._rollout_time_logprobs)
+                                self._rollout_time_rows[micro] = True
                         else:
                             old = batch.old_logprobs[micro]
                         loss_mat, m = self.policy_loss(
                             logprobs, old, batch.advantages[micro], mask, **self.loss_options
                         )
+                        if is_level != "none":
+                            # Truncated importance sampling: the sampler is not the trainer's
+                            # policy, so weight each token by pi_old(trainer) / pi_sampler, capped.
+                            is_w = truncated_importance_weights(
+                                sub.sampler_logprobs, old, mask, level=is_level, cap=r.is_cap, mode=r.is_mode
+                            )
+                            loss_mat = loss_mat * is_w
+                            m.update(_is_metrics(sub.sampler_logprobs, old, mask, is_w, is_level, r.is_cap))
                         if batch.ref_logprobs is not None:
                             kl_mat = kl_loss(
                                 logprobs,
@@ -662,7 +802,10 @@ class Trainer:
                         if not torch.isfinite(loss):
                             finite = False
                             break
+                        t_bwd = _synced_clock(self.device)
+                        timers["forward"] += t_bwd - t_fwd
                         loss.backward()
+                        timers["backward"] += _synced_clock(self.device) - t_bwd
                         w = float(mask.sum())
                         weight_total += w
                         mb_loss = mb_loss + loss.item()
@@ -670,9 +813,6 @@ class Trainer:
                         if "approx_kl" in m and w > 0:
                             mb_kl += float(m["approx_kl"]) * w
                             mb_weight += w
-                        if steps == 0:
-                            diff = (logprobs.detach() - sub.sampler_logprobs).abs()
-                            m["mismatch_abs_mean"] = masked_mean(diff, mask)
                         for key, value in m.items():
                             if key.startswith("num_"):
                                 continue  # counts, not per-token averages
@@ -693,6 +833,7 @@ class Trainer:
                             ptx_losses.append(lm_loss.item())
                         else:
                             finite = False
+                    t_opt = time.perf_counter()
                     if finite:
                         grad_norm = torch.nn.utils.clip_grad_norm_(
                             [p for p in self.policy.parameters() if p.requires_grad], o.max_grad_norm
@@ -708,6 +849,7 @@ class Trainer:
                         # Leave weights and optimizer state untouched; record the skip.
                         self.optimizer.zero_grad(set_to_none=True)
                         skipped += 1
+                    timers["optimizer"] += _synced_clock(self.device) - t_opt
                 if trains_critic:
                     cm = self.critic_trainer.fit_minibatch(
                         batch.rollout, mb_rows, batch.old_values, batch.returns, batch.critic_mask
@@ -731,7 +873,8 @@ class Trainer:
             "ratio_max": "policy/ratio_max",
             "entropy": "policy/entropy",
             "kl_loss": "kl/loss_term",
-            "mismatch_abs_mean": "mismatch/logprob_abs_mean",
+            "is_weight_mean": "mismatch/is_weight_mean",
+            "is_capped_frac": "mismatch/is_capped_frac",
         }
         out: dict[str, Any] = {}
         for key, total in sums.items():
@@ -739,6 +882,8 @@ class Trainer:
         for key, value in maxima.items():
             out[names.get(key, f"policy/{key}")] = value
         out["policy/loss"] = sum(losses) / len(losses) if losses else float("nan")
+        for key, value in timers.items():
+            out[f"time/{key}_s"] = value
         out["optim/steps"] = steps
         out["optim/skipped_nonfinite"] = skipped
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
@@ -808,7 +953,7 @@ class Trainer:
 
         cfg = self.config
         start = time.perf_counter()
-        summary: dict[str, Any] = {"run_dir": self.run_dir}
+        summary: dict[str, Any] = {"run_dir": self.run_dir, "rollout_engine": self.engine_name}
         if cfg.eval_before and self.eval_rows and self.step_idx == 0:
             acc, _ = self.evaluate(tag="eval_before")
             summary["accuracy_before"] = acc
@@ -861,6 +1006,14 @@ class Trainer:
         self.logger.close()
         return summary
 
+    def close(self) -> None:
+        """Shut down the rollout engine (vLLM holds its own weights, KV cache and process state)
+        and flush the metrics log. The trainer cannot generate afterwards."""
+        close = getattr(self.engine, "close", None)
+        if callable(close):
+            close()
+        self.logger.close()
+
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
         """Write ``RUN_DIR/checkpoints/step_N``: weights (safetensors; the adapter with LoRA),
@@ -910,6 +1063,45 @@ class Trainer:
 
 
 # ----------------------------------------------------------------------------------------------
+def _engine_context(model, wanted: int) -> int:
+    """``wanted`` (longest prompt + new tokens) capped at the model's ``max_position_embeddings``:
+    longer prompts are refused by the engine itself, naming ``max_new_tokens``."""
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None)
+    return min(wanted, int(limit)) if limit else wanted
+
+
+def _synced_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` after the device's queued work has finished (CUDA is asynchronous)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _is_metrics(
+    sampler_logprobs: torch.Tensor,
+    logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    level: str,
+    cap: float,
+) -> dict[str, torch.Tensor]:
+    """Per-token means of the importance weights actually applied and of the fraction of valid
+    tokens whose raw ratio ``pi_trainer / pi_sampler`` (token level) or sequence ratio (sequence
+    level) exceeded ``cap`` (clipped in ``truncate`` mode, dropped in ``mask`` mode). [B, T] inputs."""
+    with torch.no_grad():
+        valid = mask > 0
+        log_ratio = torch.where(valid, logprobs.float() - sampler_logprobs.float(), 0.0)
+        if level == "sequence":
+            log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+        capped = (log_ratio > math.log(cap)) & valid
+        return {
+            "is_weight_mean": masked_mean(weights.float(), mask),
+            "is_capped_frac": masked_mean(capped.float(), mask),
+        }
+
+
 def _prepare_new_run_dir(run_dir: str, *, overwrite: bool) -> None:
     """A new run never mixes with an old one: an ``output_dir`` that already holds a run is an
     error unless ``overwrite`` is set, in which case the old run's files are removed.

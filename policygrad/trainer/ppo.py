@@ -29,6 +29,7 @@ from policygrad.core.advantages import estimate_advantages
 from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.core.losses import value_loss
 from policygrad.core.masking import aggregate, masked_mean
+from policygrad.trainer.optim import make_adamw
 
 __all__ = [
     "REWARD_NORMALIZATIONS",
@@ -216,7 +217,7 @@ class CriticTrainer:
     ):
         self.critic = critic
         self.params = [p for p in critic.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(
+        self.optimizer = make_adamw(
             self.params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))

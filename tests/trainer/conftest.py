@@ -111,7 +111,7 @@ def tiny_overrides(model_dir: str, reward_spec: str, output_dir, **sections) -> 
         "log_completions": 0,
         "model": {"name": model_dir},
         "data": {"eval_size": 0, "difficulty": "easy"},
-        "rollout": {"prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
+        "rollout": {"engine": "hf", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
         "reward": {"functions": [reward_spec]},
         "optim": {"lr": 1e-2, "micro_batch_size": 8},
     }
