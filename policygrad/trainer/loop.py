@@ -465,12 +465,14 @@ class Trainer:
         r = self.config.rollout
         mbs = self.config.optim.micro_batch_size
         top_k, top_p = (r.top_k, r.top_p) if truncate else (0, 1.0)
-        chunks = []
+        out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
         for start in range(0, rollout.batch_size, mbs):
-            sub = rollout.select(torch.arange(start, min(start + mbs, rollout.batch_size)))
+            # Each micro-batch is trimmed to its own longest response and prompt (no work on
+            # columns that are padding in all of its rows); the rest of its row stays 0.
+            sub = rollout.select(torch.arange(start, min(start + mbs, rollout.batch_size))).trim()
             lp, _ = policy_logprobs(model, sub, temperature=r.temperature, top_k=top_k, top_p=top_p)
-            chunks.append(lp)
-        return torch.cat(chunks).clone()  # a normal tensor, usable next to autograd tensors
+            out[start : start + sub.batch_size, : lp.shape[1]] = lp
+        return out  # a normal tensor (not an inference tensor), usable next to autograd tensors
 
     def _reference_logprobs(self, rollout: Rollout) -> torch.Tensor:
         # The reference is never sampled from, so its log-probs are of the full tempered softmax:
@@ -540,6 +542,7 @@ class Trainer:
                 base, greedy.truncated, mode=cfg.reward.truncation, penalty=cfg.reward.truncation_penalty
             )
             estimator_options["baseline_rewards"] = base.repeat_interleave(G)
+        _release_free_memory()  # the sampler's temporaries go back to the OS before training
         t_gen = time.perf_counter()
         metrics["time/generation_s"] = t_gen - t0
 
@@ -613,6 +616,7 @@ class Trainer:
             train_policy=not pretraining,
         )
         update_metrics = self._update(batch, beta)
+        _release_free_memory()  # and the training activations before the next rollout
         t_train = _synced_clock(self.device)
         metrics.update(self._mismatch_metrics(rollout, response_mask))
         if self.engine_name == "vllm" and update_metrics.get("optim/steps", 0) > 0:
@@ -751,8 +755,11 @@ class Trainer:
                     mb_weight = 0.0
                     for micro in torch.split(mb_rows, o.micro_batch_size):
                         t_fwd = time.perf_counter()
-                        sub = batch.rollout.select(micro)
-                        mask = batch.loss_mask[micro]
+                        # Trimmed to the micro-batch's longest response (and prompt): columns
+                        # masked in all of its rows carry no loss, so they need no forward.
+                        sub = batch.rollout.select(micro).trim()
+                        T_mb = sub.response_ids.shape[1]
+                        mask = batch.loss_mask[micro, :T_mb]
                         logprobs, entropy = policy_logprobs(
                             self.policy,
                             sub,
@@ -764,12 +771,13 @@ class Trainer:
                         if batch.old_logprobs is None:
                             old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
                             if self._rollout_time_rows is not None and steps == 0:
-                                self._rollout_time_logprobs[micro] = old.to(self._rollout_time_logprobs)
+                                lp_store = self._rollout_time_logprobs
+                                lp_store[micro, :T_mb] = old.to(lp_store)
                                 self._rollout_time_rows[micro] = True
                         else:
-                            old = batch.old_logprobs[micro]
+                            old = batch.old_logprobs[micro, :T_mb]
                         loss_mat, m = self.policy_loss(
-                            logprobs, old, batch.advantages[micro], mask, **self.loss_options
+                            logprobs, old, batch.advantages[micro, :T_mb], mask, **self.loss_options
                         )
                         if is_level != "none":
                             # Truncated importance sampling: the sampler is not the trainer's
@@ -782,7 +790,7 @@ class Trainer:
                         if batch.ref_logprobs is not None:
                             kl_mat = kl_loss(
                                 logprobs,
-                                batch.ref_logprobs[micro],
+                                batch.ref_logprobs[micro, :T_mb],
                                 mask,
                                 kind=cfg.kl.resolved_kind(),
                                 old_logprobs=old if cfg.kl.importance_weighted else None,
@@ -1070,6 +1078,27 @@ def _engine_context(model, wanted: int) -> int:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = getattr(text, "max_position_embeddings", None)
     return min(wanted, int(limit)) if limit else wanted
+
+
+def _release_free_memory() -> None:
+    """Hand memory the allocator holds but no tensor uses back to the OS (glibc ``malloc_trim``).
+
+    Generation and training need their large temporaries at different times; without a trim,
+    glibc keeps the pages of one phase mapped through the next, and the process's peak RSS is
+    the sum of both phases instead of the larger one. A no-op where glibc is absent."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            import ctypes
+
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def _synced_clock(device: torch.device) -> float:
