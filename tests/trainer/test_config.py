@@ -294,3 +294,27 @@ def test_construction_validates():
     cfg.rollout.group_size = 1  # mutated after construction: validate() catches it
     with pytest.raises(ConfigError, match="needs rollout.group_size >= 2"):
         cfg.validate()
+
+
+def test_auto_engine_falls_back_to_hf_when_vllm_does_not_import(monkeypatch):
+    # An install built for another torch is found by find_spec but fails on import: auto must
+    # say so and use hf rather than die after the models have loaded.
+    import builtins
+
+    import policygrad.rollout.vllm as vllm_module
+    from policygrad.trainer.config import RolloutConfig
+
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    real_import = builtins.__import__
+
+    def broken(name, *args, **kwargs):
+        if name == "vllm":
+            raise ImportError("undefined symbol: _ZN3c10")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", broken)
+    engine, why = RolloutConfig(engine="auto").resolved_engine()
+    assert engine == "hf" and "does not import" in why and "undefined symbol" in why
+    assert RolloutConfig(engine="vllm").resolved_engine() == ("vllm", "configured")
+    monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
+    assert RolloutConfig(engine="auto").resolved_engine() == ("hf", "auto: vllm not installed")

@@ -106,3 +106,25 @@ def test_time_split_is_reported(make_config):
     assert m["time/ref_logprobs_s"] > 0.0
     assert m["time/old_logprobs_s"] == 0.0  # exactly on-policy: no old-log-prob pass
     assert "time/weight_sync_s" not in m  # the hf engine samples from the live model
+
+
+def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_config, monkeypatch):
+    # A sampled token outside the trainer's top-k/top-p set has log-prob -inf in the trainer; the
+    # step must drop that one token (and count it), not turn the whole loss into NaN and skip.
+    import policygrad.trainer.loop as loop
+
+    real = loop.policy_logprobs
+
+    def one_impossible_token(model, rollout, **kwargs):
+        lp, ent = real(model, rollout, **kwargs)
+        if lp.requires_grad:  # the training forward
+            hole = torch.zeros_like(lp, dtype=torch.bool)
+            hole[0, 0] = True  # row 0's first token is always valid
+            lp = torch.where(hole, torch.full_like(lp, -math.inf), lp)
+        return lp, ent
+
+    monkeypatch.setattr(loop, "policy_logprobs", one_impossible_token)
+    m = Trainer(make_config()).step()
+    assert m["policy/nonfinite_tokens"] == 1
+    assert m["optim/steps"] == 1 and m["optim/skipped_nonfinite"] == 0
+    assert math.isfinite(m["policy/loss"])

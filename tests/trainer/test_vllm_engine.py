@@ -77,3 +77,25 @@ def test_bf16_engine_mismatch_rises_and_sequence_tis_acts(make_config, vllm_mode
     assert b["mismatch/is_capped_frac"] > 0.0
     assert b["mismatch/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
     assert b["mismatch/is_weight_mean"] <= 1.05 + 1e-6
+
+
+def test_kl_in_the_reward_uses_the_trainers_logprobs_not_the_samplers(make_config, vllm_model_dir):
+    # A bf16 engine's log-probs are ~1e-2 off the trainer's. At step 0 the policy equals the
+    # reference, so the KL of the trainer's log-probs to the reference's is ~0; built from the
+    # sampler's log-probs it would be the mismatch itself. The trainer therefore runs its own
+    # log-prob pass when the KL sits in the reward.
+    trainer = Trainer(
+        make_config(
+            "klreward",
+            model={"name": vllm_model_dir},
+            rollout={"engine": "vllm", "vllm_kv_cache_gb": 0.05, "dtype": "bfloat16"},
+            kl={"placement": "reward", "beta": 0.1},
+        )
+    )
+    try:
+        m = trainer.step()
+    finally:
+        trainer.close()
+    assert m["time/old_logprobs_s"] > 0
+    assert m["mismatch/logprob_abs_mean"] > 1e-3
+    assert abs(m["kl/ref"]) < 1e-5
