@@ -1,0 +1,701 @@
+"""policygrad against TRL's GRPOTrainer: one GRPO step, side by side on the same machine.
+
+Both sides train the bundled SmolLM2-135M-Instruct (the safetensors folder policygrad caches) in
+float32 on the same prompts of the built-in arithmetic task, in the same order, through the same
+chat template: 4 prompts x G = 4 samples = 16 sequences per step, at most 64 new tokens,
+temperature 1.0, AdamW at a constant learning rate of 2e-5, gradient clipping at 1.0, reward =
+policygrad's ``answer_correctness``; once with beta = 0 (no reference model) and once with
+beta = 0.04 (policygrad: ``kl.placement=loss``, ``kl.kind=k3``). Batch size, G, length,
+temperature and learning rate are read from the policygrad config, so a ``--pg-override`` of one
+of them changes both sides.
+
+Each side is a worker process of its own (its own peak RSS), kept alive and driven one step at a
+time: a warm-up step each (not measured), then ``--steps`` measured steps each, in turn
+(policygrad, TRL, policygrad, TRL, ...), so slow drifts of a shared machine hit both alike.
+
+Step time: policygrad, the wall time around ``Trainer.step()``; TRL, from ``on_step_begin`` to
+``on_step_end`` (its generation, loss, backward, gradient clipping, optimizer and scheduler step).
+The split of a TRL step comes from timers around its methods: generation = its
+``_generate_and_score_completions`` (sampling, decoding, rewards, advantages) minus the no-grad
+log-prob passes inside it; log-prob passes = ``_get_per_token_logps_and_entropies`` under no grad
+(old and reference log-probs); loss forward = ``compute_loss``; backward = ``accelerator.backward``
+(with TRL's default gradient checkpointing this includes the recomputed forward); optimizer =
+``_clip_grad_norm`` + ``optimizer.step``. policygrad reports the same phases itself
+(``time/*_s`` metrics). Tokens/s = (non-padding prompt tokens + response tokens of the batch) /
+step time.
+
+Usage::
+
+    python benchmarks/grpo_vs_trl.py --quick --pg-engine hf
+    python benchmarks/grpo_vs_trl.py --steps 5 --update-readme
+
+Writes ``benchmarks/results/<date>-grpo-vs-trl.json`` (every step's raw numbers, the settings and
+the machine) and prints one markdown table per beta.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from _common import (
+    RESULTS_DIR,
+    SPLITS,
+    Channel,
+    Worker,
+    add_other,
+    as_float,
+    fmt,
+    log_dir,
+    machine_description,
+    machine_line,
+    markdown_table,
+    median,
+    nan_to_none,
+    peak_rss_gb,
+    policygrad_config,
+    policygrad_splits,
+    run_main,
+    serve_policygrad,
+    set_threads,
+    today,
+    update_readme_section,
+    warn_if_busy,
+    write_json,
+)
+
+MODEL = "bundled:smollm2-135m-instruct"
+README_SECTION = "grpo-vs-trl"
+
+
+def policygrad_settings(*, beta: float, seed: int, engine: str, threads: int, steps: int, output_dir: str):
+    """The policygrad config of the comparison (a nested dict for ``load_config``)."""
+    if beta > 0:
+        kl = {"placement": "loss", "kind": "k3", "beta": beta}
+    else:
+        kl = {"placement": "none", "beta": 0.0}
+    return {
+        "algorithm": "grpo",
+        "steps": steps,
+        "seed": seed,
+        "output_dir": output_dir,
+        "overwrite": True,
+        "max_minutes": None,
+        "eval_before": False,
+        "eval_after": False,
+        "eval_every": 0,
+        "save_every": 0,
+        "log_completions": 0,
+        "num_threads": threads,
+        "tensorboard": False,
+        "progress": False,
+        "model": {"name": MODEL, "dtype": "float32"},
+        "data": {"dataset": "builtin:arithmetic", "eval_size": 0},
+        "rollout": {
+            "engine": engine,
+            "prompts_per_step": 4,
+            "group_size": 4,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "max_new_tokens": 64,
+        },
+        "reward": {"functions": ["answer_correctness"]},
+        "kl": kl,
+        "optim": {
+            "lr": 2e-5,
+            "schedule": "constant",
+            "warmup_steps": 0,
+            "max_grad_norm": 1.0,
+            "weight_decay": 0.0,
+            "ppo_epochs": 1,
+            "num_minibatches": 1,
+        },
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The TRL worker.
+
+
+class _Quit(Exception):
+    """The coordinator asked the TRL worker to stop in the middle of ``trainer.train()``."""
+
+
+def _message_text(value: Any, role: str) -> str:
+    """The text of a conversational prompt/completion (a list of messages), or the string itself."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        parts = [m.get("content") for m in value if isinstance(m, dict) and m.get("role") == role]
+        return "".join(p for p in parts if isinstance(p, str))
+    return str(value)
+
+
+def answer_correctness_reward(prompts, completions, answer=None, **_):
+    """policygrad's ``answer_correctness`` in TRL's ``reward_funcs`` signature (conversational
+    prompts and completions are lists of messages; the row's ``answer`` column arrives as a
+    keyword)."""
+    from policygrad.rewards.verifiers import answer_correctness
+
+    texts = [_message_text(c, "assistant") for c in completions]
+    prompt_texts = [_message_text(p, "user") for p in prompts]
+    return answer_correctness(prompt_texts, texts, answer=answer)
+
+
+def serve_trl(spec: dict[str, Any]) -> None:
+    """Worker main loop for the TRL side: build a GRPOTrainer, instrument it, reply ``ready``,
+    then let ``trainer.train()`` run with a callback that waits for a ``step`` command before each
+    step and replies after it."""
+    chan = Channel.claim()
+    try:
+        t0 = time.perf_counter()
+        threads = set_threads(int(spec["threads"]))
+        import torch
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+
+        rows = spec["rows"]
+        dataset = Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r.get("answer")} for r in rows]
+        )
+        kwargs = {
+            "output_dir": spec["output_dir"],
+            "use_cpu": True,
+            "bf16": False,
+            "per_device_train_batch_size": spec["batch"],
+            "num_generations": spec["group_size"],
+            "max_completion_length": spec["max_new_tokens"],
+            "report_to": "none",
+            "learning_rate": spec["lr"],
+            "beta": spec["beta"],
+            "temperature": spec["temperature"],
+            "lr_scheduler_type": "constant",
+            "logging_steps": 1,
+            "save_strategy": "no",
+            "seed": spec["seed"],
+            "max_steps": spec["steps_total"],
+            # The dataset rows are already in policygrad's order; no shuffling keeps it.
+            "shuffle_dataset": False,
+        }
+        kwargs.update(spec.get("trl_overrides", {}))
+        config = GRPOConfig(**kwargs)
+        trainer = GRPOTrainer(
+            model=spec["model_path"],
+            reward_funcs=[answer_correctness_reward],
+            args=config,
+            train_dataset=dataset,
+        )
+
+        timers: dict[str, float] = {}
+        batch_info: dict[str, Any] = {}
+
+        def timed(key, fn, *, nograd_key=None):
+            def wrapper(*args, **kw):
+                name = nograd_key if nograd_key and not torch.is_grad_enabled() else key
+                start = time.perf_counter()
+                try:
+                    return fn(*args, **kw)
+                finally:
+                    timers[name] = timers.get(name, 0.0) + time.perf_counter() - start
+
+            return wrapper
+
+        gas = trainer._generate_and_score_completions
+
+        def generate_and_score(*args, **kw):
+            start = time.perf_counter()
+            out = gas(*args, **kw)
+            timers["generate_and_score"] = timers.get("generate_and_score", 0.0) + time.perf_counter() - start
+            if isinstance(out, dict) and "prompt_mask" in out and "completion_mask" in out:
+                batch_info.update(
+                    {
+                        "batch": int(out["prompt_mask"].shape[0]),
+                        "prompt_tokens": int(out["prompt_mask"].sum()),
+                        "response_tokens": int(out["completion_mask"].sum()),
+                        "prompt_len_padded": int(out["prompt_mask"].shape[1]),
+                        "response_len_padded": int(out["completion_mask"].shape[1]),
+                    }
+                )
+            return out
+
+        trainer._generate_and_score_completions = generate_and_score
+        trainer._generate = timed("sampling", trainer._generate)
+        trainer._get_per_token_logps_and_entropies = timed(
+            "logps_grad", trainer._get_per_token_logps_and_entropies, nograd_key="logps_nograd"
+        )
+        trainer.compute_loss = timed("compute_loss", trainer.compute_loss)
+        trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
+        trainer._clip_grad_norm = timed("clip", trainer._clip_grad_norm)
+
+        class Probe(TrainerCallback):
+            """Blocks before each step until the coordinator says ``step``; replies after it."""
+
+            def __init__(self):
+                self.pending: dict[str, Any] | None = None
+                self.start = 0.0
+                self.optimizer_start = 0.0
+
+            def flush(self):
+                if self.pending is not None:
+                    chan.send(self.pending)
+                    self.pending = None
+
+            def on_step_begin(self, args, state, control, **kw):
+                self.flush()
+                cmd = chan.recv()
+                if cmd.get("cmd") != "step":
+                    raise _Quit
+                timers.clear()
+                batch_info.clear()
+                self.start = time.perf_counter()
+
+            # optimizer.step() runs between these two events (patching it would trip the LR
+            # scheduler's check that optimizer.step was not replaced).
+            def on_pre_optimizer_step(self, args, state, control, **kw):
+                self.optimizer_start = time.perf_counter()
+
+            def on_optimizer_step(self, args, state, control, **kw):
+                elapsed = time.perf_counter() - self.optimizer_start
+                timers["optimizer_step"] = timers.get("optimizer_step", 0.0) + elapsed
+
+            def on_step_end(self, args, state, control, **kw):
+                wall = time.perf_counter() - self.start
+                nograd = timers.get("logps_nograd", 0.0)
+                splits = {
+                    "step": wall,
+                    "generation": timers.get("generate_and_score", 0.0) - nograd,
+                    "logprob_passes": nograd,
+                    "forward": timers.get("compute_loss", 0.0),
+                    "backward": timers.get("backward", 0.0),
+                    "optimizer": timers.get("clip", 0.0) + timers.get("optimizer_step", 0.0),
+                    "weight_sync": math.nan,
+                }
+                self.pending = {
+                    "ok": True,
+                    "event": "step",
+                    "wall_s": wall,
+                    "splits": splits,
+                    "timers": dict(timers),
+                    "global_step": state.global_step,
+                    "peak_rss_gb": peak_rss_gb(),
+                    "threads": torch.get_num_threads(),
+                    **batch_info,
+                }
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                if self.pending is not None and logs:
+                    self.pending["trl_logs"] = {k: as_float(v) for k, v in logs.items()}
+                self.flush()
+
+            def on_train_end(self, args, state, control, **kw):
+                self.flush()
+
+        probe = Probe()
+        trainer.add_callback(probe)
+        model = trainer.model
+        chan.send(
+            {
+                "ok": True,
+                "event": "ready",
+                "load_s": time.perf_counter() - t0,
+                "dtype": str(next(model.parameters()).dtype),
+                "n_params": sum(p.numel() for p in model.parameters()),
+                "reference_model": trainer.ref_model is not None,
+                "gradient_checkpointing": bool(config.gradient_checkpointing),
+                "model_gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
+                "optim": str(config.optim),
+                "loss_type": str(config.loss_type),
+                "threads": threads,
+                "grpo_config": {k: str(v) for k, v in config.to_dict().items()},
+                "peak_rss_gb": peak_rss_gb(),
+            }
+        )
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
+        chan.fail(exc)
+        raise SystemExit(1) from None
+    try:
+        trainer.train()
+        probe.flush()
+    except _Quit:
+        chan.send({"ok": True, "event": "bye", "peak_rss_gb": peak_rss_gb()})
+        return
+    except BaseException as exc:  # noqa: BLE001 - reported to the coordinator
+        chan.fail(exc)
+        raise SystemExit(1) from None
+    while True:  # max_steps reached: only "quit" is left to answer
+        cmd = chan.recv()
+        if cmd.get("cmd") == "quit":
+            chan.send({"ok": True, "event": "bye", "peak_rss_gb": peak_rss_gb()})
+            return
+        chan.send({"ok": False, "error": f"TRL ran its max_steps={spec['steps_total']}; no step left"})
+
+
+# ----------------------------------------------------------------------------------------------
+# The coordinator.
+
+
+def _side_summary(steps: list[dict[str, Any]], peak: float, tree_peak: float) -> dict[str, Any]:
+    def tokens(s):
+        return as_float(s.get("prompt_tokens")) + as_float(s.get("response_tokens"))
+
+    out: dict[str, Any] = {k: median(s["splits"].get(k) for s in steps) for k, _ in SPLITS}
+    out["step"] = median(s["splits"]["step"] for s in steps)
+    out["step_min"] = min(s["splits"]["step"] for s in steps)
+    out["step_max"] = max(s["splits"]["step"] for s in steps)
+    out["tokens_per_s"] = median(tokens(s) / s["splits"]["step"] for s in steps)
+    out["response_tokens_per_s"] = median(
+        as_float(s.get("response_tokens")) / s["splits"]["step"] for s in steps
+    )
+    out["prompt_tokens"] = median(s.get("prompt_tokens") for s in steps)
+    out["response_length_mean"] = median(
+        as_float(s.get("response_tokens")) / as_float(s.get("batch")) for s in steps
+    )
+    out["peak_rss_gb"] = peak
+    out["peak_rss_tree_gb"] = tree_peak
+    return out
+
+
+def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    for r in replies:
+        r["splits"] = add_other(policygrad_splits(r) if side == "policygrad" else dict(r["splits"]))
+    return replies
+
+
+def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
+    """Both workers for one beta: load, warm up, alternate measured steps, collect."""
+    from policygrad.models.loading import resolve_model_path
+    from policygrad.trainer.sources import build_train_source
+
+    steps_total = args.warmup + args.steps
+    tag = f"beta{beta:g}"
+    scratch = Path(tempfile.mkdtemp(prefix=f"pg-bench-{tag}-"))
+    base = policygrad_settings(
+        beta=beta,
+        seed=args.seed,
+        engine=args.pg_engine,
+        threads=args.threads,
+        steps=steps_total,
+        output_dir=str(scratch / "policygrad-run"),
+    )
+    cfg = policygrad_config(base, args.pg_override)  # validates the overrides before any worker starts
+    r = cfg.rollout
+    source = build_train_source(cfg.data, seed=cfg.seed)
+    rows = [source.train_row(i) for i in range(r.prompts_per_step * steps_total)]
+    rows = [{"prompt": row["prompt"], "answer": row.get("answer")} for row in rows]
+    pg_spec = {"config": base, "overrides": list(args.pg_override), "threads": args.threads}
+    trl_spec = {
+        "model_path": resolve_model_path(cfg.model.name),
+        "rows": rows,
+        "batch": r.prompts_per_step * r.group_size,
+        "group_size": r.group_size,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "lr": cfg.optim.lr,
+        "beta": beta,
+        "seed": cfg.seed,
+        "steps_total": steps_total,
+        "threads": args.threads,
+        "output_dir": str(scratch / "trl-run"),
+        "trl_overrides": _parse_trl_overrides(args.trl_override),
+    }
+    specs = {}
+    for side, spec in (("policygrad", pg_spec), ("trl", trl_spec)):
+        path = scratch / f"{side}-spec.json"
+        path.write_text(json.dumps(spec), encoding="utf-8")
+        specs[side] = path
+
+    workers: dict[str, Worker] = {}
+    ready: dict[str, Any] = {}
+    replies: dict[str, list[dict[str, Any]]] = {"policygrad": [], "trl": []}
+    finals: dict[str, Any] = {}
+    try:
+        for side in ("policygrad", "trl"):  # one at a time: loading is not measured, but it is heavy
+            _say(f"[beta={beta:g}] starting the {side} worker")
+            workers[side] = Worker(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", side, "--spec", str(specs[side])],
+                name=f"{side} worker (beta={beta:g})",
+                log_path=machine_logs / f"{tag}-{side}.log",
+                threads=args.threads,
+            )
+            ready[side] = workers[side].receive(args.load_timeout)
+            if side == "policygrad":
+                detail = f"engine {ready[side].get('engine')}"
+            else:
+                detail = (
+                    f"gradient checkpointing {'on' if ready[side].get('gradient_checkpointing') else 'off'}"
+                )
+            _say(f"[beta={beta:g}] {side} ready in {ready[side]['load_s']:.1f} s ({detail})")
+        for i in range(steps_total):
+            label = "warm-up" if i < args.warmup else f"{i - args.warmup + 1}/{args.steps}"
+            for side in ("policygrad", "trl"):
+                reply = workers[side].request({"cmd": "step"}, args.step_timeout)
+                reply["index"] = i
+                reply["warmup"] = i < args.warmup
+                replies[side].append(reply)
+                resp = reply.get("response_tokens")
+                _say(
+                    f"[beta={beta:g}] {side:10s} step {label:8s} {reply['wall_s']:7.2f} s"
+                    + (f"  ({resp} response tokens)" if resp is not None else "")
+                )
+    finally:
+        for side, worker in workers.items():
+            finals[side] = worker.close()
+        # The raw replies survive whatever happens next.
+        raw = {"beta": beta, "ready": ready, "replies": replies, "finals": finals}
+        (machine_logs / f"{tag}-raw.json").write_text(json.dumps(nan_to_none(raw)), encoding="utf-8")
+        shutil.rmtree(scratch, ignore_errors=True)  # specs and the two run folders; logs stay
+    result: dict[str, Any] = {"beta": beta, "rows": rows, "sides": {}}
+    for side in ("policygrad", "trl"):
+        all_steps = _steps_with_splits(side, replies[side])
+        measured = [s for s in all_steps if not s["warmup"]]
+        peaks = [as_float(s.get("peak_rss_gb")) for s in all_steps]
+        if finals.get(side):
+            peaks.append(as_float(finals[side].get("peak_rss_gb")))
+        peak = max((p for p in peaks if math.isfinite(p)), default=math.nan)
+        worker = workers[side]
+        result["sides"][side] = {
+            "ready": ready[side],
+            "steps": all_steps,
+            "peak_rss_gb": peak,
+            "peak_rss_tree_gb": worker.tree_rss_peak_gb,
+            "max_child_processes": worker.max_children,
+            "summary": _side_summary(measured, peak, worker.tree_rss_peak_gb),
+            "log": str(worker.log_path),
+        }
+    pg, trl = (result["sides"][s]["summary"] for s in ("policygrad", "trl"))
+    result["ratio_step_time"] = pg["step"] / trl["step"] if trl["step"] else math.nan
+    result["ratio_peak_rss"] = pg["peak_rss_gb"] / trl["peak_rss_gb"] if trl["peak_rss_gb"] else math.nan
+    pg_prompts = [s.get("prompt_tokens") for s in result["sides"]["policygrad"]["steps"]]
+    trl_prompts = [s.get("prompt_tokens") for s in result["sides"]["trl"]["steps"]]
+    result["same_prompt_tokens"] = pg_prompts == trl_prompts
+    return result
+
+
+def _parse_trl_overrides(items: list[str]) -> dict[str, Any]:
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, raw = item.removeprefix("--").partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--trl-override needs key=value, got {item!r}")
+        out[key] = yaml.safe_load(raw)
+    return out
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _ratio(a: float, b: float) -> str:
+    return fmt(a / b) if math.isfinite(a) and math.isfinite(b) and b else "-"
+
+
+def beta_table(run: dict[str, Any], trl_version: str | None) -> str:
+    """Markdown table of one beta: medians of both sides and their ratio."""
+    pg, trl = (run["sides"][s]["summary"] for s in ("policygrad", "trl"))
+    engine = run["sides"]["policygrad"]["ready"].get("engine", "?")
+    gc = "on" if run["sides"]["trl"]["ready"].get("gradient_checkpointing") else "off"
+    header = [
+        f"beta = {run['beta']:g}",
+        f"policygrad ({engine})",
+        f"TRL {trl_version or ''} (grad. ckpt {gc})".replace("  ", " "),
+        "policygrad / TRL",
+    ]
+    rows = [
+        [
+            "**step time, median (s)**",
+            f"**{fmt(pg['step'])}**",
+            f"**{fmt(trl['step'])}**",
+            f"**{_ratio(pg['step'], trl['step'])}**",
+        ]
+    ]
+    for key, label in SPLITS:
+        if key == "weight_sync" and not math.isfinite(as_float(pg.get(key))):
+            continue
+        rows.append([f"  {label}", fmt(pg[key]), fmt(trl[key]), _ratio(pg[key], trl[key])])
+    rows.append(
+        [
+            "tokens/s (prompt + response)",
+            fmt(pg["tokens_per_s"], 0),
+            fmt(trl["tokens_per_s"], 0),
+            _ratio(pg["tokens_per_s"], trl["tokens_per_s"]),
+        ]
+    )
+    rows.append(
+        [
+            "response tokens/s",
+            fmt(pg["response_tokens_per_s"], 1),
+            fmt(trl["response_tokens_per_s"], 1),
+            _ratio(pg["response_tokens_per_s"], trl["response_tokens_per_s"]),
+        ]
+    )
+    rows.append(
+        [
+            "response length, mean (tokens)",
+            fmt(pg["response_length_mean"], 1),
+            fmt(trl["response_length_mean"], 1),
+            _ratio(pg["response_length_mean"], trl["response_length_mean"]),
+        ]
+    )
+    rows.append(
+        [
+            "peak RSS (GB)",
+            fmt(pg["peak_rss_gb"]),
+            fmt(trl["peak_rss_gb"]),
+            _ratio(pg["peak_rss_gb"], trl["peak_rss_gb"]),
+        ]
+    )
+    return markdown_table(header, rows)
+
+
+def report(result: dict[str, Any]) -> str:
+    """The markdown block printed at the end and written into the README section."""
+    m = result["machine"]
+    s = result["settings"]
+    trl_version = m["packages"].get("trl")
+    lines = [
+        f"Measured {result['date']} with `{result['command']}` on {machine_line(m)}; "
+        f"{s['threads']} threads per side; medians of {s['steps']} measured steps per side after "
+        f"{s['warmup']} warm-up step(s), the two sides alternating step by step"
+        + (" (quick mode)" if s["quick"] else "")
+        + ".",
+        "",
+    ]
+    for run in result["runs"]:
+        lines.append(beta_table(run, trl_version))
+        lines.append("")
+    batch = s["prompts_per_step"] * s["group_size"]
+    lines.append(
+        f"{s['prompts_per_step']} prompts x G = {s['group_size']} = {batch} sequences per step, "
+        f"at most {s['max_new_tokens']} new tokens, temperature {s['temperature']}, fp32, "
+        f"lr {s['lr']:g} constant, AdamW, clip 1.0. TRL's loss forward includes its log-prob forward with "
+        "gradients; with gradient checkpointing its backward recomputes the forward. Peak RSS: "
+        "`ru_maxrss` of each worker process. The sides sample with different random streams and their "
+        "losses move the policy differently, so their response lengths differ: compare tokens/s too."
+    )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=5, help="measured steps per side and beta (>= 3)")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up steps per side")
+    parser.add_argument("--quick", action="store_true", help="3 measured steps (under 15 minutes in all)")
+    parser.add_argument("--betas", default="0,0.04", help="comma-separated KL coefficients")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads per side")
+    parser.add_argument(
+        "--pg-engine", default="auto", choices=("hf", "vllm", "auto"), help="policygrad's rollout.engine"
+    )
+    parser.add_argument(
+        "--pg-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra policygrad config override (repeatable), e.g. optim.micro_batch_size=8",
+    )
+    parser.add_argument(
+        "--trl-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
+    )
+    parser.add_argument(
+        "--output", type=Path, default=None, help="JSON path (default results/<date>-grpo-vs-trl.json)"
+    )
+    parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
+    parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a worker to load")
+    parser.add_argument("--step-timeout", type=float, default=1800.0, help="seconds for one step")
+    parser.add_argument("--worker", choices=("policygrad", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.worker:
+        spec = json.loads(args.spec.read_text(encoding="utf-8"))
+        (serve_policygrad if args.worker == "policygrad" else serve_trl)(spec)
+        return 0
+
+    if args.quick:
+        args.steps = 3
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--steps must be >= 1, --warmup >= 0, --threads >= 1")
+    betas = [float(b) for b in args.betas.split(",") if b.strip()]
+    if any(b < 0 for b in betas):
+        parser.error("--betas must be >= 0")
+    machine = machine_description()
+    warn_if_busy(machine)
+    logs = log_dir("grpo-vs-trl")
+    _say(f"worker logs: {logs}")
+    started = time.perf_counter()
+    cfg = policygrad_config(
+        policygrad_settings(
+            beta=0.0,
+            seed=args.seed,
+            engine=args.pg_engine,
+            threads=args.threads,
+            steps=1,
+            output_dir=str(logs),
+        ),
+        args.pg_override,
+    )
+    r = cfg.rollout
+    result: dict[str, Any] = {
+        "benchmark": "grpo_vs_trl",
+        "date": today(),
+        "command": " ".join(["python", "benchmarks/grpo_vs_trl.py", *sys.argv[1:]]),
+        "machine": machine,
+        "settings": {
+            "model": MODEL,
+            "betas": betas,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "quick": args.quick,
+            "seed": args.seed,
+            "threads": args.threads,
+            "pg_engine": args.pg_engine,
+            "pg_overrides": args.pg_override,
+            "trl_overrides": args.trl_override,
+            "prompts_per_step": r.prompts_per_step,
+            "group_size": r.group_size,
+            "max_new_tokens": r.max_new_tokens,
+            "temperature": r.temperature,
+            "lr": cfg.optim.lr,
+            "tokens_per_s": "(non-padding prompt tokens + response tokens) / step time",
+        },
+        "runs": [],
+    }
+    for beta in betas:
+        result["runs"].append(run_beta(args, beta, logs))
+    result["wall_minutes"] = (time.perf_counter() - started) / 60
+    try:
+        result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    out = args.output or RESULTS_DIR / f"{result['date']}-grpo-vs-trl.json"
+    write_json(out, result)
+    text = report(result)
+    print(text)
+    for run in result["runs"]:
+        if not run["same_prompt_tokens"]:
+            _say(f"warning: beta={run['beta']:g}: the two sides' prompt token counts differ per step")
+    _say(f"wrote {out} ({result['wall_minutes']:.1f} min)")
+    if args.update_readme:
+        update_readme_section(README_SECTION, text)
+        _say(f"updated the '{README_SECTION}' section of benchmarks/README.md")
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
