@@ -613,7 +613,10 @@ def main() -> int:
         help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
     )
     parser.add_argument(
-        "--output", type=Path, default=None, help="JSON path (default results/<date>-grpo-vs-trl.json)"
+        "--output",
+        type=Path,
+        default=None,
+        help="JSON path (default benchmarks/results/<date>-grpo-vs-trl.json)",
     )
     parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
     parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a worker to load")

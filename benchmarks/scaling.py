@@ -480,7 +480,7 @@ def main() -> int:
         help="extra policygrad config override (repeatable)",
     )
     parser.add_argument(
-        "--output", type=Path, default=None, help="JSON path (default results/<date>-scaling.json)"
+        "--output", type=Path, default=None, help="JSON path (default benchmarks/results/<date>-scaling.json)"
     )
     parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
     parser.add_argument("--load-timeout", type=float, default=900.0)

@@ -111,6 +111,8 @@ _TOKENIZER_NOTES = ("Chat template warmup failed", "because tokenizer is not ini
 _START_NOTES = {
     "vllm.engine.arg_utils": ("The global random seed is set",),
     "vllm.v1.worker.cpu_worker": ("doesn't allow to use `torch.set_num_threads`",),
+    # One line per tensor when the checkpoint's dtype is not the engine's: the cast was asked for.
+    "vllm.model_executor.models.utils": ("Attempted to load weight",),
 }
 _RELOAD_NOTES = {"vllm.model_executor.model_loader.reload.layerwise": ("Failed to load weights",)}
 

@@ -301,6 +301,7 @@ class Trainer:
                 f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
                 "resolved to hf (vllm is not installed); install the vllm extra or set rollout.dtype=auto"
             )
+        print(f"rollout engine: {self.engine_name} ({engine_why})", flush=True)
         if self.engine_name == "vllm":
             from policygrad.rollout.vllm import VLLMRolloutEngine
 
@@ -321,7 +322,6 @@ class Trainer:
                 self.engine.sync_weights(self.policy)  # the engine loaded the base weights
         else:
             self.engine = HFRolloutEngine(self.policy, self.tokenizer, self.eos_ids)
-        print(f"rollout engine: {self.engine_name} ({engine_why})", flush=True)
 
         # Data and rewards.
         self.train_source = build_train_source(cfg.data, seed=cfg.seed)
