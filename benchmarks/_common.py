@@ -11,6 +11,7 @@ which is written to a log file, so it can never corrupt the protocol.
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import math
@@ -601,6 +602,33 @@ def add_other(splits: dict[str, float]) -> dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------
 # Output.
+
+
+def add_common_options(parser: argparse.ArgumentParser, results_name: str) -> None:
+    """The options every benchmark script takes: seed, threads, policygrad's engine and overrides,
+    output path, README update, worker time-outs, and the hidden ``--spec`` of a worker process."""
+    parser.add_argument("--seed", type=int, default=0, help="run seed (default 0)")
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads per process")
+    parser.add_argument(
+        "--pg-engine", default="auto", choices=("hf", "vllm", "auto"), help="policygrad's rollout.engine"
+    )
+    parser.add_argument(
+        "--pg-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra policygrad config override (repeatable), e.g. optim.micro_batch_size=8",
+    )
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"JSON path (default benchmarks/results/<date>-{results_name}.json)",
+    )
+    parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
+    parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a worker to load")
+    parser.add_argument("--step-timeout", type=float, default=1800.0, help="seconds for one step")
+    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
 
 
 def today() -> str:

@@ -51,6 +51,7 @@ from _common import (
     SPLITS,
     Channel,
     Worker,
+    add_common_options,
     add_other,
     as_float,
     fmt,
@@ -524,38 +525,13 @@ def beta_table(run: dict[str, Any], trl_version: str | None) -> str:
         if key == "weight_sync" and not math.isfinite(as_float(pg.get(key))):
             continue
         rows.append([f"  {label}", fmt(pg[key]), fmt(trl[key]), _ratio(pg[key], trl[key])])
-    rows.append(
-        [
-            "tokens/s (prompt + response)",
-            fmt(pg["tokens_per_s"], 0),
-            fmt(trl["tokens_per_s"], 0),
-            _ratio(pg["tokens_per_s"], trl["tokens_per_s"]),
-        ]
-    )
-    rows.append(
-        [
-            "response tokens/s",
-            fmt(pg["response_tokens_per_s"], 1),
-            fmt(trl["response_tokens_per_s"], 1),
-            _ratio(pg["response_tokens_per_s"], trl["response_tokens_per_s"]),
-        ]
-    )
-    rows.append(
-        [
-            "response length, mean (tokens)",
-            fmt(pg["response_length_mean"], 1),
-            fmt(trl["response_length_mean"], 1),
-            _ratio(pg["response_length_mean"], trl["response_length_mean"]),
-        ]
-    )
-    rows.append(
-        [
-            "peak RSS (GB)",
-            fmt(pg["peak_rss_gb"]),
-            fmt(trl["peak_rss_gb"]),
-            _ratio(pg["peak_rss_gb"], trl["peak_rss_gb"]),
-        ]
-    )
+    for key, label, digits in (
+        ("tokens_per_s", "tokens/s (prompt + response)", 0),
+        ("response_tokens_per_s", "response tokens/s", 1),
+        ("response_length_mean", "response length, mean (tokens)", 1),
+        ("peak_rss_gb", "peak RSS (GB)", 2),
+    ):
+        rows.append([label, fmt(pg[key], digits), fmt(trl[key], digits), _ratio(pg[key], trl[key])])
     return markdown_table(header, rows)
 
 
@@ -593,18 +569,7 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up steps per side")
     parser.add_argument("--quick", action="store_true", help="3 measured steps (under 15 minutes in all)")
     parser.add_argument("--betas", default="0,0.04", help="comma-separated KL coefficients")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads per side")
-    parser.add_argument(
-        "--pg-engine", default="auto", choices=("hf", "vllm", "auto"), help="policygrad's rollout.engine"
-    )
-    parser.add_argument(
-        "--pg-override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra policygrad config override (repeatable), e.g. optim.micro_batch_size=8",
-    )
+    add_common_options(parser, "grpo-vs-trl")
     parser.add_argument(
         "--trl-override",
         action="append",
@@ -612,17 +577,7 @@ def main() -> int:
         metavar="KEY=VALUE",
         help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
     )
-    parser.add_argument(
-        "--output",
-        type=Path,
-        default=None,
-        help="JSON path (default benchmarks/results/<date>-grpo-vs-trl.json)",
-    )
-    parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
-    parser.add_argument("--load-timeout", type=float, default=900.0, help="seconds for a worker to load")
-    parser.add_argument("--step-timeout", type=float, default=1800.0, help="seconds for one step")
     parser.add_argument("--worker", choices=("policygrad", "trl"), help=argparse.SUPPRESS)
-    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:

@@ -44,6 +44,7 @@ from typing import Any
 from _common import (
     RESULTS_DIR,
     Worker,
+    add_common_options,
     as_float,
     fmt,
     log_dir,
@@ -467,26 +468,8 @@ def main() -> int:
     parser.add_argument(
         "--lengths", default=",".join(map(str, LENGTHS)), help=f"length limits at G = {BASE_G}"
     )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="intra-op threads")
-    parser.add_argument(
-        "--pg-engine", default="auto", choices=("hf", "vllm", "auto"), help="policygrad's rollout.engine"
-    )
-    parser.add_argument(
-        "--pg-override",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="extra policygrad config override (repeatable)",
-    )
-    parser.add_argument(
-        "--output", type=Path, default=None, help="JSON path (default benchmarks/results/<date>-scaling.json)"
-    )
-    parser.add_argument("--update-readme", action="store_true", help="rewrite the README's table section")
-    parser.add_argument("--load-timeout", type=float, default=900.0)
-    parser.add_argument("--step-timeout", type=float, default=1800.0)
+    add_common_options(parser, "scaling")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--spec", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
     if args.worker:
