@@ -549,10 +549,14 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
             }
             if rollouts:
                 r = rollouts[0]
+                key = torch.cat([r.prompt_ids, r.prompt_mask.to(r.prompt_ids)], dim=1)
+                distinct = torch.unique(key, dim=0)[:, r.prompt_ids.shape[1] :]
                 reply.update(
                     {
                         "batch": int(r.prompt_ids.shape[0]),
                         "prompt_tokens": int(r.prompt_mask.sum()),
+                        # each distinct prompt once: what the shared-prompt forward computes
+                        "distinct_prompt_tokens": int(distinct.sum()),
                         "response_tokens": int(r.response_mask.sum()),
                         "prompt_len_padded": int(r.prompt_ids.shape[1]),
                         "response_len_padded": int(r.response_ids.shape[1]),

@@ -12,10 +12,18 @@ Each point runs in a fresh worker process (its own peak RSS): ``--warmup`` unmea
 matmul peak (2048 x 2048 x 2048 ``torch.matmul``, median of several, before and after the
 points) and reports the training phase's throughput as
 
-    FLOP/s = 6 x n_params x (prompt + response tokens trained on) / time/training_s
+    FLOP/s = 6 x n_params x (prompt + response tokens of the batch) / time/training_s
 
-(forward 2N + backward 4N per token; non-padding tokens, so padding counts as overhead) and its
-fraction of the peak. The exponent k of step time ~ x^k is fitted on log-log axes for x = G and
+(forward 2N + backward 4N per token, every row's prompt and response, non-padding: the work a
+trainer that runs each row whole must do, the count the model-FLOP utilisation of the field
+uses) and its fraction of the peak. policygrad does less than that: each distinct prompt runs
+once, responses are packed without padding, and the lm_head runs only at response tokens (with
+one recomputation in the backward), so the script also gives the FLOP/s it actually executes,
+
+    6 x n_body x (distinct prompt tokens + response tokens) + 8 x n_lm_head x response tokens,
+
+divided by the same time: how close the hardware runs to its matmul peak. The exponent k of
+step time ~ x^k is fitted on log-log axes for x = G and
 x = the length limit (and the mean response length actually reached).
 
 Usage::
@@ -196,8 +204,8 @@ def point_summary(
     steps: list[dict[str, Any]], n_params: int, peak_gflops: float, params: tuple[int, int] | None = None
 ) -> dict[str, Any]:
     """Medians of one point's measured steps, with the training phase's FLOP/s: the headline
-    6 x n_params x tokens, and (``params`` = (body, lm_head)) the count with the lm_head only at
-    response tokens, 6 x body x tokens + 6 x lm_head x response tokens."""
+    6 x n_params x tokens (every row's prompt and response), and (``params`` = (body, lm_head))
+    the FLOP/s executed, 6 x body x tokens computed + 8 x lm_head x response tokens."""
 
     def m(key):
         return [as_float(s.get("metrics", {}).get(key)) for s in steps]
@@ -237,19 +245,22 @@ def point_summary(
         for s in steps
     ]
     out["fwd_bwd_opt_gflops"] = median(6.0 * n_params * t / f / 1e9 for t, f in zip(tokens, fbo))
-    if params is not None:
+    if params is not None and all(s.get("distinct_prompt_tokens") is not None for s in steps):
         body, head = params
-        counted = [
-            6.0
-            * (body * t + head * as_float(s.get("response_tokens")))
+        executed = [
+            (
+                6.0 * body * (as_float(s["distinct_prompt_tokens"]) + as_float(s.get("response_tokens")))
+                + 8.0 * head * as_float(s.get("response_tokens"))
+            )
             / as_float(s["metrics"].get("time/training_s"))
             / 1e9
-            for t, s in zip(tokens, steps)
+            for s in steps
         ]
-        out["training_gflops_lm_head_at_responses"] = median(counted)
-        out["training_peak_fraction_lm_head_at_responses"] = (
-            out["training_gflops_lm_head_at_responses"] / peak_gflops if peak_gflops else math.nan
+        out["computed_tokens"] = median(
+            as_float(s["distinct_prompt_tokens"]) + as_float(s.get("response_tokens")) for s in steps
         )
+        out["executed_gflops"] = median(executed)
+        out["executed_peak_fraction"] = out["executed_gflops"] / peak_gflops if peak_gflops else math.nan
     return out
 
 
@@ -406,6 +417,9 @@ def report(result: dict[str, Any]) -> str:
                 fmt(q["training_s"]),
                 fmt(q["training_gflops"], 0),
                 fmt(100 * q["training_peak_fraction"], 0),
+                fmt(q.get("computed_tokens", math.nan), 0),
+                fmt(q.get("executed_gflops", math.nan), 0),
+                fmt(100 * as_float(q.get("executed_peak_fraction", math.nan)), 0),
                 fmt(p["peak_rss_gb"]),
             ]
         )
@@ -418,17 +432,15 @@ def report(result: dict[str, Any]) -> str:
         "step (s)",
         "generation (s)",
         "training (s)",
-        "training GFLOP/s",
+        "training GFLOP/s (6N x tokens)",
         "% of matmul peak",
+        "tokens computed",
+        "executed GFLOP/s",
+        "executed % of peak",
         "peak RSS (GB)",
     ]
     f = result["fits"]
     head = result["n_params_body_lm_head"][1]
-    base_point = next(
-        (p for p in result["points"] if (p["group_size"], p["max_new_tokens"]) == (BASE_G, BASE_LENGTH)),
-        result["points"][0],
-    )
-    base = base_point["summary"]
     lines = [
         f"Measured {result['date']} with `{result['command']}` on {machine_line(result['machine'])}; "
         f"{s['threads']} threads; rollout engine {result['engine']}; "
@@ -438,12 +450,11 @@ def report(result: dict[str, Any]) -> str:
         markdown_table(header, rows),
         "",
         f"float32 matmul peak (2048^3): {fmt(peak, 0)} GFLOP/s. Training GFLOP/s = 6 x "
-        f"{result['n_params'] / 1e6:.1f}M params x tokens / time/training_s. 6N counts the "
-        f"{head / 1e6:.1f}M-parameter lm_head at prompt positions too, where policygrad computes no "
-        f"logits; counted only at response tokens, the point G = {base_point['group_size']}, "
-        f"{base_point['max_new_tokens']} tokens runs at "
-        f"{fmt(base.get('training_gflops_lm_head_at_responses'), 0)} GFLOP/s "
-        f"({fmt(100 * as_float(base.get('training_peak_fraction_lm_head_at_responses')), 0)}% of the peak).",
+        f"{result['n_params'] / 1e6:.1f}M params x tokens (every row's prompt and response) / "
+        "time/training_s, the model-FLOP count. Executed GFLOP/s counts what policygrad runs: "
+        f"6 x body x tokens computed (each distinct prompt once, responses without padding) + 8 x "
+        f"{head / 1e6:.1f}M lm_head x response tokens (forward, recomputation and backward), over the "
+        "same time.",
         "",
         "Exponent k of time ~ x^k (log-log least squares): "
         f"along G: step {fmt(f['G']['step'])}, generation {fmt(f['G']['generation'])}, "

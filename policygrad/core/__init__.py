@@ -24,7 +24,7 @@ from policygrad.core.kl import (
     kl_loss,
     kl_shaped_rewards,
 )
-from policygrad.core.logprobs import logprobs_from_logits, truncated_importance_weights
+from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits, truncated_importance_weights
 from policygrad.core.losses import (
     entropy_from_logits,
     get_policy_loss,
@@ -60,6 +60,7 @@ __all__ = [
     "kl_shaped_rewards",
     "list_advantage_estimators",
     "list_policy_losses",
+    "logprobs_from_hidden",
     "logprobs_from_logits",
     "masked_mean",
     "masked_sum",

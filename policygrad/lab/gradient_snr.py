@@ -390,7 +390,13 @@ def estimator_gradients(
         with torch.enable_grad():
             # One forward over whole rows: the hook reads the lm_head input of every position.
             logprobs, _ = policy_logprobs(
-                model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False
+                model,
+                rollout,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                share_prompts=False,
+                fused_head=False,
             )
     finally:
         if hook is not None:
@@ -693,7 +699,13 @@ def run_gradient_snr(
                 try:
                     with torch.no_grad():
                         policy_logprobs(
-                            model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False
+                            model,
+                rollout,
+                temperature=temperature,
+                top_k=0,
+                top_p=1.0,
+                share_prompts=False,
+                fused_head=False,
                         )
                 finally:
                     hook.remove()

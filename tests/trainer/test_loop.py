@@ -58,14 +58,14 @@ def _same_tree(a, b) -> bool:
 
 
 class Spy:
-    """Records every training forward of a trainer: the response logits (their gradient is kept)
-    with the response mask of the rows it ran on (as the rollout engine produced it), and the
-    arguments and metrics of the policy-loss call that follows, with the number of optimizer steps
-    taken before it."""
+    """Records every training forward of a trainer: the per-token log-probs and entropies it
+    returned (their gradients are kept) with the response mask of the rows it ran on (as the
+    rollout engine produced it), and the arguments and metrics of the policy-loss call that
+    follows, with the number of optimizer steps taken before it."""
 
     def __init__(self, trainer: Trainer, monkeypatch):
         self.calls: list[dict] = []
-        self.logits: list[torch.Tensor] = []
+        self.outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.response_masks: list[torch.Tensor] = []
         self.optimizer_steps = 0
         trainer.optimizer.register_step_post_hook(self._count)
@@ -86,17 +86,31 @@ class Spy:
             return out
 
         trainer.policy_loss = spy_loss
-        response_logits = loop.response_logits
+        policy_logprobs = loop.policy_logprobs
 
-        def spy_logits(model, rollout, **kwargs):
-            logits = response_logits(model, rollout, **kwargs)
-            if logits.requires_grad:  # training forwards only (inference runs without autograd)
-                logits.retain_grad()
-                self.logits.append(logits)
+        def spy_logprobs(model, rollout, **kwargs):
+            logprobs, entropy = policy_logprobs(model, rollout, **kwargs)
+            if logprobs.requires_grad:  # training forwards only (inference runs without autograd)
+                logprobs.retain_grad()
+                if entropy is not None and entropy.requires_grad:
+                    entropy.retain_grad()
+                self.outputs.append((logprobs, entropy))
                 self.response_masks.append(rollout.response_mask.clone())
-            return logits
+            return logprobs, entropy
 
-        monkeypatch.setattr(loop, "response_logits", spy_logits)
+        monkeypatch.setattr(loop, "policy_logprobs", spy_logprobs)
+
+    @property
+    def grads(self) -> list[torch.Tensor]:
+        """Per training forward: |d loss / d logprob| + |d loss / d entropy| per token [B, T]
+        (the entropy term only with an entropy bonus)."""
+        out = []
+        for logprobs, entropy in self.outputs:
+            g = logprobs.grad.abs()
+            if entropy is not None and entropy.grad is not None:
+                g = g + entropy.grad.abs()
+            out.append(g)
+        return out
 
     def _count(self, *args):
         self.optimizer_steps += 1
@@ -175,21 +189,20 @@ def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_
             assert math.isfinite(m["kl/loss_term"])
     assert any(bool((c["advantages"][c["mask"] > 0] != 0).any()) for c in spy.calls)
 
-    # Gradients w.r.t. the response logits: exactly 0 wherever the engine's response mask is 0
-    # (padding, after EOS) and on rows excluded from the loss, with the policy loss, the KL term
-    # (placement loss) and the entropy bonus all in the loss; nonzero at the other tokens. Prompt
-    # positions get no logits at all: the forward keeps only the T positions that predict
-    # response tokens.
-    assert len(spy.logits) == len(spy.calls) == len(spy.response_masks)
+    # Gradients w.r.t. each token's log-prob and entropy: exactly 0 wherever the engine's response
+    # mask is 0 (padding, after EOS) and on rows excluded from the loss, with the policy loss, the
+    # KL term (placement loss) and the entropy bonus all in the loss; nonzero at the other tokens.
+    # (The training forward computes nothing at all at masked positions: see test_shared_prompt.)
+    assert len(spy.outputs) == len(spy.calls) == len(spy.response_masks)
     masked_after_eos = 0
-    for logits, response_mask, call in zip(spy.logits, spy.response_masks, spy.calls):
+    for grad, response_mask, call in zip(spy.grads, spy.response_masks, spy.calls):
         loss_mask = call["mask"]
-        assert logits.shape[:2] == response_mask.shape and logits.grad is not None
+        assert grad.shape == response_mask.shape
         # the loss mask is the response mask on the rows that take part in the loss
         assert torch.equal(loss_mask, response_mask * loss_mask.any(-1, keepdim=True))
-        assert torch.count_nonzero(logits.grad[response_mask == 0]) == 0
-        assert torch.count_nonzero(logits.grad[loss_mask == 0]) == 0
-        assert torch.count_nonzero(logits.grad[loss_mask > 0]) > 0
+        assert torch.count_nonzero(grad[response_mask == 0]) == 0
+        assert torch.count_nonzero(grad[loss_mask == 0]) == 0
+        assert torch.count_nonzero(grad[loss_mask > 0]) > 0
         masked_after_eos += int(((response_mask == 0) & response_mask.any(-1, keepdim=True)).sum())
     assert masked_after_eos > 0  # the check above saw real post-EOS padding
 
@@ -504,10 +517,10 @@ def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_ro
         assert m["reward/invalid_frac"] == 0.5 and m["reward/valid_frac"] == 0.5
         assert m["optim/steps"] == 1 and math.isfinite(m["policy/loss"])
     assert not _same_tree(_weights(trainer.policy), before)
-    for logits, call in zip(spy.logits, spy.calls):
+    for grad, call in zip(spy.grads, spy.calls):
         assert torch.count_nonzero(call["mask"][4:]) == 0
-        assert torch.count_nonzero(logits.grad[4:]) == 0
-        assert torch.count_nonzero(logits.grad[:4]) > 0
+        assert torch.count_nonzero(grad[4:]) == 0
+        assert torch.count_nonzero(grad[:4]) > 0
 
 
 @pytest.mark.parametrize(
@@ -543,10 +556,10 @@ def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path
     spy = Spy(trainer, monkeypatch)
     m = trainer.step()
     assert m["reward/zero_variance_group_frac"] == 0.5
-    (logits,) = spy.logits
+    (grad,) = spy.grads
     # the constant group's advantages are 0, so only the entropy bonus gives its rows a gradient
-    assert (torch.count_nonzero(logits.grad[4:]) == 0) == drop
-    assert torch.count_nonzero(logits.grad[:4]) > 0
+    assert (torch.count_nonzero(grad[4:]) == 0) == drop
+    assert torch.count_nonzero(grad[:4]) > 0
 
 
 # ----------------------------------------------------------------------------- outputs

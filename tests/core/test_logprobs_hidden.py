@@ -1,0 +1,118 @@
+"""Tests of policygrad.core.logprobs.logprobs_from_hidden: log-probs and entropy from hidden
+states and the output layer, block by block, with the logits never stored."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits
+from policygrad.core.losses import entropy_from_logits
+
+F64 = torch.float64
+
+
+def test_hand_values():
+    # hidden [1, 0] and W rows [1, 0], [0, 1], [0, 0]: logits [1, 0, 0]
+    #   log p(0) = 1 - log(e + 2) = 1 - 1.5514447 = -0.5514447
+    #   p = [e, 1, 1] / (e + 2) = [0.576117, 0.211942, 0.211942]
+    #   H = -(0.576117 ln 0.576117 + 2 x 0.211942 ln 0.211942) = 0.317696 + 0.657632 = 0.975328
+    # temperature 0.5: logits [2, 0, 0], log p(0) = 2 - log(e^2 + 2) = -0.2395448
+    hidden = torch.tensor([[1.0, 0.0]])
+    weight = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]])
+    lp, ent = logprobs_from_hidden(hidden, weight, torch.tensor([0]), with_entropy=True)
+    assert lp.shape == (1,) and lp.dtype == torch.float32
+    assert lp.item() == pytest.approx(-0.5514447, abs=1e-6)
+    assert ent.item() == pytest.approx(0.9753278, abs=1e-6)
+    lp_half, none = logprobs_from_hidden(hidden, weight, torch.tensor([0]), temperature=0.5)
+    assert none is None
+    assert lp_half.item() == pytest.approx(-0.2395448, abs=1e-6)
+    # a bias [0, 0, 1] makes the logits [1, 0, 1]: log p(0) = 1 - log(2e + 1) = 1 - 1.8619948 = -0.8619948
+    lp_bias, _ = logprobs_from_hidden(hidden, weight, torch.tensor([0]), bias=torch.tensor([0.0, 0.0, 1.0]))
+    assert lp_bias.item() == pytest.approx(-0.8619948, abs=1e-6)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("entropy_grad", [False, True])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64])
+def test_equals_the_logits_path_with_gradients(temperature, entropy_grad, chunk_size):
+    # Same values and the same gradients w.r.t. hidden, weight and bias as materialising the
+    # logits and using logprobs_from_logits / entropy_from_logits, in float64 (~1e-15 apart).
+    g = torch.Generator().manual_seed(0)
+    N, H, V = 37, 8, 50
+    hidden = torch.randn(N, H, dtype=F64, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, dtype=F64, generator=g, requires_grad=True)
+    bias = torch.randn(V, dtype=F64, generator=g, requires_grad=True)
+    tokens = torch.randint(0, V, (N,), generator=g)
+    w_lp = torch.randn(N, dtype=F64, generator=g)
+    w_ent = torch.randn(N, dtype=F64, generator=g)
+
+    lp, ent = logprobs_from_hidden(
+        hidden, weight, tokens, temperature=temperature, bias=bias, with_entropy=True, chunk_size=chunk_size
+    )
+    loss = (lp * w_lp).sum() + ((ent * w_ent).sum() if entropy_grad else 0.0)
+    fused = torch.autograd.grad(loss, (hidden, weight, bias))
+
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    ref_lp = logprobs_from_logits(logits, tokens, temperature=temperature)
+    ref_ent = entropy_from_logits(logits, temperature=temperature)
+    ref_loss = (ref_lp * w_lp).sum() + ((ref_ent * w_ent).sum() if entropy_grad else 0.0)
+    reference = torch.autograd.grad(ref_loss, (hidden, weight, bias))
+
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=0)
+    for got, want in zip(fused, reference):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+    # LoRA freezes the output layer: only the hidden states need a gradient.
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(6, 4, dtype=F64, generator=g, requires_grad=True)
+    weight = torch.randn(9, 4, dtype=F64, generator=g)
+    tokens = torch.randint(0, 9, (6,), generator=g)
+    lp, _ = logprobs_from_hidden(hidden, weight, tokens)
+    lp.sum().backward()
+    # d/dh sum_i log p(tok_i) = W[tok] - p^T W per row
+    p = torch.softmax(hidden.detach() @ weight.T, -1)
+    torch.testing.assert_close(hidden.grad, weight[tokens] - p @ weight, atol=1e-12, rtol=0)
+
+
+def test_bfloat16_blocks_are_upcast_like_the_logits_path():
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(10, 16, generator=g).bfloat16()
+    weight = torch.randn(30, 16, generator=g).bfloat16()
+    tokens = torch.randint(0, 30, (10,), generator=g)
+    lp, ent = logprobs_from_hidden(hidden, weight, tokens, with_entropy=True)
+    logits = torch.nn.functional.linear(hidden, weight)
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp, logprobs_from_logits(logits, tokens), atol=1e-6, rtol=0)
+    torch.testing.assert_close(ent, entropy_from_logits(logits), atol=1e-6, rtol=0)
+
+
+def test_empty_input():
+    empty = torch.zeros(0, dtype=torch.long)
+    lp, ent = logprobs_from_hidden(torch.zeros(0, 4), torch.zeros(7, 4), empty, with_entropy=True)
+    assert lp.shape == (0,) and ent.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"hidden": torch.zeros(3)}, ValueError, "hidden must be a floating"),
+        ({"weight": torch.zeros(5, 3)}, ValueError, "weight must be"),
+        ({"weight": torch.zeros(5, 4, dtype=F64)}, TypeError, "weight dtype"),
+        ({"tokens": torch.zeros(2, dtype=torch.long)}, ValueError, "tokens must have shape"),
+        ({"tokens": torch.tensor([0, 1, 5])}, ValueError, r"ids in \[0, 5\)"),
+        ({"tokens": torch.zeros(3)}, TypeError, "integer tensor"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"bias": torch.zeros(4)}, ValueError, "bias"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+    ],
+)
+def test_bad_input_is_named(kwargs, error, match):
+    args = {"hidden": torch.zeros(3, 4), "weight": torch.zeros(5, 4), "tokens": torch.tensor([0, 1, 4])}
+    args.update(kwargs)
+    hidden, weight, tokens = args.pop("hidden"), args.pop("weight"), args.pop("tokens")
+    with pytest.raises(error, match=match):
+        logprobs_from_hidden(hidden, weight, tokens, **args)
