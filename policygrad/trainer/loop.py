@@ -54,6 +54,7 @@ from policygrad.core.losses import entropy_from_logits, get_policy_loss
 from policygrad.core.masking import aggregate, masked_mean, masked_sum, masked_whiten
 from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rollout.base import Rollout
+from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
@@ -457,6 +458,9 @@ class Trainer:
                 f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
             )
         self.policy = load_causal_lm(self.model_path, dtype=self.dtype).to(self.device)
+        # SwiGLU MLPs save 2 of their 4 [N, I] activations for the backward (recomputed instead):
+        # ~25 % less activation memory for the same result (policygrad.models.swiglu).
+        use_memory_efficient_mlp(self.policy)
         if cfg.model.lora.rank > 0:
             self.policy = apply_lora(
                 self.policy,

@@ -22,6 +22,7 @@ from policygrad.core.advantages import estimate_advantages
 from policygrad.core.diagnostics import explained_variance
 from policygrad.core.masking import masked_mean, masked_var
 from policygrad.models.loading import load_causal_lm, load_tokenizer
+from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.models.value import ValueModel, load_value_model
 from policygrad.rewards.reward_model import RewardModel
 from policygrad.trainer.config import ConfigError, load_config
@@ -501,6 +502,7 @@ def test_ptx_gradient_is_coef_times_the_lm_gradient(make_config, ptx_jsonl, tmp_
     )
     trainer = Trainer(cfg)
     fresh = load_causal_lm(trainer.model_path)
+    use_memory_efficient_mlp(fresh)  # the trainer's layers, so float32 rounding is the same
     ids, mask = PtxData(ptx_jsonl, trainer.tokenizer, batch_size=2).next_batch()
     (coef * ptx_loss(fresh, ids, mask)).backward()
     grads = {}
