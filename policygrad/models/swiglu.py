@@ -144,7 +144,8 @@ def use_memory_efficient_mlp(model: torch.nn.Module) -> int:
         act = getattr(module, "act_fn", None)
         if act is None or type(act).__name__ not in ("SiLU", "SiLUActivation"):
             continue
-        if not all(_plain_linear(getattr(module, name, None)) for name in ("gate_proj", "up_proj", "down_proj")):
+        projections = ("gate_proj", "up_proj", "down_proj")
+        if not all(_plain_linear(getattr(module, name, None)) for name in projections):
             continue
         module.forward = types.MethodType(_memory_efficient_forward, module)
         changed += 1

@@ -52,9 +52,9 @@ from policygrad.core.kl import (
 from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits, truncated_importance_weights
 from policygrad.core.losses import entropy_from_logits, get_policy_loss
 from policygrad.core.masking import aggregate, masked_mean, masked_sum, masked_whiten
+from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rollout.base import Rollout
-from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
