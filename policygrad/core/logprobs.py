@@ -41,6 +41,9 @@ _BLOCK_ELEMENTS = 1 << 24
 # being mapped, page-faulted and unmapped each time (measured: 1M minor faults per training
 # forward with 64 MiB blocks and a materialised [B, T, V] logits tensor).
 _HEAD_BLOCK_ELEMENTS = 1 << 23
+# Stand-in for a -inf log-prob (p = 0) in the entropy sums: finite even after scaling by a large
+# upstream gradient, so p x it is 0 instead of 0 x inf = NaN.
+_NEG_LARGE = -1e30
 
 
 def _default_chunk_rows(vocab_size: int) -> int:
@@ -286,6 +289,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
             if want_entropy:
                 e = torch.exp(z)
                 total = e.sum(dim=-1)
+                z.clamp_(min=_NEG_LARGE)  # a -inf logit (p = 0) adds 0 x finite = 0, not NaN
                 # H = log S - sum(e * (z - max)) / S with S = sum(e)
                 dot = e.mul_(z).sum(dim=-1)
                 log_total = total.log()
@@ -333,6 +337,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
             if g_h is not None:
                 # d/dz of (g_lp * log p_tok + g_H * H) = g_lp (onehot - p) - g_H p (log p + H)
                 p = torch.exp(z)
+                z.clamp_(min=_NEG_LARGE)  # p = 0 where z = -inf: 0 x finite, not 0 x inf
                 z.add_(entropy[start:stop, None]).mul_(g_h[start:stop, None]).add_(g)
                 d = p.mul_(z).neg_()
                 del p

@@ -114,7 +114,16 @@ def _plain_linear(module) -> bool:
     return type(module) is torch.nn.Linear and module.bias is None
 
 
+# transformers MLP classes whose forward is exactly down(silu(gate(x)) * up(x)) (others with the
+# same layers add multipliers, clamps or scales: FalconH1, DeepseekV4, ...)
+_SWIGLU_CLASSES = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "Qwen3MLP"})
+_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def _memory_efficient_forward(self, x):
+    if not all(_plain_linear(getattr(self, name)) for name in _PROJECTIONS):
+        # wrapped since (e.g. LoRA applied after this module was changed): the class's own forward
+        return type(self).forward(self, x)
     return SwiGLUFunction.apply(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
@@ -122,12 +131,13 @@ def use_memory_efficient_mlp(model: torch.nn.Module) -> int:
     """Make every SwiGLU MLP and RMSNorm of ``model`` run through :class:`SwiGLUFunction` and
     :class:`RMSNormFunction`, in place.
 
-    An MLP qualifies when it has ``gate_proj``, ``up_proj`` and ``down_proj`` that are plain
-    ``torch.nn.Linear`` layers without bias (a LoRA-wrapped projection is left as it is) and an
-    ``act_fn`` that is SiLU (``torch.nn.SiLU`` or transformers' ``SiLUActivation``); a norm
-    when its class is one of transformers' Llama, Mistral, Qwen2 or Qwen3 RMSNorm. The
-    ``forward`` is replaced on the instance; parameters, their names and the state dict do not
-    change.
+    An MLP qualifies when its class is transformers' Llama, Mistral, Qwen2 or Qwen3 MLP, its
+    ``act_fn`` is SiLU (``torch.nn.SiLU`` or transformers' ``SiLUActivation``) and
+    ``gate_proj``, ``up_proj`` and ``down_proj`` are plain ``torch.nn.Linear`` layers without
+    bias; a projection wrapped later (e.g. by LoRA) makes that MLP run its class's own forward
+    again, so the adapter is used. A norm qualifies when its class is one of transformers' Llama,
+    Mistral, Qwen2 or Qwen3 RMSNorm. The ``forward`` is replaced on the instance; parameters,
+    their names and the state dict do not change.
 
     Args:
         model: any ``torch.nn.Module`` (a transformers causal LM, peft-wrapped or not).
@@ -141,11 +151,12 @@ def use_memory_efficient_mlp(model: torch.nn.Module) -> int:
             module.forward = types.MethodType(_memory_efficient_norm, module)
             changed += 1
             continue
+        if type(module).__name__ not in _SWIGLU_CLASSES:
+            continue
         act = getattr(module, "act_fn", None)
         if act is None or type(act).__name__ not in ("SiLU", "SiLUActivation"):
             continue
-        projections = ("gate_proj", "up_proj", "down_proj")
-        if not all(_plain_linear(getattr(module, name, None)) for name in projections):
+        if not all(_plain_linear(getattr(module, name, None)) for name in _PROJECTIONS):
             continue
         module.forward = types.MethodType(_memory_efficient_forward, module)
         changed += 1

@@ -240,11 +240,19 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
         row-major order of ``rollout.response_mask > 0`` (row b, token t is predicted by the
         hidden state before it); None when packing does not apply (another attention kernel, a
         mask that is not a prefix, a model without a transformers cache), so the caller falls
-        back to the padded forward.
+        back to the padded forward (also for a sliding-window model and for T = 0).
     """
     config = getattr(decoder, "config", None)
     attn = getattr(config, "_attn_implementation", None)
     if attn != "sdpa":  # a boolean 4-D mask is what sdpa takes as is
+        return None
+    # A sliding window (Mistral's sliding_window, Qwen's use_sliding_window, sliding layer types)
+    # is not in the packed mask, and its cache keeps only the window's last keys.
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    if rollout.response_ids.shape[1] == 0:
         return None
     mask = rollout.response_mask > 0
     lengths = mask.sum(-1)
@@ -458,9 +466,6 @@ class Trainer:
                 f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
             )
         self.policy = load_causal_lm(self.model_path, dtype=self.dtype).to(self.device)
-        # SwiGLU MLPs save 2 of their 4 [N, I] activations for the backward (recomputed instead):
-        # ~25 % less activation memory for the same result (policygrad.models.swiglu).
-        use_memory_efficient_mlp(self.policy)
         if cfg.model.lora.rank > 0:
             self.policy = apply_lora(
                 self.policy,
@@ -469,6 +474,10 @@ class Trainer:
                 dropout=cfg.model.lora.dropout,
                 target_modules=cfg.model.lora.target_modules,
             )
+        # SwiGLU MLPs and RMSNorms that save their inputs only and recompute the rest in the
+        # backward: ~a third less activation memory, same result (policygrad.models.swiglu). After
+        # LoRA, so adapted projections keep their adapters.
+        use_memory_efficient_mlp(self.policy)
         if ckpt is not None:
             load_policy_weights(self.policy, os.path.join(ckpt, "model"))
         if cfg.model.gradient_checkpointing:

@@ -116,3 +116,24 @@ def test_bad_input_is_named(kwargs, error, match):
     hidden, weight, tokens = args.pop("hidden"), args.pop("weight"), args.pop("tokens")
     with pytest.raises(error, match=match):
         logprobs_from_hidden(hidden, weight, tokens, **args)
+
+
+def test_a_minus_inf_logit_gives_finite_entropy_and_gradients():
+    # A -inf bias entry (a banned token) has p = 0: it adds nothing to the entropy (0 x log 0 = 0)
+    # and nothing to any gradient; the naive e x z would be 0 x (-inf) = NaN.
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(5, 4, dtype=F64, generator=g, requires_grad=True)
+    weight = torch.randn(7, 4, dtype=F64, generator=g, requires_grad=True)
+    bias = torch.zeros(7, dtype=F64)
+    bias[3] = float("-inf")
+    tokens = torch.tensor([0, 1, 2, 4, 6])
+    lp, ent = logprobs_from_hidden(hidden, weight, tokens, bias=bias, with_entropy=True)
+    fused = torch.autograd.grad(lp.sum() + 5.0 * ent.sum(), (hidden, weight))
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    ref_lp, ref_ent = logprobs_from_logits(logits, tokens), entropy_from_logits(logits)
+    reference = torch.autograd.grad(ref_lp.sum() + 5.0 * ref_ent.sum(), (hidden, weight))
+    torch.testing.assert_close(ent, ref_ent, atol=1e-12, rtol=0)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-12, rtol=0)
+    for got, want in zip(fused, reference):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=0)

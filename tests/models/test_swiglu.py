@@ -102,3 +102,48 @@ def test_lora_projections_are_left_alone():
     )
     # the MLPs have LoRA-wrapped projections: only the 5 norms change
     assert use_memory_efficient_mlp(lora) == 5
+
+
+def test_lora_applied_after_the_change_still_trains_its_adapters():
+    # The trainer changes the layers, then (with model.lora) wraps projections with LoRA: the MLP
+    # must then run its class's forward, so the adapter is in the output and gets gradients.
+    peft = pytest.importorskip("peft")
+    base, _ = make_tiny_llama(seed=3, initializer_range=0.3)
+    plain = copy.deepcopy(base)
+    use_memory_efficient_mlp(base)
+    config = peft.LoraConfig(r=2, lora_alpha=4, target_modules=["gate_proj", "up_proj", "down_proj"])
+    models = []
+    for m in (plain, base):
+        torch.manual_seed(0)
+        lora = peft.get_peft_model(m, copy.deepcopy(config))
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:
+                p.data.fill_(0.1)  # B starts at 0; make the adapter change the output
+        models.append(lora)
+    ids = torch.randint(4, 100, (2, 7), generator=torch.Generator().manual_seed(4))
+    outs = []
+    for lora in models:
+        logits = lora(input_ids=ids).logits
+        logits.sum().backward()
+        outs.append(logits.detach())
+        grads = [p.grad for n, p in lora.named_parameters() if "lora_" in n and "mlp" in n]
+        assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_look_alike_mlps_are_left_alone():
+    # Same layers and activation, another class (e.g. one that scales or clamps): not changed.
+    class ScaledMLP(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj = torch.nn.Linear(4, 8, bias=False)
+            self.up_proj = torch.nn.Linear(4, 8, bias=False)
+            self.down_proj = torch.nn.Linear(8, 4, bias=False)
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, x):
+            return 3.0 * self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    mlp = ScaledMLP()
+    assert use_memory_efficient_mlp(mlp) == 0
+    assert "forward" not in vars(mlp)

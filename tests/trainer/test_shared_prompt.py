@@ -167,3 +167,30 @@ def test_packing_declines_what_it_cannot_do():
     assert packed_response_hidden(decoder, holes) is None
     model.config._attn_implementation = "eager"  # a 4-D boolean mask is sdpa's format only
     assert packed_response_hidden(decoder, _rollout()) is None
+
+
+def test_sliding_window_models_and_empty_responses_take_the_padded_path():
+    # A sliding window is not in the packed mask (and its cache keeps only the last keys): packing
+    # declines, and policy_logprobs still equals the logits path. T = 0: nothing to pack.
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64, tie_word_embeddings=True,
+    )
+    model = MistralForCausalLM(config).double().eval()
+    decoder, _ = plain_output_head(model)
+    rollout = _varied_rollout()
+    assert packed_response_hidden(decoder, rollout) is None
+    valid = rollout.response_mask > 0
+    with torch.no_grad():
+        lp, _ = policy_logprobs(model, rollout, temperature=1.0, top_k=0, top_p=1.0)
+        ref, _ = policy_logprobs(model, rollout, temperature=1.0, top_k=0, top_p=1.0, fused_head=False)
+    torch.testing.assert_close(lp[valid], ref[valid], atol=1e-12, rtol=0)
+    llama, _ = make_tiny_llama(seed=1)
+    empty = _rollout().select(torch.arange(3))
+    empty.response_ids = empty.response_ids[:, :0]
+    empty.response_mask = empty.response_mask[:, :0]
+    empty.sampler_logprobs = empty.sampler_logprobs[:, :0]
+    assert packed_response_hidden(plain_output_head(llama)[0], empty) is None
