@@ -23,7 +23,9 @@ __all__ = ["RMSNormFunction", "SwiGLUFunction", "use_memory_efficient_mlp"]
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` saving ``x``, the gate and the up outputs.
+    """``down(silu(x @ W_gate^T) * (x @ W_up^T))`` saving ``x``, the gate and the up outputs
+    (the SwiGLU feed-forward of Shazeer 2020, "GLU Variants Improve Transformer", eq. for FFN_SwiGLU
+    without biases, as in Llama).
 
     Shapes: x [..., H]; w_gate, w_up [I, H]; w_down [H, I]; returns [..., H] in x's dtype.
     Backward (s = silu(g) = g sigmoid(g), h = s u, G = dL/d out):
@@ -73,7 +75,8 @@ class SwiGLUFunction(torch.autograd.Function):
 class RMSNormFunction(torch.autograd.Function):
     """``weight * (x / sqrt(mean(x^2) + eps))`` as transformers' Llama/Mistral/Qwen2/Qwen3
     RMSNorm computes it (in float32, cast back to x's dtype before the weight), saving ``x`` and
-    the per-row ``rstd = 1 / sqrt(mean(x^2) + eps)`` [..., 1] only.
+    the per-row ``rstd = 1 / sqrt(mean(x^2) + eps)`` [..., 1] only (Zhang & Sennrich 2019, "Root
+    Mean Square Layer Normalization", eq. 4).
 
     Shapes: x [..., H], weight [H]. Backward with n = x rstd, g = dL/dout * weight:
     dL/dweight = sum over rows of dL/dout * n, dL/dx = rstd (g - n mean(g n)).
