@@ -668,12 +668,18 @@ def update_readme_section(name: str, body: str, path: Path = README) -> None:
 
 
 def run_main(main: Callable[[], int]) -> None:
-    """Exit with ``main()``'s status; a WorkerError prints its message instead of a traceback."""
+    """Exit with ``main()``'s status; a WorkerError or a config mistake (an ``--pg-override`` key
+    or value) prints its message instead of a traceback."""
+    from policygrad.trainer.config import ConfigError
+
     try:
         code = main()
     except WorkerError as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 2
     except KeyboardInterrupt:
         code = 130
     raise SystemExit(code)

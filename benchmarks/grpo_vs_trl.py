@@ -36,6 +36,7 @@ the machine) and prints one markdown table per beta.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -570,7 +571,12 @@ def report(result: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="measured steps per side and beta (>= 3)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=5,
+        help="measured steps per side and beta (>= 1; 5 or more to read a ratio)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up steps per side")
     parser.add_argument("--quick", action="store_true", help="3 measured steps (under 15 minutes in all)")
     parser.add_argument("--betas", default="0,0.04", help="comma-separated KL coefficients")
@@ -594,9 +600,14 @@ def main() -> int:
         args.steps = 3
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         parser.error("--steps must be >= 1, --warmup >= 0, --threads >= 1")
-    betas = [float(b) for b in args.betas.split(",") if b.strip()]
+    try:
+        betas = [float(b) for b in args.betas.split(",") if b.strip()]
+    except ValueError:
+        parser.error(f"--betas must be comma-separated numbers, got {args.betas!r}")
     if any(b < 0 for b in betas):
         parser.error("--betas must be >= 0")
+    if importlib.util.find_spec("trl") is None:
+        parser.error('TRL is not installed: pip install -e ".[bench]" (trl 1.16.0)')
     machine = machine_description()
     warn_if_busy(machine)
     logs = log_dir("grpo-vs-trl")
