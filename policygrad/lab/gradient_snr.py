@@ -251,6 +251,18 @@ class _HeadInput:
         self.handle.remove()
 
 
+def _whole_row_logprobs(model, rollout, temperature: float) -> torch.Tensor:
+    """[B, T] float32 log-probs at ``temperature`` from one plain forward over whole rows through
+    the lm_head module (no prompt sharing, no fused head), so a :class:`_HeadInput` hook sees the
+    final hidden state of every response position."""
+    from policygrad.trainer.loop import policy_logprobs
+
+    logprobs, _ = policy_logprobs(
+        model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False, fused_head=False
+    )
+    return logprobs
+
+
 RIDGE_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 """Ridge penalties (relative to the mean diagonal of X^T X) tried by :meth:`LinearCritic.fit`."""
 
@@ -373,7 +385,6 @@ def estimator_gradients(
     Raises:
         ValueError: ``shared_head_backward=True`` while the head's weight is in ``tensors``.
     """
-    from policygrad.trainer.loop import policy_logprobs
 
     head = model.get_output_embeddings()
     head_measured = head is None or any(p is head.weight for p in tensors)
@@ -389,15 +400,7 @@ def estimator_gradients(
     try:
         with torch.enable_grad():
             # One forward over whole rows: the hook reads the lm_head input of every position.
-            logprobs, _ = policy_logprobs(
-                model,
-                rollout,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                share_prompts=False,
-                fused_head=False,
-            )
+            logprobs = _whole_row_logprobs(model, rollout, temperature)
     finally:
         if hook is not None:
             hook.remove()
@@ -632,7 +635,6 @@ def run_gradient_snr(
     """
     from policygrad.rollout.hf import HFRolloutEngine
     from policygrad.trainer.evaluate import decode_completions
-    from policygrad.trainer.loop import policy_logprobs
 
     specs, S, draws, reference_draws, critic_draws = _check_settings(
         estimators, samples_per_prompt, draws, reference_draws, critic_draws, max_new_tokens
@@ -698,15 +700,7 @@ def run_gradient_snr(
                 hook = _HeadInput(model)
                 try:
                     with torch.no_grad():
-                        policy_logprobs(
-                            model,
-                rollout,
-                temperature=temperature,
-                top_k=0,
-                top_p=1.0,
-                share_prompts=False,
-                fused_head=False,
-                        )
+                        _whole_row_logprobs(model, rollout, temperature)
                 finally:
                     hook.remove()
                 m = rollout.response_mask > 0
