@@ -380,8 +380,8 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
 
 def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
+    from policygrad.data.sources import build_train_source
     from policygrad.models.loading import resolve_model_path
-    from policygrad.trainer.sources import build_train_source
 
     steps_total = args.warmup + args.steps
     tag = f"beta{beta:g}"

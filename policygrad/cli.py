@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 
@@ -30,7 +31,7 @@ any overrides given here).
 
 def _user_errors():
     from policygrad.trainer.config import ConfigError
-    from policygrad.trainer.loop import TrainingError
+    from policygrad.trainer.errors import TrainingError
 
     # OSError covers missing files and unwritable folders; ImportError and SyntaxError come from a
     # user's reward-function file. POLICYGRAD_DEBUG=1 shows the full traceback instead.
@@ -167,7 +168,8 @@ Each prints a table and writes a JSON result and a PNG plot under --output-dir (
 def cmd_memory(argv: list[str]) -> int:
     from policygrad.lab import memory
 
-    return memory.main(argv)
+    print(memory.main(argv))
+    return 0
 
 
 def cmd_lab(argv: list[str]) -> int:
@@ -181,20 +183,38 @@ def cmd_lab(argv: list[str]) -> int:
     name, rest = argv[0], argv[1:]
     if name not in LAB_COMMANDS:
         raise ValueError(f"unknown lab experiment {name!r}; choose one of {', '.join(LAB_COMMANDS)}")
-    return importlib.import_module(LAB_COMMANDS[name]).main(rest)
+    print(importlib.import_module(LAB_COMMANDS[name]).main(rest))
+    return 0
 
 
 def cmd_report(argv: list[str]) -> int:
     from policygrad.lab import report
 
-    return report.main(argv)
+    print(report.main(argv))
+    return 0
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "memory": cmd_memory, "lab": cmd_lab, "report": cmd_report}
 
 
+class _StdoutHandler(logging.Handler):
+    """The library's messages (``logging.getLogger("policygrad")``) as plain lines on the
+    current ``sys.stdout`` (looked up per message, so captured output sees them)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        print(self.format(record), flush=True)
+
+
+def _show_library_messages() -> None:
+    logger = logging.getLogger("policygrad")
+    logger.setLevel(logging.INFO)
+    if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
+        logger.addHandler(_StdoutHandler())
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    _show_library_messages()
     if not argv or argv[0] in ("-h", "--help"):
         print(
             "usage: policygrad {train,eval,memory,lab,report} ...\n\n"

@@ -13,3 +13,11 @@ def tiny_model_dir(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny_llama")
     make_tiny_llama(path, seed=0)
     return str(path)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to one tier: ``unit`` (no model, seconds) or ``integration``."""
+    for item in items:
+        tiers = {m.name for m in item.iter_markers()} & {"unit", "integration"}
+        if len(tiers) != 1:
+            raise pytest.UsageError(f"{item.nodeid}: mark it unit or integration (found {sorted(tiers)})")

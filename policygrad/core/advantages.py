@@ -1,4 +1,4 @@
-"""Advantage estimators, registered by name, all with one signature.
+"""Advantage estimators, registered by name with their capabilities, all with one signature.
 
 Every estimator is called as::
 
@@ -10,9 +10,10 @@ Every estimator is called as::
 - ``response_mask``: [B, T], nonzero on valid response tokens.
 - ``group_index``: [B] integer tensor, the prompt each row was sampled from. Rows with equal ids
   form a group (the G samples of one prompt). Rows of a group need not be contiguous and ids need
-  not be 0..K-1; group statistics are computed with ``index_add`` over the ids and never mix
-  prompts.
-- ``values``: [B, T] critic values V(s_t) or None (only ``gae`` uses them).
+  not be 0..K-1; group statistics (:mod:`policygrad.core.groups`) are computed with
+  ``index_add`` over the ids and never mix prompts.
+- ``values``: [B, T] critic values V(s_t) or None (only estimators that declare
+  ``needs_values``, i.e. ``gae``, use them).
 - ``options``: keyword-only, specific to the estimator; an unknown option raises ``TypeError``
   naming the option, the estimator and its valid options.
 
@@ -20,14 +21,21 @@ Returns ``(advantages[B, T], returns[B, T])`` in ``token_rewards``' dtype, detac
 autograd graph (they are fixed targets for the update). Masked positions of both are exactly 0,
 and nothing at a masked position of ``token_rewards`` or ``values`` can change any output.
 
+Capabilities: an estimator declares at registration whether it needs a critic's values, which
+extra inputs the trainer must supply (keyword-only parameters that are not user options, e.g.
+ReMax's greedy-baseline rewards) and its minimum group size (a number, or a function of its
+options). :func:`estimator_spec` returns them as an :class:`EstimatorSpec`, and
+:func:`check_estimator_options` validates a configuration's options before training starts, so
+the trainer never needs to test an estimator's name.
+
 Sequence-level estimators (``reinforce``, ``rloo``, ``grpo``, ``remax``) put the sequence's
 advantage on every valid token and its reward ``R_i`` as the return on every valid token. No
 estimator whitens its output except ``reinforce_pp``, whose definition includes whitening; for
 the others, whitening is the separate, optional :func:`policygrad.core.masking.masked_whiten`.
 
-Source: the policy-gradient seed chapter, sections 4 (baselines: RLOO, group mean, greedy
-baseline), 5 (critics, TD learning and GAE) and 10 (REINFORCE, RLOO and the case against the
-critic); the papers are cited on each estimator.
+Sources, cited on each estimator: REINFORCE with a baseline (Williams 1992); RLOO (Kool et al.
+2019; Ahmadian et al. 2024); GRPO (Shao et al. 2024) and Dr.GRPO (Liu et al. 2025); ReMax (Li
+et al. 2023); REINFORCE++ (Hu 2025); GAE (Schulman et al. 2015b).
 """
 
 from __future__ import annotations
@@ -35,20 +43,28 @@ from __future__ import annotations
 import functools
 import inspect
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from .checks import check_2d, check_floating, check_group_index_dtype, check_shape_of, check_unit_interval
+from .groups import group_inverse, group_mean_std, group_stats
 from .masking import masked_sum, masked_whiten
 
 __all__ = [
     "GRPO_SCALES",
     "AdvantageEstimator",
+    "EstimatorSpec",
+    "check_estimator_options",
     "estimate_advantages",
+    "estimator_spec",
     "get_advantage_estimator",
-    "group_mean_std",
     "group_inverse",
+    "group_mean_std",
     "list_advantage_estimators",
+    "monte_carlo_returns",
     "register_advantage_estimator",
     "sequence_rewards",
 ]
@@ -64,24 +80,67 @@ _SHARED_KEYWORDS = ("group_index", "values")
 # ----------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class EstimatorSpec:
+    """What a registered advantage estimator needs: its capabilities, read by the trainer.
+
+    Fields:
+        name: the registry key.
+        options: the user options (keyword-only parameters other than ``group_index``,
+            ``values`` and the ``inputs``), in signature order.
+        needs_values: the estimator reads a critic's values V(s_t); the trainer must train a
+            value model and pass ``values=[B, T]``.
+        inputs: keyword-only parameters the trainer supplies (never user options), e.g. ReMax's
+            ``baseline_rewards`` [B], the rewards of the greedy responses.
+        group_size_rule: the minimum group size as declared: an int, or a function
+            ``(options: dict) -> int``; read it through :meth:`min_group_size`.
+    """
+
+    name: str
+    options: tuple[str, ...]
+    needs_values: bool
+    inputs: tuple[str, ...]
+    group_size_rule: int | Callable[[dict[str, Any]], int] = 1
+
+    def min_group_size(self, options: Mapping[str, Any]) -> int:
+        """The smallest G (samples per prompt) the estimator accepts with these options.
+
+        Args:
+            options: the estimator options of the run (merged over the preset's).
+
+        Returns:
+            an int >= 1.
+
+        Raises:
+            TypeError / ValueError: the declared rule returned something other than an int >= 1.
+        """
+        rule = self.group_size_rule
+        size = rule(dict(options)) if callable(rule) else rule
+        _check_group_size(size, f"min_group_size of advantage estimator {self.name!r}")
+        return int(size)
+
+
+def _check_group_size(size: object, what: str) -> None:
+    if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+        raise TypeError(
+            f"{what} must be an int >= 1 (or a function of the options returning one), got {size!r}"
+        )
+    if size < 1:
+        raise ValueError(f"{what} must be >= 1, got {size}")
+
+
 def _check_inputs(
     token_rewards: object, response_mask: object, group_index: object, values: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Validate the shared estimator arguments; return (rewards, bool mask, group_index, values)."""
     if not isinstance(token_rewards, torch.Tensor):
         raise TypeError(f"token_rewards must be a torch.Tensor [B, T], got {type(token_rewards).__name__}")
-    if token_rewards.dim() != 2:
-        raise ValueError(f"token_rewards must be 2-D [B, T], got shape {tuple(token_rewards.shape)}")
-    if not token_rewards.is_floating_point():
-        raise TypeError(f"token_rewards must be a floating tensor, got dtype {token_rewards.dtype}")
+    check_2d(token_rewards, "token_rewards")
+    check_floating(token_rewards, "token_rewards")
     device = token_rewards.device
     if not isinstance(response_mask, torch.Tensor):
         raise TypeError(f"response_mask must be a torch.Tensor [B, T], got {type(response_mask).__name__}")
-    if response_mask.shape != token_rewards.shape:
-        raise ValueError(
-            f"response_mask must have the shape of token_rewards {tuple(token_rewards.shape)}, "
-            f"got {tuple(response_mask.shape)}"
-        )
+    check_shape_of(response_mask, "response_mask", token_rewards, "token_rewards")
     mask = (response_mask != 0).to(device)
     if not isinstance(group_index, torch.Tensor):
         raise TypeError(
@@ -91,46 +150,66 @@ def _check_inputs(
     batch = token_rewards.shape[0]
     if group_index.shape != (batch,):
         raise ValueError(f"group_index must have shape [B] = ({batch},), got {tuple(group_index.shape)}")
-    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
-        raise TypeError(f"group_index must be an integer tensor (torch.long), got dtype {group_index.dtype}")
+    check_group_index_dtype(group_index)
     group_index = group_index.to(device=device, dtype=torch.long)
     if values is not None:
         if not isinstance(values, torch.Tensor):
             raise TypeError(f"values must be a torch.Tensor [B, T] or None, got {type(values).__name__}")
-        if values.shape != token_rewards.shape:
-            raise ValueError(
-                f"values must have the shape of token_rewards {tuple(token_rewards.shape)}, "
-                f"got {tuple(values.shape)}"
-            )
-        if not values.is_floating_point():
-            raise TypeError(f"values must be a floating tensor, got dtype {values.dtype}")
+        check_shape_of(values, "values", token_rewards, "token_rewards")
+        check_floating(values, "values")
         values = values.to(device=device, dtype=token_rewards.dtype)
     return token_rewards, mask, group_index, values
 
 
-def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-    """Decorator registering an advantage estimator under ``name``.
+def register_advantage_estimator(
+    name: str,
+    *,
+    needs_values: bool = False,
+    inputs: tuple[str, ...] = (),
+    min_group_size: int | Callable[[dict[str, Any]], int] = 1,
+) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+    """Decorator registering an advantage estimator under ``name``, with its capabilities.
 
     The decorated function must have the shared signature
     ``fn(token_rewards, response_mask, *, group_index, values, **options)`` with its options
-    keyword-only. The registered (and returned) callable wraps it: it validates the shared
-    arguments (types, shapes; ``response_mask`` is passed on as a bool tensor), rejects unknown
-    options with a ``TypeError`` naming the option and the valid ones, runs the estimator under
-    ``torch.no_grad()``, and sets masked positions of both outputs to exactly 0. The wrapper's
-    ``options`` attribute lists the option names.
+    declared as keyword-only parameters (no ``**kwargs``). The registered (and returned) callable
+    wraps it: it validates the shared arguments (types, shapes; ``response_mask`` is passed on
+    as a bool tensor), rejects unknown options with a ``TypeError`` naming the option and the
+    valid ones, runs the estimator under ``torch.no_grad()``, and sets masked positions of both
+    outputs to exactly 0. The wrapper's ``spec`` attribute is the :class:`EstimatorSpec` and its
+    ``options`` attribute the user option names (``spec.options``).
 
     Args:
         name: registry key, a non-empty string.
+        needs_values: the estimator reads the critic's ``values`` (e.g. GAE).
+        inputs: names of keyword-only parameters the trainer supplies, not the user, e.g.
+            ``("baseline_rewards",)`` for ReMax; each must be a keyword-only parameter.
+        min_group_size: the smallest group size G the estimator accepts, an int >= 1 or a
+            function ``(options: dict) -> int`` when it depends on the options.
 
     Returns:
         the decorator.
 
     Raises:
-        TypeError: ``name`` is not a non-empty string; the function lacks the shared parameters.
-        ValueError: ``name`` is already registered.
+        TypeError: ``name`` is not a non-empty string; ``needs_values`` not a bool; ``inputs`` not
+            a tuple/list of strings; ``min_group_size`` neither an int nor callable; the
+            function lacks the shared parameters, takes ``**kwargs``, or an input is not one of
+            its keyword-only parameters.
+        ValueError: ``name`` is already registered; ``min_group_size`` < 1.
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"advantage estimator name must be a non-empty string, got {name!r}")
+    if not isinstance(needs_values, bool):
+        raise TypeError(
+            f"advantage estimator {name!r}: needs_values must be True or False, got {needs_values!r}"
+        )
+    if not isinstance(inputs, (tuple, list)) or not all(isinstance(i, str) and i for i in inputs):
+        raise TypeError(
+            f"advantage estimator {name!r}: inputs must be a tuple of parameter names, got {inputs!r}"
+        )
+    if not callable(min_group_size):
+        _check_group_size(min_group_size, f"advantage estimator {name!r}: min_group_size")
+    inputs = tuple(inputs)
 
     def decorator(fn: AdvantageEstimator) -> AdvantageEstimator:
         if name in _ESTIMATORS:
@@ -144,28 +223,42 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
             for p in params.values()
             if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
         ]
-        if len(positional) != 2 or any(k not in params for k in _SHARED_KEYWORDS):
+        open_options = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        if len(positional) != 2 or any(k not in params for k in _SHARED_KEYWORDS) or open_options:
             raise TypeError(
                 f"advantage estimator {name!r} must have the signature "
-                "fn(token_rewards, response_mask, *, group_index, values, **options)"
+                "fn(token_rewards, response_mask, *, group_index, values, **options), its options "
+                "declared as keyword-only parameters"
             )
-        options = tuple(
+        keyword_only = tuple(
             p.name
             for p in params.values()
             if p.kind == inspect.Parameter.KEYWORD_ONLY and p.name not in _SHARED_KEYWORDS
         )
-        open_options = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values())
+        missing = [i for i in inputs if i not in keyword_only]
+        if missing:
+            raise TypeError(
+                f"advantage estimator {name!r}: input(s) {', '.join(map(repr, missing))} must be "
+                "keyword-only parameters of the function"
+            )
+        spec = EstimatorSpec(
+            name=name,
+            options=tuple(k for k in keyword_only if k not in inputs),
+            needs_values=needs_values,
+            inputs=inputs,
+            group_size_rule=min_group_size,
+        )
 
         @functools.wraps(fn)
         def estimator(token_rewards, response_mask, *, group_index, values=None, **kwargs):
-            if not open_options:
-                unknown = sorted(k for k in kwargs if k not in options)
-                if unknown:
-                    raise TypeError(
-                        f"advantage estimator {name!r} got unknown option(s) "
-                        f"{', '.join(map(repr, unknown))}; "
-                        f"valid options: {', '.join(options) if options else '(none)'}"
-                    )
+            unknown = sorted(k for k in kwargs if k not in keyword_only)
+            if unknown:
+                supplied = f"; inputs supplied by the trainer: {', '.join(inputs)}" if inputs else ""
+                raise TypeError(
+                    f"advantage estimator {name!r} got unknown option(s) "
+                    f"{', '.join(map(repr, unknown))}; "
+                    f"valid options: {', '.join(spec.options) if spec.options else '(none)'}{supplied}"
+                )
             rewards, mask, gidx, vals = _check_inputs(token_rewards, response_mask, group_index, values)
             with torch.no_grad():
                 advantages, returns = fn(rewards, mask, group_index=gidx, values=vals, **kwargs)
@@ -174,7 +267,8 @@ def register_advantage_estimator(name: str) -> Callable[[AdvantageEstimator], Ad
                 returns = torch.where(mask, returns.to(rewards.dtype), zero)
             return advantages, returns
 
-        estimator.options = options
+        estimator.options = spec.options
+        estimator.spec = spec
         _ESTIMATORS[name] = estimator
         return estimator
 
@@ -195,9 +289,71 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
         ) from None
 
 
+def estimator_spec(name: str) -> EstimatorSpec:
+    """The capabilities of the estimator registered as ``name`` (see :class:`EstimatorSpec`).
+
+    Raises:
+        ValueError: unknown name; the message lists the registered ones.
+    """
+    return get_advantage_estimator(name).spec
+
+
 def list_advantage_estimators() -> tuple[str, ...]:
     """Names of the registered advantage estimators, sorted."""
     return tuple(sorted(_ESTIMATORS))
+
+
+def check_estimator_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate user options for the estimator ``name`` now, before any model is loaded.
+
+    Every option must be one the estimator declares, and none may be one of its ``inputs``
+    (those the trainer supplies). The values are then checked by calling the estimator once on
+    a dummy batch (2 groups x 2 rows x 3 tokens, float32 zeros, every token valid; ``values``
+    zeros when it needs values; a [B] zeros tensor for each input), so its own checks run.
+    Options are configuration values (numbers, strings, booleans); a tensor shaped for a real
+    batch would not fit the dummy one.
+
+    Args:
+        name: a registered estimator.
+        options: option name -> value, e.g. ``{"scale": "none"}``.
+
+    Returns:
+        ``dict(options)``.
+
+    Raises:
+        ValueError: unknown estimator (lists the registered ones); an option that is one of its
+            inputs (says the trainer supplies it); an option it does not declare (names the
+            estimator and its valid options); a bad value (the estimator's own message).
+        TypeError: ``options`` not a mapping; a value of the wrong type (the estimator's message).
+    """
+    estimator = get_advantage_estimator(name)
+    spec = estimator.spec
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"advantage estimator options must be a mapping of name -> value, got {type(options).__name__}"
+        )
+    valid = ", ".join(spec.options) if spec.options else "(none)"
+    supplied = [key for key in options if key in spec.inputs]
+    if supplied:
+        raise ValueError(
+            f"advantage estimator {name!r}: {supplied[0]!r} is an input the trainer supplies, not an "
+            f"option; remove it (valid options: {valid})"
+        )
+    unknown = [key for key in options if key not in spec.options]
+    if unknown:
+        which = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {', '.join(map(repr, unknown))}"
+        raise ValueError(f"advantage estimator {name!r} has no {which}; valid options: {valid}")
+    rewards = torch.zeros(4, 3)
+    extra = {key: torch.zeros(4) for key in spec.inputs}
+    estimator(
+        rewards,
+        torch.ones(4, 3),
+        group_index=torch.tensor([0, 0, 1, 1]),
+        values=torch.zeros(4, 3) if spec.needs_values else None,
+        **extra,
+        **options,
+    )
+    return dict(options)
 
 
 def estimate_advantages(
@@ -237,67 +393,6 @@ def sequence_rewards(token_rewards: torch.Tensor, response_mask: torch.Tensor) -
     return masked_sum(token_rewards, response_mask, dim=-1)
 
 
-def group_inverse(group_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map arbitrary group ids to 0..K-1.
-
-    Args:
-        group_index: [B] integer tensor of group (prompt) ids, in any order.
-
-    Returns:
-        ``(inverse[B] long, sizes[K] long)``: ``inverse[i]`` is row i's group in 0..K-1 (groups
-        numbered in increasing id order) and ``sizes[k]`` the number of rows in group k.
-    """
-    _, inverse, sizes = torch.unique(group_index, return_inverse=True, return_counts=True)
-    return inverse, sizes
-
-
-def _group_stats(
-    rewards: torch.Tensor, group_index: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group bookkeeping: (inverse[B], sizes[K], sums[K], all-equal flag[K])."""
-    inverse, sizes = group_inverse(group_index)
-    k = sizes.shape[0]
-    dtype, device = rewards.dtype, rewards.device
-    sums = torch.zeros(k, dtype=dtype, device=device).index_add_(0, inverse, rewards)
-    gmax = torch.full((k,), float("-inf"), dtype=dtype, device=device).scatter_reduce(
-        0, inverse, rewards, reduce="amax"
-    )
-    gmin = torch.full((k,), float("inf"), dtype=dtype, device=device).scatter_reduce(
-        0, inverse, rewards, reduce="amin"
-    )
-    return inverse, sizes, sums, gmax == gmin
-
-
-def group_mean_std(
-    rewards: torch.Tensor, group_index: torch.Tensor, *, unbiased: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row statistics of the row's group: centred value, std and size, each [B].
-
-    Means and squared deviations are accumulated with ``index_add`` over the group ids, so only
-    rows with the same id are ever combined. A group whose values are all equal gets a centred
-    value and a std of exactly 0 (detected with max == min, since the mean of equal float values
-    can differ from them by a rounding error: 0.1 three times in float32).
-
-    Args:
-        rewards: [B] floating, one value per row (e.g. :func:`sequence_rewards`).
-        group_index: [B] integer group ids, any order.
-        unbiased: std with Bessel's correction (divide by n - 1; a group of size 1 then has std
-            NaN, so callers that divide by it must reject such groups) or population std (n).
-
-    Returns:
-        ``(centered[B], std[B], size[B])``: ``rewards - group mean``, the group's std, and the
-        group's size (long), each gathered back to the rows.
-    """
-    inverse, sizes, sums, constant = _group_stats(rewards, group_index)
-    dtype, device = rewards.dtype, rewards.device
-    means = sums / sizes.to(dtype)
-    zero = torch.zeros((), dtype=dtype, device=device)
-    centered = torch.where(constant[inverse], zero, rewards - means[inverse])
-    sq = torch.zeros(sizes.shape[0], dtype=dtype, device=device).index_add_(0, inverse, centered * centered)
-    std = torch.sqrt(sq / (sizes - 1 if unbiased else sizes).to(dtype))
-    return centered, std[inverse], sizes[inverse]
-
-
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Put a [B] value on every valid token of [B, T]; 0 elsewhere."""
     zero = torch.zeros((), dtype=per_seq.dtype, device=per_seq.device)
@@ -319,12 +414,6 @@ def _per_seq_tensor(value: object, name: str, estimator: str, like: torch.Tensor
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
         return torch.full((batch,), float(value), dtype=like.dtype, device=like.device)
     raise TypeError(f"{estimator}: {name} must be a float or a [B] tensor, got {type(value).__name__}")
-
-
-def _check_unit_interval(value: object, name: str, estimator: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= float(value) <= 1.0:
-        raise ValueError(f"{estimator}: {name} must be a number in [0, 1], got {value!r}")
-    return float(value)
 
 
 def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -360,7 +449,7 @@ def reinforce_advantages(
         token_rewards, response_mask, group_index, values: see the module docstring
             (``group_index`` and ``values`` are not used).
         baseline: a float, or a [B] tensor (one baseline per row; it must not depend on the row's
-            own sample to keep the gradient unbiased, seed section 4). Default 0.
+            own sample to keep the gradient unbiased, Williams 1992). Default 0.
 
     Returns:
         advantages [B, T] = R - b on valid tokens; returns [B, T] = R on valid tokens.
@@ -373,7 +462,7 @@ def reinforce_advantages(
     return _broadcast(rewards - b, response_mask), _broadcast(rewards, response_mask)
 
 
-@register_advantage_estimator("rloo")
+@register_advantage_estimator("rloo", min_group_size=2)
 def rloo_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -384,10 +473,11 @@ def rloo_advantages(
     """REINFORCE leave-one-out: ``A_i = R_i - mean_{j != i, same group} R_j``.
 
     Kool et al. 2019 ("Buy 4 REINFORCE samples, get a baseline for free!"); Ahmadian et al. 2024
-    ("Back to Basics", eq. for the RLOO estimator); seed section 4. The baseline uses only the
-    other samples of the same prompt, so the estimator is exactly unbiased. Computed as
+    ("Back to Basics", eq. for the RLOO estimator). The baseline uses only the other samples of
+    the same prompt, so the estimator is exactly unbiased. Computed as
     ``k/(k-1) * (R_i - group mean)``, which equals the leave-one-out difference exactly in real
-    arithmetic (seed section 4 identity) and is exactly 0 for an all-equal group.
+    arithmetic (``R_i - (S - R_i)/(k-1) = k/(k-1) * (R_i - S/k)`` with S the group's sum) and is
+    exactly 0 for an all-equal group.
 
     Returns:
         advantages [B, T] on valid tokens; returns [B, T] = R on valid tokens.
@@ -396,7 +486,7 @@ def rloo_advantages(
         ValueError: a group of size 1 (group_size must be >= 2).
     """
     rewards = sequence_rewards(token_rewards, response_mask)
-    inverse, sizes, sums, constant = _group_stats(rewards, group_index)
+    inverse, sizes, sums, constant = group_stats(rewards, group_index)
     if bool((sizes < 2).any()):
         lone = torch.unique(group_index)[sizes < 2][:5].tolist()
         raise ValueError(
@@ -418,7 +508,7 @@ def _safe_ratio(centered: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 GRPO_SCALES = ("group", "batch", "none")
 
 
-@register_advantage_estimator("grpo")
+@register_advantage_estimator("grpo", min_group_size=2)
 def grpo_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -431,8 +521,8 @@ def grpo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GRPO outcome advantage ``A_i = (R_i - mean_group R) / (std + eps)``.
 
-    Shao et al. 2024 (DeepSeekMath, section 4.1.2, outcome supervision); seed section 4 and the
-    table of section 10. ``scale`` picks the divisor:
+    Shao et al. 2024 (DeepSeekMath, section 4.1.2, outcome supervision). ``scale`` picks the
+    divisor:
 
     - ``"group"``: the std of R within the row's group (needs every group of size >= 2).
     - ``"batch"``: the std of R over the whole batch (all B rows), one number.
@@ -441,7 +531,7 @@ def grpo_advantages(
 
     A group whose rewards are all equal gets exactly 0 in every scale (never NaN, never a large
     number from a rounding-error std). Dividing by a per-group std is a per-prompt reweighting,
-    not a baseline (seed, "where the textbook bends").
+    not a baseline (Liu et al. 2025, section 3.1: the question-level difficulty bias).
 
     Args:
         scale: ``"group"`` (default), ``"batch"`` or ``"none"``.
@@ -456,9 +546,12 @@ def grpo_advantages(
         ValueError: unknown ``scale`` (lists the valid ones); a group of size 1 with
             ``scale="group"``; fewer than 2 rows with ``scale="batch"`` and ``unbiased=True``;
             ``eps < 0``.
+        TypeError: ``unbiased`` not a bool.
     """
     if scale not in GRPO_SCALES:
         raise ValueError(f"grpo: unknown scale {scale!r}; valid scales: {', '.join(GRPO_SCALES)}")
+    if not isinstance(unbiased, bool):
+        raise TypeError(f"grpo: unbiased must be True or False, got {unbiased!r}")
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or eps < 0:
         raise ValueError(f"grpo: eps must be a number >= 0, got {eps!r}")
     rewards = sequence_rewards(token_rewards, response_mask)
@@ -482,7 +575,7 @@ def grpo_advantages(
     return _broadcast(advantages, response_mask), _broadcast(rewards, response_mask)
 
 
-@register_advantage_estimator("remax")
+@register_advantage_estimator("remax", inputs=("baseline_rewards",))
 def remax_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -493,8 +586,10 @@ def remax_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: ``A_i = R_i - R(greedy response to row i's prompt)`` (Li et al. 2023, eq. 6).
 
-    The greedy decode does not depend on the sampled response, so the baseline is unbiased
-    (seed section 4).
+    The greedy decode does not depend on the sampled response, so the baseline keeps the
+    gradient unbiased (Williams 1992: any baseline independent of the sampled action). The
+    greedy rewards are an input the trainer supplies (``inputs=("baseline_rewards",)``), not a
+    user option.
 
     Args:
         baseline_rewards: [B] tensor, the reward of the greedy response for each row's prompt
@@ -525,7 +620,13 @@ def remax_advantages(
     return _broadcast(rewards - b, response_mask), _broadcast(rewards, response_mask)
 
 
-@register_advantage_estimator("reinforce_pp")
+def _reinforce_pp_min_group_size(options: dict[str, Any]) -> int:
+    # With one sample per prompt the group baseline equals the row's own reward, so every
+    # advantage is exactly 0 (nothing to learn from); without it any G works.
+    return 2 if options.get("group_baseline") else 1
+
+
+@register_advantage_estimator("reinforce_pp", min_group_size=_reinforce_pp_min_group_size)
 def reinforce_pp_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -557,8 +658,14 @@ def reinforce_pp_advantages(
 
     Raises:
         ValueError: ``gamma`` outside [0, 1]; fewer than 2 valid tokens in the batch.
+        TypeError: ``group_baseline`` not a bool.
+
+    Capabilities: the minimum group size is 2 with ``group_baseline=True`` (with one sample per
+    prompt the group mean is the row's own reward and every advantage is exactly 0), else 1.
     """
-    gamma = _check_unit_interval(gamma, "gamma", "reinforce_pp")
+    gamma = check_unit_interval(gamma, "gamma", "reinforce_pp")
+    if not isinstance(group_baseline, bool):
+        raise TypeError(f"reinforce_pp: group_baseline must be True or False, got {group_baseline!r}")
     n_valid = int(response_mask.sum().item())
     if n_valid < 2:
         raise ValueError(
@@ -574,7 +681,7 @@ def reinforce_pp_advantages(
     return masked_whiten(shifted, response_mask), returns
 
 
-@register_advantage_estimator("gae")
+@register_advantage_estimator("gae", needs_values=True)
 def gae_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -596,11 +703,13 @@ def gae_advantages(
     where ``V_next`` / ``A_next`` are those of the next VALID token of the row, and 0 after the
     last valid token (the terminal state has value 0: no bootstrapping from padding). Masked
     positions are skipped, so neither the value nor the reward at a masked position is ever read.
-    ``returns = A + V`` are the lambda-return targets for the critic (seed section 5).
+    ``returns = A + V`` are the lambda-return targets for the critic (Schulman et al. 2015b,
+    section 5: ``A + V`` is the TD(lambda) return).
 
     Args:
         values: [B, T] critic values V(s_t), required.
-        gamma: discount in [0, 1], default 1.0 (the LLM standard, seed section 5).
+        gamma: discount in [0, 1], default 1.0 (no discount within a response, as in
+            Ouyang et al. 2022 and the N+ details of Huang et al. 2024).
         lam: GAE lambda in [0, 1], default 0.95. lam = 1 gives ``sum of future rewards - V``,
             lam = 0 gives the TD error.
         critic_lam: if set, decoupled GAE of VC-PPO (Yuan et al. 2025, "What's Behind PPO's
@@ -622,10 +731,10 @@ def gae_advantages(
         raise ValueError(
             "gae needs values=[B, T] critic values; got values=None (use a critic-free estimator)"
         )
-    gamma = _check_unit_interval(gamma, "gamma", "gae")
-    lam = _check_unit_interval(lam, "lam", "gae")
+    gamma = check_unit_interval(gamma, "gamma", "gae")
+    lam = check_unit_interval(lam, "lam", "gae")
     if critic_lam is not None:
-        critic_lam = _check_unit_interval(critic_lam, "critic_lam", "gae")
+        critic_lam = check_unit_interval(critic_lam, "critic_lam", "gae")
     dtype, device = token_rewards.dtype, token_rewards.device
     batch, steps = token_rewards.shape
     if length_adaptive_alpha is not None:
@@ -663,3 +772,36 @@ def gae_advantages(
     masked_values = torch.where(response_mask, values, zero)
     critic_matrix = torch.stack(critic_advantages, dim=1) if critic_lam is not None else adv_matrix
     return adv_matrix, critic_matrix + masked_values
+
+
+# ----------------------------------------------------------------------------------------------
+# Value targets
+# ----------------------------------------------------------------------------------------------
+
+
+def monte_carlo_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, *, gamma: float = 1.0):
+    """Monte-Carlo returns ``G_t = sum_{l >= 0} gamma^l r_{t+l}`` over the valid tokens of each row.
+
+    Computed as the returns of ``gae`` with lam = 1 and zero values: with lam = 1, GAE (Schulman
+    et al. 2015b, eq. 16) telescopes to ``sum_l gamma^l r_{t+l} - V(s_t)``, so ``A + V`` is the
+    Monte-Carlo return whatever the critic says. These are the value targets of the
+    critic-pretraining phase (Yuan et al. 2025, VC-PPO, "What's Behind PPO's Collapse in
+    Long-CoT?"; Zheng et al. 2023, "Secrets of RLHF").
+
+    Args:
+        token_rewards: [B, T] float per-token rewards.
+        response_mask: [B, T], nonzero on valid tokens.
+        gamma: discount in [0, 1].
+
+    Returns:
+        [B, T] returns, 0 on masked positions.
+
+    Raises:
+        ValueError: as the ``gae`` estimator (shapes, gamma outside [0, 1]).
+    """
+    zeros = torch.zeros_like(token_rewards)
+    group_index = torch.arange(token_rewards.shape[0], device=token_rewards.device)
+    _, returns = estimate_advantages(
+        "gae", token_rewards, response_mask, group_index=group_index, values=zeros, gamma=gamma, lam=1.0
+    )
+    return returns

@@ -1,7 +1,9 @@
 """Diagnostics of a training step: critic quality and group-sampling health.
 
 Pure functions of tensors, computed without gradient. Logged names (design.md): the value of
-:func:`explained_variance` is ``critic/explained_variance``.
+:func:`explained_variance` is ``critic/explained_variance``. The group-sampling statistic
+:func:`zero_variance_group_fraction` lives with the other group statistics in
+:mod:`policygrad.core.groups` and is re-exported here.
 """
 
 from __future__ import annotations
@@ -10,8 +12,8 @@ import numbers
 
 import torch
 
-from .advantages import _group_stats
-from .masking import _as_bool_mask
+from .checks import as_bool_mask, check_shape_of, check_tensor
+from .groups import zero_variance_group_fraction
 
 __all__ = [
     "explained_variance",
@@ -29,7 +31,8 @@ def explained_variance(
     whole batch (the normalisation, n or n - 1, cancels in the ratio; population variance is
     used). 1 is a perfect critic, 0 is no better than predicting the mean return, negative is
     worse than that. This is the critic diagnostic logged by CleanRL's ``ppo.py`` and Stable
-    Baselines3 (``explained_variance``); seed section 5 on critics.
+    Baselines3 (``explained_variance``); the returns are the critic's regression targets (the
+    lambda-returns of GAE, Schulman et al. 2015b, eq. 16 and section 5).
 
     If ``Var[returns] == 0`` (all valid returns equal, exactly: the centring is exact for
     all-equal inputs), or there is no valid token, the ratio is undefined and the result is NaN
@@ -47,15 +50,10 @@ def explained_variance(
         TypeError: an argument is not a tensor.
         ValueError: ``values`` or ``response_mask`` differs in shape from ``returns``.
     """
-    if not isinstance(returns, torch.Tensor):
-        raise TypeError(f"returns must be a torch.Tensor, got {type(returns).__name__}")
-    if not isinstance(values, torch.Tensor):
-        raise TypeError(f"values must be a torch.Tensor, got {type(values).__name__}")
-    if values.shape != returns.shape:
-        raise ValueError(
-            f"values must have the shape of returns {tuple(returns.shape)}, got {tuple(values.shape)}"
-        )
-    m = _as_bool_mask(returns, response_mask, "returns", "response_mask")
+    check_tensor(returns, "returns")
+    check_tensor(values, "values")
+    check_shape_of(values, "values", returns, "returns")
+    m = as_bool_mask(returns, response_mask, "returns", "response_mask")
     with torch.no_grad():
         y = returns.detach()
         residual = y - values.detach().to(y.dtype)
@@ -97,44 +95,3 @@ def group_index_from_size(
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     return torch.arange(int(num_prompts), device=device).repeat_interleave(int(group_size))
-
-
-def zero_variance_group_fraction(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.Tensor:
-    """Fraction of groups whose rewards are all equal (exact equality).
-
-    Such a group gives every group-relative estimator (RLOO, GRPO) an advantage of 0: it costs
-    generation and contributes no gradient (DAPO's "dynamic sampling", Yu et al. 2025, filters
-    these groups). A group of one row counts as all-equal.
-
-    Args:
-        rewards: [B] floating sequence rewards.
-        group_index: [B] integer group ids, any order.
-
-    Returns:
-        0-d float32 tensor in [0, 1] (0 for an empty batch).
-
-    Raises:
-        TypeError: an argument is not a tensor, or ``group_index`` is not integer.
-        ValueError: ``rewards`` not 1-D, or ``group_index`` of a different shape.
-    """
-    if not isinstance(rewards, torch.Tensor):
-        raise TypeError(f"rewards must be a [B] torch.Tensor, got {type(rewards).__name__}")
-    if not isinstance(group_index, torch.Tensor):
-        raise TypeError(f"group_index must be a [B] integer torch.Tensor, got {type(group_index).__name__}")
-    if rewards.dim() != 1:
-        raise ValueError(
-            f"rewards must be 1-D [B] (one reward per sequence), got shape {tuple(rewards.shape)}"
-        )
-    if group_index.shape != rewards.shape:
-        raise ValueError(
-            f"group_index must have the shape of rewards {tuple(rewards.shape)}, "
-            f"got {tuple(group_index.shape)}"
-        )
-    if group_index.is_floating_point() or group_index.is_complex() or group_index.dtype == torch.bool:
-        raise TypeError(f"group_index must be an integer tensor (torch.long), got dtype {group_index.dtype}")
-    if rewards.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=rewards.device)
-    with torch.no_grad():
-        gidx = group_index.to(device=rewards.device, dtype=torch.long)
-        _, _, _, constant = _group_stats(rewards.detach(), gidx)
-        return constant.float().mean()

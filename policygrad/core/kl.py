@@ -1,6 +1,6 @@
 """KL to the reference policy: per-token estimators, KL-shaped rewards, KL loss terms, controllers.
 
-Conventions (the KL-estimator section of the seed, section 9): "reverse KL" is KL(pi || pi_ref),
+Conventions (Schulman 2020, "Approximating KL divergence"): "reverse KL" is KL(pi || pi_ref),
 the one in the RLHF objective; "forward KL" is KL(pi_ref || pi). Samples are tokens drawn from
 pi (on-policy) or pi_old. Estimators follow Schulman (2020), "Approximating KL divergence":
 
@@ -8,7 +8,8 @@ pi (on-policy) or pi_old. Estimators follow Schulman (2020), "Approximating KL d
 - ``k2 = 0.5 * log(pi / pi_ref)^2``: biased, low variance, >= 0.
 - ``k3 = (r - 1) - log r`` with ``r = pi_ref / pi``: unbiased, low variance when pi ~ pi_ref, >= 0.
 
-Two places to put the KL:
+Two places to put the KL (or none), each a registered :class:`KLPlacement` (:data:`KL_PLACEMENTS`,
+:func:`get_kl_placement`):
 
 - In the reward (:func:`kl_shaped_rewards`, PPO-RLHF): detached, part of the return, so it reaches
   the parameters through the score function; k1 there gives the gradient of the sequence-level
@@ -21,16 +22,21 @@ Two places to put the KL:
 
 from __future__ import annotations
 
-import math
+import abc
 import numbers
 from typing import Any
 
 import torch
 
+from .checks import as_bool_mask, check_2d, check_real, check_same_shape, check_tensor
+
 __all__ = [
     "KL_KINDS",
+    "KL_PLACEMENTS",
     "AdaptiveKLController",
     "FixedKLController",
+    "KLPlacement",
+    "get_kl_placement",
     "kl_estimate",
     "kl_loss",
     "kl_shaped_rewards",
@@ -40,45 +46,16 @@ KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 """Valid ``kind`` values of the KL estimators (Schulman 2020)."""
 
 
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _check_same_shape(ref: torch.Tensor, ref_name: str, **others: torch.Tensor | None) -> None:
-    for name, value in others.items():
-        if value is None:
-            continue
-        _check_tensor(value, name)
-        if value.shape != ref.shape:
-            raise ValueError(
-                f"{name} must have the same shape as {ref_name} {tuple(ref.shape)}, got {tuple(value.shape)}"
-            )
-
-
 def _check_kind(kind: object) -> None:
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 
-def _check_real(value: object, name: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got a tensor of shape {tuple(value.shape)}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
     """Per-token sample estimate of KL(pi || pi_ref) at tokens sampled from pi.
 
-    With ``log_ratio = logprobs - ref_logprobs = log(pi / pi_ref)`` (Schulman 2020; seed section 9):
+    With ``log_ratio = logprobs - ref_logprobs = log(pi / pi_ref)`` (Schulman 2020,
+    "Approximating KL divergence"):
 
     - ``k1 = log_ratio``
     - ``k2 = 0.5 * log_ratio**2``
@@ -102,8 +79,8 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
         ValueError: ``ref_logprobs`` shape differs from ``logprobs``; unknown ``kind`` (lists the
             valid ones).
     """
-    logprobs = _check_tensor(logprobs, "logprobs")
-    _check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs)
+    logprobs = check_tensor(logprobs, "logprobs")
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs)
     _check_kind(kind)
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -111,10 +88,6 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     if kind == "k2":
         return 0.5 * log_ratio.square()
     return torch.expm1(-log_ratio) + log_ratio
-
-
-def _valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
-    return response_mask if response_mask.dtype == torch.bool else response_mask != 0
 
 
 def kl_shaped_rewards(
@@ -130,9 +103,9 @@ def kl_shaped_rewards(
 
     ``token_rewards[i, t] = -beta * KL_t`` on every valid token, plus ``scores[i]`` on the last
     valid token of row i; exactly 0 on masked positions (Ziegler et al. 2019; Stiennon et al.
-    2020; Ouyang et al. 2022; seed section 9 and the RLHF-details section: the per-token k1
-    sample in the reward gives, through the return, the gradient of the sequence-level reverse
-    KL). Detached: the KL here is part of the reward, never differentiated.
+    2020; Ouyang et al. 2022, eq. 2: the per-token k1 sample in the reward gives, through the
+    return, the gradient of the sequence-level reverse KL). Detached: the KL here is part of the
+    reward, never differentiated.
 
     Args:
         scores: [B] sequence-level rewards (e.g. reward-model scores).
@@ -151,19 +124,18 @@ def kl_shaped_rewards(
             [B, T]); unknown ``kind``; ``beta`` < 0; a row with no valid token (names the rows:
             it has no last token to carry the score).
     """
-    logprobs = _check_tensor(logprobs, "logprobs")
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be 2-D [B, T], got shape {tuple(logprobs.shape)}")
-    _check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs, response_mask=response_mask)
-    scores = _check_tensor(scores, "scores")
+    logprobs = check_tensor(logprobs, "logprobs")
+    check_2d(logprobs, "logprobs")
+    check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs, response_mask=response_mask)
+    scores = check_tensor(scores, "scores")
     if tuple(scores.shape) != (logprobs.shape[0],):
         raise ValueError(f"scores must have shape [B] = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
     _check_kind(kind)
-    beta = _check_real(beta, "beta")
+    beta = check_real(beta, "beta")
     if beta < 0:
         raise ValueError(f"beta must be >= 0 (the KL coefficient), got {beta}")
     with torch.no_grad():
-        mask = _valid_mask(response_mask).to(logprobs.device)
+        mask = as_bool_mask(logprobs, response_mask, "logprobs", "response_mask")
         empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
         if empty:
             raise ValueError(
@@ -195,10 +167,10 @@ def kl_loss(
     (Shao et al. 2024, DeepSeekMath, eq. 4, with k3). Differentiated through ``logprobs``;
     ``ref_logprobs`` is treated as a constant (detached).
 
-    Expected gradient for tokens sampled from pi (seed section 9): k1 -> 0; k2 -> the per-token
-    reverse-KL gradient; k3 -> the forward-KL gradient grad KL(pi_ref || pi). With
-    ``old_logprobs`` the term is ``w * KL`` with ``w = exp(logprobs - old_logprobs)`` = pi/pi_old
-    kept in the graph (``old_logprobs`` detached), the correction of DeepSeek-V3.2 (2025) and
+    Expected gradient, for tokens sampled from pi, of the estimators of Schulman 2020: k1 -> 0;
+    k2 -> the per-token reverse-KL gradient; k3 -> the forward-KL gradient grad KL(pi_ref || pi).
+    With ``old_logprobs`` the term is ``w * KL`` with ``w = exp(logprobs - old_logprobs)`` =
+    pi/pi_old kept in the graph (``old_logprobs`` detached), the correction of DeepSeek-V3.2 (2025) and
     Zhang et al. (2025): ``grad(w k3) = w log(pi/pi_ref) grad log pi``, whose expectation under
     pi_old is the reverse-KL gradient, also on-policy where ``w == 1`` numerically. Reduce the
     result with ``masking.aggregate`` and multiply by beta.
@@ -218,8 +190,8 @@ def kl_loss(
         TypeError: an input is not a tensor.
         ValueError: shape mismatch (names the argument); unknown ``kind`` (lists the valid ones).
     """
-    logprobs = _check_tensor(logprobs, "logprobs")
-    _check_same_shape(
+    logprobs = check_tensor(logprobs, "logprobs")
+    check_same_shape(
         logprobs,
         "logprobs",
         ref_logprobs=ref_logprobs,
@@ -227,7 +199,7 @@ def kl_loss(
         old_logprobs=old_logprobs,
     )
     _check_kind(kind)
-    mask = _valid_mask(response_mask).to(logprobs.device)
+    mask = as_bool_mask(logprobs, response_mask, "logprobs", "response_mask")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     lp = torch.where(mask, logprobs, zero)
     ref = torch.where(mask, ref_logprobs.detach().to(logprobs.dtype), zero)
@@ -236,6 +208,164 @@ def kl_loss(
         old = torch.where(mask, old_logprobs.detach().to(logprobs.dtype), zero)
         term = torch.exp(lp - old) * term
     return torch.where(mask, term, zero)
+
+
+# ----------------------------------------------------------------------------------------------
+# Placements: where the KL enters the objective.
+
+
+class KLPlacement(abc.ABC):
+    """Where the KL to the reference policy enters the objective: a registered capability.
+
+    The trainer asks the placement, never its name: ``needs_reference`` says whether reference
+    log-probs must be computed, :meth:`token_rewards` builds the per-token rewards (with or
+    without a KL penalty) and :meth:`loss_term` the per-token KL term of the loss (or None).
+    Get the registered instances with :func:`get_kl_placement`; the names are
+    :data:`KL_PLACEMENTS`.
+
+    Attributes:
+        name: the registry key (``kl.placement`` in the config).
+        needs_reference: the placement reads ``ref_logprobs`` (a reference model is needed).
+        shapes_rewards: the per-token rewards read the behaviour log-probs (a KL penalty in the
+            reward), so those must be the trainer's own log-probs of the sampled tokens.
+        default_kind: the estimator used when the config leaves ``kl.kind`` unset (k1 in the
+            reward, Ziegler et al. 2019; k3 in the loss, Shao et al. 2024, eq. 4).
+    """
+
+    name: str
+    needs_reference: bool
+    shapes_rewards: bool = False
+    default_kind: str
+
+    @abc.abstractmethod
+    def token_rewards(
+        self,
+        scores: torch.Tensor,
+        logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        response_mask: torch.Tensor,
+        *,
+        beta: float,
+        kind: str,
+    ) -> torch.Tensor:
+        """[B, T] per-token rewards: ``scores[B]`` on each row's last valid token, plus the
+        per-token KL penalty when the KL is in the reward; see :func:`kl_shaped_rewards`.
+
+        Args:
+            scores: [B] sequence-level rewards.
+            logprobs: [B, T] log-probs of the sampled tokens under the sampling policy.
+            ref_logprobs: [B, T] reference log-probs, or None when ``needs_reference`` is False.
+            response_mask: [B, T], nonzero = valid token.
+            beta: KL coefficient >= 0 (unused where the KL is not in the reward).
+            kind: one of :data:`KL_KINDS` (unused where the KL is not in the reward).
+
+        Raises:
+            ValueError / TypeError: as :func:`kl_shaped_rewards`; ``ref_logprobs`` None where
+                the placement needs it.
+        """
+
+    @abc.abstractmethod
+    def loss_term(
+        self,
+        logprobs: torch.Tensor,
+        ref_logprobs: torch.Tensor | None,
+        response_mask: torch.Tensor,
+        *,
+        kind: str,
+        old_logprobs: torch.Tensor | None,
+    ) -> torch.Tensor | None:
+        """[B, T] per-token KL term to add (times beta) to the loss, or None when the KL is not
+        in the loss; see :func:`kl_loss`.
+
+        Args:
+            logprobs: [B, T] log pi of the sampled tokens, with gradient.
+            ref_logprobs: [B, T] reference log-probs (None allowed where the result is None).
+            response_mask: [B, T], nonzero = valid token.
+            kind: one of :data:`KL_KINDS`.
+            old_logprobs: [B, T] log pi_old for the importance-weighted term, or None.
+
+        Raises:
+            ValueError / TypeError: as :func:`kl_loss`; ``ref_logprobs`` None where needed.
+        """
+
+    def __repr__(self) -> str:
+        return f"KLPlacement({self.name!r})"
+
+
+def _require_reference(placement: KLPlacement, ref_logprobs: torch.Tensor | None) -> torch.Tensor:
+    if ref_logprobs is None:
+        raise ValueError(
+            f"KL placement {placement.name!r} needs ref_logprobs [B, T] (the reference model's "
+            "log-probs of the sampled tokens), got None"
+        )
+    return ref_logprobs
+
+
+class _NoKL(KLPlacement):
+    """No KL: no reference model; the token rewards carry the score only."""
+
+    name = "none"
+    needs_reference = False
+    default_kind = "k1"
+
+    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
+        # The same call as the other placements with beta 0, so the rewards (and the trainer's
+        # metrics) are bit-identical to a KL-in-the-loss run's.
+        return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
+
+    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
+        return None
+
+
+class _KLInReward(KLPlacement):
+    """Per-token ``-beta * KL`` in the reward (PPO-RLHF: Ziegler et al. 2019; Ouyang et al. 2022)."""
+
+    name = "reward"
+    needs_reference = True
+    shapes_rewards = True
+    default_kind = "k1"
+
+    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
+        ref_logprobs = _require_reference(self, ref_logprobs)
+        return kl_shaped_rewards(scores, logprobs, ref_logprobs, response_mask, beta=beta, kind=kind)
+
+    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
+        return None
+
+
+class _KLInLoss(KLPlacement):
+    """A per-token KL term in the loss (GRPO: Shao et al. 2024, eq. 3-4, with k3)."""
+
+    name = "loss"
+    needs_reference = True
+    default_kind = "k3"
+
+    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
+        return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
+
+    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
+        ref_logprobs = _require_reference(self, ref_logprobs)
+        return kl_loss(logprobs, ref_logprobs, response_mask, kind=kind, old_logprobs=old_logprobs)
+
+
+_PLACEMENTS: dict[str, KLPlacement] = {p.name: p for p in (_NoKL(), _KLInReward(), _KLInLoss())}
+
+KL_PLACEMENTS: tuple[str, ...] = ("none", "reward", "loss")
+"""Names of the registered KL placements (valid ``kl.placement`` values)."""
+
+
+def get_kl_placement(name: str) -> KLPlacement:
+    """The registered :class:`KLPlacement` called ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists :data:`KL_PLACEMENTS`).
+    """
+    try:
+        return _PLACEMENTS[name]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"unknown KL placement {name!r}; valid placements: {', '.join(KL_PLACEMENTS)}"
+        ) from None
 
 
 class FixedKLController:
@@ -251,7 +381,7 @@ class FixedKLController:
     """
 
     def __init__(self, beta: float) -> None:
-        beta = _check_real(beta, "beta")
+        beta = check_real(beta, "beta")
         if beta < 0:
             raise ValueError(f"beta must be >= 0, got {beta}")
         self.value = beta
@@ -262,7 +392,7 @@ class FixedKLController:
         Raises:
             TypeError/ValueError: ``current_kl`` not a finite number, ``n_steps`` not an int >= 0.
         """
-        _check_real(current_kl, "current_kl")
+        check_real(current_kl, "current_kl")
         _check_n_steps(n_steps)
         return self.value
 
@@ -298,7 +428,7 @@ def _state_value(state_dict: object, key: str) -> float:
         raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
     if key not in state_dict:
         raise ValueError(f"state_dict is missing the key {key!r} (keys present: {sorted(state_dict)})")
-    return _check_real(state_dict[key], f"state_dict[{key!r}]")
+    return check_real(state_dict[key], f"state_dict[{key!r}]")
 
 
 class AdaptiveKLController:
@@ -310,7 +440,7 @@ class AdaptiveKLController:
         beta <- beta * (1 + e * n_steps / horizon)
 
     so beta grows when the KL is above target and shrinks below it, by at most 20% per
-    ``horizon`` steps (seed RLHF-details section, "KL control"; ``n_steps / horizon`` plays the
+    ``horizon`` steps (Ziegler et al. 2019, section 2.2, eq. 2; ``n_steps / horizon`` plays the
     role of K_beta).
 
     Args:
@@ -324,9 +454,9 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_beta: float, target: float, horizon: float) -> None:
-        init_beta = _check_real(init_beta, "init_beta")
-        target = _check_real(target, "target")
-        horizon = _check_real(horizon, "horizon")
+        init_beta = check_real(init_beta, "init_beta")
+        target = check_real(target, "target")
+        horizon = check_real(horizon, "horizon")
         if init_beta < 0:
             raise ValueError(f"init_beta must be >= 0, got {init_beta}")
         if target <= 0:
@@ -347,7 +477,7 @@ class AdaptiveKLController:
         Raises:
             TypeError/ValueError: ``current_kl`` not a finite number; ``n_steps`` not an int >= 0.
         """
-        current_kl = _check_real(current_kl, "current_kl")
+        current_kl = check_real(current_kl, "current_kl")
         n_steps = _check_n_steps(n_steps)
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
         self.value *= 1.0 + error * n_steps / self.horizon

@@ -18,13 +18,22 @@ import numbers
 
 import torch
 
-from policygrad.core.masking import masked_sum
+from .checks import (
+    check_chunk_size,
+    check_floating,
+    check_number,
+    check_same_shape,
+    check_temperature,
+    check_tensor,
+)
+from .masking import masked_sum
 
 __all__ = [
     "IMPORTANCE_LEVELS",
     "IMPORTANCE_MODES",
     "logprobs_from_hidden",
     "logprobs_from_logits",
+    "row_blocks",
     "truncated_importance_weights",
 ]
 
@@ -50,7 +59,7 @@ def _default_chunk_rows(vocab_size: int) -> int:
     return max(1, _BLOCK_ELEMENTS // max(1, vocab_size))
 
 
-def _row_blocks(x: torch.Tensor, chunk_rows: int):
+def row_blocks(x: torch.Tensor, chunk_rows: int):
     """Yield ``(start, stop, block)`` with ``block`` the rows ``start:stop`` of ``x`` seen as [N, V].
 
     ``x`` has shape [..., V]. When the leading dims can be flattened without a copy (e.g. a
@@ -112,7 +121,7 @@ class _LogprobsFromLogits(torch.autograd.Function):
         token_z = torch.empty(n, dtype=compute_dtype, device=logits.device)
         truncated = top_k is not None or (top_p is not None and top_p < 1.0)
         thresholds = torch.empty(n, dtype=compute_dtype, device=logits.device) if truncated else None
-        for start, stop, block in _row_blocks(logits, chunk_rows):
+        for start, stop, block in row_blocks(logits, chunk_rows):
             z = block.to(compute_dtype, copy=True)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -143,7 +152,7 @@ class _LogprobsFromLogits(torch.autograd.Function):
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_flat = grad_logits.view(-1, ctx.vocab)
         g_all = grad_out.reshape(-1).to(compute_dtype) / temperature
-        for start, stop, block in _row_blocks(logits, ctx.chunk_rows):
+        for start, stop, block in row_blocks(logits, ctx.chunk_rows):
             z = block.to(compute_dtype, copy=True)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -159,29 +168,12 @@ class _LogprobsFromLogits(torch.autograd.Function):
         return grad_logits, None, None, None, None, None
 
 
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
 def _check_token_ids(tokens: torch.Tensor, vocab: int, vocab_source: str) -> None:
     if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= vocab):
         raise ValueError(
             f"tokens must be ids in [0, {vocab}) (V = {vocab_source}); got values in "
             f"[{int(tokens.min())}, {int(tokens.max())}]"
         )
-
-
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(
-            f"temperature must be a finite number > 0 (the sampling temperature), got {temperature}"
-        )
-    return temperature
 
 
 def logprobs_from_logits(
@@ -196,8 +188,9 @@ def logprobs_from_logits(
     """Log-probabilities of ``tokens`` under ``softmax(logits / temperature)``, memory-bounded.
 
     ``logprob[b, t] = z[b, t, tok] - logsumexp_v z[b, t, v]`` with ``z = logits / temperature``
-    (the distribution a sampler at that temperature draws from; the seed's RLHF-details section
-    on recomputing log-probs at the sampling temperature). With ``top_k`` / ``top_p`` the
+    (the distribution a sampler at that temperature draws from: the logits are divided by the
+    sampling temperature before the log-softmax, as in Huang et al. 2024, "The N+ Implementation
+    Details of RLHF with PPO"). With ``top_k`` / ``top_p`` the
     log-sum-exp runs over the tokens Hugging Face's ``TopKLogitsWarper`` then
     ``TopPLogitsWarper`` keep, applied after the temperature as ``generate`` does, so the result
     is the log-prob under the truncated distribution actually sampled.
@@ -234,10 +227,9 @@ def logprobs_from_logits(
             [0, V); ``temperature`` <= 0 or not finite; ``top_k`` < 1; ``top_p`` outside (0, 1];
             ``chunk_size`` < 1.
     """
-    logits = _check_tensor(logits, "logits")
-    tokens = _check_tensor(tokens, "tokens")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    logits = check_tensor(logits, "logits")
+    tokens = check_tensor(tokens, "tokens")
+    check_floating(logits, "logits")
     if logits.dim() < 1:
         raise ValueError("logits must have a vocabulary dimension: shape [B, T, V]")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -249,7 +241,7 @@ def logprobs_from_logits(
         )
     vocab = logits.shape[-1]
     _check_token_ids(tokens, vocab, "logits.shape[-1]")
-    temperature = _check_temperature(temperature)
+    temperature = check_temperature(temperature)
     if top_k is not None:
         if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
             raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
@@ -260,10 +252,7 @@ def logprobs_from_logits(
         top_p = float(top_p)
         if not (0.0 < top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], or None to disable nucleus truncation; got {top_p}")
-    if chunk_size is None:
-        chunk_size = _default_chunk_rows(vocab)
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (rows per block), got {chunk_size!r}")
+    chunk_size = check_chunk_size(chunk_size, _default_chunk_rows(vocab))
     tokens = tokens.to(device=logits.device, dtype=torch.long)
     return _LogprobsFromLogits.apply(logits, tokens, temperature, top_k, top_p, int(chunk_size))
 
@@ -379,8 +368,8 @@ def logprobs_from_hidden(
     ``H = -sum_v p_v log p_v`` of the full tempered distribution, then is freed. Only
     ``hidden``, the per-row log-sum-exp and entropy are saved; the backward recomputes each
     block's logits (one extra output-layer matmul) and applies
-    ``dL/dz = g_lp (onehot - p) - g_H p (log p + H)`` (seed section 7, the log-prob at the sampling
-    temperature and the entropy bonus), then ``dL/dhidden = dL/dz W / T`` and
+    ``dL/dz = g_lp (onehot - p) - g_H p (log p + H)`` (the log-prob at the sampling temperature and
+    the entropy bonus c2 H of Schulman et al. 2017, eq. 9), then ``dL/dhidden = dL/dz W / T`` and
     ``dL/dW = (dL/dz)^T hidden / T``. The result equals
     ``logprobs_from_logits(lm_head(hidden), tokens, temperature)`` and
     ``entropy_from_logits(...)`` up to float rounding (tested in float64), with no [N, V] tensor
@@ -410,9 +399,9 @@ def logprobs_from_hidden(
         ValueError: shapes that do not fit (names the argument and the expected shape); a token
             id outside [0, V); ``temperature`` <= 0; ``chunk_size`` < 1.
     """
-    hidden = _check_tensor(hidden, "hidden")
-    weight = _check_tensor(weight, "weight")
-    tokens = _check_tensor(tokens, "tokens")
+    hidden = check_tensor(hidden, "hidden")
+    weight = check_tensor(weight, "weight")
+    tokens = check_tensor(tokens, "tokens")
     if not hidden.is_floating_point() or hidden.dim() != 2:
         raise ValueError(f"hidden must be a floating [N, H] tensor, got {hidden.dtype} {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -427,25 +416,13 @@ def logprobs_from_hidden(
         raise ValueError(f"tokens must have shape [N] = [{hidden.shape[0]}], got {tuple(tokens.shape)}")
     vocab = weight.shape[0]
     _check_token_ids(tokens, vocab, "weight.shape[0]")
-    temperature = _check_temperature(temperature)
-    if chunk_size is None:
-        chunk_size = max(1, _HEAD_BLOCK_ELEMENTS // max(1, vocab))
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (rows per block), got {chunk_size!r}")
+    temperature = check_temperature(temperature)
+    chunk_size = check_chunk_size(chunk_size, max(1, _HEAD_BLOCK_ELEMENTS // max(1, vocab)))
     tokens = tokens.to(device=hidden.device, dtype=torch.long)
     logprobs, entropy = _LogprobsFromHidden.apply(
         hidden, weight, bias, tokens, temperature, bool(with_entropy), int(chunk_size)
     )
     return logprobs, entropy
-
-
-def _check_same_shape(ref: torch.Tensor, ref_name: str, **others: torch.Tensor) -> None:
-    for name, value in others.items():
-        _check_tensor(value, name)
-        if value.shape != ref.shape:
-            raise ValueError(
-                f"{name} must have the same shape as {ref_name} {tuple(ref.shape)}, got {tuple(value.shape)}"
-            )
 
 
 def truncated_importance_weights(
@@ -461,9 +438,8 @@ def truncated_importance_weights(
 
     The rollout engine's probabilities (``behavior_logprobs``) differ from the trainer's
     (``logprobs``) even at identical weights, so a nominally on-policy update is off-policy
-    (the "your on-policy algorithm is not on-policy" section of the seed; Yao et al. 2025, "Your
-    Efficient RL Framework Secretly Brings You Off-Policy RL Training", truncated importance
-    sampling). With ``log w_t = logprobs_t - behavior_logprobs_t``:
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+    truncated importance sampling). With ``log w_t = logprobs_t - behavior_logprobs_t``:
 
     - ``level="token"``: ``w_t = exp(log w_t)`` per token.
     - ``level="sequence"``: ``W_i = exp(sum over valid t of log w_it)``, the product of the
@@ -492,15 +468,15 @@ def truncated_importance_weights(
         ValueError: shapes differ (names the argument); unknown ``level``/``mode`` (lists the
             valid ones); ``cap`` <= 0 or not finite.
     """
-    logprobs = _check_tensor(logprobs, "logprobs")
-    _check_same_shape(logprobs, "logprobs", behavior_logprobs=behavior_logprobs, response_mask=response_mask)
+    logprobs = check_tensor(logprobs, "logprobs")
+    check_tensor(behavior_logprobs, "behavior_logprobs")
+    check_tensor(response_mask, "response_mask")
+    check_same_shape(logprobs, "logprobs", behavior_logprobs=behavior_logprobs, response_mask=response_mask)
     if level not in IMPORTANCE_LEVELS:
         raise ValueError(f"unknown level {level!r}; valid levels: {', '.join(IMPORTANCE_LEVELS)}")
     if mode not in IMPORTANCE_MODES:
         raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(IMPORTANCE_MODES)}")
-    if isinstance(cap, bool) or not isinstance(cap, numbers.Real):
-        raise TypeError(f"cap must be a number, got {type(cap).__name__}")
-    cap = float(cap)
+    cap = check_number(cap, "cap")
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"cap must be a finite number > 0, got {cap}")
     with torch.no_grad():

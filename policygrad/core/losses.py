@@ -20,7 +20,8 @@ Metrics (detached 0-d tensors, over the valid tokens of the given batch):
 - ``clipfrac_high``: tokens with A > 0 and ratio > 1 + clip_high (gradient removed).
 - ``clipfrac_dual``: tokens with A < 0 and ratio > dual_clip (the dual clip's constant region).
 - ``approx_kl``: mean k3 estimate of KL(pi_old || pi) on the sampled tokens,
-  ``(r - 1) - log r`` with ``r = pi / pi_old`` (Schulman 2020; seed section 7's diagnostics).
+  ``(r - 1) - log r`` with ``r = pi / pi_old`` (Schulman 2020, "Approximating KL
+  divergence"; the ``approx_kl`` diagnostic of the reference PPO implementations).
 - ``ratio_mean``, ``ratio_max``: of the importance ratio pi / pi_old over valid tokens
   (``ratio_max`` is 0 when there is no valid token).
 - ``num_tokens``: int64 count of valid tokens. Every other metric except ``ratio_max`` is a mean
@@ -28,27 +29,43 @@ Metrics (detached 0-d tensors, over the valid tokens of the given batch):
   ``sum(metric * num_tokens) / sum(num_tokens)``; ``ratio_max`` combines with ``max``.
 
 Registered losses: ``vanilla``, ``ppo``, ``gspo``, ``cispo``. Adding one is one decorated
-function: ``@register_policy_loss("name")``.
+function: ``@register_policy_loss("name")``. A loss declares its options (keyword-only
+parameters whose defaults are the paper's values); :func:`policy_loss_options` lists them and
+:func:`check_policy_loss_options` validates a configuration's options before training starts.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
-from policygrad.core.logprobs import _row_blocks
-from policygrad.core.masking import masked_mean, masked_sum
+from .checks import (
+    as_bool_mask,
+    check_2d,
+    check_chunk_size,
+    check_floating,
+    check_fraction,
+    check_number,
+    check_same_shape,
+    check_temperature,
+    check_tensor,
+)
+from .logprobs import row_blocks
+from .masking import masked_mean, masked_sum
 
 __all__ = [
     "PolicyLossFn",
+    "check_policy_loss_options",
     "cispo_loss",
     "entropy_from_logits",
     "get_policy_loss",
     "gspo_loss",
     "list_policy_losses",
+    "policy_loss_options",
     "ppo_loss",
     "register_policy_loss",
     "vanilla_loss",
@@ -65,9 +82,15 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name``.
 
     Usage: ``@register_policy_loss("my_loss")`` above a function with the module's signature.
+    The loss declares its options as keyword-only parameters, each with a default (the paper's
+    value); registration records them, in signature order, as ``fn.options`` (a dict name ->
+    default), read by :func:`policy_loss_options` and :func:`check_policy_loss_options`. The
+    function itself is registered and returned unchanged.
 
     Raises:
-        TypeError: ``name`` is not a non-empty string.
+        TypeError: ``name`` is not a non-empty string; the function does not take exactly the
+            four tensors ``(logprobs, old_logprobs, advantages, response_mask)`` positionally,
+            takes ``*args`` / ``**kwargs``, or has a keyword-only option without a default.
         ValueError: ``name`` is already registered (names must be unique; pick another name).
     """
     if not isinstance(name, str) or not name:
@@ -78,10 +101,35 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in _POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered; choose another name")
+        fn.options = _declared_options(name, fn)
         _POLICY_LOSSES[name] = fn
         return fn
 
     return decorator
+
+
+def _declared_options(name: str, fn: PolicyLossFn) -> dict[str, Any]:
+    """The keyword-only parameters of ``fn`` with their defaults; see :func:`register_policy_loss`."""
+    params = inspect.signature(fn).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    variadic = [p.name for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(positional) != 4 or variadic:
+        raise TypeError(
+            f"policy loss {name!r} must have the signature fn(logprobs, old_logprobs, advantages, "
+            "response_mask, *, option=default, ...): four positional tensors and its options "
+            "declared by name (no *args / **kwargs)"
+        )
+    options = {}
+    for p in params:
+        if p.kind is not p.KEYWORD_ONLY:
+            continue
+        if p.default is p.empty:
+            raise TypeError(
+                f"policy loss {name!r}: option {p.name!r} needs a default (the paper's value), "
+                "so that a config may leave it unset"
+            )
+        options[p.name] = p.default
+    return options
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:
@@ -100,34 +148,73 @@ def list_policy_losses() -> list[str]:
     return sorted(_POLICY_LOSSES)
 
 
+def policy_loss_options(name: str) -> dict[str, Any]:
+    """The options the policy loss ``name`` declares, with their defaults (a new dict).
+
+    ``policy_loss_options("gspo") == {"clip_low": 3e-4, "clip_high": 4e-4}``.
+
+    Raises:
+        ValueError: unknown name (the message lists the registered ones).
+    """
+    return dict(get_policy_loss(name).options)
+
+
+def _describe_options(options: Mapping[str, Any]) -> str:
+    return ", ".join(f"{k} (default {v!r})" for k, v in options.items()) or "(none)"
+
+
+def check_policy_loss_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate options for the policy loss ``name`` now, before any model is loaded.
+
+    First every option must be one the loss declares; then the values are checked by calling
+    the loss once on a dummy batch ([1, 2] float32 zeros, mask all ones) with exactly the given
+    options, so the loss's own checks run (unset options keep the function's defaults).
+
+    Args:
+        name: a registered policy loss.
+        options: option name -> value, e.g. ``{"clip_high": 0.28}``; an explicit None is passed
+            on as None (for ``cispo``, ``clip_high=None`` means no upper bound).
+
+    Returns:
+        ``dict(options)``.
+
+    Raises:
+        ValueError: unknown loss (lists the registered ones); an option the loss does not
+            declare (names the loss and lists its options with their defaults); a bad value
+            (the loss's own message, e.g. ``clip_low`` 1.5 or ``dual_clip`` 0.5).
+        TypeError: ``options`` is not a mapping; a value of the wrong type (the loss's message).
+    """
+    fn = get_policy_loss(name)
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"policy loss options must be a mapping of name -> value, got {type(options).__name__}"
+        )
+    declared = fn.options
+    unknown = [key for key in options if key not in declared]
+    if unknown:
+        which = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {', '.join(map(repr, unknown))}"
+        raise ValueError(f"policy loss {name!r} has no {which}; its options: {_describe_options(declared)}")
+    zeros = torch.zeros(1, 2)
+    with torch.no_grad():
+        fn(zeros, zeros, zeros, torch.ones(1, 2), **options)
+    return dict(options)
+
+
 # --------------------------------------------------------------------------------------------
 # shared helpers
-
-
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
 
 
 def _prepare(
     first_name: str, first: torch.Tensor, **others: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     """Validate [B, T] inputs; return the bool mask, ``first`` and the others (detached), 0 where masked."""
-    first = _check_tensor(first, first_name)
-    if first.dim() != 2:
-        raise ValueError(f"{first_name} must be 2-D [B, T], got shape {tuple(first.shape)}")
-    if not first.is_floating_point():
-        raise TypeError(f"{first_name} must be a floating tensor, got dtype {first.dtype}")
+    first = check_tensor(first, first_name)
+    check_2d(first, first_name)
+    check_floating(first, first_name)
     for name, value in others.items():
-        _check_tensor(value, name)
-        if value.shape != first.shape:
-            raise ValueError(
-                f"{name} must have the same shape as {first_name} {tuple(first.shape)}, "
-                f"got {tuple(value.shape)}"
-            )
-    mask_value = others.pop("response_mask")
-    mask = (mask_value if mask_value.dtype == torch.bool else mask_value != 0).to(first.device)
+        check_tensor(value, name)  # None is not an optional input here
+    check_same_shape(first, first_name, **others)
+    mask = as_bool_mask(first, others.pop("response_mask"), first_name, "response_mask")
     zero = torch.zeros((), dtype=first.dtype, device=first.device)
     clean_first = torch.where(mask, first, zero)
     cleaned = [
@@ -135,22 +222,6 @@ def _prepare(
         for v in others.values()
     ]
     return mask, clean_first, cleaned
-
-
-def _check_fraction(
-    value: object, name: str, *, allow_none: bool, upper: float | None = None
-) -> float | None:
-    if value is None:
-        if allow_none:
-            return None
-        raise TypeError(f"{name} must be a number, got None")
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0 or (upper is not None and value > upper):
-        bound = f"[0, {upper}]" if upper is not None else ">= 0"
-        raise ValueError(f"{name} must be a finite number in {bound}, got {value}")
-    return value
 
 
 def _ratio_metrics(
@@ -233,8 +304,8 @@ def vanilla_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """On-policy policy gradient (REINFORCE): ``loss = -A * logprob`` per valid token.
 
-    Williams (1992); seed section on the policy-gradient theorem / REINFORCE. Its gradient is
-    ``-A grad log pi``; averaging over samples estimates the negated policy gradient.
+    Williams (1992), REINFORCE; the policy-gradient theorem of Sutton et al. (2000). Its
+    gradient is ``-A grad log pi``; averaging over samples estimates the negated policy gradient.
     ``old_logprobs`` enters only the metrics (ratio, approx_kl; on-policy the ratio is 1).
 
     Args:
@@ -274,12 +345,12 @@ def ppo_loss(
     """PPO's clipped surrogate, per token, with optional clip-higher and dual clip.
 
     ``loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with ``r = pi / pi_old``
-    (Schulman et al. 2017, eq. 7; seed section 7). ``clip_high > clip_low`` is DAPO's
-    clip-higher (Yu et al. 2025, which uses 0.2 / 0.28). ``dual_clip = c > 1`` caps the loss of
+    (Schulman et al. 2017, eq. 7). ``clip_high > clip_low`` is DAPO's clip-higher (Yu et al.
+    2025, section 3.1, which uses 0.2 / 0.28). ``dual_clip = c > 1`` caps the loss of
     tokens with A < 0 at ``-c A`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
     Deep RL", eq. 5), so a bad token whose ratio exploded cannot dominate the batch.
 
-    Gradient by region (seed section 7's table): A > 0, r > 1 + clip_high -> 0; A < 0,
+    Gradient by region (Schulman et al. 2017, figure 1): A > 0, r > 1 + clip_high -> 0; A < 0,
     r < 1 - clip_low -> 0; A < 0, r > c -> 0 (dual clip); elsewhere ``-A r grad log pi``. At
     r = 1 (the first step on fresh samples) this is exactly the vanilla gradient.
 
@@ -300,12 +371,10 @@ def ppo_loss(
         ValueError: shape mismatch (names the argument); ``clip_low`` outside [0, 1];
             ``clip_high`` < 0; ``dual_clip`` <= 1.
     """
-    clip_low = _check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
-    clip_high = _check_fraction(clip_high, "clip_high", allow_none=False)
+    clip_low = check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
+    clip_high = check_fraction(clip_high, "clip_high", allow_none=False)
     if dual_clip is not None:
-        if isinstance(dual_clip, bool) or not isinstance(dual_clip, numbers.Real):
-            raise TypeError(f"dual_clip must be a number or None, got {type(dual_clip).__name__}")
-        dual_clip = float(dual_clip)
+        dual_clip = check_number(dual_clip, "dual_clip", or_none=True)
         if not (math.isfinite(dual_clip) and dual_clip > 1.0):
             raise ValueError(f"dual_clip must be a finite number > 1 (e.g. 3.0), or None; got {dual_clip}")
     mask, lp, (old, adv) = _prepare(
@@ -356,8 +425,8 @@ def gspo_loss(
     Raises:
         TypeError/ValueError: as :func:`ppo_loss`.
     """
-    clip_low = _check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
-    clip_high = _check_fraction(clip_high, "clip_high", allow_none=False)
+    clip_low = check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
+    clip_high = check_fraction(clip_high, "clip_high", allow_none=False)
     mask, lp, (old, adv) = _prepare(
         "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
     )
@@ -406,8 +475,8 @@ def cispo_loss(
     Raises:
         TypeError/ValueError: as :func:`ppo_loss`.
     """
-    clip_low = _check_fraction(clip_low, "clip_low", allow_none=True, upper=1.0)
-    clip_high = _check_fraction(clip_high, "clip_high", allow_none=True)
+    clip_low = check_fraction(clip_low, "clip_low", allow_none=True, upper=1.0)
+    clip_high = check_fraction(clip_high, "clip_high", allow_none=True)
     mask, lp, (old, adv) = _prepare(
         "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
     )
@@ -437,10 +506,10 @@ def value_loss(
     """Critic loss ``0.5 * (V - G)^2`` per token, with optional PPO-style value clipping.
 
     With ``clip_range = eps_v``: ``V_clip = V_old + clamp(V - V_old, -eps_v, eps_v)`` and
-    ``loss = 0.5 * max((V - G)^2, (V_clip - G)^2)`` (seed section 7, from the reference PPO
-    implementations, not the paper; Andrychowicz et al. 2020 found it does not help, so it is
-    off by default). Where the clipped error is the larger one, the gradient is 0 if ``V`` is
-    outside ``V_old +- eps_v``.
+    ``loss = 0.5 * max((V - G)^2, (V_clip - G)^2)`` (from the reference PPO implementations, not
+    the paper: Huang et al. 2022, "The 37 Implementation Details of PPO", value-loss clipping;
+    Andrychowicz et al. 2020 found it does not help, so it is off by default). Where the clipped
+    error is the larger one, the gradient is 0 if ``V`` is outside ``V_old +- eps_v``.
 
     Args:
         values: [B, T] float critic predictions V, with gradient.
@@ -459,9 +528,7 @@ def value_loss(
         ValueError: shape mismatch (names the argument); ``clip_range`` <= 0.
     """
     if clip_range is not None:
-        if isinstance(clip_range, bool) or not isinstance(clip_range, numbers.Real):
-            raise TypeError(f"clip_range must be a number or None, got {type(clip_range).__name__}")
-        clip_range = float(clip_range)
+        clip_range = check_number(clip_range, "clip_range", or_none=True)
         if not (math.isfinite(clip_range) and clip_range > 0):
             raise ValueError(f"clip_range must be a finite number > 0, or None to disable; got {clip_range}")
     mask, v, (old, ret) = _prepare(
@@ -492,7 +559,7 @@ class _EntropyFromLogits(torch.autograd.Function):
         compute_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
         entropy = torch.empty(n, dtype=compute_dtype, device=logits.device)
         lse = torch.empty(n, dtype=compute_dtype, device=logits.device)
-        for start, stop, block in _row_blocks(logits, chunk_rows):
+        for start, stop, block in row_blocks(logits, chunk_rows):
             z = block.to(compute_dtype, copy=True)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -517,7 +584,7 @@ class _EntropyFromLogits(torch.autograd.Function):
         grad_logits = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         grad_flat = grad_logits.view(-1, ctx.vocab)
         g_all = grad_out.reshape(-1).to(entropy.dtype) / temperature
-        for start, stop, block in _row_blocks(logits, ctx.chunk_rows):
+        for start, stop, block in row_blocks(logits, ctx.chunk_rows):
             z = block.to(entropy.dtype, copy=True)
             if temperature != 1.0:
                 z.div_(temperature)
@@ -538,13 +605,13 @@ def entropy_from_logits(
     """Exact entropy of ``softmax(logits / temperature)`` over the full vocabulary, per position.
 
     ``H = -sum_v p_v log p_v`` with ``log p = z - logsumexp(z)``, ``z = logits / temperature``
-    (seed section 7: the entropy diagnostic / bonus c2 H). Computed in float32 (float64 for
-    float64 logits) in blocks of ``chunk_size`` rows of the flattened leading dims: each block
-    is upcast, reduced and freed before the next, so for bf16 logits no float32 copy of the
-    whole [N, V] tensor is ever alive, neither in the forward nor in the backward (a
-    ``torch.autograd.Function`` that saves only the logits and two [N] vectors and recomputes the
-    softmax block by block; ``dH/dz = -p (log p + H)``). Logits of -inf (banned tokens) have
-    probability 0 and contribute 0.
+    (the entropy bonus c2 H of Schulman et al. 2017, eq. 9, and the entropy diagnostic).
+    Computed in float32 (float64 for float64 logits) in blocks of ``chunk_size`` rows of the
+    flattened leading dims: each block is upcast, reduced and freed before the next, so for
+    bf16 logits no float32 copy of the whole [N, V] tensor is ever alive, neither in the forward
+    nor in the backward (a ``torch.autograd.Function`` that saves only the logits and two [N]
+    vectors and recomputes the softmax block by block; ``dH/dz = -p (log p + H)``). Logits of
+    -inf (banned tokens) have probability 0 and contribute 0.
 
     Args:
         logits: [..., V] floating (e.g. [B, T, V] bf16).
@@ -559,19 +626,11 @@ def entropy_from_logits(
         TypeError: ``logits`` not a floating tensor; ``temperature`` not a number.
         ValueError: ``logits`` 0-d; ``temperature`` <= 0; ``chunk_size`` < 1.
     """
-    logits = _check_tensor(logits, "logits")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a floating tensor, got dtype {logits.dtype}")
+    logits = check_tensor(logits, "logits")
+    check_floating(logits, "logits")
     if logits.dim() < 1:
         raise ValueError("logits must have a vocabulary dimension: shape [..., V]")
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-    temperature = float(temperature)
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    temperature = check_temperature(temperature)
     vocab = logits.shape[-1]
-    if chunk_size is None:
-        chunk_size = max(1, (1 << 24) // max(1, vocab))
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int (rows per block), got {chunk_size!r}")
-    return _EntropyFromLogits.apply(logits, temperature, int(chunk_size))
+    chunk_size = check_chunk_size(chunk_size, max(1, (1 << 24) // max(1, vocab)))
+    return _EntropyFromLogits.apply(logits, temperature, chunk_size)

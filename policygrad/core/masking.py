@@ -13,9 +13,10 @@ Conventions shared by all functions:
   made only of padding rows contributes nothing instead of poisoning the step. A variance over
   too few valid positions raises ``ValueError`` because there is no sensible value to return.
 
-Sources: the normalisation discussion of the seed chapters (section 11 and the long
-chain-of-thought pathologies); Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training")
-for ``seq-mean-token-sum-norm``; DAPO (Yu et al., 2025) for token-level normalisation.
+Sources: GRPO (Shao et al. 2024, eq. 3) for the per-sequence mean ``seq-mean-token-mean``;
+DAPO (Yu et al. 2025, section 3.3, token-level policy-gradient loss) for ``token-mean``;
+Dr.GRPO (Liu et al. 2025, "Understanding R1-Zero-Like Training", section 3.1: the length bias
+of the per-sequence mean) for ``seq-mean-token-sum-norm``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from __future__ import annotations
 import numbers
 
 import torch
+
+from .checks import as_bool_mask, check_2d, check_tensor
 
 __all__ = [
     "AGGREGATION_MODES",
@@ -44,25 +47,6 @@ AGGREGATION_MODES: tuple[str, ...] = (
 """The reduction modes accepted by :func:`aggregate`."""
 
 
-def _check_tensor(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _as_bool_mask(x: torch.Tensor, mask: object, x_name: str = "x", mask_name: str = "mask") -> torch.Tensor:
-    """Validate ``mask`` against ``x`` and return it as a bool tensor on ``x``'s device."""
-    mask = _check_tensor(mask, mask_name)
-    if mask.shape != x.shape:
-        raise ValueError(
-            f"{mask_name} must have the same shape as {x_name}: got {mask_name} {tuple(mask.shape)} "
-            f"and {x_name} {tuple(x.shape)}"
-        )
-    if mask.dtype == torch.bool:
-        return mask.to(x.device)
-    return (mask != 0).to(x.device)
-
-
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:
     """Sum of ``x`` over the positions where ``mask`` is nonzero.
 
@@ -79,8 +63,8 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] |
         TypeError: ``x`` or ``mask`` is not a tensor.
         ValueError: ``mask`` does not have ``x``'s shape.
     """
-    x = _check_tensor(x, "x")
-    m = _as_bool_mask(x, mask)
+    x = check_tensor(x, "x")
+    m = as_bool_mask(x, mask)
     selected = torch.where(m, x, torch.zeros((), dtype=x.dtype, device=x.device))
     if dim is None:
         return selected.sum()
@@ -108,8 +92,8 @@ def masked_mean(
         TypeError: ``x`` or ``mask`` is not a tensor.
         ValueError: ``mask`` does not have ``x``'s shape.
     """
-    x = _check_tensor(x, "x")
-    m = _as_bool_mask(x, mask)
+    x = check_tensor(x, "x")
+    m = as_bool_mask(x, mask)
     total = masked_sum(x, m, dim=dim)
     count = m.sum() if dim is None else m.sum(dim=dim)
     return total / count.clamp_min(1).to(total.dtype if total.is_floating_point() else torch.float32)
@@ -150,8 +134,8 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> to
         ValueError: ``mask`` does not have ``x``'s shape; fewer than 2 valid entries with
             ``unbiased=True``, or none with ``unbiased=False``.
     """
-    x = _check_tensor(x, "x")
-    m = _as_bool_mask(x, mask)
+    x = check_tensor(x, "x")
+    m = as_bool_mask(x, mask)
     n = int(m.sum().item())
     needed = 2 if unbiased else 1
     if n < needed:
@@ -175,7 +159,9 @@ def masked_whiten(
     ``(x - mean) / sqrt(var + eps)`` with ``mean`` and ``var`` from :func:`masked_mean` and
     :func:`masked_var` over all valid entries of the tensor (e.g. all valid tokens of a batch).
     With ``shift_mean=False`` the mean is added back, so only the scale changes. This is the
-    "advantage whitening across the batch" of the RLHF-details seed section; it is a separate,
+    advantage normalisation of the reference PPO implementations (Huang et al. 2022, "The 37
+    Implementation Details of PPO"; Huang et al. 2024, "The N+ Implementation Details of RLHF
+    with PPO"), applied over the valid tokens of the batch; it is a separate,
     optional step that no advantage estimator applies on its own (except ``reinforce_pp``, whose
     definition includes it).
 
@@ -195,8 +181,8 @@ def masked_whiten(
     Raises:
         TypeError, ValueError: as :func:`masked_var` (too few valid entries, shape mismatch).
     """
-    x = _check_tensor(x, "x")
-    m = _as_bool_mask(x, mask)
+    x = check_tensor(x, "x")
+    m = as_bool_mask(x, mask)
     mean = masked_mean(x, m)
     var = masked_var(x, m, unbiased=unbiased)
     whitened = _masked_centered(x, m) * torch.rsqrt(var + eps)
@@ -223,9 +209,8 @@ def aggregation_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch
         TypeError: ``response_mask`` is not a tensor.
         ValueError: ``response_mask`` is not 2-D.
     """
-    response_mask = _check_tensor(response_mask, "response_mask")
-    if response_mask.dim() != 2:
-        raise ValueError(f"response_mask must be 2-D [B, T], got shape {tuple(response_mask.shape)}")
+    response_mask = check_tensor(response_mask, "response_mask")
+    check_2d(response_mask, "response_mask")
     m = response_mask != 0
     return m.sum(), m.any(dim=-1).sum()
 
@@ -298,10 +283,9 @@ def aggregate(
         ValueError: ``loss_matrix`` not 2-D; ``response_mask`` shape differs; unknown ``mode``
             (the message lists the valid modes); a count or ``max_len`` that is not > 0.
     """
-    loss_matrix = _check_tensor(loss_matrix, "loss_matrix")
-    if loss_matrix.dim() != 2:
-        raise ValueError(f"loss_matrix must be 2-D [B, T], got shape {tuple(loss_matrix.shape)}")
-    m = _as_bool_mask(loss_matrix, response_mask, "loss_matrix", "response_mask")
+    loss_matrix = check_tensor(loss_matrix, "loss_matrix")
+    check_2d(loss_matrix, "loss_matrix")
+    m = as_bool_mask(loss_matrix, response_mask, "loss_matrix", "response_mask")
     if mode not in AGGREGATION_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; valid modes: {', '.join(AGGREGATION_MODES)}")
     dtype, device = loss_matrix.dtype, loss_matrix.device

@@ -168,3 +168,25 @@ def tokenize_prompts(
             )
         out.append(ids)
     return out
+
+
+def encode_prompts(tokenizer, rows: Sequence, data) -> list[list[int]]:
+    """Token ids of dataset rows' prompts as the run formats them: :func:`format_prompt` with
+    the data section's ``system_prompt`` and ``use_chat_template``, then :func:`tokenize_prompts`
+    with its ``max_prompt_length``.
+
+    Args:
+        tokenizer: the policy's tokenizer.
+        rows: dataset rows (dicts with ``"prompt"``).
+        data: the run's data section (``policygrad.trainer.config.DataConfig``).
+
+    Raises:
+        ValueError: as :func:`tokenize_prompts` (a prompt over ``max_prompt_length`` names the row).
+    """
+    texts = format_prompts(
+        tokenizer,
+        [r["prompt"] for r in rows],
+        system_prompt=data.system_prompt,
+        use_chat_template=data.use_chat_template,
+    )
+    return tokenize_prompts(tokenizer, texts, max_prompt_length=data.max_prompt_length)

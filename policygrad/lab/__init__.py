@@ -1,12 +1,15 @@
-"""The lab: instruments from the seeds, built on policygrad's own models and estimators.
+"""The lab: small experiments that check claims of the RL-post-training literature on a real model,
+built on policygrad's own models and estimators.
 
-- :mod:`~policygrad.lab.memory`: the memory bill of an RL job (``policygrad memory``).
+- :mod:`~policygrad.lab.memory`: the memory bill of an RL job (``policygrad memory``; the
+  model-state accounting of Rajbhandari et al. 2019, ZeRO, section 3.1).
 - :mod:`~policygrad.lab.gradient_snr`: gradient signal-to-noise of advantage estimators
-  (``policygrad lab gradient-snr``).
-- :mod:`~policygrad.lab.kl_estimators`: k1/k2/k3 bias and spread, and which KL each placement's
-  gradient follows (``policygrad lab kl-estimators``).
+  (``policygrad lab gradient-snr``; after Ilyas et al. 2018).
+- :mod:`~policygrad.lab.kl_estimators`: k1/k2/k3 bias and spread (Schulman 2020), and which KL
+  each placement's gradient follows (``policygrad lab kl-estimators``; Tang & Munos 2025,
+  Shah et al. 2025).
 - :mod:`~policygrad.lab.mismatch`: sampler/trainer and bf16/fp32 log-prob mismatch
-  (``policygrad lab mismatch``).
+  (``policygrad lab mismatch``; Yao et al. 2025, Qi et al. 2025).
 - :mod:`~policygrad.lab.report`: one HTML page about one or more runs (``policygrad report``).
 
 Each command prints a table, writes a JSON result and a PNG plot under ``--output-dir``

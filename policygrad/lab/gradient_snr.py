@@ -1,9 +1,9 @@
-"""Is the advantage estimator's variance the bottleneck? (``policygrad lab gradient-snr``)
+"""How noisy is the gradient of each advantage estimator? (``policygrad lab gradient-snr``)
 
-The experiment the seed proposes (chapter 1, exercises: "measure whether your advantage
-estimator's variance is the bottleneck"; Ilyas et al. 2018, "A Closer Look at Deep Policy
-Gradients"): hold a checkpoint fixed, draw many independent batches, compute the policy gradient
-with each candidate advantage estimator, and measure
+The gradient-quality measurement of Ilyas et al. 2018 ("A Closer Look at Deep Policy Gradients",
+which compares sampled gradients with a many-sample reference gradient), applied to the advantage
+estimators of this package: hold a checkpoint fixed, draw many independent batches, compute the
+policy gradient with each candidate advantage estimator, and measure
 
 - the cosine similarity of each batch's gradient with a high-sample reference gradient, and
 - the gradient signal-to-noise ratio ``SNR = ||E g||^2 / E||g - E g||^2``.
@@ -12,9 +12,11 @@ Protocol (all estimators at matched numbers of samples):
 
 1. Every draw samples ``samples_per_prompt`` (S) responses for each of the prompts with
    :class:`~policygrad.rollout.hf.HFRolloutEngine` (its own seed per draw) and scores them; a
-   constant ``reward_offset`` c can be added to every reward (the seed's "reward offset
-   multiplies the noise": it adds about ``c^2 E||grad log p||^2`` to the no-baseline variance
-   and nothing to a baseline-corrected one).
+   constant ``reward_offset`` c can be added to every reward. Because ``E[grad log p] = 0`` the
+   offset leaves the expected gradient unchanged, but it adds about ``c^2 E||grad log p||^2`` to
+   the variance without a baseline and nothing with a baseline that absorbs constants (a group
+   mean, a fitted critic): the reason for the baseline of Williams 1992 (Greensmith et al. 2004,
+   "Variance Reduction Techniques for Gradient Estimates in Reinforcement Learning").
 2. The same B = prompts x S samples feed every estimator; only the grouping differs:
    ``no-baseline`` is REINFORCE with baseline 0; ``rloo(k=K)`` splits each prompt's S samples into
    S/K groups of K (RLOO's leave-one-out baseline inside each group); ``grpo`` uses the S samples
@@ -22,10 +24,10 @@ Protocol (all estimators at matched numbers of samples):
    (``gamma = 1``). Advantages come from the core registry
    (:func:`policygrad.core.advantages.estimate_advantages`).
 3. The gradient of each estimator is that of the REINFORCE surrogate ``vanilla`` policy loss
-   (:mod:`policygrad.core.losses`) reduced with ``seq-mean-token-sum`` (the textbook
-   ``(1/B) sum_i sum_t A_it grad log pi(y_it)``), with respect to a chosen subset of the
-   parameters (default: the last decoder layer), from one forward pass
-   (:func:`policygrad.trainer.loop.policy_logprobs`) and one backward pass per estimator (the
+   (:mod:`policygrad.core.losses`) reduced with ``seq-mean-token-sum`` (Williams 1992's REINFORCE
+   estimator ``(1/B) sum_i sum_t A_it grad log pi(y_it)``), with respect to a chosen subset of
+   the parameters (default: the last decoder layer), from one forward pass
+   (:func:`policygrad.models.forward.policy_logprobs`) and one backward pass per estimator (the
    backward through the output head is shared when the head is not measured:
    :func:`estimator_gradients`). The reported vector is the ascent direction (minus the loss
    gradient).
@@ -146,7 +148,7 @@ def parse_estimators(text: str | Sequence[str]) -> list[EstimatorSpec]:
     return specs
 
 
-def _group_index(batch: int, samples_per_prompt: int, k: int, device) -> torch.Tensor:
+def estimator_group_index(batch: int, samples_per_prompt: int, k: int, device) -> torch.Tensor:
     """Row r (prompt r // S, sample r % S) -> group ``(r // S) * (S // k) + (r % S) // k``."""
     rows = torch.arange(batch, device=device)
     return (rows // samples_per_prompt) * (samples_per_prompt // k) + (rows % samples_per_prompt) // k
@@ -168,18 +170,18 @@ def estimator_advantages(
     batch = token_rewards.shape[0]
     device = token_rewards.device
     if spec.kind == "none":
-        gi = _group_index(batch, samples_per_prompt, samples_per_prompt, device)
+        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
         adv, _ = estimate_advantages("reinforce", token_rewards, response_mask, group_index=gi, baseline=0.0)
     elif spec.kind == "rloo":
-        gi = _group_index(batch, samples_per_prompt, spec.k, device)
+        gi = estimator_group_index(batch, samples_per_prompt, spec.k, device)
         adv, _ = estimate_advantages("rloo", token_rewards, response_mask, group_index=gi)
     elif spec.kind == "grpo":
-        gi = _group_index(batch, samples_per_prompt, samples_per_prompt, device)
+        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
         adv, _ = estimate_advantages("grpo", token_rewards, response_mask, group_index=gi, scale="group")
     else:
         if values is None:
             raise ValueError(f"{spec.name} needs critic values")
-        gi = _group_index(batch, samples_per_prompt, samples_per_prompt, device)
+        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
         adv, _ = estimate_advantages(
             "gae", token_rewards, response_mask, group_index=gi, values=values, gamma=1.0, lam=spec.lam
         )
@@ -255,7 +257,7 @@ def _whole_row_logprobs(model, rollout, temperature: float) -> torch.Tensor:
     """[B, T] float32 log-probs at ``temperature`` from one plain forward over whole rows through
     the lm_head module (no prompt sharing, no fused head), so a :class:`_HeadInput` hook sees the
     final hidden state of every response position."""
-    from policygrad.trainer.loop import policy_logprobs
+    from policygrad.models.forward import policy_logprobs
 
     logprobs, _ = policy_logprobs(
         model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False, fused_head=False
@@ -356,7 +358,7 @@ def estimator_gradients(
 ) -> tuple[list[torch.Tensor], torch.Tensor | None]:
     """The policy gradient of each estimator on one rollout, flattened over ``tensors``.
 
-    One forward pass (:func:`policygrad.trainer.loop.policy_logprobs`, full softmax at
+    One forward pass (:func:`policygrad.models.forward.policy_logprobs`, full softmax at
     ``temperature``); for each spec the advantages (:func:`estimator_advantages`), the ``vanilla``
     loss reduced with ``seq-mean-token-sum``, and its gradient.
 
@@ -901,7 +903,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> str:
     """``policygrad lab gradient-snr ...`` on a dataset with answers, scored by answer_correctness."""
     from policygrad.data.sources import resolve_dataset
     from policygrad.lab.common import load_lab_model
@@ -940,6 +942,6 @@ def main(argv: list[str]) -> int:
         output_dir=args.output_dir,
         progress=True,
     )
-    print(result.table)
-    print(f"\nwrote {result.json_path}\nwrote {result.png_path}")
-    return 0
+    lines = [result.table]
+    lines.append(f"\nwrote {result.json_path}\nwrote {result.png_path}")
+    return "\n".join(lines)

@@ -3,10 +3,11 @@
 
 Three experiments, all on :func:`policygrad.core.kl.kl_estimate` and the core's KL terms:
 
-1. Gaussian pairs (Schulman 2020, "Approximating KL divergence"; seed chapter 1, section 9):
-   samples ``x ~ q = N(0, 1)``, ``p = N(mu, 1)``, true ``KL(q || p) = mu^2 / 2``. With
-   ``log(q/p) = mu^2/2 - mu x`` each estimator's bias and standard deviation are reported relative
-   to the true KL, next to their closed forms:
+1. Gaussian pairs (Schulman 2020, "Approximating KL Divergence", which defines k1/k2/k3 and
+   tabulates their bias and spread on this Gaussian example): samples ``x ~ q = N(0, 1)``,
+   ``p = N(mu, 1)``, true ``KL(q || p) = mu^2 / 2``. With ``log(q/p) = mu^2/2 - mu x`` each
+   estimator's bias and standard deviation are reported relative to the true KL, next to their
+   closed forms:
 
    - k1: bias 0, ``std / KL = 2 / mu`` (20 at mu = 0.1);
    - k2: ``bias / KL = mu^2 / 4``, ``std / KL = sqrt(mu^4/2 + mu^6/4) / (mu^2/2)``;
@@ -17,13 +18,15 @@ Three experiments, all on :func:`policygrad.core.kl.kl_estimate` and the core's 
    ``W + s * rms(W) * N(0, 1)`` noise). Tokens are sampled from pi; at every response position the
    exact ``KL(pi || pi_ref)`` of the full softmax is compared with k1/k2/k3 at the sampled token.
 
-3. Placements, by exact enumeration over a small categorical (seed section 9; Shah et al. 2025;
-   Zhang et al. 2025): the expected gradient of each placement (k1/k2/k3 in the reward, through
-   the score function; k1/k2/k3 and ``w * k3`` in the loss, differentiated at the sampled token)
-   is compared with the autograd gradients of ``KL(pi || ref)`` (reverse) and ``KL(ref || pi)``
-   (forward). Theory: k1 in the reward -> reverse; k2 in the loss -> reverse; k3 in the loss ->
-   forward; ``w * k3`` in the loss -> reverse; k1 in the loss -> zero; k2 and k3 in the reward
-   -> neither.
+3. Placements, by exact enumeration over a small categorical (Tang & Munos 2025, "On a Few
+   Pitfalls in KL Divergence Gradient Estimation for RL"; Shah et al. 2025; Zhang et al. 2025;
+   ``w * k3`` as in DeepSeek-V3.2, 2025; k1 in the reward as in Ziegler et al. 2019, k3 in the
+   loss as in GRPO, Shao et al. 2024, section 4.1.2): the expected gradient of each placement
+   (k1/k2/k3 in the reward, through the score function; k1/k2/k3 and ``w * k3`` in the loss,
+   differentiated at the sampled token) is compared with the autograd gradients of
+   ``KL(pi || ref)`` (reverse) and ``KL(ref || pi)`` (forward). Theory: k1 in the reward ->
+   reverse; k2 in the loss -> reverse; k3 in the loss -> forward; ``w * k3`` in the loss ->
+   reverse; k1 in the loss -> zero; k2 and k3 in the reward -> neither.
 """
 
 from __future__ import annotations
@@ -165,7 +168,8 @@ PLACEMENT_THEORY: dict[tuple[str, str], str] = {
     ("loss", "k3"): "forward KL",
     ("loss", "w*k3"): "reverse KL",
 }
-"""What the expected gradient of each (placement, estimator) follows (seed section 9)."""
+"""What the expected gradient of each (placement, estimator) follows, on-policy, for one categorical
+token (Tang & Munos 2025; Shah et al. 2025; Zhang et al. 2025; DeepSeek-V3.2 2025 for ``w*k3``)."""
 
 
 @dataclasses.dataclass
@@ -376,7 +380,7 @@ def token_kl_measurements(
 
     Responses are sampled with :class:`~policygrad.rollout.hf.HFRolloutEngine` from ``model``;
     both models' logits at the response positions come from
-    :func:`policygrad.trainer.loop.response_logits`; the estimators use
+    :func:`policygrad.models.forward.response_logits`; the estimators use
     :func:`~policygrad.core.logprobs.logprobs_from_logits` at ``temperature`` and
     :func:`~policygrad.core.kl.kl_estimate`; the exact KL is the float64 sum over the vocabulary
     of ``softmax(z/T) * (log_softmax(z/T) - log_softmax(z_ref/T))``.
@@ -388,8 +392,8 @@ def token_kl_measurements(
     Raises:
         ValueError: bad prompts, counts or noise scales.
     """
+    from policygrad.models.forward import response_logits
     from policygrad.rollout.hf import HFRolloutEngine
-    from policygrad.trainer.loop import response_logits
 
     check_positive_int(samples_per_prompt, "samples_per_prompt")
     check_positive_int(max_new_tokens, "max_new_tokens")
@@ -673,7 +677,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> str:
     """``policygrad lab kl-estimators ...``."""
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
@@ -708,6 +712,6 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
         output_dir=args.output_dir,
     )
-    print(result.table)
-    print(f"\nwrote {result.json_path}\nwrote {result.png_path}")
-    return 0
+    lines = [result.table]
+    lines.append(f"\nwrote {result.json_path}\nwrote {result.png_path}")
+    return "\n".join(lines)

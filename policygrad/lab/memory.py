@@ -1,7 +1,8 @@
 """The memory bill of an RL post-training job, before it runs (``policygrad memory``).
 
-Accounting (seed chapter 1, "The memory bill"; seed chapter 2, "The four models in the room";
-Rajbhandari et al. 2019, ZeRO, section 3.1):
+Accounting (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
+Models", section 3.1, for the bytes per parameter; the policy, reference, reward model and value
+model of RLHF-PPO as in Ziegler et al. 2019 and Ouyang et al. 2022):
 
 - a trainable parameter costs 16 bytes with mixed-precision Adam: bf16 weights (2) and bf16
   gradients (2), fp32 master weights (4) and two fp32 Adam moments (4 + 4);
@@ -13,7 +14,8 @@ Rajbhandari et al. 2019, ZeRO, section 3.1):
 - with LoRA the base weights are frozen (2 B/param) and only the adapters are trainable
   (16 B/param); an adapter on a linear layer ``in -> out`` has ``r * (in + out)`` parameters
   (Hu et al. 2021, eq. 3), and the reference is the base with the adapters switched off (no copy);
-- the logits tensor ``B x T x V`` in bf16, the "memory event" of computing log-probs.
+- the logits tensor ``B x T x V`` in bf16, which computing log-probs materialises unless it is
+  chunked or fused.
 
 Activations, fragmentation and temporary buffers are not counted. GB are 10^9 bytes.
 Parameter counts come from the model's ``config.json`` alone: the model is instantiated on the
@@ -337,7 +339,8 @@ class MemoryPlan:
         algorithm, lora_rank, batch, seq_len, inference_engine, reward_model, reference: the inputs.
         shape: the model's :class:`ModelShape` (``linear_shapes`` dropped from ``to_dict``).
         items: the lines of the bill.
-        state_bytes: weights, gradients and optimiser state of every model (the seed's bars).
+        state_bytes: weights, gradients and optimiser state of every model (ZeRO's "model
+            states", Rajbhandari et al. 2019, section 3.1).
         total_bytes: ``state_bytes`` + KV cache + logits.
         sft_state_bytes: ``state_bytes`` of supervised fine-tuning of the same model (policy only,
             same LoRA setting).
@@ -454,7 +457,8 @@ def plan_memory(
         inference_engine: add a separate engine's bf16 copy of the policy and its KV cache.
         reward_model: add a frozen reward model (the reward comes from a model, not a verifier).
         reference: keep the frozen reference; None = the algorithm's default (a KL is used).
-        critic_params: critic size (default: the policy's, the seed's assumption).
+        critic_params: critic size (default: the policy's, as when the critic is initialised from
+            the policy or from a reward model of the policy's size).
         reward_params: reward-model size (default: the policy's).
 
     Returns:
@@ -731,8 +735,8 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
-    """``policygrad memory ...``: print the bill, write the JSON and the PNG, print their paths."""
+def main(argv: list[str]) -> str:
+    """``policygrad memory ...``: write the JSON and the PNG; returns the bill and their paths to print."""
     args = build_parser().parse_args(argv)
     _check_algorithm(args.algorithm)
     shape = resolve_shape(
@@ -762,11 +766,11 @@ def main(argv: list[str]) -> int:
         critic_params=parse_count(args.critic_params, "--critic-params") if args.critic_params else None,
         reward_params=parse_count(args.reward_params, "--reward-params") if args.reward_params else None,
     )
-    print(plan.table)
+    lines = [plan.table]
     if args.inference_engine and args.batch is None:
-        print("note: KV cache not counted; give --batch and --seq-len")
-    print(f"\nwrote {plan.json_path}\nwrote {plan.png_path}")
-    return 0
+        lines.append("note: KV cache not counted; give --batch and --seq-len")
+    lines.append(f"\nwrote {plan.json_path}\nwrote {plan.png_path}")
+    return "\n".join(lines)
 
 
 __all__ = [

@@ -2,21 +2,22 @@
 (``policygrad lab mismatch``).
 
 The sampler and the trainer compute the probability of the same token with the same weights by
-different arithmetic (seed chapter 2, "Your on-policy algorithm is not on-policy"; Yao et al.
-2025, truncated importance sampling; seed chapter 1, section 12 on bf16 rounding). This command
-measures, at the sampled tokens, the per-token log-ratio ``delta_t = log pi_train - log pi_other``
-for two pairs:
+different arithmetic, so "on-policy" training is slightly off-policy (Yao et al. 2025, "Your
+Efficient RL Framework Secretly Brings You Off-Policy RL Training", which proposes truncated
+importance sampling; Qi et al. 2025, "Defeating the Training-Inference Mismatch via FP16", which
+traces much of the gap to bf16 rounding). This command measures, at the sampled tokens, the
+per-token log-ratio ``delta_t = log pi_train - log pi_other`` for two pairs:
 
 - ``sampler vs recompute``: the generation path (:class:`~policygrad.rollout.hf.HFRolloutEngine`,
   incremental decoding with the KV cache, its ``sampler_logprobs``) against the training recompute
-  (:func:`policygrad.trainer.loop.policy_logprobs`: one full forward, float32 weights);
+  (:func:`policygrad.models.forward.policy_logprobs`: one full forward, float32 weights);
 - ``bf16 vs fp32``: the full forward of a bfloat16 copy of the model against the float32 one
   (the log-softmax itself is float32 in both, :func:`policygrad.core.logprobs_from_logits`).
 
 For each pair it reports the distribution of ``delta`` (a histogram of ``log10 |delta|``), and
 how the sequence-level log-ratio ``S_t = sum_{s<=t} delta_s`` spreads with length: the std over
-sequences of ``S_t`` against ``sigma * sqrt(t)`` (sigma = per-token std; the seed's argument that
-independent per-token differences accumulate like a random walk), and the std of the sequence
+sequences of ``S_t`` against ``sigma * sqrt(t)`` (sigma = per-token std; the std of a sum of t
+independent per-token differences, i.e. a random walk), and the std of the sequence
 importance weight ``W_t = exp(S_t)`` with and without truncation at ``cap``
 (:func:`policygrad.core.logprobs.truncated_importance_weights`, ``level="sequence"`` on the first
 t tokens), plus the token-level weights ``min(exp(delta_t), cap)``: fraction truncated and spread.
@@ -257,8 +258,8 @@ def run_mismatch(
         ValueError: unknown ``sampler_dtype`` (lists the valid ones); a model not in float32;
             bad counts or ``cap``.
     """
+    from policygrad.models.forward import policy_logprobs
     from policygrad.rollout.hf import HFRolloutEngine
-    from policygrad.trainer.loop import policy_logprobs
 
     if sampler_dtype not in _DTYPES:
         raise ValueError(f"unknown sampler dtype {sampler_dtype!r}; valid: {', '.join(_DTYPES)}")
@@ -443,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> str:
     """``policygrad lab mismatch ...``."""
     from policygrad.lab.common import load_lab_model
 
@@ -472,6 +473,6 @@ def main(argv: list[str]) -> int:
         seed=args.seed,
         output_dir=args.output_dir,
     )
-    print(result.table)
-    print(f"\nwrote {result.json_path}\nwrote {result.png_path}")
-    return 0
+    lines = [result.table]
+    lines.append(f"\nwrote {result.json_path}\nwrote {result.png_path}")
+    return "\n".join(lines)

@@ -6,11 +6,13 @@ JSON row per step; held-out accuracy rows ``eval/accuracy`` at step 0 and after 
 evaluations ``eval_before.jsonl`` / ``eval_stepN.jsonl`` / ``eval_after.jsonl`` (rows with
 ``prompt``, ``answer``, ``completion``, ``reward``).
 
-The page shows, each as a PNG embedded in base64 (no external file), the curves the seeds say to
-watch (reward, held-out accuracy, KL to the reference, entropy, response length, clip fraction,
-approx_kl, the critic's explained variance when there is a critic, and the time split between
-generation and training), one line per run on shared axes; the resolved config; and the best and
-worst completions of each run's last evaluation.
+The page shows, each as a PNG embedded in base64 (no external file), the usual PPO/GRPO
+diagnostics (reward, held-out accuracy, KL to the reference, entropy, response length, clip
+fraction, approx_kl, the critic's explained variance when there is a critic, and the time split
+between generation and training; cf. the metrics logged in Huang et al. 2024, "The N+
+Implementation Details of RLHF with PPO", and the training dynamics of Yu et al. 2025, DAPO),
+one line per run on shared axes; the resolved config; and the best and worst completions of each
+run's last evaluation.
 """
 
 from __future__ import annotations
@@ -423,12 +425,12 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> str:
     """``policygrad report RUN_DIR [RUN_DIR ...] [--output FILE]``."""
     args = build_parser().parse_args(argv)
     if args.samples < 0:
         raise ValueError(f"--samples must be >= 0, got {args.samples}")
     result = write_report(args.run_dirs, args.output, samples=args.samples)
-    print(f"{len(result.captions)} plots: " + "; ".join(result.captions))
-    print(f"wrote {result.path}")
-    return 0
+    lines = [f"{len(result.captions)} plots: " + "; ".join(result.captions)]
+    lines.append(f"wrote {result.path}")
+    return "\n".join(lines)

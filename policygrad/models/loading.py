@@ -154,7 +154,7 @@ def load_tokenizer(path: str, *, padding_side: str = "left"):
     return tokenizer
 
 
-def _zero_dropout_config(config) -> list[str]:
+def zero_dropout_config(config) -> list[str]:
     """Set every float dropout probability of a (possibly nested) config to 0. Returns their names."""
     changed = []
     seen = set()
@@ -193,7 +193,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
                 setattr(module, key, 0.0)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
-        _zero_dropout_config(config)
+        zero_dropout_config(config)
     return model
 
 
@@ -238,7 +238,7 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", trainable
 
     torch_dtype = resolve_torch_dtype(dtype)
     config = AutoConfig.from_pretrained(path)
-    _zero_dropout_config(config)
+    zero_dropout_config(config)
     config.use_cache = not trainable
     model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
     disable_dropout(model)

@@ -4,7 +4,7 @@ Alignment (the one thing a value model must get right). For response token ``t``
 state is ``s_t`` = the prompt plus the response tokens before ``t``. ``V(s_t)`` is read from the
 hidden state at the position BEFORE token ``t`` (column ``P - 1 + t`` of ``cat(prompt, response)``
 with P left-padded prompt columns): the same positions whose logits predict token ``t``
-(:func:`policygrad.trainer.loop.response_logits`). With causal attention that hidden state sees
+(:func:`policygrad.models.forward.response_logits`). With causal attention that hidden state sees
 only columns ``<= P - 1 + t``, so the value used for token ``t`` cannot depend on token ``t`` or
 any later token. GAE needs exactly this: ``delta_t = r_t + gamma * V(s_{t+1}) - V(s_t)``, where
 ``V(s_t)`` is the critic's guess before it knows which token the policy will choose.
@@ -15,7 +15,8 @@ Initialisation (``critic.init_from``):
   with weight and bias 0, so every value starts at 0, the mean of a normalised reward.
 - a folder holding an ``AutoModelForSequenceClassification`` with one label (a reward model):
   its transformer and its score head, as InstructGPT initialised its value function from the
-  reward model (Ouyang et al. 2022, appendix C.4; seed section 8).
+  reward model (Ouyang et al. 2022, "Training Language Models to Follow Instructions with Human
+  Feedback", appendix C.4).
 - any other causal-LM folder: its transformer and a zero head.
 
 Dropout is off (as in every model :mod:`policygrad.models.loading` builds). The head runs in the
@@ -44,7 +45,7 @@ def is_sequence_classifier(path: str) -> bool:
     return any(str(a).endswith("ForSequenceClassification") for a in (config.architectures or []))
 
 
-def _score_head(model) -> torch.nn.Linear:
+def score_head(model) -> torch.nn.Linear:
     """The scalar head of a decoder-only sequence classifier (``.score``: Llama, Qwen2, Mistral,
     Gemma, GPT-2, GPT-NeoX ...), checked to map the hidden size to one output."""
     head = getattr(model, "score", None)
@@ -265,7 +266,7 @@ def load_value_model(
         classifier = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, dtype=torch_dtype
         )
-        source = _score_head(classifier)
+        source = score_head(classifier)
         backbone = getattr(classifier, classifier.base_model_prefix)
         hidden = source.in_features
         head = torch.nn.Linear(hidden, 1, bias=True, dtype=source.weight.dtype)

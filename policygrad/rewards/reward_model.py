@@ -19,7 +19,9 @@ What it computes, for each (prompt, completion) pair:
 Step 3 never reads a padding position. Hugging Face's own pooling picks the last token that is
 not ``pad_token_id``, which is wrong when the pad id equals the end-of-sequence id (SmolLM2, many
 Llama tokenizers): the EOS that ends a response is then skipped. Reading the attention mask
-avoids that (seed section 8, "the reward must be read at the EOS position, not at padding").
+avoids that: the score is read at the EOS token that ends the response, never at padding (as in
+Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO", which reads the reward at the
+EOS token and warns against treating the pad token as EOS).
 
 The model is frozen (no gradient, eval mode) with dropout off, and runs under
 ``torch.inference_mode``.
@@ -73,13 +75,13 @@ class RewardModel:
         device: str | torch.device | None = None,
     ):
         from policygrad.models.loading import disable_dropout
-        from policygrad.models.value import _score_head
+        from policygrad.models.value import score_head
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"reward model batch_size must be an int >= 1, got {batch_size!r}")
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
             raise ValueError(f"reward model max_length must be an int >= 2, got {max_length!r}")
-        self.head = _score_head(model)
+        self.head = score_head(model)
         base = getattr(model, getattr(model, "base_model_prefix", ""), None)
         if not isinstance(base, torch.nn.Module):
             raise ValueError(f"{type(model).__name__} exposes no base transformer (base_model_prefix)")
@@ -117,7 +119,7 @@ class RewardModel:
         """
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
-        from policygrad.models.loading import _zero_dropout_config, resolve_torch_dtype
+        from policygrad.models.loading import resolve_torch_dtype, zero_dropout_config
         from policygrad.models.value import is_sequence_classifier
 
         folder = os.path.expanduser(path)
@@ -137,7 +139,7 @@ class RewardModel:
             raise ValueError(
                 f"reward model {path!r} has num_labels={config.num_labels}; it needs num_labels=1"
             )
-        _zero_dropout_config(config)
+        zero_dropout_config(config)
         model = AutoModelForSequenceClassification.from_pretrained(
             folder, config=config, dtype=resolve_torch_dtype(dtype)
         )

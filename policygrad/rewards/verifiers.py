@@ -326,7 +326,8 @@ def answer_correctness(
     The completion's answer is :func:`extract_answer` (``#### x``, then ``\\boxed{x}``, then the
     last number); the comparison is :func:`answer_matches` (exact numeric equality; math-verify's
     symbolic check on top when installed). A completion with no answer scores 0.0. This is the
-    binary verifier of RL with verifiable rewards (seed chapter on where supervision runs out).
+    binary verifier of RL with verifiable rewards (Lambert et al. 2024, Tulu 3, which names RLVR;
+    the rule-based accuracy reward of DeepSeek-R1, DeepSeek-AI 2025).
 
     Args:
         prompts: B prompt strings (unused, part of the protocol).

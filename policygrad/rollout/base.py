@@ -214,7 +214,16 @@ def check_sampling_args(prompt_token_ids, group_size, temperature, top_p, top_k,
 
 
 class RolloutEngine(abc.ABC):
-    """Something that samples G responses per prompt and returns a :class:`Rollout`."""
+    """Something that samples G responses per prompt and returns a :class:`Rollout`.
+
+    Attributes:
+        shares_policy_weights: the engine samples with the trainer's live policy object, so its
+            log-probs are the trainer's and an update needs no weight push (the hf engine). An
+            engine with its own copy of the weights (vLLM) says False: it receives them through
+            :meth:`sync_weights` after every update.
+    """
+
+    shares_policy_weights: bool = False
 
     @abc.abstractmethod
     def generate(

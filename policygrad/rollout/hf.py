@@ -88,6 +88,8 @@ class HFRolloutEngine(RolloutEngine):
         ValueError: an empty ``eos_token_ids``.
     """
 
+    shares_policy_weights = True
+
     def __init__(self, model, tokenizer, eos_token_ids: list[int] | None = None):
         if eos_token_ids is None:
             from policygrad.models.loading import eos_token_ids as find_eos

@@ -430,9 +430,10 @@ class VLLMRolloutEngine(RolloutEngine):
         undone (``fork_rng``).
 
         Source: the log-probs must be those of the behaviour distribution actually sampled (the
-        truncated, renormalised one), or importance weights are off (first seed chapter, the
-        exercise on top-p/top-k sampling); the engine-vs-trainer gap that remains is the
-        train/inference mismatch of "Where supervision runs out" §14.6 (Yao et al., 2025).
+        truncated, renormalised one), or the importance ratio ``pi / pi_old`` (Schulman et al.
+        2017, eq. 6) has the wrong denominator; the engine-vs-trainer gap that remains is the
+        train/inference mismatch (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
+        You Off-Policy RL Training"; Qi et al. 2025 on bf16 rounding).
 
         Args: see :meth:`RolloutEngine.generate`. ``top_k`` 0 and ``top_p`` 1.0 mean off.
 

@@ -6,21 +6,33 @@ is built, and every error names the field and says how to fix it.
 
 Algorithms are *presets*, not code paths: ``ALGORITHMS[name]`` says which registered advantage
 estimator, which estimator options, which policy loss and which loss aggregation the algorithm
-uses. The trainer only ever looks things up by name in ``policygrad.core``'s registries, so an
-algorithm added here needs no change in the training loop.
+uses. What a choice needs comes from ``policygrad.core``'s registries, never from its name: the
+estimator's :class:`~policygrad.core.advantages.EstimatorSpec` (values, trainer-supplied inputs,
+minimum group size), the policy loss's declared options and the KL placement's
+:class:`~policygrad.core.kl.KLPlacement`. So an algorithm added here needs no change in the
+training loop, and every option is checked against the registries when the tree is built,
+before any model loads.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
 
-from policygrad.core.kl import KL_KINDS
+from policygrad.core.advantages import (
+    EstimatorSpec,
+    check_estimator_options,
+    estimator_spec,
+    list_advantage_estimators,
+)
+from policygrad.core.kl import KL_KINDS, KL_PLACEMENTS, KLPlacement, get_kl_placement
+from policygrad.core.losses import check_policy_loss_options, list_policy_losses, policy_loss_options
 from policygrad.core.masking import AGGREGATION_MODES
 
 
@@ -32,15 +44,15 @@ class ConfigError(ValueError):
 class AlgorithmPreset:
     """What an algorithm name means: estimator, its options, loss and aggregation.
 
+    What the estimator needs (a critic's values, inputs such as ReMax's greedy-baseline
+    rewards, a minimum group size) is not part of the preset: the estimator declares it in the
+    registry (``TrainConfig.estimator_spec``).
+
     Fields:
         estimator: name registered with ``core.advantages.register_advantage_estimator``.
         estimator_options: keyword options passed to the estimator.
         policy_loss: name registered with ``core.losses.register_policy_loss``.
         loss_agg_mode: one of ``core.masking.AGGREGATION_MODES``.
-        min_group_size: the smallest G the estimator accepts.
-        greedy_baseline: the estimator needs the reward of a greedy response per prompt
-            (ReMax); the trainer then decodes one greedy sample per prompt and passes its reward
-            as ``baseline_rewards``.
         reference: the paper the preset follows.
         critic: the algorithm trains a value model; the trainer builds one and passes its
             values V(s_t) to the estimator (``critic.enabled`` overrides).
@@ -52,41 +64,25 @@ class AlgorithmPreset:
     estimator_options: dict[str, Any]
     policy_loss: str
     loss_agg_mode: str
-    min_group_size: int
-    greedy_baseline: bool
     reference: str
     critic: bool = False
     whiten_advantages: bool = False
 
 
-# Estimators that read the critic's values (``values=``); they need a value model.
-VALUE_ESTIMATORS: tuple[str, ...] = ("gae",)
-
-
 ALGORITHMS: dict[str, AlgorithmPreset] = {
-    "reinforce": AlgorithmPreset(
-        "reinforce", {"baseline": 0.0}, "ppo", "token-mean", 1, False, "Williams 1992"
-    ),
-    "rloo": AlgorithmPreset(
-        "rloo", {}, "ppo", "token-mean", 2, False, "Kool et al. 2019; Ahmadian et al. 2024"
-    ),
-    "remax": AlgorithmPreset("remax", {}, "ppo", "token-mean", 1, True, "Li et al. 2023"),
-    "grpo": AlgorithmPreset(
-        "grpo", {"scale": "group"}, "ppo", "seq-mean-token-mean", 2, False, "Shao et al. 2024"
-    ),
+    "reinforce": AlgorithmPreset("reinforce", {"baseline": 0.0}, "ppo", "token-mean", "Williams 1992"),
+    "rloo": AlgorithmPreset("rloo", {}, "ppo", "token-mean", "Kool et al. 2019; Ahmadian et al. 2024"),
+    "remax": AlgorithmPreset("remax", {}, "ppo", "token-mean", "Li et al. 2023"),
+    "grpo": AlgorithmPreset("grpo", {"scale": "group"}, "ppo", "seq-mean-token-mean", "Shao et al. 2024"),
     "dr_grpo": AlgorithmPreset(
-        "grpo", {"scale": "none"}, "ppo", "seq-mean-token-sum-norm", 2, False, "Liu et al. 2025"
+        "grpo", {"scale": "none"}, "ppo", "seq-mean-token-sum-norm", "Liu et al. 2025"
     ),
-    "reinforce_pp": AlgorithmPreset(
-        "reinforce_pp", {}, "ppo", "token-mean", 1, False, "Hu 2025 (REINFORCE++)"
-    ),
+    "reinforce_pp": AlgorithmPreset("reinforce_pp", {}, "ppo", "token-mean", "Hu 2025 (REINFORCE++)"),
     "ppo": AlgorithmPreset(
         "gae",
         {"gamma": 1.0, "lam": 0.95},
         "ppo",
         "token-mean",
-        1,
-        False,
         "Schulman et al. 2017; Ouyang et al. 2022; Huang et al. 2024 (N+)",
         critic=True,
         whiten_advantages=True,
@@ -183,7 +179,7 @@ class RolloutConfig:
     G samples (the cache is reset after every weight push).
 
     ``is_correction``: truncated importance sampling against the train/inference mismatch (Yao et
-    al. 2025; seed section on the mismatch): ``none``, ``token`` or ``sequence`` weights
+    al. 2025, truncated importance sampling): ``none``, ``token`` or ``sequence`` weights
     ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
     the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
     of every token is multiplied by its weight."""
@@ -296,10 +292,11 @@ class RewardConfig:
 class KLConfig:
     """KL to the reference model.
 
-    ``placement``: ``none`` (no reference model is loaded), ``reward`` (per-token -beta * KL in the
-    reward, PPO-RLHF style) or ``loss`` (a KL term added to the loss, GRPO style). ``kind``: the
-    estimator k1/k2/k3; ``None`` means k1 in the reward and k3 in the loss. ``controller``:
-    ``fixed`` or ``adaptive`` (Ziegler et al. 2019 with ``target`` and ``horizon``).
+    ``placement``: a registered :class:`~policygrad.core.kl.KLPlacement` (``KL_PLACEMENTS``):
+    ``none`` (no reference model is loaded), ``reward`` (per-token -beta * KL in the reward,
+    PPO-RLHF style) or ``loss`` (a KL term added to the loss, GRPO style). ``kind``: the
+    estimator k1/k2/k3; ``None`` means the placement's default (k1 in the reward, k3 in the
+    loss). ``controller``: ``fixed`` or ``adaptive`` (Ziegler et al. 2019 with ``target`` and ``horizon``).
     ``importance_weighted``: in the loss, multiply the KL term by pi/pi_old (DeepSeek-V3.2).
     """
 
@@ -312,23 +309,24 @@ class KLConfig:
     importance_weighted: bool = False
 
     def validate(self, path: str) -> None:
-        _check_choice(f"{path}.placement", self.placement, {"none", "reward", "loss"})
+        _check_choice(f"{path}.placement", self.placement, set(KL_PLACEMENTS))
         if self.kind is not None:
             _check_choice(f"{path}.kind", self.kind, set(KL_KINDS))
         _check_positive(f"{path}.beta", self.beta, allow_zero=True)
         _check_choice(f"{path}.controller", self.controller, {"fixed", "adaptive"})
         _check_positive(f"{path}.target", self.target)
         _check_positive(f"{path}.horizon", self.horizon)
-        if self.placement != "none" and self.beta == 0 and self.controller == "fixed":
+        if get_kl_placement(self.placement).needs_reference and self.beta == 0 and self.controller == "fixed":
             raise ConfigError(
                 f"{path}.placement={self.placement!r} with {path}.beta=0 computes a KL that has no "
                 f"effect; set {path}.beta > 0 or {path}.placement=none"
             )
 
     def resolved_kind(self) -> str:
+        """``kind``, or the placement's ``default_kind`` when it is null."""
         if self.kind is not None:
             return self.kind
-        return "k1" if self.placement == "reward" else "k3"
+        return get_kl_placement(self.placement).default_kind
 
 
 @dataclass
@@ -344,21 +342,57 @@ class AdvantageConfig:
     whiten: bool | None = None
 
 
+# Policy-loss options with a field of their own in ``LossConfig`` (the others go in ``options``).
+_LOSS_SHORTHANDS: tuple[str, ...] = ("clip_low", "clip_high", "dual_clip")
+
+
 @dataclass
 class LossConfig:
-    """Policy loss. ``policy_loss`` / ``agg_mode``: ``null`` keeps the preset's. ``clip_low`` /
-    ``clip_high`` / ``dual_clip`` go to the loss; ``entropy_coef`` adds -coef x entropy."""
+    """Policy loss. ``policy_loss`` / ``agg_mode``: ``null`` keeps the preset's.
+
+    Options of the policy loss: each loss declares its options and the paper's defaults
+    (``policygrad.core.losses.policy_loss_options``: ppo ``clip_low`` 0.2, ``clip_high`` 0.2,
+    ``dual_clip`` None; gspo 3e-4 / 4e-4; cispo ``clip_low`` None, ``clip_high`` 0.28). Only the
+    options set here reach the loss; the others keep the loss's defaults.
+
+    - ``clip_low`` / ``clip_high`` / ``dual_clip``: shorthands; ``null`` means "not set".
+    - ``options``: any declared option by name, e.g. ``{clip_high: 0.28}``; an explicit ``null``
+      here is passed as None (cispo ``clip_high: null`` = no upper bound).
+
+    Setting an option in both places is an error; an option the loss does not declare, or a bad
+    value, is refused when the config is built. ``entropy_coef`` adds -coef x entropy."""
 
     policy_loss: str | None = None
     agg_mode: str | None = None
-    clip_low: float | None = 0.2
-    clip_high: float | None = 0.2
+    clip_low: float | None = None
+    clip_high: float | None = None
     dual_clip: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
     entropy_coef: float = 0.0
 
     def validate(self, path: str) -> None:
         if self.agg_mode is not None:
             _check_choice(f"{path}.agg_mode", self.agg_mode, set(AGGREGATION_MODES))
+        for key in self.options:
+            if not isinstance(key, str):
+                raise ConfigError(
+                    f"{path}.options must map option names (strings) to values, got key {key!r}"
+                )
+        for key in _LOSS_SHORTHANDS:
+            if getattr(self, key) is not None and key in self.options:
+                raise ConfigError(
+                    f"{path}.{key} and {path}.options.{key} both set {key}; set it in one place"
+                )
+
+    def set_options(self, path: str = "loss") -> dict[str, tuple[str, Any]]:
+        """The options the user set: option name -> (the field that set it, value)."""
+        out: dict[str, tuple[str, Any]] = {
+            key: (f"{path}.{key}", getattr(self, key))
+            for key in _LOSS_SHORTHANDS
+            if getattr(self, key) is not None
+        }
+        out.update({key: (f"{path}.options.{key}", value) for key, value in self.options.items()})
+        return out
 
 
 @dataclass
@@ -469,9 +503,51 @@ class PtxConfig:
 
 
 @dataclass
+class DynamicSamplingConfig:
+    """How ``drop_zero_variance_groups`` (DAPO's dynamic sampling, Yu et al. 2025, section 3.2)
+    decides and refills. A group whose rewards are all equal gives every group-relative advantage
+    exactly 0, so it costs generation and carries no gradient; DAPO drops such groups and samples
+    more prompts until the batch is full of groups with signal.
+
+    ``reward``: the reward component whose within-group variance decides: an entry of
+    ``reward.functions`` (for a repeated entry, its k-th occurrence is ``name#k``, k >= 2, as
+    the reward components are named); ``null`` = the first entry. It is read before
+    normalisation and the truncation penalty, so e.g. a correctness reward decides even when a
+    format reward or a length penalty makes every row's total differ.
+    ``max_extra_rounds``: extra generation rounds (>= 0) that sample more prompts to refill the
+    batch with groups that carry signal; 0 drops the groups and trains on what is left.
+
+    Both need ``drop_zero_variance_groups: true``; set without it they are refused."""
+
+    reward: str | None = None
+    max_extra_rounds: int = 0
+
+    def validate(self, path: str) -> None:
+        _check_positive(f"{path}.max_extra_rounds", self.max_extra_rounds, allow_zero=True)
+
+
+def reward_component_names(functions: list[str]) -> list[str]:
+    """The component names of ``reward.functions``, in order: each entry (``reward_model`` for a
+    ``reward_model:/folder`` entry), and ``name#k`` for the k-th occurrence (k >= 2) of a repeated
+    name (``policygrad.rewards.registry`` names them so)."""
+    seen: dict[str, int] = {}
+    names = []
+    for entry in functions:
+        entry = "reward_model" if entry.startswith("reward_model:") else entry
+        seen[entry] = seen.get(entry, 0) + 1
+        names.append(entry if seen[entry] == 1 else f"{entry}#{seen[entry]}")
+    return names
+
+
+@dataclass
 class TrainConfig:
     """A whole run. ``policygrad train`` with no arguments runs these defaults: GRPO on the
-    bundled SmolLM2-135M-Instruct and the built-in arithmetic task."""
+    bundled SmolLM2-135M-Instruct and the built-in arithmetic task.
+
+    ``drop_zero_variance_groups``: DAPO's dynamic sampling (Yu et al. 2025, section 3.2): groups
+    whose ``dynamic_sampling.reward`` component is the same for every sample carry no loss, and
+    up to ``dynamic_sampling.max_extra_rounds`` extra rounds refill the batch (see
+    :class:`DynamicSamplingConfig`)."""
 
     algorithm: str = "grpo"
     steps: int = 300
@@ -498,6 +574,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     ptx: PtxConfig = field(default_factory=PtxConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -508,13 +585,6 @@ class TrainConfig:
             raise ConfigError(f"num_threads must be >= 1 (or null: torch's default), got {self.num_threads}")
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0 (or null for no time limit), got {self.max_minutes}")
-        if self.kl.placement != "none" and (self.rollout.top_k or self.rollout.top_p < 1.0):
-            raise ConfigError(
-                f"kl.placement={self.kl.placement!r} with rollout.top_k/top_p truncation is not supported: "
-                "the truncated sampler's log-probs are not comparable to the reference's full softmax, so "
-                "the KL would not be 0 even for an unchanged policy; set rollout.top_k=0 and "
-                "rollout.top_p=1.0, or kl.placement=none"
-            )
         if self.rollout.engine == "hf" and self.rollout.dtype != "auto":
             raise ConfigError(
                 f"rollout.dtype={self.rollout.dtype!r} applies to the vllm engine only: the hf engine "
@@ -524,21 +594,25 @@ class TrainConfig:
         _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("eval_every", self.eval_every, allow_zero=True)
         _check_positive("save_every", self.save_every, allow_zero=True)
-        for name in ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx"):
+        sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
+        for name in (*sections, "dynamic_sampling"):
             getattr(self, name).validate(name)
-        preset = self.preset
-        if self.rollout.group_size < preset.min_group_size:
+        if self.kl_placement.needs_reference and (self.rollout.top_k or self.rollout.top_p < 1.0):
             raise ConfigError(
-                f"algorithm={self.algorithm!r} needs rollout.group_size >= {preset.min_group_size} "
-                f"(it compares samples of the same prompt), got {self.rollout.group_size}"
+                f"kl.placement={self.kl.placement!r} with rollout.top_k/top_p truncation is not supported: "
+                "the truncated sampler's log-probs are not comparable to the reference's full softmax, so "
+                "the KL would not be 0 even for an unchanged policy; set rollout.top_k=0 and "
+                "rollout.top_p=1.0, or kl.placement=none"
             )
+        self._validate_policy_loss()
+        self._validate_estimator()
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch < self.optim.num_minibatches:
             raise ConfigError(
                 f"optim.num_minibatches={self.optim.num_minibatches} exceeds the batch of {batch} "
                 "sequences (rollout.prompts_per_step x rollout.group_size); lower it"
             )
-        if self.estimator_name in VALUE_ESTIMATORS and not self.uses_critic:
+        if self.estimator_spec.needs_values and not self.uses_critic:
             raise ConfigError(
                 f"advantage estimator {self.estimator_name!r} reads a critic's values, but there is no "
                 "critic; set critic.enabled=true or use a critic-free estimator"
@@ -552,6 +626,86 @@ class TrainConfig:
             raise ConfigError(
                 f"critic.pretrain_steps={self.critic.pretrain_steps} leaves no policy step out of "
                 f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
+            )
+        self._validate_dynamic_sampling()
+
+    def _validate_policy_loss(self) -> None:
+        """The loss is registered; every option set is one it declares, with a valid value."""
+        if self.loss.policy_loss is not None:
+            _check_choice("loss.policy_loss", self.loss.policy_loss, set(list_policy_losses()))
+        name = self.policy_loss_name
+        declared = ", ".join(f"{k} (default {v!r})" for k, v in policy_loss_options(name).items())
+        declared = declared or "(none)"
+        for key, (path, value) in self.loss.set_options().items():
+            try:
+                check_policy_loss_options(name, {key: value})
+            except (ValueError, TypeError) as e:
+                if key not in policy_loss_options(name):
+                    raise ConfigError(
+                        f"{path}: {e}; unset {path} or choose a policy loss that has it"
+                    ) from None
+                raise ConfigError(
+                    f"{path}={value!r} is not valid for policy loss {name!r}: {e} (its options: {declared})"
+                ) from None
+        try:  # each value passed alone; now all of them together
+            check_policy_loss_options(name, self.loss_options)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(
+                f"loss: the options {self.loss_options!r} are not valid together for policy loss "
+                f"{name!r}: {e} (its options: {declared})"
+            ) from None
+
+    def _validate_estimator(self) -> None:
+        """The estimator is registered, its options valid, and G at least its minimum group size."""
+        if self.advantage.estimator is not None:
+            _check_choice("advantage.estimator", self.advantage.estimator, set(list_advantage_estimators()))
+        name, options = self.estimator_name, self.estimator_options
+        try:
+            check_estimator_options(name, options)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"advantage.options: {e}") from None
+        spec = self.estimator_spec
+        need = spec.min_group_size(options)
+        if self.rollout.group_size >= need:
+            return
+        # The options that raise the minimum (e.g. reinforce_pp's group_baseline): without any one
+        # of them the estimator would need fewer samples per prompt.
+        culprits = [
+            key
+            for key in options
+            if spec.min_group_size({k: v for k, v in options.items() if k != key}) < need
+        ]
+        with_options = "".join(f" with {k}={options[k]!r}" for k in culprits)
+        fix = f"set rollout.group_size >= {need}"
+        if culprits:
+            fix += " or change " + ", ".join(f"advantage.options.{k}" for k in culprits)
+        else:
+            fix += " or choose an estimator that does not compare samples of the same prompt"
+        raise ConfigError(
+            f"algorithm={self.algorithm!r} needs rollout.group_size >= {need} (advantage estimator "
+            f"{name!r}{with_options} compares samples of the same prompt), got {self.rollout.group_size}; "
+            f"{fix}"
+        )
+
+    def _validate_dynamic_sampling(self) -> None:
+        ds = self.dynamic_sampling
+        if not self.drop_zero_variance_groups:
+            set_fields = []
+            if ds.reward is not None:
+                set_fields.append(f"dynamic_sampling.reward={ds.reward!r}")
+            if ds.max_extra_rounds:
+                set_fields.append(f"dynamic_sampling.max_extra_rounds={ds.max_extra_rounds}")
+            if set_fields:
+                raise ConfigError(
+                    f"{' and '.join(set_fields)} has no effect; set drop_zero_variance_groups=true "
+                    "(dynamic sampling is off) or unset it"
+                )
+            return
+        names = reward_component_names(self.reward.functions)
+        if ds.reward is not None and ds.reward not in names:
+            raise ConfigError(
+                f"dynamic_sampling.reward={ds.reward!r} is not a reward component; choose one of {names} "
+                "(the entries of reward.functions; the k-th occurrence of a repeated entry is name#k)"
             )
 
     @property
@@ -570,8 +724,30 @@ class TrainConfig:
         return options
 
     @property
+    def estimator_spec(self) -> EstimatorSpec:
+        """What the estimator needs: values, trainer-supplied inputs, minimum group size."""
+        return estimator_spec(self.estimator_name)
+
+    @property
     def policy_loss_name(self) -> str:
         return self.loss.policy_loss or self.preset.policy_loss
+
+    @property
+    def loss_options(self) -> dict[str, Any]:
+        """The policy-loss options the user set (shorthand fields that are not null, then
+        ``loss.options``); the loss's own defaults apply to the rest."""
+        return {key: value for key, (_, value) in self.loss.set_options().items()}
+
+    @property
+    def kl_placement(self) -> KLPlacement:
+        """The registered KL placement of ``kl.placement``."""
+        return get_kl_placement(self.kl.placement)
+
+    @property
+    def dynamic_sampling_reward(self) -> str:
+        """The reward component whose within-group variance decides dynamic sampling:
+        ``dynamic_sampling.reward``, or the first entry of ``reward.functions``."""
+        return self.dynamic_sampling.reward or reward_component_names(self.reward.functions)[0]
 
     @property
     def agg_mode(self) -> str:
@@ -655,7 +831,19 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return dict(value)
+        return {key: _yaml_number(item) for key, item in value.items()}
+    return value
+
+
+# A number in exponent form without a dot in its mantissa (3e-4), which YAML 1.1 reads as a string.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_number(value: Any) -> Any:
+    """``"3e-4"`` -> 3e-4 inside option mappings (``loss.options``, ``advantage.options``), whose
+    values have no annotated type to coerce to; every other value is returned unchanged."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
     return value
 
 

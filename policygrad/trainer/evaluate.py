@@ -1,4 +1,5 @@
-"""``policygrad eval``: greedy accuracy and pass@k of a model on a prompt dataset."""
+"""Evaluation: greedy accuracy of a policy on held-out rows (used by the trainer and by
+``policygrad eval``), and pass@k from sampled answers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,11 @@ import time
 from typing import Any
 
 import torch
+
+from policygrad.data.chat import encode_prompts
+from policygrad.rewards.verifiers import answer_correctness
+
+__all__ = ["decode_completions", "evaluate_model", "greedy_eval", "pass_at_k", "write_jsonl"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -25,6 +31,65 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def decode_completions(tokenizer, rollout) -> list[str]:
+    """Completion strings of a rollout: valid response tokens only, special tokens dropped."""
+    ids = rollout.response_ids.masked_fill(rollout.response_mask == 0, tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)
+
+
+def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
+    """One JSON object per line."""
+    with open(path, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec) + "\n")
+
+
+@torch.inference_mode()
+def greedy_eval(
+    engine, tokenizer, rows: list[dict[str, Any]], *, data, max_new_tokens: int, batch_size: int = 64
+) -> list[dict[str, Any]]:
+    """Greedy completions of held-out rows, judged by the answer-correctness verifier.
+
+    Args:
+        engine: a rollout engine (``generate(..., greedy=True)``).
+        tokenizer: the policy's tokenizer.
+        rows: dataset rows with ``prompt`` and ``answer``.
+        data: the data section (prompt formatting: system prompt, chat template, prompt length).
+        max_new_tokens: the most tokens per completion.
+        batch_size: prompts per ``generate`` call.
+
+    Returns:
+        one record per row: ``{"prompt", "answer", "completion", "reward"}`` (reward 1.0 or 0.0);
+        the accuracy is the mean reward.
+    """
+    records = []
+    for start in range(0, len(rows), batch_size):
+        chunk = rows[start : start + batch_size]
+        rollout = engine.generate(
+            encode_prompts(tokenizer, chunk, data),
+            group_size=1,
+            max_new_tokens=max_new_tokens,
+            greedy=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+        )
+        completions = decode_completions(tokenizer, rollout)
+        rewards = answer_correctness(
+            [r["prompt"] for r in chunk], completions, answer=[r["answer"] for r in chunk]
+        )
+        for row, completion, reward in zip(chunk, completions, rewards):
+            records.append(
+                {
+                    "prompt": row["prompt"],
+                    "answer": row["answer"],
+                    "completion": completion,
+                    "reward": float(reward),
+                }
+            )
+    return records
 
 
 def evaluate_model(
@@ -45,11 +110,9 @@ def evaluate_model(
 
     Returns a dict with ``accuracy``, ``pass@k`` (when k > 1), ``n``, ``output`` and timings.
     """
-    from policygrad.data.chat import format_prompt, tokenize_prompts
+    from policygrad.data.sources import build_eval_rows
     from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model_path
-    from policygrad.rewards.verifiers import answer_correctness
     from policygrad.rollout.hf import HFRolloutEngine
-    from policygrad.trainer.sources import build_eval_rows
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
@@ -60,80 +123,46 @@ def evaluate_model(
     engine = HFRolloutEngine(policy, tokenizer, eos_token_ids(tokenizer, policy))
     torch.manual_seed(seed)
     t0 = time.perf_counter()
-    records: list[dict[str, Any]] = []
-    n_correct_greedy = 0
+    records = greedy_eval(
+        engine, tokenizer, rows, data=data, max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
     pass_values = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        texts = [
-            format_prompt(
-                tokenizer,
-                r["prompt"],
-                system_prompt=data.system_prompt,
-                use_chat_template=data.use_chat_template,
-            )
-            for r in chunk
-        ]
-        ids = tokenize_prompts(tokenizer, texts, max_prompt_length=data.max_prompt_length)
-        greedy = engine.generate(
-            ids, group_size=1, max_new_tokens=max_new_tokens, greedy=True, temperature=1.0, top_p=1.0, top_k=0
-        )
-        completions = decode_completions(tokenizer, greedy)
-        answers = [r["answer"] for r in chunk]
-        rewards = answer_correctness([r["prompt"] for r in chunk], completions, answer=answers)
-        sampled_rewards: list[list[float]] = [[] for _ in chunk]
-        sampled_text: list[list[str]] = [[] for _ in chunk]
-        if samples > 1:
+    if samples > 1:
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
             sampled = engine.generate(
-                ids,
+                encode_prompts(tokenizer, chunk, data),
                 group_size=samples,
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 top_p=1.0,
                 top_k=0,
             )
-            texts_k = decode_completions(tokenizer, sampled)
-            rep_answers = [a for a in answers for _ in range(samples)]
-            rep_prompts = [r["prompt"] for r in chunk for _ in range(samples)]
-            rk = answer_correctness(rep_prompts, texts_k, answer=rep_answers)
-            for j in range(len(texts_k)):
-                sampled_rewards[j // samples].append(float(rk[j]))
-                sampled_text[j // samples].append(texts_k[j])
-        for i, row in enumerate(chunk):
-            n_correct_greedy += int(rewards[i] > 0.5)
-            rec = {
-                "prompt": row["prompt"],
-                "answer": row["answer"],
-                "completion": completions[i],
-                "reward": float(rewards[i]),
-            }
-            if samples > 1:
-                c = sum(1 for x in sampled_rewards[i] if x > 0.5)
-                pass_values.append(pass_at_k(samples, c, samples))
+            texts = decode_completions(tokenizer, sampled)
+            rewards = answer_correctness(
+                [r["prompt"] for r in chunk for _ in range(samples)],
+                texts,
+                answer=[r["answer"] for r in chunk for _ in range(samples)],
+            )
+            for i, rec in enumerate(records[start : start + len(chunk)]):
+                mine = [float(x) for x in rewards[i * samples : (i + 1) * samples]]
+                pass_values.append(pass_at_k(samples, sum(1 for x in mine if x > 0.5), samples))
                 rec["samples"] = [
-                    {"completion": t, "reward": x} for t, x in zip(sampled_text[i], sampled_rewards[i])
+                    {"completion": t, "reward": x}
+                    for t, x in zip(texts[i * samples : (i + 1) * samples], mine)
                 ]
-            records.append(rec)
     if output is None:
         stem = os.path.splitext(os.path.basename(data.eval_dataset or "builtin"))[0].replace(":", "-")
         output = f"eval-{stem}.jsonl"
-    with open(output, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+    write_jsonl(output, records)
     result: dict[str, Any] = {
         "model": model,
         "dataset": data.eval_dataset,
         "n": len(records),
-        "accuracy": n_correct_greedy / max(len(records), 1),
+        "accuracy": sum(1 for r in records if r["reward"] > 0.5) / max(len(records), 1),
         "output": output,
         "seconds": round(time.perf_counter() - t0, 1),
     }
     if samples > 1:
         result[f"pass@{samples}"] = sum(pass_values) / len(pass_values)
     return result
-
-
-def decode_completions(tokenizer, rollout) -> list[str]:
-    """Completion strings of a rollout: valid response tokens only, special tokens dropped."""
-    ids = rollout.response_ids.masked_fill(rollout.response_mask == 0, tokenizer.pad_token_id)
-    return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)

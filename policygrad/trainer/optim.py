@@ -1,4 +1,7 @@
-"""The optimizer every trained network uses: AdamW, fused where torch has a fused kernel.
+"""The optimizer every trained network uses (AdamW, fused where torch has a fused kernel), its
+learning-rate schedule, and the one optimizer-step routine of the policy and the critic.
+
+AdamW: fused where torch has a fused kernel.
 
 torch's fused AdamW (CPU and CUDA) updates each parameter in one pass with no intermediate
 tensors; on the 2-core CPU this project is measured on it took 0.58 s per step for the 135M
@@ -8,9 +11,14 @@ Hutter 2019, decoupled weight decay)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
+
+from policygrad.trainer.runtime import synced_clock
 
 
 def make_adamw(
@@ -39,3 +47,117 @@ def make_adamw(
     return torch.optim.AdamW(
         params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, fused=fused or None
     )
+
+
+def lr_schedule(optim, total: int) -> Callable[[int], float]:
+    """The ``LambdaLR`` factor of optimizer step ``k``: linear warmup over ``optim.warmup_steps``,
+    then ``constant``, ``linear`` decay to 0 or half-cosine decay to 0 at step ``total``.
+
+    Args:
+        optim: the run's ``OptimConfig`` (``warmup_steps``, ``schedule``).
+        total: optimizer steps of the whole run (>= 1).
+    """
+
+    def factor(step: int) -> float:
+        if optim.warmup_steps and step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
+        progress = min(max(progress, 0.0), 1.0)
+        if optim.schedule == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+@dataclass
+class StepOutcome:
+    """What one :class:`OptimizerStep` call did.
+
+    Attributes:
+        applied: the weights, optimizer state and schedule moved.
+        stopped: the ``stop`` check ended the step before it was taken (nothing moved).
+        grad_norm: the total gradient norm before clipping; None when it was not computed (a
+            non-finite loss, or stopped).
+        loss: the sum of the accumulated losses' values (not of the extra losses).
+        backward_s, optimizer_s: seconds spent in backward passes and in clip + step.
+    """
+
+    applied: bool = False
+    stopped: bool = False
+    grad_norm: float | None = None
+    loss: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+
+class OptimizerStep:
+    """One optimizer step over accumulated micro-batch losses, shared by the policy and the critic:
+    zero the gradients, backpropagate each loss (stopping at the first non-finite one), optionally
+    stop on the caller's check, add extra losses, clip the gradient norm, then step the optimizer
+    and the schedule, or, when anything was non-finite, leave weights, optimizer state and schedule
+    untouched.
+
+    Args:
+        optimizer: the network's optimizer.
+        scheduler: its ``LambdaLR`` schedule (stepped once per applied step).
+        params: the trainable parameters (clipped together).
+        max_grad_norm: the clip threshold (> 0).
+        device: where the work runs (for timing).
+    """
+
+    def __init__(self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device):
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.params = list(params)
+        self.max_grad_norm = max_grad_norm
+        self.device = device
+
+    def _backward(self, losses: Iterable[torch.Tensor], out: StepOutcome, *, count: bool) -> bool:
+        for loss in losses:
+            if not torch.isfinite(loss):
+                return False
+            start = synced_clock(self.device)
+            loss.backward()
+            out.backward_s += synced_clock(self.device) - start
+            if count:
+                out.loss = out.loss + loss.item()
+        return True
+
+    def __call__(
+        self,
+        losses: Iterable[torch.Tensor],
+        *,
+        stop: Callable[[], bool] | None = None,
+        extra_losses: Callable[[], Iterable[torch.Tensor]] | None = None,
+    ) -> StepOutcome:
+        """Accumulate ``losses`` (an iterable, typically a generator that runs each micro-batch's
+        forward when asked for its loss; it is not resumed after a non-finite loss), then
+        ``stop()`` (True: zero the gradients and take no step), then the losses of
+        ``extra_losses()`` (e.g. PPO-ptx), then clip and step.
+
+        Returns:
+            :class:`StepOutcome`; gradients are zeroed (set to None) on return.
+        """
+        out = StepOutcome()
+        self.optimizer.zero_grad(set_to_none=True)
+        finite = self._backward(losses, out, count=True)
+        if stop is not None and stop():
+            self.optimizer.zero_grad(set_to_none=True)
+            out.stopped = True
+            return out
+        if finite and extra_losses is not None:
+            finite = self._backward(extra_losses(), out, count=False)
+        start = time.perf_counter()
+        if finite:
+            out.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            finite = math.isfinite(out.grad_norm)
+        if finite:
+            self.optimizer.step()
+            self.scheduler.step()
+            out.applied = True
+        self.optimizer.zero_grad(set_to_none=True)
+        out.optimizer_s = synced_clock(self.device) - start
+        return out

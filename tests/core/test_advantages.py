@@ -9,13 +9,19 @@ import torch
 
 from policygrad.core import advantages as adv_module
 from policygrad.core.advantages import (
+    EstimatorSpec,
+    check_estimator_options,
     estimate_advantages,
+    estimator_spec,
     get_advantage_estimator,
     group_mean_std,
     list_advantage_estimators,
+    monte_carlo_returns,
     register_advantage_estimator,
     sequence_rewards,
 )
+
+pytestmark = pytest.mark.unit
 
 NAN = float("nan")
 BUILTIN = ("gae", "grpo", "reinforce", "reinforce_pp", "remax", "rloo")
@@ -85,6 +91,161 @@ def test_registration_checks_the_signature():
     with pytest.raises(TypeError, match="signature"):
         register_advantage_estimator("test_only_wrong")(wrong)
     assert "test_only_wrong" not in list_advantage_estimators()
+
+
+# ---------------------------------------------------------------------------------------------
+# Capabilities
+# ---------------------------------------------------------------------------------------------
+
+
+def test_builtin_estimators_declare_their_capabilities():
+    specs = {name: estimator_spec(name) for name in BUILTIN}
+    assert all(isinstance(spec, EstimatorSpec) and spec.name == name for name, spec in specs.items())
+    assert all(get_advantage_estimator(name).spec is spec for name, spec in specs.items())
+    assert {n: s.needs_values for n, s in specs.items() if s.needs_values} == {"gae": True}
+    assert {n: s.inputs for n, s in specs.items() if s.inputs} == {"remax": ("baseline_rewards",)}
+    assert specs["grpo"].options == ("scale", "eps", "unbiased")
+    assert specs["remax"].options == ()  # baseline_rewards is an input, not a user option
+    assert specs["gae"].options == ("gamma", "lam", "critic_lam", "length_adaptive_alpha")
+    assert {n: s.min_group_size({}) for n, s in specs.items()} == {
+        "reinforce": 1,
+        "rloo": 2,  # the leave-one-out baseline needs another sample (Kool et al. 2019)
+        "grpo": 2,  # the group std needs two samples (Shao et al. 2024)
+        "remax": 1,
+        "reinforce_pp": 1,
+        "gae": 1,
+    }
+    # REINFORCE++-baseline: with G = 1 the group mean is the row's own reward, every A = 0
+    assert specs["reinforce_pp"].min_group_size({"group_baseline": True}) == 2
+    assert specs["reinforce_pp"].min_group_size({"group_baseline": False, "gamma": 0.9}) == 1
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        estimator_spec("ppo")
+
+
+def test_group_baseline_with_one_sample_per_prompt_gives_zero_advantages():
+    # why reinforce_pp declares min_group_size 2 with group_baseline: every row is its own group
+    r = torch.tensor([[0.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
+    m = torch.ones(2, 2)
+    a, _ = estimate_advantages("reinforce_pp", r, m, group_index=torch.tensor([0, 1]), group_baseline=True)
+    # G_t - R: row 0 -> [0, 0]; row 1 -> [0, 0]: all equal, whitened to exactly 0
+    assert torch.equal(a, torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_check_estimator_options_refuses_unknown_options_and_inputs():
+    with pytest.raises(ValueError) as info:
+        check_estimator_options("grpo", {"scael": "none"})
+    assert (
+        str(info.value)
+        == "advantage estimator 'grpo' has no option 'scael'; valid options: scale, eps, unbiased"
+    )
+    with pytest.raises(
+        ValueError, match=r"advantage estimator 'rloo' has no option 'scale'; valid options: \(none\)"
+    ):
+        check_estimator_options("rloo", {"scale": "none"})
+    with pytest.raises(
+        ValueError, match="'baseline_rewards' is an input the trainer supplies, not an option"
+    ):
+        check_estimator_options("remax", {"baseline_rewards": 0.0})
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+        check_estimator_options("ppo", {})
+    with pytest.raises(TypeError, match="mapping"):
+        check_estimator_options("grpo", ["scale"])
+
+
+@pytest.mark.parametrize(
+    "name, options, error, match",
+    [
+        ("grpo", {"scale": "std"}, ValueError, "valid scales: group, batch, none"),
+        ("grpo", {"eps": -1.0}, ValueError, "eps must be a number >= 0"),
+        ("grpo", {"unbiased": "yes"}, TypeError, "unbiased must be True or False"),
+        ("gae", {"lam": 1.5}, ValueError, r"gae: lam must be a number in \[0, 1\]"),
+        ("gae", {"length_adaptive_alpha": 0.0}, ValueError, "length_adaptive_alpha must be a number > 0"),
+        ("reinforce_pp", {"gamma": -0.1}, ValueError, "reinforce_pp: gamma"),
+        ("reinforce_pp", {"group_baseline": "true"}, TypeError, "group_baseline must be True or False"),
+        ("reinforce", {"baseline": "mean"}, TypeError, "baseline"),
+    ],
+)
+def test_check_estimator_options_validates_values_on_a_dummy_batch(name, options, error, match):
+    with pytest.raises(error, match=match):
+        check_estimator_options(name, options)
+
+
+def test_check_estimator_options_accepts_good_options():
+    assert check_estimator_options("grpo", {"scale": "none", "eps": 0.0}) == {"scale": "none", "eps": 0.0}
+    assert check_estimator_options("gae", {"gamma": 1.0, "lam": 0.95, "critic_lam": 1.0}) == {
+        "gamma": 1.0,
+        "lam": 0.95,
+        "critic_lam": 1.0,
+    }
+    assert check_estimator_options("remax", {}) == {}  # the dummy call supplies the input
+    assert check_estimator_options("reinforce_pp", {"group_baseline": True}) == {"group_baseline": True}
+
+
+def test_registration_declares_capabilities():
+    name = "test_only_capable"
+    try:
+
+        @register_advantage_estimator(
+            name,
+            needs_values=True,
+            inputs=("extra",),
+            min_group_size=lambda options: 3 if options.get("wide") else 1,
+        )
+        def capable(token_rewards, response_mask, *, group_index, values=None, extra=None, wide=False):
+            assert values is not None and extra is not None
+            return token_rewards, token_rewards
+
+        spec = estimator_spec(name)
+        assert spec == capable.spec
+        assert (spec.options, spec.inputs, spec.needs_values) == (("wide",), ("extra",), True)
+        assert capable.options == ("wide",)
+        assert (spec.min_group_size({}), spec.min_group_size({"wide": True})) == (1, 3)
+        assert check_estimator_options(name, {"wide": True}) == {"wide": True}  # values and extra given
+        with pytest.raises(TypeError, match=r"'test_only_capable'.*'wdie'.*valid options: wide; inputs"):
+            estimate_advantages(
+                name, torch.zeros(1, 1), torch.ones(1, 1), group_index=torch.tensor([0]), wdie=1
+            )
+    finally:
+        adv_module._ESTIMATORS.pop(name, None)
+
+
+def test_registration_checks_the_capabilities():
+    def plain(token_rewards, response_mask, *, group_index, values=None, level=1.0):
+        return token_rewards, token_rewards
+
+    def open_options(token_rewards, response_mask, *, group_index, values=None, **options):
+        return token_rewards, token_rewards
+
+    with pytest.raises(TypeError, match="'missing' must be keyword-only parameters"):
+        register_advantage_estimator("test_only_a", inputs=("missing",))(plain)
+    with pytest.raises(TypeError, match="inputs must be a tuple"):
+        register_advantage_estimator("test_only_b", inputs="level")
+    with pytest.raises(ValueError, match="min_group_size must be >= 1"):
+        register_advantage_estimator("test_only_c", min_group_size=0)
+    with pytest.raises(TypeError, match="needs_values must be True or False"):
+        register_advantage_estimator("test_only_d", needs_values="yes")
+    with pytest.raises(TypeError, match="keyword-only"):
+        register_advantage_estimator("test_only_e")(open_options)
+    assert not any(n.startswith("test_only") for n in list_advantage_estimators())
+    spec = EstimatorSpec("x", (), False, (), group_size_rule=lambda options: 0)
+    with pytest.raises(ValueError, match="min_group_size of advantage estimator 'x' must be >= 1"):
+        spec.min_group_size({})
+
+
+def test_monte_carlo_returns_hand_values():
+    # G_t = sum_l gamma^l r_{t+l} over valid tokens; padding (99) never read.
+    # gamma 1:   [1 + 2 + 4, 2 + 4, 4] = [7, 6, 4]
+    # gamma 0.5: [1 + 0.5 * 2 + 0.25 * 4, 2 + 0.5 * 4, 4] = [3, 4, 4]
+    r = torch.tensor([[1.0, 2.0, 4.0, 99.0], [3.0, 99.0, 99.0, 99.0]], dtype=torch.float64)
+    m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]])
+    assert monte_carlo_returns(r, m).tolist() == [[7.0, 6.0, 4.0, 0.0], [3.0, 0.0, 0.0, 0.0]]
+    assert monte_carlo_returns(r, m, gamma=0.5).tolist() == [[3.0, 4.0, 4.0, 0.0], [3.0, 0.0, 0.0, 0.0]]
+    # the lam = 1 returns of GAE whatever the values (Schulman et al. 2015b, eq. 16)
+    v = torch.randn(2, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    _, ret = estimate_advantages("gae", r, m, group_index=torch.tensor([0, 1]), values=v, gamma=0.5, lam=1.0)
+    torch.testing.assert_close(ret, monte_carlo_returns(r, m, gamma=0.5), rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="gamma"):
+        monte_carlo_returns(r, m, gamma=2.0)
 
 
 def test_unknown_option_names_the_option_and_the_estimator():
@@ -218,7 +379,7 @@ def test_rloo_group_of_one_is_an_error():
 
 
 def test_group_mean_difference_is_scaled_rloo():
-    # Seed section 4: R_i - mean(R) = (k-1)/k * (R_i - mean of the others), for each group size k.
+    # RLOO (Kool et al. 2019): R_i - mean(R) = (k-1)/k * (R_i - mean of the others), for each k.
     gen = torch.Generator().manual_seed(0)
     sizes = [2, 3, 4, 5, 8]
     gi = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
@@ -394,7 +555,7 @@ def test_reinforce_pp_needs_two_valid_tokens():
 
 
 def reference_gae(rewards, values, length, gamma, lam):
-    """Plain loop over the first `length` tokens of one row (seed section 5 recursion)."""
+    """Plain loop over the first `length` tokens of one row (GAE, Schulman et al. 2015b, eq. 16)."""
     adv = [0.0] * length
     last = 0.0
     for t in reversed(range(length)):

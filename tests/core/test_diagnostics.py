@@ -14,6 +14,8 @@ from policygrad.core.diagnostics import (
     zero_variance_group_fraction,
 )
 
+pytestmark = pytest.mark.unit
+
 NAN = float("nan")
 
 

@@ -9,12 +9,17 @@ import torch
 
 from policygrad.core.kl import (
     KL_KINDS,
+    KL_PLACEMENTS,
     AdaptiveKLController,
     FixedKLController,
+    KLPlacement,
+    get_kl_placement,
     kl_estimate,
     kl_loss,
     kl_shaped_rewards,
 )
+
+pytestmark = pytest.mark.unit
 
 NAN = float("nan")
 
@@ -286,6 +291,75 @@ def test_kl_loss_errors():
         kl_loss(a, a, torch.ones(2))
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_loss(a, a, a, kind="low_var")
+
+
+# ------------------------------------------------------------------------------------------
+# placements
+
+
+def _placement_batch():
+    gen = torch.Generator().manual_seed(0)
+    lp = torch.randn(3, 5, generator=gen, dtype=torch.float64) - 2
+    ref = torch.randn(3, 5, generator=gen, dtype=torch.float64) - 2
+    old = lp.detach() + 0.1 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    scores = torch.tensor([1.0, -0.5, 0.25], dtype=torch.float64)
+    return scores, lp, ref, old, mask
+
+
+def test_placements_are_registered_with_their_capabilities():
+    assert KL_PLACEMENTS == ("none", "reward", "loss")
+    got = {name: get_kl_placement(name) for name in KL_PLACEMENTS}
+    assert all(isinstance(p, KLPlacement) and p.name == name for name, p in got.items())
+    assert {n: p.needs_reference for n, p in got.items()} == {"none": False, "reward": True, "loss": True}
+    # k1 in the reward (Ziegler et al. 2019), k3 in the loss (Shao et al. 2024, eq. 4)
+    assert {n: p.default_kind for n, p in got.items()} == {"none": "k1", "reward": "k1", "loss": "k3"}
+    assert all(p.default_kind in KL_KINDS for p in got.values())
+    with pytest.raises(ValueError, match="unknown KL placement 'both'; valid placements: none, reward, loss"):
+        get_kl_placement("both")
+    with pytest.raises(TypeError):
+        KLPlacement()  # abstract
+
+
+@pytest.mark.parametrize("kind", KL_KINDS)
+def test_placement_token_rewards_equal_the_direct_calls_bitwise(kind):
+    scores, lp, ref, _, mask = _placement_batch()
+    no_kl = kl_shaped_rewards(scores, lp, lp, mask, beta=0.0, kind="k1")
+    # "none" and "loss" ignore beta, kind and the reference: the score on the last token only
+    for name in ("none", "loss"):
+        got = get_kl_placement(name).token_rewards(scores, lp, ref, mask, beta=0.3, kind=kind)
+        assert torch.equal(got, no_kl), name
+    got = get_kl_placement("none").token_rewards(scores, lp, None, mask, beta=0.3, kind=kind)
+    assert torch.equal(got, no_kl)
+    want = kl_shaped_rewards(scores, lp, ref, mask, beta=0.3, kind=kind)
+    got = get_kl_placement("reward").token_rewards(scores, lp, ref, mask, beta=0.3, kind=kind)
+    assert torch.equal(got, want)
+    assert not torch.equal(want, no_kl)
+
+
+@pytest.mark.parametrize("kind", KL_KINDS)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_placement_loss_term_equals_kl_loss_bitwise(kind, weighted):
+    _, lp, ref, old, mask = _placement_batch()
+    old_lp = old if weighted else None
+    for name in ("none", "reward"):
+        assert get_kl_placement(name).loss_term(lp, ref, mask, kind=kind, old_logprobs=old_lp) is None
+    lp_a = lp.clone().requires_grad_(True)
+    lp_b = lp.clone().requires_grad_(True)
+    got = get_kl_placement("loss").loss_term(lp_a, ref, mask, kind=kind, old_logprobs=old_lp)
+    want = kl_loss(lp_b, ref, mask, kind=kind, old_logprobs=old_lp)
+    assert torch.equal(got, want)
+    (grad_got,) = torch.autograd.grad(got.sum(), lp_a)
+    (grad_want,) = torch.autograd.grad(want.sum(), lp_b)
+    assert torch.equal(grad_got, grad_want)
+
+
+def test_placements_that_need_the_reference_say_so():
+    scores, lp, _, _, mask = _placement_batch()
+    with pytest.raises(ValueError, match="KL placement 'reward' needs ref_logprobs"):
+        get_kl_placement("reward").token_rewards(scores, lp, None, mask, beta=0.1, kind="k1")
+    with pytest.raises(ValueError, match="KL placement 'loss' needs ref_logprobs"):
+        get_kl_placement("loss").loss_term(lp, None, mask, kind="k3", old_logprobs=None)
 
 
 # ------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ from transformers.generation.logits_process import (
 
 from policygrad.core.logprobs import logprobs_from_logits, truncated_importance_weights
 
+pytestmark = pytest.mark.unit
+
 NAN = float("nan")
 F64 = torch.float64
 

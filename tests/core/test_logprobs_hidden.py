@@ -9,6 +9,8 @@ import torch
 from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from policygrad.core.losses import entropy_from_logits
 
+pytestmark = pytest.mark.unit
+
 F64 = torch.float64
 
 

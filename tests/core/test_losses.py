@@ -9,13 +9,17 @@ import torch
 
 from policygrad.core import losses
 from policygrad.core.losses import (
+    check_policy_loss_options,
     entropy_from_logits,
     get_policy_loss,
     list_policy_losses,
+    policy_loss_options,
     register_policy_loss,
     value_loss,
 )
 from policygrad.core.masking import aggregate
+
+pytestmark = pytest.mark.unit
 
 NAN = float("nan")
 F64 = torch.float64
@@ -84,6 +88,96 @@ def test_option_validation():
         get_policy_loss("cispo")(a, a, a, a, clip_low="0.2")
     with pytest.raises(TypeError, match="clip_high"):
         get_policy_loss("ppo")(a, a, a, a, clip_high=None)
+
+
+# ------------------------------------------------------------------------------------------
+# declared options
+
+
+def test_losses_declare_their_options_with_the_papers_defaults():
+    # PPO (Schulman et al. 2017): eps = 0.2 both sides, no dual clip; GSPO (Zheng et al. 2025,
+    # section 5.1): 3e-4 / 4e-4; CISPO (MiniMax-M1): no lower bound, DAPO's 0.28 above.
+    assert policy_loss_options("ppo") == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None}
+    assert policy_loss_options("gspo") == {"clip_low": 3e-4, "clip_high": 4e-4}
+    assert policy_loss_options("cispo") == {"clip_low": None, "clip_high": 0.28}
+    assert policy_loss_options("vanilla") == {}
+    assert get_policy_loss("gspo").options == {"clip_low": 3e-4, "clip_high": 4e-4}
+    # a copy: editing it changes nothing registered
+    policy_loss_options("ppo")["clip_low"] = 0.5
+    assert policy_loss_options("ppo")["clip_low"] == 0.2
+    with pytest.raises(ValueError, match="unknown policy loss 'trpo'; registered: cispo, gspo, ppo, vanilla"):
+        policy_loss_options("trpo")
+
+
+def test_check_policy_loss_options_names_the_loss_and_its_options():
+    message = (
+        "policy loss 'gspo' has no option 'dual_clip'; its options: clip_low (default 0.0003), "
+        "clip_high (default 0.0004)"
+    )
+    with pytest.raises(ValueError) as info:
+        check_policy_loss_options("gspo", {"dual_clip": 3.0})
+    assert str(info.value) == message
+    with pytest.raises(
+        ValueError, match=r"policy loss 'vanilla' has no option 'clip_low'; its options: \(none\)"
+    ):
+        check_policy_loss_options("vanilla", {"clip_low": 0.2})
+    with pytest.raises(ValueError, match="unknown policy loss 'trpo'"):
+        check_policy_loss_options("trpo", {})
+    with pytest.raises(TypeError, match="mapping"):
+        check_policy_loss_options("ppo", [("clip_low", 0.2)])
+
+
+def test_check_policy_loss_options_validates_the_values_now():
+    with pytest.raises(ValueError, match=r"clip_low must be a finite number in \[0, 1.0\], got 1.5"):
+        check_policy_loss_options("ppo", {"clip_low": 1.5})
+    with pytest.raises(ValueError, match="dual_clip must be a finite number > 1"):
+        check_policy_loss_options("ppo", {"dual_clip": 0.5})
+    with pytest.raises(TypeError, match="clip_high must be a number"):
+        check_policy_loss_options("gspo", {"clip_high": "4e-4"})
+    with pytest.raises(TypeError, match="clip_high must be a number, got None"):
+        check_policy_loss_options("ppo", {"clip_high": None})
+    # an explicit None is passed on: CISPO without an upper bound is valid
+    assert check_policy_loss_options("cispo", {"clip_high": None}) == {"clip_high": None}
+    assert check_policy_loss_options("ppo", {"clip_high": 0.28, "dual_clip": 3}) == {
+        "clip_high": 0.28,
+        "dual_clip": 3,
+    }
+    assert check_policy_loss_options("vanilla", {}) == {}
+
+
+def test_only_the_given_options_reach_the_loss(monkeypatch):
+    monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
+    calls = []
+
+    @register_policy_loss("recording")
+    def recording(logprobs, old_logprobs, advantages, response_mask, *, a=1, b=None):
+        calls.append({"shape": tuple(logprobs.shape), "a": a, "b": b})
+        return torch.zeros_like(logprobs), {}
+
+    assert recording.options == {"a": 1, "b": None}
+    assert check_policy_loss_options("recording", {"b": 5}) == {"b": 5}
+    assert calls == [{"shape": (1, 2), "a": 1, "b": 5}]  # a kept the function's default
+
+
+def test_registration_requires_declared_options(monkeypatch):
+    monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
+
+    def open_options(logprobs, old_logprobs, advantages, response_mask, **options):
+        return logprobs, {}
+
+    def no_default(logprobs, old_logprobs, advantages, response_mask, *, clip):
+        return logprobs, {}
+
+    def three_tensors(logprobs, old_logprobs, advantages):
+        return logprobs, {}
+
+    with pytest.raises(TypeError, match="declared by name"):
+        register_policy_loss("open")(open_options)
+    with pytest.raises(TypeError, match="option 'clip' needs a default"):
+        register_policy_loss("no_default")(no_default)
+    with pytest.raises(TypeError, match="signature"):
+        register_policy_loss("three")(three_tensors)
+    assert not {"open", "no_default", "three"} & set(list_policy_losses())
 
 
 # ------------------------------------------------------------------------------------------

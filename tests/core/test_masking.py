@@ -17,6 +17,8 @@ from policygrad.core.masking import (
     masked_whiten,
 )
 
+pytestmark = pytest.mark.unit
+
 NAN = float("nan")
 INF = float("inf")
 

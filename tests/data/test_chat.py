@@ -8,6 +8,8 @@ from tokenizers import processors
 from policygrad.data.chat import format_prompt, format_prompts, tokenize_prompts
 from tests.tiny import BOS_ID, EOS_ID, make_tiny_tokenizer
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture
 def tok():

@@ -16,6 +16,8 @@ from policygrad.data.sources import (
 from policygrad.data.tasks import ArithmeticTask
 from policygrad.rewards.verifiers import answer_correctness
 
+pytestmark = pytest.mark.unit
+
 GSM8K_TEST = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 

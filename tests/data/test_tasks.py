@@ -9,6 +9,8 @@ import pytest
 from policygrad.data.tasks import DIFFICULTY_LEVELS, ArithmeticTask
 from policygrad.rewards.verifiers import answer_correctness
 
+pytestmark = pytest.mark.unit
+
 
 def _key(row):
     return (row["op"], row["a"], row["b"])

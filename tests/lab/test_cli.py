@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from policygrad.cli import COMMANDS, main
 from policygrad.lab import LAB_COMMANDS
+
+pytestmark = pytest.mark.integration
 
 
 def test_commands_are_listed(capsys):

@@ -14,15 +14,17 @@ from policygrad.lab.gradient_snr import (
     RIDGE_GRID,
     EstimatorSpec,
     LinearCritic,
-    _group_index,
     estimator_advantages,
     estimator_gradients,
+    estimator_group_index,
     parse_estimators,
     run_gradient_snr,
     select_parameters,
 )
 from policygrad.rollout.hf import HFRolloutEngine
 from policygrad.trainer.evaluate import decode_completions
+
+pytestmark = pytest.mark.integration
 
 PROMPTS = ["What is 2+3?", "Say hi."]
 
@@ -58,8 +60,8 @@ def runs(tiny_lm, tmp_path_factory):
 
 def test_offset_makes_no_baseline_noisier_than_rloo(runs):
     _, offset = runs
-    # The seed: a constant c adds about c^2 E||grad log p||^2 to the no-baseline variance and
-    # nothing to RLOO's.
+    # A constant c adds about c^2 E||grad log p||^2 to the no-baseline variance and nothing to
+    # RLOO's, whose leave-one-out baseline (Kool et al. 2019) cancels it.
     assert offset.stats("no-baseline").snr < offset.stats("rloo(k=4)").snr
     assert offset.stats("no-baseline").noise > 20 * offset.stats("rloo(k=4)").noise
 
@@ -124,8 +126,8 @@ def test_shared_head_backward_is_exact(tiny_lm):
 
 def test_group_index_by_hand():
     # B = 8, S = 4, k = 2: prompt 0 -> groups 0, 0, 1, 1; prompt 1 -> 2, 2, 3, 3.
-    assert _group_index(8, 4, 2, "cpu").tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
-    assert _group_index(8, 4, 4, "cpu").tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert estimator_group_index(8, 4, 2, "cpu").tolist() == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert estimator_group_index(8, 4, 4, "cpu").tolist() == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
 def test_estimator_advantages_by_hand():

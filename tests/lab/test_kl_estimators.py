@@ -22,6 +22,8 @@ from policygrad.lab.kl_estimators import (
     true_kl_gradients,
 )
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.fixture(scope="module")
 def table():

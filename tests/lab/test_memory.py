@@ -1,5 +1,6 @@
-"""Tests of the memory planner: the seeds' worked examples, LoRA counts checked against peft,
-parameter counts from a config alone, and the CLI."""
+"""Tests of the memory planner: worked examples (ZeRO's 16 bytes per trainable parameter,
+Rajbhandari et al. 2019, section 3.1; a bf16 logits tensor; PPO against SFT), LoRA counts checked
+against peft, parameter counts from a config alone, and the CLI."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from policygrad.lab.memory import (
     resolve_shape,
     run_memory,
 )
+
+pytestmark = pytest.mark.integration
 
 
 def seven_b(**kw):

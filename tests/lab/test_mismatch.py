@@ -12,6 +12,8 @@ import torch
 from policygrad.cli import main
 from policygrad.lab.mismatch import pair_stats, run_mismatch
 
+pytestmark = pytest.mark.integration
+
 
 def test_pair_stats_by_hand():
     # delta = logprobs - behaviour = [[log 3, 0], [0.1, 0.2]], every token valid, cap 2.

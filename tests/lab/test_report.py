@@ -13,6 +13,8 @@ import pytest
 from policygrad.cli import main
 from policygrad.lab.report import PLOTS, TIME_TITLE, last_eval_file, load_run, write_report
 
+pytestmark = pytest.mark.integration
+
 IMG = '<img src="data:image/png;base64,'
 
 

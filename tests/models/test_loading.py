@@ -21,6 +21,8 @@ from policygrad.models.loading import (
 )
 from tests.tiny import EOS_ID, PAD_ID, make_tiny_llama, make_tiny_tokenizer
 
+pytestmark = pytest.mark.integration
+
 # ----------------------------------------------------------------------------- resolve_model_path
 
 
@@ -233,8 +235,16 @@ def test_dropout_off_in_llama_attention(tmp_path):
 
 def test_dropout_off_in_dropout_modules(tmp_path):
     # GPT-2 keeps its dropout in nn.Dropout modules and in three config fields.
-    config = GPT2Config(vocab_size=50, n_positions=32, n_embd=16, n_layer=1, n_head=2,
-                        resid_pdrop=0.5, embd_pdrop=0.5, attn_pdrop=0.5)
+    config = GPT2Config(
+        vocab_size=50,
+        n_positions=32,
+        n_embd=16,
+        n_layer=1,
+        n_head=2,
+        resid_pdrop=0.5,
+        embd_pdrop=0.5,
+        attn_pdrop=0.5,
+    )
     torch.manual_seed(0)
     GPT2LMHeadModel(config).save_pretrained(tmp_path)
     model = load_causal_lm(str(tmp_path))

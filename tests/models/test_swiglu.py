@@ -12,6 +12,8 @@ import torch
 from policygrad.models.swiglu import RMSNormFunction, SwiGLUFunction, use_memory_efficient_mlp
 from tests.tiny import make_tiny_llama
 
+pytestmark = pytest.mark.integration
+
 F64 = torch.float64
 
 
@@ -38,9 +40,7 @@ def test_swiglu_equals_autograd_with_gradients():
     weights = torch.randn(2, 5, 6, dtype=F64, generator=g)
     inputs = (x, w_gate, w_up, w_down)
     fused = torch.autograd.grad((SwiGLUFunction.apply(*inputs) * weights).sum(), inputs)
-    plain_out = torch.nn.functional.linear(
-        torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T), w_down
-    )
+    plain_out = torch.nn.functional.linear(torch.nn.functional.silu(x @ w_gate.T) * (x @ w_up.T), w_down)
     plain = torch.autograd.grad((plain_out * weights).sum(), inputs)
     for a, b in zip(fused, plain):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=0)

@@ -16,6 +16,8 @@ from policygrad.models.value import ValueModel, is_sequence_classifier, load_val
 from policygrad.rollout.base import Rollout
 from tests.tiny import BOS_ID, EOS_ID, PAD_ID, make_tiny_llama, make_tiny_tokenizer
 
+pytestmark = pytest.mark.integration
+
 PAD_SPIKE = 1e6
 
 

@@ -18,6 +18,8 @@ from policygrad.rewards.registry import (
 )
 from policygrad.rewards.verifiers import answer_correctness, answer_format, length_penalty
 
+pytestmark = pytest.mark.unit
+
 USER_MODULE = textwrap.dedent(
     """
     NOT_CALLABLE = 3

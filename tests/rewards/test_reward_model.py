@@ -14,6 +14,8 @@ from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX, RewardModel, re
 from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
 from tests.tiny import EOS_ID, PAD_ID, make_tiny_llama
 
+pytestmark = pytest.mark.integration
+
 PROMPTS = ["What is 2+3?", "Say hi.", "What is 10-4? Answer with just the number."]
 COMPLETIONS = ["5", "hi there, friend", "6\n"]
 

@@ -17,6 +17,8 @@ from policygrad.rewards.verifiers import (
     parse_number,
 )
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize(
     ("text", "expected"),

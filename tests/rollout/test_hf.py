@@ -9,6 +9,8 @@ from policygrad.models.loading import apply_lora
 from policygrad.rollout import HFRolloutEngine, Rollout
 from tests.tiny import EOS_ID, PAD_ID, make_tiny_llama
 
+pytestmark = pytest.mark.integration
+
 # Every 7th id from <|im_end|> (2, 9, ..., 93: 14 of the 100 ids) ends a response in the masking
 # tests, so short runs of the random model give both early EOS and truncation.
 MANY_EOS = list(range(2, 100, 7))
@@ -30,11 +32,14 @@ def _full_forward_logits(model, rollout):
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        out = model(input_ids=rollout.input_ids(), attention_mask=rollout.attention_mask(),
-                    position_ids=rollout.position_ids()).logits
+        out = model(
+            input_ids=rollout.input_ids(),
+            attention_mask=rollout.attention_mask(),
+            position_ids=rollout.position_ids(),
+        ).logits
     model.train(was_training)
     P = rollout.prompt_ids.shape[1]
-    return out[:, P - 1:-1].float()
+    return out[:, P - 1 : -1].float()
 
 
 def _gather(logprobs, tokens):
@@ -47,8 +52,9 @@ def _gather(logprobs, tokens):
 def test_shapes_groups_and_left_padding(tiny):
     model, tok = tiny
     prompts = _prompts(tok, ["hi", "What is 12+7?", "abc"])
-    r = HFRolloutEngine(model, tok).generate(prompts, group_size=4, temperature=1.0, max_new_tokens=5,
-                                              generator_seed=0)
+    r = HFRolloutEngine(model, tok).generate(
+        prompts, group_size=4, temperature=1.0, max_new_tokens=5, generator_seed=0
+    )
     B, P = 12, len(prompts[1])
     assert r.prompt_ids.shape == (B, P) and r.prompt_mask.shape == (B, P)
     T = r.response_ids.shape[1]
@@ -106,8 +112,9 @@ def test_stops_at_every_eos_id(tiny):
         assert many.response_ids[row, :n].tolist() == full[:cut]
         if not many.truncated[row]:
             enders.add(full[cut - 1])
-        torch.testing.assert_close(many.sampler_logprobs[row, :n], one.sampler_logprobs[row, :n],
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            many.sampler_logprobs[row, :n], one.sampler_logprobs[row, :n], rtol=0, atol=1e-6
+        )
     assert len(enders) >= 3  # several different ids ended responses
 
 
@@ -121,8 +128,15 @@ def test_stops_at_every_eos_id(tiny):
 def test_sampler_logprobs_match_a_full_forward(tiny, temperature, top_k, top_p):
     model, tok = tiny
     prompts = _prompts(tok, ["hi", "What is 12+7?", "abc"])
-    r = HFRolloutEngine(model, tok).generate(prompts, group_size=4, temperature=temperature, top_k=top_k,
-                                              top_p=top_p, max_new_tokens=8, generator_seed=1)
+    r = HFRolloutEngine(model, tok).generate(
+        prompts,
+        group_size=4,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=8,
+        generator_seed=1,
+    )
     z = _full_forward_logits(model, r) / temperature
     if top_k is not None:  # keep the k largest, renormalise
         kth = z.topk(top_k, dim=-1).values[..., -1:]
@@ -146,8 +160,9 @@ def test_sampler_logprobs_match_a_full_forward(tiny, temperature, top_k, top_p):
 def test_greedy_picks_the_argmax_and_reports_tempered_logprobs(tiny):
     model, tok = tiny
     prompts = _prompts(tok, ["hi", "What is 12+7?"])
-    r = HFRolloutEngine(model, tok).generate(prompts, group_size=2, greedy=True, temperature=0.5,
-                                              max_new_tokens=6)
+    r = HFRolloutEngine(model, tok).generate(
+        prompts, group_size=2, greedy=True, temperature=0.5, max_new_tokens=6
+    )
     logits = _full_forward_logits(model, r)
     mask = r.response_mask.bool()
     assert torch.equal(logits.argmax(-1)[mask], r.response_ids[mask])
@@ -166,8 +181,9 @@ def test_left_padding_does_not_change_the_continuation(tiny):
     assert padded.prompt_mask[1].sum() == len(short) < padded.prompt_ids.shape[1]  # really left-padded
     n = int(alone.response_lengths[0])
     assert padded.response_ids[1, :n].tolist() == alone.response_ids[0, :n].tolist()
-    torch.testing.assert_close(padded.sampler_logprobs[1, :n], alone.sampler_logprobs[0, :n],
-                               rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        padded.sampler_logprobs[1, :n], alone.sampler_logprobs[0, :n], rtol=0, atol=1e-5
+    )
     # First-token logits of the left-padded row equal those of the unpadded prompt.
     with torch.no_grad():
         unpadded = model.eval()(torch.tensor([short])).logits[0, -1]
@@ -201,16 +217,24 @@ def test_position_ids_follow_the_attention_mask():
     assert trimmed.position_ids().tolist() == [[0, 1, 2, 3]]
     assert r.to("cpu").response_ids.tolist() == r.response_ids.tolist()
     with pytest.raises(ValueError, match="response_mask shape"):
-        Rollout(r.prompt_ids, r.prompt_mask, r.response_ids, r.response_mask[:, :2], r.truncated,
-                r.sampler_logprobs, r.group_index)
+        Rollout(
+            r.prompt_ids,
+            r.prompt_mask,
+            r.response_ids,
+            r.response_mask[:, :2],
+            r.truncated,
+            r.sampler_logprobs,
+            r.group_index,
+        )
 
 
 def test_training_forward_with_rollout_positions_reproduces_sampler_logprobs(tiny):
     # The trainer's route: a forward over a trimmed sub-batch gives the sampler's numbers.
     model, tok = tiny
     prompts = _prompts(tok, ["hi", "What is 12+7?", "abc"])
-    r = HFRolloutEngine(model, tok).generate(prompts, group_size=2, temperature=0.7, max_new_tokens=8,
-                                              generator_seed=5)
+    r = HFRolloutEngine(model, tok).generate(
+        prompts, group_size=2, temperature=0.7, max_new_tokens=8, generator_seed=5
+    )
     sub = r.select([0, 1]).trim()
     expected = _gather((_full_forward_logits(model, sub) / 0.7).log_softmax(-1), sub.response_ids)
     mask = sub.response_mask.bool()
@@ -273,8 +297,9 @@ def test_model_generation_config_does_not_leak_into_sampling(tiny):
     model.generation_config.suppress_tokens = list(range(20, 60))
     model.generation_config.do_sample = True
     try:
-        r = HFRolloutEngine(model, tok).generate(_prompts(tok, ["hi", "abc"]), group_size=4, max_new_tokens=8,
-                                                  generator_seed=2)
+        r = HFRolloutEngine(model, tok).generate(
+            _prompts(tok, ["hi", "abc"]), group_size=4, max_new_tokens=8, generator_seed=2
+        )
     finally:
         model.generation_config = saved
     expected = _gather(_full_forward_logits(model, r).log_softmax(-1), r.response_ids)
@@ -291,8 +316,9 @@ def test_lora_model_generates_and_sync_weights_switches_model(tiny_model_dir):
     peft_model = apply_lora(base, rank=2, alpha=4)
     engine.sync_weights(peft_model)
     assert engine.model is peft_model
-    r = engine.generate(_prompts(tok, ["hi"]), group_size=2, temperature=0.7, max_new_tokens=5,
-                        generator_seed=0)
+    r = engine.generate(
+        _prompts(tok, ["hi"]), group_size=2, temperature=0.7, max_new_tokens=5, generator_seed=0
+    )
     expected = _gather((_full_forward_logits(peft_model, r) / 0.7).log_softmax(-1), r.response_ids)
     mask = r.response_mask.bool()
     assert (expected[mask] - r.sampler_logprobs[mask]).abs().max() < 1e-4

@@ -18,6 +18,8 @@ import torch
 from policygrad.rollout import HFRolloutEngine, VLLMRolloutEngine, vllm_available
 from tests.tiny import PAD_ID, make_tiny_llama
 
+pytestmark = pytest.mark.integration
+
 # Skip without importing vLLM: importing it here would set up its logging before the engine sets
 # VLLM_LOGGING_LEVEL, and slow down collecting the whole suite.
 if not vllm_available():
@@ -36,8 +38,9 @@ LONG_TEXT = "The quick brown fox jumps over the lazy dog. " * 4 + "Now: what is 
 def _tiny(path=None):
     # head_dim 64 / 2 = 32, a size vLLM's CPU attention supports; initializer_range 0.5 makes the
     # next-token distributions peaked, so top-k/top-p cut real mass and EOS ids are often chosen.
-    return make_tiny_llama(path, seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                           initializer_range=0.5)
+    return make_tiny_llama(
+        path, seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64, initializer_range=0.5
+    )
 
 
 @pytest.fixture(scope="module")
@@ -54,16 +57,34 @@ def setup(tmp_path_factory):
     random.seed(123)
     np.random.seed(123)
     threads = torch.get_num_threads()
-    engine = VLLMRolloutEngine(str(path), tok, MANY_EOS, max_model_len=512, kv_cache_gb=0.05,
-                               cache_dir=str(tmp_path_factory.mktemp("vllm_cache")))
-    after = {"torch": torch.rand(3), "python": random.random(), "numpy": np.random.rand(),
-             "threads": torch.get_num_threads(), "threads_before": threads,
-             "dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled()}
+    engine = VLLMRolloutEngine(
+        str(path),
+        tok,
+        MANY_EOS,
+        max_model_len=512,
+        kv_cache_gb=0.05,
+        cache_dir=str(tmp_path_factory.mktemp("vllm_cache")),
+    )
+    after = {
+        "torch": torch.rand(3),
+        "python": random.random(),
+        "numpy": np.random.rand(),
+        "threads": torch.get_num_threads(),
+        "threads_before": threads,
+        "dtype": torch.get_default_dtype(),
+        "grad": torch.is_grad_enabled(),
+    }
     torch.set_rng_state(saved_rng[0])
     random.setstate(saved_rng[1])
     np.random.set_state(saved_rng[2])
-    yield {"path": str(path), "model": model, "tok": tok, "engine": engine,
-           "hf": HFRolloutEngine(model, tok, MANY_EOS), "after_init": after}
+    yield {
+        "path": str(path),
+        "model": model,
+        "tok": tok,
+        "engine": engine,
+        "hf": HFRolloutEngine(model, tok, MANY_EOS),
+        "after_init": after,
+    }
     engine.close()
 
 
@@ -74,10 +95,13 @@ def _prompts(tok, texts):
 def _logits(model, rollout):
     """fp32 logits [B, T, V] predicting each response token, from one full transformers forward."""
     with torch.no_grad():
-        out = model(input_ids=rollout.input_ids(), attention_mask=rollout.attention_mask(),
-                    position_ids=rollout.position_ids()).logits
+        out = model(
+            input_ids=rollout.input_ids(),
+            attention_mask=rollout.attention_mask(),
+            position_ids=rollout.position_ids(),
+        ).logits
     P = rollout.prompt_ids.shape[1]
-    return out[:, P - 1:-1].float()
+    return out[:, P - 1 : -1].float()
 
 
 def _forward_logprobs(model, rollout, temperature, top_k=None, top_p=None):
@@ -134,8 +158,10 @@ def test_both_engines_same_layout_and_logprobs_match_a_fp32_forward(setup):
     model, tok = setup["model"], setup["tok"]
     prompts = _prompts(tok, TEXTS + ["x"])
     kwargs = dict(group_size=4, temperature=0.7, max_new_tokens=6, generator_seed=3)
-    rollouts = {"hf": setup["hf"].generate(prompts, **kwargs),
-                "vllm": setup["engine"].generate(prompts, **kwargs)}
+    rollouts = {
+        "hf": setup["hf"].generate(prompts, **kwargs),
+        "vllm": setup["engine"].generate(prompts, **kwargs),
+    }
     for name, r in rollouts.items():
         _check_layout(r, prompts, 4, 6)
         assert any(r.truncated) and not all(r.truncated), name  # both stop cases occur
@@ -155,20 +181,34 @@ def test_only_eos_token_ids_end_a_response(setup):
     prompts = _prompts(tok, TEXTS + ["x", "12+7=", "Hello"])
     r = setup["engine"].generate(prompts, group_size=4, temperature=1.0, max_new_tokens=16, generator_seed=0)
     _check_layout(r, prompts, 4, 16)
-    inside = [t for row in range(r.batch_size)
-              for t in r.response_ids[row, : int(r.response_lengths[row]) - 1].tolist()]
+    inside = [
+        t
+        for row in range(r.batch_size)
+        for t in r.response_ids[row, : int(r.response_lengths[row]) - 1].tolist()
+    ]
     assert set(inside) & set(CONFIG_EOS)  # a generation_config eos id did not stop its response
-    enders = {int(r.response_ids[row, int(r.response_lengths[row]) - 1])
-              for row in range(r.batch_size) if not r.truncated[row]}
+    enders = {
+        int(r.response_ids[row, int(r.response_lengths[row]) - 1])
+        for row in range(r.batch_size)
+        if not r.truncated[row]
+    }
     assert len(enders) >= 3 and enders <= set(MANY_EOS)  # several different ids ended responses
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
-                         [(0.7, 5, None), (0.7, None, 0.8), (1.3, 10, 0.9)])
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(0.7, 5, None), (0.7, None, 0.8), (1.3, 10, 0.9)]
+)
 def test_truncated_sampling_logprobs_match(setup, temperature, top_k, top_p):
     model, tok = setup["model"], setup["tok"]
-    r = setup["engine"].generate(_prompts(tok, TEXTS), group_size=4, temperature=temperature, top_k=top_k,
-                                 top_p=top_p, max_new_tokens=8, generator_seed=1)
+    r = setup["engine"].generate(
+        _prompts(tok, TEXTS),
+        group_size=4,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=8,
+        generator_seed=1,
+    )
     assert (r.top_k, r.top_p) == (top_k, top_p)
     assert _abs_diff(model, r, temperature, top_k=top_k, top_p=top_p).max() < 1e-4
     # Truncation changed the numbers: the untruncated log-probs are lower (less than 1 in mass).
@@ -271,8 +311,9 @@ def test_sync_weights_pushes_merged_lora_without_changing_the_model(setup):
 )
 def test_sync_weights_rejects_another_architecture_before_copying(setup, change, error, match):
     tok, engine = setup["tok"], setup["engine"]
-    kwargs = dict(seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                  initializer_range=0.5)
+    kwargs = dict(
+        seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64, initializer_range=0.5
+    )
     other, _ = make_tiny_llama(**{**kwargs, **change})
     with pytest.raises(error, match=match):
         engine.sync_weights(other)
@@ -285,8 +326,9 @@ def test_sync_weights_rejects_another_architecture_before_copying(setup, change,
     with pytest.raises(ValueError, match="uses DoRA"):
         engine.sync_weights(dora)
     # Nothing was copied: the engine still samples from the original weights.
-    r = engine.generate(_prompts(tok, TEXTS), group_size=2, temperature=0.7, max_new_tokens=6,
-                        generator_seed=0)
+    r = engine.generate(
+        _prompts(tok, TEXTS), group_size=2, temperature=0.7, max_new_tokens=6, generator_seed=0
+    )
     assert _abs_diff(setup["model"], r).max() < 1e-4
 
 
@@ -297,8 +339,15 @@ def test_bf16_engine_is_visibly_off_policy_and_closing_or_dropping_keeps_the_oth
     model, tok, engine = setup["model"], setup["tok"], setup["engine"]
     prompts = _prompts(tok, TEXTS + ["x"])
     kwargs = dict(group_size=4, temperature=0.7, max_new_tokens=12, generator_seed=2)
-    bf16 = VLLMRolloutEngine(setup["path"], tok, MANY_EOS, dtype="bfloat16", max_model_len=512,
-                             kv_cache_gb=0.05, cache_dir=str(tmp_path))
+    bf16 = VLLMRolloutEngine(
+        setup["path"],
+        tok,
+        MANY_EOS,
+        dtype="bfloat16",
+        max_model_len=512,
+        kv_cache_gb=0.05,
+        cache_dir=str(tmp_path),
+    )
     try:
         r16 = bf16.generate(prompts, **kwargs)
         r32 = engine.generate(prompts, **kwargs)
@@ -319,8 +368,9 @@ def test_bf16_engine_is_visibly_off_policy_and_closing_or_dropping_keeps_the_oth
         bf16.generate(prompts, max_new_tokens=2)
     # vLLM's process-wide state is shared: closing one engine must not break another, nor must
     # dropping one without close.
-    dropped = VLLMRolloutEngine(setup["path"], tok, MANY_EOS, max_model_len=64, kv_cache_gb=0.01,
-                                cache_dir=str(tmp_path))
+    dropped = VLLMRolloutEngine(
+        setup["path"], tok, MANY_EOS, max_model_len=64, kv_cache_gb=0.01, cache_dir=str(tmp_path)
+    )
     dropped.generate(prompts, max_new_tokens=2)
     del dropped
     gc.collect()
@@ -438,8 +488,13 @@ def test_bad_prompts(setup):
 )
 def test_bad_constructor_arguments(setup, kwargs, error, match):
     # All checked before vLLM starts.
-    args = {"model_path": setup["path"], "tokenizer": setup["tok"], "eos_token_ids": MANY_EOS,
-            "max_model_len": 64, **kwargs}
+    args = {
+        "model_path": setup["path"],
+        "tokenizer": setup["tok"],
+        "eos_token_ids": MANY_EOS,
+        "max_model_len": 64,
+        **kwargs,
+    }
     with pytest.raises(error, match=match):
         VLLMRolloutEngine(**args)
 

@@ -134,3 +134,11 @@ def make_config(eos_model_dir, rewards_py, tmp_path):
         return load_config(None, tiny_overrides(eos_model_dir, spec, tmp_path / name, **sections))
 
     return factory
+
+
+REWARDS_PY += '''
+
+def zero(prompts, completions, **fields):
+    """0.0 for every completion: no group has signal in this component."""
+    return [0.0 for _ in completions]
+'''

@@ -19,6 +19,8 @@ from policygrad.rewards.verifiers import extract_answer
 from policygrad.trainer.evaluate import pass_at_k
 from tests.trainer.conftest import tiny_overrides, write_jsonl
 
+pytestmark = pytest.mark.integration
+
 VOLATILE = ("time/", "perf/", "memory/")
 
 

@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from policygrad.core.advantages import list_advantage_estimators
+from policygrad.core.kl import KL_PLACEMENTS, get_kl_placement
 from policygrad.core.losses import list_policy_losses
 from policygrad.core.masking import AGGREGATION_MODES
 from policygrad.trainer.config import (
@@ -16,6 +17,8 @@ from policygrad.trainer.config import (
     load_config,
     parse_overrides,
 )
+
+pytestmark = pytest.mark.unit
 
 
 def _yaml(tmp_path, data, name="cfg.yaml") -> str:
@@ -188,7 +191,8 @@ def test_presets_resolve_to_registered_names(algorithm, estimator, options, agg_
     cfg = load_config(None, [f"--algorithm={algorithm}", f"--rollout.group_size={max(min_group, 2)}"])
     assert cfg.estimator_name == estimator and cfg.estimator_options == options
     assert cfg.policy_loss_name == "ppo" and cfg.agg_mode == agg_mode
-    assert cfg.preset.min_group_size == min_group
+    # the minimum group size is the estimator's declared capability, not a preset field
+    assert cfg.estimator_spec.min_group_size(cfg.estimator_options) == min_group
     # the trainer only looks these names up in core's registries
     assert estimator in list_advantage_estimators() and "ppo" in list_policy_losses()
     assert agg_mode in AGGREGATION_MODES
@@ -318,3 +322,219 @@ def test_auto_engine_falls_back_to_hf_when_vllm_does_not_import(monkeypatch):
     assert RolloutConfig(engine="vllm").resolved_engine() == ("vllm", "configured")
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
     assert RolloutConfig(engine="auto").resolved_engine() == ("hf", "auto: vllm not installed")
+
+
+# ----------------------------------------------------------------------------- policy-loss options
+
+
+def test_only_the_loss_options_the_user_set_reach_the_loss():
+    cfg = load_config(None, [])
+    assert (cfg.loss.clip_low, cfg.loss.clip_high, cfg.loss.dual_clip) == (None, None, None)
+    assert cfg.loss_options == {}  # ppo keeps its own defaults (0.2 / 0.2, no dual clip)
+    cfg = load_config(None, ["--loss.clip_high=0.28", "--loss.options={dual_clip: 3}"])
+    assert cfg.loss_options == {"clip_high": 0.28, "dual_clip": 3}
+
+
+def test_gspo_keeps_its_papers_defaults():
+    # GSPO's sequence-ratio band (Zheng et al. 2025, section 5.1) is 3e-4 / 4e-4, not PPO's 0.2
+    cfg = load_config(None, ["--loss.policy_loss=gspo", "--loss.agg_mode=seq-mean-token-mean"])
+    assert cfg.loss_options == {}
+    cfg = load_config(None, ["--loss.policy_loss=gspo", "--loss.options={clip_low: 2e-4}"])
+    assert cfg.loss_options == {"clip_low": 2e-4}  # YAML 1.1 reads 2e-4 as a string: coerced
+
+
+def test_cispo_explicit_null_means_no_upper_bound(tmp_path):
+    path = _yaml(tmp_path, {"loss": {"policy_loss": "cispo", "options": {"clip_high": None}}})
+    cfg = load_config(path)
+    assert cfg.loss_options == {"clip_high": None}
+    assert load_config(None, ["--loss.policy_loss=cispo", "--loss.options.clip_high=null"]) == cfg
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["--loss.policy_loss=gspo", "--loss.dual_clip=3"],
+            [
+                "loss.dual_clip: policy loss 'gspo' has no option 'dual_clip'; its options: "
+                "clip_low (default 0.0003), clip_high (default 0.0004)",
+                "unset loss.dual_clip",
+            ],
+        ),
+        (
+            ["--loss.policy_loss=vanilla", "--loss.options={eps: 0.1}"],
+            ["loss.options.eps: policy loss 'vanilla' has no option 'eps'; its options: (none)"],
+        ),
+        (
+            ["--loss.dual_clip=0.5"],
+            [
+                "loss.dual_clip=0.5 is not valid for policy loss 'ppo': "
+                "dual_clip must be a finite number > 1",
+                "its options: clip_low (default 0.2), clip_high (default 0.2), dual_clip (default None)",
+            ],
+        ),
+        (
+            ["--loss.options={clip_low: 1.5}"],
+            [
+                "loss.options.clip_low=1.5 is not valid for policy loss 'ppo'",
+                "clip_low must be a finite number",
+            ],
+        ),
+        (
+            ["--loss.policy_loss=ppo", "--loss.options={clip_high: null}"],
+            ["loss.options.clip_high=None is not valid for policy loss 'ppo'", "clip_high must be a number"],
+        ),
+        (
+            ["--loss.clip_high=0.3", "--loss.options={clip_high: 0.28}"],
+            ["loss.clip_high and loss.options.clip_high both set clip_high; set it in one place"],
+        ),
+        (
+            ["--loss.policy_loss=trpo"],
+            ["loss.policy_loss='trpo' is not valid; choose one of ['cispo', 'gspo', 'ppo', 'vanilla']"],
+        ),
+    ],
+)
+def test_loss_option_errors_name_the_field_the_loss_and_its_options(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+# ----------------------------------------------------------------------------- estimator capabilities
+
+
+def test_estimator_spec_comes_from_the_registry():
+    cfg = load_config(None, ["--algorithm=ppo"])
+    assert cfg.estimator_spec.name == "gae" and cfg.estimator_spec.needs_values
+    cfg = load_config(None, ["--algorithm=remax"])
+    assert cfg.estimator_spec.inputs == ("baseline_rewards",)
+    assert not hasattr(cfg.preset, "greedy_baseline") and not hasattr(cfg.preset, "min_group_size")
+
+
+def test_reinforce_pp_group_baseline_with_one_sample_per_prompt_is_refused():
+    # REINFORCE++-baseline subtracts the group mean: with G = 1 that is the row's own reward,
+    # so every advantage would be exactly 0.
+    overrides = ["--algorithm=reinforce_pp", "--advantage.options={group_baseline: true}"]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [*overrides, "--rollout.group_size=1"])
+    message = str(info.value)
+    assert "algorithm='reinforce_pp' needs rollout.group_size >= 2" in message
+    assert "advantage estimator 'reinforce_pp' with group_baseline=True" in message
+    assert "set rollout.group_size >= 2 or change advantage.options.group_baseline" in message
+    assert load_config(None, [*overrides, "--rollout.group_size=2"]).rollout.group_size == 2
+    assert load_config(None, ["--algorithm=reinforce_pp", "--rollout.group_size=1"]).rollout.group_size == 1
+
+
+def test_group_size_error_names_an_overriding_estimator():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["--algorithm=reinforce", "--advantage.estimator=rloo", "--rollout.group_size=1"])
+    message = str(info.value)
+    assert "needs rollout.group_size >= 2 (advantage estimator 'rloo' compares samples" in message
+    assert "got 1; set rollout.group_size >= 2" in message
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        (
+            ["--advantage.options={scael: none}"],
+            [
+                "advantage.options: advantage estimator 'grpo' has no option 'scael'; "
+                "valid options: scale, eps, unbiased"
+            ],
+        ),
+        (["--advantage.options={scale: std}"], ["advantage.options: grpo: unknown scale 'std'"]),
+        (["--algorithm=ppo", "--advantage.options={lam: 1.5}"], ["advantage.options: gae: lam must be"]),
+        (
+            ["--algorithm=remax", "--advantage.options={baseline_rewards: 0.0}"],
+            [
+                "advantage.options: advantage estimator 'remax': 'baseline_rewards' is an input the trainer "
+                "supplies, not an option"
+            ],
+        ),
+        (
+            ["--advantage.estimator=ppo"],
+            ["advantage.estimator='ppo' is not valid; choose one of ['gae', 'grpo', "],
+        ),
+        (
+            ["--advantage.estimator=gae"],
+            ["advantage estimator 'gae' reads a critic's values, but there is no critic"],
+        ),
+    ],
+)
+def test_estimator_errors_are_caught_at_config_time(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+# ----------------------------------------------------------------------------- KL placement
+
+
+def test_kl_placement_is_the_registered_object():
+    for name in KL_PLACEMENTS:
+        beta = [] if name == "none" else ["--kl.beta=0.1"]
+        cfg = load_config(None, [f"--kl.placement={name}", *beta])
+        assert cfg.kl_placement is get_kl_placement(name)
+        assert cfg.kl.resolved_kind() == get_kl_placement(name).default_kind
+    with pytest.raises(
+        ConfigError, match=r"kl.placement='both' is not valid; choose one of \['loss', 'none'"
+    ):
+        load_config(None, ["--kl.placement=both"])
+
+
+# ----------------------------------------------------------------------------- dynamic sampling
+
+
+def test_dynamic_sampling_defaults_and_components():
+    cfg = load_config(None, [])
+    assert (cfg.dynamic_sampling.reward, cfg.dynamic_sampling.max_extra_rounds) == (None, 0)
+    functions = "--reward.functions=[answer_correctness, answer_format, answer_correctness]"
+    cfg = load_config(None, ["--drop_zero_variance_groups=true", functions])
+    assert cfg.dynamic_sampling_reward == "answer_correctness"  # the first entry
+    for component in ("answer_format", "answer_correctness#2"):
+        cfg = load_config(
+            None,
+            [
+                "--drop_zero_variance_groups=true",
+                functions,
+                f"--dynamic_sampling.reward={component}",
+                "--dynamic_sampling.max_extra_rounds=3",
+            ],
+        )
+        assert cfg.dynamic_sampling_reward == component and cfg.dynamic_sampling.max_extra_rounds == 3
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (
+            ["--dynamic_sampling.reward=answer_correctness"],
+            "dynamic_sampling.reward='answer_correctness' has no effect; set drop_zero_variance_groups=true",
+        ),
+        (
+            ["--dynamic_sampling.max_extra_rounds=2"],
+            "dynamic_sampling.max_extra_rounds=2 has no effect; set drop_zero_variance_groups=true",
+        ),
+        (
+            ["--drop_zero_variance_groups=true", "--dynamic_sampling.reward=answer_format"],
+            "dynamic_sampling.reward='answer_format' is not a reward component; choose one of "
+            "['answer_correctness']",
+        ),
+        (
+            ["--drop_zero_variance_groups=true", "--dynamic_sampling.reward=answer_correctness#2"],
+            "dynamic_sampling.reward='answer_correctness#2' is not a reward component",
+        ),
+        (
+            ["--drop_zero_variance_groups=true", "--dynamic_sampling.max_extra_rounds=-1"],
+            "dynamic_sampling.max_extra_rounds must be >= 0, got -1",
+        ),
+        (["--dynamic_sampling.rounds=2"], "unknown config key dynamic_sampling.rounds"),
+    ],
+)
+def test_dynamic_sampling_validation(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert fragment in str(info.value)

@@ -18,18 +18,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import policygrad.trainer.loop as loop
+from policygrad.core.masking import aggregate
+from policygrad.models.forward import policy_logprobs
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rewards.registry import RewardFunctionError
 from policygrad.rollout import HFRolloutEngine
+from policygrad.trainer import Trainer, TrainingError
 from policygrad.trainer.config import ConfigError
-from policygrad.trainer.loop import Trainer
 from tests.trainer.conftest import write_jsonl
+
+pytestmark = pytest.mark.integration
 
 VOLATILE = ("time/", "perf/", "memory/")
 
 
-def _comparable(metrics: dict) -> dict:
+def comparable(metrics: dict) -> dict:
     """Metrics without wall-clock and memory readings; NaN replaced by a marker so == works."""
     return {
         k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
@@ -38,7 +41,7 @@ def _comparable(metrics: dict) -> dict:
     }
 
 
-def _weights(model) -> dict[str, torch.Tensor]:
+def model_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
@@ -46,14 +49,14 @@ def _optimizer_state(optimizer) -> dict:
     return copy.deepcopy(optimizer.state_dict())
 
 
-def _same_tree(a, b) -> bool:
+def same_tree(a, b) -> bool:
     """Bitwise equality of nested dicts/lists of tensors and plain values."""
     if isinstance(a, torch.Tensor):
         return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
     if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_tree(a[k], b[k]) for k in a)
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_tree(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_tree(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same_tree(x, y) for x, y in zip(a, b))
     return a == b
 
 
@@ -63,13 +66,13 @@ class Spy:
     rollout engine produced it), and the arguments and metrics of the policy-loss call that
     follows, with the number of optimizer steps taken before it."""
 
-    def __init__(self, trainer: Trainer, monkeypatch):
+    def __init__(self, trainer: Trainer):
         self.calls: list[dict] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.response_masks: list[torch.Tensor] = []
         self.optimizer_steps = 0
         trainer.optimizer.register_step_post_hook(self._count)
-        policy_loss = trainer.policy_loss
+        policy_loss = trainer.objective.policy_loss
 
         def spy_loss(logprobs, old_logprobs, advantages, mask, **options):
             out = policy_loss(logprobs, old_logprobs, advantages, mask, **options)
@@ -85,8 +88,8 @@ class Spy:
             )
             return out
 
-        trainer.policy_loss = spy_loss
-        policy_logprobs = loop.policy_logprobs
+        trainer.objective.policy_loss = spy_loss
+        policy_logprobs = trainer.policy_step.forward
 
         def spy_logprobs(model, rollout, **kwargs):
             logprobs, entropy = policy_logprobs(model, rollout, **kwargs)
@@ -98,7 +101,7 @@ class Spy:
                 self.response_masks.append(rollout.response_mask.clone())
             return logprobs, entropy
 
-        monkeypatch.setattr(loop, "policy_logprobs", spy_logprobs)
+        trainer.policy_step.forward = spy_logprobs
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -120,11 +123,12 @@ def poison_masked_positions(trainer: Trainer) -> None:
     """Fill everything the loss must not see with garbage: prompt padding and post-EOS token ids
     become random tokens, and the sampler's, old and reference log-probs become NaN wherever
     ``response_mask`` is 0. A loop that masks correctly gives bitwise the same step."""
-    inference_logprobs = trainer._inference_logprobs
 
-    def poisoned_logprobs(model, rollout, **kwargs):
-        out = inference_logprobs(model, rollout, **kwargs)
-        return out.masked_fill(rollout.response_mask == 0, float("nan"))
+    def poisoned(logprobs_pass):
+        def run(rollout):
+            return logprobs_pass(rollout).masked_fill(rollout.response_mask == 0, float("nan"))
+
+        return run
 
     generate = trainer.engine.generate
 
@@ -140,7 +144,8 @@ def poison_masked_positions(trainer: Trainer) -> None:
             sampler_logprobs=r.sampler_logprobs.masked_fill(r.response_mask == 0, float("nan")),
         )
 
-    trainer._inference_logprobs = poisoned_logprobs
+    trainer.old_logprobs = poisoned(trainer.old_logprobs)
+    trainer.reference_logprobs = poisoned(trainer.reference_logprobs)
     trainer.engine.generate = poisoned_generate
 
 
@@ -171,15 +176,15 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("algorithm", sorted(VARIANTS))
-def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_config, monkeypatch):
+def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_config):
     sections = {"algorithm": algorithm, "loss": {"entropy_coef": 0.01}, **VARIANTS[algorithm]}
     trainer = Trainer(make_config("clean", **sections))
-    before = _weights(trainer.policy)
-    spy = Spy(trainer, monkeypatch)
+    before = model_weights(trainer.policy)
+    spy = Spy(trainer)
     metrics = [trainer.step() for _ in range(2)]
 
     # Parameters changed (every tensor of the model), losses finite, nothing skipped.
-    after = _weights(trainer.policy)
+    after = model_weights(trainer.policy)
     assert all(not torch.equal(before[k], after[k]) for k in before)
     for m in metrics:
         assert math.isfinite(m["policy/loss"]) and math.isfinite(m["policy/entropy"])
@@ -211,8 +216,8 @@ def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_
     poisoned = Trainer(make_config("poisoned", **sections))
     poison_masked_positions(poisoned)
     poisoned_metrics = [poisoned.step() for _ in range(2)]
-    assert [_comparable(m) for m in poisoned_metrics] == [_comparable(m) for m in metrics]
-    assert _same_tree(_weights(poisoned.policy), after)
+    assert [comparable(m) for m in poisoned_metrics] == [comparable(m) for m in metrics]
+    assert same_tree(model_weights(poisoned.policy), after)
 
 
 def test_kl_placement_none_loads_no_reference(make_config):
@@ -252,7 +257,7 @@ def test_training_logprobs_are_those_of_the_response_tokens(eos_model_dir):
             generator_seed=3,
         )
         with torch.no_grad():
-            lp, _ = loop.policy_logprobs(model, rollout, temperature=temperature, top_k=top_k, top_p=top_p)
+            lp, _ = policy_logprobs(model, rollout, temperature=temperature, top_k=top_k, top_p=top_p)
         valid = rollout.response_mask > 0
         assert lp.shape == rollout.response_ids.shape
         torch.testing.assert_close(lp[valid], rollout.sampler_logprobs[valid], atol=1e-5, rtol=0)
@@ -277,9 +282,7 @@ def test_training_logprobs_are_those_of_the_response_tokens(eos_model_dir):
     "ppo_epochs, num_minibatches, micro_batch_size",
     [(1, 1, 8), (1, 1, 3), (1, 2, 3), (2, 1, 8), (2, 4, 3), (3, 2, 8)],
 )
-def test_first_minibatch_ratio_is_one(
-    ppo_epochs, num_minibatches, micro_batch_size, make_config, monkeypatch
-):
+def test_first_minibatch_ratio_is_one(ppo_epochs, num_minibatches, micro_batch_size, make_config):
     trainer = Trainer(
         make_config(
             optim={
@@ -291,9 +294,9 @@ def test_first_minibatch_ratio_is_one(
         )
     )
     recomputed = []
-    inference_logprobs = trainer._inference_logprobs
-    trainer._inference_logprobs = lambda *a, **k: recomputed.append(1) or inference_logprobs(*a, **k)
-    spy = Spy(trainer, monkeypatch)
+    old_logprobs = trainer.old_logprobs
+    trainer.old_logprobs = lambda rollout: recomputed.append(1) or old_logprobs(rollout)
+    spy = Spy(trainer)
     trainer.step()
     on_policy = ppo_epochs == 1 and num_minibatches == 1
     # the extra forward for old log-probs runs only when the update is not exactly on-policy
@@ -342,7 +345,7 @@ def _resume_sections(tmp_path, lora: bool) -> dict:
 
 def _metrics_rows(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-        return [_comparable(json.loads(line)) for line in f]
+        return [comparable(json.loads(line)) for line in f]
 
 
 def _final_tensors(run_dir, step: int) -> dict[str, torch.Tensor]:
@@ -386,21 +389,21 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
     assert rows == _metrics_rows(straight.run_dir)
     a, b = _final_tensors(straight.run_dir, 4), _final_tensors(cfg.output_dir, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert _same_tree(_weights(resumed.policy), _weights(straight.policy))
-    assert _same_tree(_optimizer_state(resumed.optimizer), _optimizer_state(straight.optimizer))
+    assert same_tree(model_weights(resumed.policy), model_weights(straight.policy))
+    assert same_tree(_optimizer_state(resumed.optimizer), _optimizer_state(straight.optimizer))
     assert resumed.kl_ctl.state_dict() == straight.kl_ctl.state_dict()
     assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()
 
 
 def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
-    with pytest.raises(loop.TrainingError, match="no checkpoint found under"):
+    with pytest.raises(TrainingError, match="no checkpoint found under"):
         Trainer(make_config(), resume_from=str(tmp_path / "empty"))
 
 
 # ----------------------------------------------------------------------------- gradient accumulation
 
 
-def _one_step_gradients(make_config, name, algorithm, micro_batch_size):
+def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local_counts=False):
     # eps = 1 and lr = 1 make AdamW's first step w - g / (|g| + 1) ~ w - g (sensitive to the
     # gradient's scale, unlike the sign-like step of a small eps); no clipping.
     trainer = Trainer(
@@ -419,8 +422,14 @@ def _one_step_gradients(make_config, name, algorithm, micro_batch_size):
             grads[name_] = p.grad.detach().clone()
 
     trainer.optimizer.register_step_pre_hook(record)
+    if local_counts:
+        # Normalise each micro-batch by its own counts (what omitting the global counts does).
+        objective = trainer.objective
+        objective.reduce = lambda loss_matrix, mask, counts: aggregate(
+            loss_matrix, mask, objective.agg_mode, max_len=objective.max_len
+        )
     trainer.step()
-    return grads, _weights(trainer.policy)
+    return grads, model_weights(trainer.policy)
 
 
 def _relative_error(grads: dict, reference: dict) -> float:
@@ -433,7 +442,7 @@ def _relative_error(grads: dict, reference: dict) -> float:
     ["reinforce", "grpo", "dr_grpo"],
     ids=["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"],
 )
-def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config, monkeypatch):
+def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config):
     full_grads, full_weights = _one_step_gradients(make_config, "full", algorithm, 8)
     for micro in (2, 3):  # 3: uneven micro-batches (3 + 3 + 2 rows)
         grads, weights = _one_step_gradients(make_config, f"micro{micro}", algorithm, micro)
@@ -444,13 +453,7 @@ def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config, mon
 
     # Control: normalising each micro-batch by its own counts (what omitting the global counts
     # does) changes the gradient by far more than the tolerance above.
-    aggregate = loop.aggregate
-
-    def local_counts(loss_matrix, mask, mode, **kwargs):
-        return aggregate(loss_matrix, mask, mode, max_len=kwargs.get("max_len"))
-
-    monkeypatch.setattr(loop, "aggregate", local_counts)
-    wrong, _ = _one_step_gradients(make_config, "wrong", algorithm, 2)
+    wrong, _ = _one_step_gradients(make_config, "wrong", algorithm, 2, local_counts=True)
     assert _relative_error(wrong, full_grads) > 0.1  # measured 2.8 to 3
 
 
@@ -459,37 +462,37 @@ def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config, mon
 
 def test_nonfinite_loss_skips_the_update_and_leaves_state_untouched(make_config):
     trainer = Trainer(make_config("nan", steps=3))
-    policy_loss = trainer.policy_loss
+    policy_loss = trainer.objective.policy_loss
 
     def nan_on_step_2(logprobs, *args, **kwargs):
         loss, metrics = policy_loss(logprobs, *args, **kwargs)
         return (loss * float("nan") if trainer.step_idx == 1 else loss), metrics
 
-    trainer.policy_loss = nan_on_step_2
+    trainer.objective.policy_loss = nan_on_step_2
     first = trainer.step()
     assert (first["optim/steps"], first["optim/skipped_nonfinite"]) == (1, 0)
-    weights, optim_state = _weights(trainer.policy), _optimizer_state(trainer.optimizer)
+    weights, optim_state = model_weights(trainer.policy), _optimizer_state(trainer.optimizer)
     scheduler_state = trainer.scheduler.state_dict()
     skipped = trainer.step()
     assert (skipped["optim/steps"], skipped["optim/skipped_nonfinite"]) == (0, 1)
-    assert _same_tree(_weights(trainer.policy), weights)
-    assert _same_tree(_optimizer_state(trainer.optimizer), optim_state)  # Adam moments and step count
+    assert same_tree(model_weights(trainer.policy), weights)
+    assert same_tree(_optimizer_state(trainer.optimizer), optim_state)  # Adam moments and step count
     assert trainer.scheduler.state_dict() == scheduler_state
     assert all(p.grad is None for p in trainer.policy.parameters())
     third = trainer.step()  # training goes on
     assert (third["optim/steps"], third["optim/skipped_nonfinite"]) == (1, 0)
-    assert not _same_tree(_weights(trainer.policy), weights)
+    assert not same_tree(model_weights(trainer.policy), weights)
 
 
 def test_nonfinite_loss_is_logged(make_config):
     trainer = Trainer(make_config("nan_logged", steps=2))
-    policy_loss = trainer.policy_loss
+    policy_loss = trainer.objective.policy_loss
 
     def inf_loss(*args, **kwargs):
         loss, metrics = policy_loss(*args, **kwargs)
         return loss * float("inf"), metrics
 
-    trainer.policy_loss = inf_loss
+    trainer.objective.policy_loss = inf_loss
     trainer.train()
     rows = _metrics_rows(trainer.run_dir)
     assert [r["optim/skipped_nonfinite"] for r in rows] == [1, 1]
@@ -500,7 +503,7 @@ def test_nonfinite_loss_is_logged(make_config):
 # ----------------------------------------------------------------------------- rewards
 
 
-def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_row_dataset, monkeypatch):
+def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_row_dataset):
     trainer = Trainer(
         make_config(
             reward_fn="flaky",
@@ -509,14 +512,14 @@ def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_ro
             loss={"entropy_coef": 0.01},
         )
     )
-    spy = Spy(trainer, monkeypatch)
-    before = _weights(trainer.policy)
+    spy = Spy(trainer)
+    before = model_weights(trainer.policy)
     for _ in range(2):
         m = trainer.step()
         # rows 4..7 (the G samples of the bad prompt) are invalid: 4 of 8
         assert m["reward/invalid_frac"] == 0.5 and m["reward/valid_frac"] == 0.5
         assert m["optim/steps"] == 1 and math.isfinite(m["policy/loss"])
-    assert not _same_tree(_weights(trainer.policy), before)
+    assert not same_tree(model_weights(trainer.policy), before)
     for grad, call in zip(spy.grads, spy.calls):
         assert torch.count_nonzero(call["mask"][4:]) == 0
         assert torch.count_nonzero(grad[4:]) == 0
@@ -540,7 +543,7 @@ def test_reward_errors_raise_naming_the_row(reward, problem, make_config, bad_ro
 
 
 @pytest.mark.parametrize("drop", [False, True])
-def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path, monkeypatch):
+def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path):
     data = write_jsonl(
         tmp_path / "same.jsonl",
         [{"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "the same: 2+2?", "answer": "4"}],
@@ -553,7 +556,7 @@ def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path
             loss={"entropy_coef": 0.01},
         )
     )
-    spy = Spy(trainer, monkeypatch)
+    spy = Spy(trainer)
     m = trainer.step()
     assert m["reward/zero_variance_group_frac"] == 0.5
     (grad,) = spy.grads

@@ -13,6 +13,8 @@ import torch
 
 from policygrad.trainer.loop import Trainer
 
+pytestmark = pytest.mark.integration
+
 
 def _shift_sampler(trainer: Trainer, shift_of_row) -> None:
     """Make the engine report ``sampler_logprobs + shift_of_row(i)`` on the valid tokens of row i."""
@@ -108,12 +110,11 @@ def test_time_split_is_reported(make_config):
     assert "time/weight_sync_s" not in m  # the hf engine samples from the live model
 
 
-def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_config, monkeypatch):
+def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_config):
     # A sampled token outside the trainer's top-k/top-p set has log-prob -inf in the trainer; the
     # step must drop that one token (and count it), not turn the whole loss into NaN and skip.
-    import policygrad.trainer.loop as loop
-
-    real = loop.policy_logprobs
+    trainer = Trainer(make_config())
+    real = trainer.policy_step.forward
 
     def one_impossible_token(model, rollout, **kwargs):
         lp, ent = real(model, rollout, **kwargs)
@@ -123,8 +124,8 @@ def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_
             lp = torch.where(hole, torch.full_like(lp, -math.inf), lp)
         return lp, ent
 
-    monkeypatch.setattr(loop, "policy_logprobs", one_impossible_token)
-    m = Trainer(make_config()).step()
+    trainer.policy_step.forward = one_impossible_token
+    m = trainer.step()
     assert m["policy/nonfinite_tokens"] == 1
     assert m["optim/steps"] == 1 and m["optim/skipped_nonfinite"] == 0
     assert math.isfinite(m["policy/loss"])

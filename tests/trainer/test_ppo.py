@@ -7,31 +7,30 @@ Every expected number is worked out in the comment next to it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import policygrad.rewards.registry as registry
-import policygrad.trainer.loop as loop
-from policygrad.core.advantages import estimate_advantages
-from policygrad.core.diagnostics import explained_variance
+from policygrad.core.advantages import estimate_advantages, monte_carlo_returns
 from policygrad.core.masking import masked_mean, masked_var
+from policygrad.data.ptx import PtxData
+from policygrad.models.forward import lm_loss as ptx_loss
 from policygrad.models.loading import load_causal_lm, load_tokenizer
 from policygrad.models.swiglu import use_memory_efficient_mlp
-from policygrad.models.value import ValueModel, load_value_model
 from policygrad.rewards.reward_model import RewardModel
 from policygrad.trainer.config import ConfigError, load_config
 from policygrad.trainer.loop import Trainer
-from policygrad.trainer.ppo import CriticTrainer, PtxData, RewardNormalizer, monte_carlo_returns, ptx_loss
-from tests.models.test_value import PAD_SPIKE, make_rollout, make_tiny_reward_model
-from tests.tiny import BOS_ID, make_tiny_llama
+from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
+from tests.tiny import make_tiny_llama
 from tests.trainer.conftest import write_jsonl
-from tests.trainer.test_loop import _comparable, _same_tree, _weights, poison_masked_positions
+from tests.trainer.test_loop import comparable, model_weights, poison_masked_positions, same_tree
+
+pytestmark = pytest.mark.integration
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
@@ -52,17 +51,17 @@ def ppo_sections(**sections) -> dict:
 
 
 class AdvantageSpy:
-    """Records the inputs and outputs of every advantage-estimator call the loop makes."""
+    """Records the inputs and outputs of every advantage-estimator call of a trainer (its
+    ``estimator`` seam)."""
 
-    def __init__(self, monkeypatch):
+    def __init__(self, trainer):
         self.calls: list[dict] = []
-        estimate = loop.estimate_advantages
+        estimate = trainer.estimator
 
-        def spy(name, token_rewards, response_mask, **kwargs):
-            advantages, returns = estimate(name, token_rewards, response_mask, **kwargs)
+        def spy(token_rewards, response_mask, **kwargs):
+            advantages, returns = estimate(token_rewards, response_mask, **kwargs)
             self.calls.append(
                 {
-                    "name": name,
                     "token_rewards": token_rewards.clone(),
                     "mask": response_mask.clone(),
                     "values": None if kwargs.get("values") is None else kwargs["values"].clone(),
@@ -73,7 +72,8 @@ class AdvantageSpy:
             )
             return advantages, returns
 
-        monkeypatch.setattr(loop, "estimate_advantages", spy)
+        spy.spec = estimate.spec
+        trainer.estimator = spy
 
 
 # ----------------------------------------------------------------------------- preset and config
@@ -84,7 +84,7 @@ def test_ppo_is_a_preset_with_a_critic_and_whitening():
     assert cfg.estimator_name == "gae" and cfg.estimator_options == {"gamma": 1.0, "lam": 0.95}
     assert cfg.policy_loss_name == "ppo" and cfg.agg_mode == "token-mean"
     assert cfg.uses_critic and cfg.whiten_advantages
-    assert cfg.preset.min_group_size == 1
+    assert cfg.estimator_spec.min_group_size(cfg.estimator_options) == 1
     grpo = load_config(None, ["--algorithm=grpo"])
     assert not grpo.uses_critic and not grpo.whiten_advantages
     assert not load_config(None, ["--algorithm=ppo", "--advantage.whiten=false"]).whiten_advantages
@@ -197,13 +197,13 @@ def test_lam_one_advantages_depend_on_the_critic_only_through_minus_v():
         torch.testing.assert_close(ret, mc, rtol=0, atol=1e-5)
 
 
-def test_the_trainer_feeds_the_critic_values_to_gae(make_config, monkeypatch):
+def test_the_trainer_feeds_the_critic_values_to_gae(make_config):
     # Replace the critic's estimates by a constant c: the advantages the trainer computes are the
     # closed form sum_l lam^l r_{t+l} - lam^(n-1-t) c (gamma = 1), whitened afterwards.
     c, lam = 0.3, 0.5
     trainer = Trainer(make_config("constant_critic", **ppo_sections(advantage={"options": {"lam": lam}})))
     trainer.critic_trainer.values = lambda rollout: torch.full(rollout.response_ids.shape, c)
-    spy = AdvantageSpy(monkeypatch)
+    spy = AdvantageSpy(trainer)
     trainer.step()
     call = spy.calls[0]
     r, m = call["token_rewards"], call["mask"] > 0
@@ -217,12 +217,12 @@ def test_the_trainer_feeds_the_critic_values_to_gae(make_config, monkeypatch):
     torch.testing.assert_close(call["returns"], torch.where(m, expected + c, 0.0), rtol=0, atol=1e-6)
 
 
-def test_decoupled_and_length_adaptive_lam_reach_the_estimator(make_config, monkeypatch):
+def test_decoupled_and_length_adaptive_lam_reach_the_estimator(make_config):
     # critic_lam = 1: the critic's targets are Monte-Carlo returns; the policy's advantages use
     # lam_i = 1 - 1 / (alpha * n_i) with alpha = 0.5: n = 6 -> 2/3, n = 2 -> 0, n = 1 -> clamped 0.
     options = {"critic_lam": 1.0, "length_adaptive_alpha": 0.5}
     trainer = Trainer(make_config("decoupled", **ppo_sections(advantage={"options": options})))
-    spy = AdvantageSpy(monkeypatch)
+    spy = AdvantageSpy(trainer)
     trainer.step()
     call = spy.calls[0]
     assert call["options"] == {"gamma": 1.0, "lam": 0.95, **options}
@@ -245,123 +245,7 @@ def test_decoupled_and_length_adaptive_lam_reach_the_estimator(make_config, monk
 # ----------------------------------------------------------------------------- critic training
 
 
-class TokenTable(torch.nn.Module):
-    """A stand-in transformer: the hidden state at a column is a learnable scalar per token id, so
-    V(s_t) = w * table[token at column P - 1 + t] + b is set by hand."""
-
-    def __init__(self, table: dict[int, float]):
-        super().__init__()
-        weights = torch.zeros(100, 1)
-        for token, value in table.items():
-            weights[token, 0] = value
-        self.embed = torch.nn.Embedding.from_pretrained(weights, freeze=False)
-
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
-        return SimpleNamespace(last_hidden_state=self.embed(input_ids))
-
-
-def _table_critic():
-    head = torch.nn.Linear(1, 1)
-    with torch.no_grad():
-        head.weight.fill_(1.0)
-        head.bias.zero_()
-    # prompt [10], response [11, 12]: V(s_0) = table[10] = 1.0, V(s_1) = table[11] = 1.0
-    return ValueModel(TokenTable({10: 1.0, 11: 1.0}), head)
-
-
-@pytest.mark.parametrize("clip_range", [0.2, None])
-def test_value_clipping_hand_worked(clip_range):
-    critic = _table_critic()
-    trainer = CriticTrainer(critic, lr=1e-3, clip_range=clip_range, max_grad_norm=1e9)
-    grads = {}
-    trainer.optimizer.register_step_pre_hook(
-        lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in critic.named_parameters()})
-    )
-    rollout = make_rollout([[10]], [[11, 12]])
-    old_values = torch.tensor([[0.5, 0.9]])
-    returns = torch.tensor([[2.0, 0.0]])
-    out = trainer.fit_minibatch(rollout, torch.tensor([0]), old_values, returns, rollout.response_mask)
-    if clip_range is not None:
-        # token 0: V = 1, V_old = 0.5, G = 2. (V - G)^2 = 1; V_clip = 0.5 + 0.2 = 0.7,
-        #   (V_clip - G)^2 = 1.69 > 1: clipped, loss 0.5 * 1.69 = 0.845, and no gradient
-        #   (V is outside V_old +- 0.2, so V_clip does not move with it).
-        # token 1: V = 1, V_old = 0.9, G = 0. V_clip = 1.0 = V: not clipped, loss 0.5 * 1 = 0.5,
-        #   gradient (V - G) / 2 tokens = 0.5.
-        # token-mean: (0.845 + 0.5) / 2 = 0.6725; vf_clipfrac = 1 / 2.
-        assert out["vf_loss"] == pytest.approx(0.6725, abs=1e-6)
-        assert out["vf_clipfrac"] == 0.5
-        expected_table = {10: 0.0, 11: 0.5}
-        expected_bias = 0.5
-    else:
-        # (0.5 * 1 + 0.5 * 1) / 2 = 0.5; gradients (1 - 2) / 2 = -0.5 and (1 - 0) / 2 = 0.5.
-        assert out["vf_loss"] == pytest.approx(0.5, abs=1e-6)
-        assert out["vf_clipfrac"] == 0.0
-        expected_table = {10: -0.5, 11: 0.5}
-        expected_bias = 0.0
-    table_grad = grads["backbone.embed.weight"][:, 0]
-    for token, value in expected_table.items():
-        assert float(table_grad[token]) == pytest.approx(value, abs=1e-6)
-    assert float(grads["head.bias"]) == pytest.approx(expected_bias, abs=1e-6)
-
-
-def test_fitting_the_critic_on_a_fixed_batch_explains_the_returns(tiny_model_dir):
-    # 8 rows with distinct prompts; the return of every token of row i is R_i (a terminal reward,
-    # gamma = lam = 1). A zero-head critic explains none of it (EV = 0 exactly); fitted, > 0.9.
-    prompts = [[BOS_ID, 10 + i, 30 + 2 * i, 60 - i] for i in range(8)]
-    responses = [[70 + i, 71, 72, 73] for i in range(8)]
-    rollout = make_rollout(prompts, responses, lengths=[4, 3, 4, 2, 4, 4, 1, 3])
-    R = torch.tensor([1.0, -1.0, 0.5, 0.0, -0.5, 1.0, -1.0, 0.25])
-    mask = rollout.response_mask
-    returns = R[:, None] * mask
-    critic = load_value_model("policy", policy_path=tiny_model_dir)
-    trainer = CriticTrainer(critic, lr=1e-2, micro_batch_size=4)
-    before = trainer.values(rollout)
-    assert float(explained_variance(before, returns, mask)) == 0.0
-    rows = torch.arange(8)
-    for _ in range(150):
-        out = trainer.fit_minibatch(rollout, rows, before, returns, mask)
-        assert out["skipped"] == 0.0
-    after = trainer.values(rollout)
-    assert float(explained_variance(after, returns, mask)) > 0.9
-
-
-# ----------------------------------------------------------------------------- reward normalisation
-
-
-def test_fixed_offset_makes_the_initial_samples_average_zero():
-    norm = RewardNormalizer("fixed_offset")
-    # first batch [1, 2, 3, (9 invalid)]: offset = mean of the valid scores = 2
-    out = norm(torch.tensor([1.0, 2.0, 3.0, 9.0]), torch.tensor([True, True, True, False]))
-    assert out.tolist() == [-1.0, 0.0, 1.0, 7.0]
-    assert norm.offset == 2.0
-    # later batches keep the same offset
-    assert norm(torch.tensor([5.0, 2.0])).tolist() == [3.0, 0.0]
-    clipped = RewardNormalizer("fixed_offset", clip=0.5)
-    assert clipped(torch.tensor([1.0, 2.0, 3.0])).tolist() == [-0.5, 0.0, 0.5]
-
-
-def test_running_mean_std_hand_worked():
-    norm = RewardNormalizer("running", eps=0.0 + 1e-12)
-    # batch 1 [1, 2, 3]: mean 2, population var 2/3, std 0.81650: -> [-1.22474, 0, 1.22474]
-    out = norm(torch.tensor([1.0, 2.0, 3.0]))
-    torch.testing.assert_close(out, torch.tensor([-1.2247449, 0.0, 1.2247449]), rtol=0, atol=1e-6)
-    # batch 2 [5]: over 1, 2, 3, 5: mean 2.75, squared deviations 3.0625 + 0.5625 + 0.0625 + 5.0625
-    # = 8.75, var 2.1875, std 1.4790199: (5 - 2.75) / 1.4790199 = 1.5212777
-    out = norm(torch.tensor([5.0]))
-    assert float(out[0]) == pytest.approx(1.5212777, abs=1e-6)
-    assert norm.count == 4 and norm.mean == pytest.approx(2.75)
-    # update=False transforms without moving the statistics
-    assert float(norm(torch.tensor([2.75]), update=False)[0]) == pytest.approx(0.0, abs=1e-9)
-    assert norm.count == 4
-    # state round trip
-    other = RewardNormalizer("running")
-    other.load_state_dict(norm.state_dict())
-    assert other.state_dict() == norm.state_dict()
-    with pytest.raises(ValueError, match="unknown reward normalisation 'z'"):
-        RewardNormalizer("z")
-
-
-def test_eos_trick_after_normalisation_in_the_trainer(make_config, monkeypatch):
+def test_eos_trick_after_normalisation_in_the_trainer(make_config):
     # Scores are normalised first (fixed offset = mean raw score of step 1), then every truncated
     # completion's score is replaced by exactly -1.
     cfg = make_config(
@@ -372,13 +256,13 @@ def test_eos_trick_after_normalisation_in_the_trainer(make_config, monkeypatch):
     )
     trainer = Trainer(cfg)
     seen = []
-    apply = registry.apply_truncation_policy
+    score = trainer.scorer
 
-    def spy(scores, truncated, **kwargs):
+    def spy(rows, completions, truncated, group_index, **kwargs):
         seen.append(truncated.clone())
-        return apply(scores, truncated, **kwargs)
+        return score(rows, completions, truncated, group_index, **kwargs)
 
-    monkeypatch.setattr(registry, "apply_truncation_policy", spy)
+    trainer.scorer = spy
 
     def digit_fraction(c):
         return sum(ch.isdigit() for ch in c) / max(len(c), 1)
@@ -387,24 +271,23 @@ def test_eos_trick_after_normalisation_in_the_trainer(make_config, monkeypatch):
     for _ in range(2):
         trainer.step()
         truncated = seen[-1]
-        raw = torch.tensor([digit_fraction(s["completion"]) for s in trainer._last_samples])
+        raw = torch.tensor([digit_fraction(s["completion"]) for s in trainer.last_samples])
         if offset is None:
             offset = raw.double().mean().item()
-        rewards = torch.tensor([s["reward"] for s in trainer._last_samples])
+        rewards = torch.tensor([s["reward"] for s in trainer.last_samples])
         expected = torch.where(truncated, torch.tensor(-1.0), (raw.double() - offset).float())
         torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-6)
-    assert trainer.reward_normalizer.offset == pytest.approx(offset)
+    assert score.normalizer.offset == pytest.approx(offset)
     assert truncated.any() and (~truncated).any()  # both cases were exercised
 
 
-def test_reward_whitening_scales_token_rewards_only(make_config, monkeypatch):
+def test_reward_whitening_scales_token_rewards_only(make_config):
     trainer = Trainer(make_config("reward_whiten", **ppo_sections(reward={"whiten": True})))
     shaped = []
-    kl_shaped = loop.kl_shaped_rewards
-    monkeypatch.setattr(
-        loop, "kl_shaped_rewards", lambda *a, **k: shaped.append(kl_shaped(*a, **k)) or shaped[-1]
-    )
-    spy = AdvantageSpy(monkeypatch)
+    token_rewards = trainer.kl.token_rewards
+    trainer.kl = copy.copy(trainer.kl)  # the registered placement, with a recording token_rewards
+    trainer.kl.token_rewards = lambda *a, **k: shaped.append(token_rewards(*a, **k)) or shaped[-1]
+    spy = AdvantageSpy(trainer)
     metrics = trainer.step()
     before, after, mask = shaped[0], spy.calls[0]["token_rewards"], spy.calls[0]["mask"]
     # N+ reward whitening: unit (unbiased) variance over the valid tokens, mean kept.
@@ -532,21 +415,21 @@ def test_early_stop_when_approx_kl_exceeds_the_target(make_config):
     )
 
 
-def test_value_pretraining_freezes_the_policy_and_fits_monte_carlo_returns(make_config, monkeypatch):
+def test_value_pretraining_freezes_the_policy_and_fits_monte_carlo_returns(make_config):
     # An adaptive controller far below its target would shrink beta by 0.84 per step; while the
     # policy is frozen it must stand still.
     kl = {"controller": "adaptive", "target": 1e4, "horizon": 10.0}
     sections = ppo_sections(critic={"pretrain_steps": 1}, optim={"ppo_epochs": 2}, kl=kl)
     trainer = Trainer(make_config("pretrain", steps=3, **sections))
-    policy0, critic0 = _weights(trainer.policy), _weights(trainer.critic)
+    policy0, critic0 = model_weights(trainer.policy), model_weights(trainer.critic)
     fitted = []
-    fit = trainer.critic_trainer.fit_minibatch
-    trainer.critic_trainer.fit_minibatch = lambda *a: fitted.append(a[3].clone()) or fit(*a)
-    spy = AdvantageSpy(monkeypatch)
+    fit = trainer.critic_trainer.fit
+    trainer.critic_trainer.fit = lambda batch: fitted.append(batch.returns.clone()) or fit(batch)
+    spy = AdvantageSpy(trainer)
     m1 = trainer.step()
     assert m1["critic/pretraining"] == 1.0 and m1["optim/steps"] == 0 and m1["critic/steps"] == 2
-    assert _same_tree(_weights(trainer.policy), policy0)  # policy frozen
-    assert not _same_tree(_weights(trainer.critic), critic0)  # critic trained
+    assert same_tree(model_weights(trainer.policy), policy0)  # policy frozen
+    assert not same_tree(model_weights(trainer.critic), critic0)  # critic trained
     call = spy.calls[0]
     # the targets are the lam = 1 (Monte-Carlo) returns, not the lam = 0.95 GAE returns
     torch.testing.assert_close(
@@ -556,7 +439,7 @@ def test_value_pretraining_freezes_the_policy_and_fits_monte_carlo_returns(make_
     assert trainer.kl_ctl.value == 0.1
     m2 = trainer.step()
     assert m2["critic/pretraining"] == 0.0 and m2["optim/steps"] == 2
-    assert not _same_tree(_weights(trainer.policy), policy0)
+    assert not same_tree(model_weights(trainer.policy), policy0)
     assert trainer.kl_ctl.value == pytest.approx(0.1 * 0.84, rel=1e-12)
 
 
@@ -586,7 +469,7 @@ def test_two_ppo_steps_with_a_reward_model_read_at_the_last_real_token(make_conf
     alone = RewardModel.from_pretrained(str(rm_dir), use_chat_template=False, batch_size=1)
     for _ in range(2):
         metrics = trainer.step()
-        samples = trainer._last_samples
+        samples = trainer.last_samples
         expected = [alone([s["prompt"]], [s["completion"]])[0] for s in samples]
         assert [s["reward"] for s in samples] == pytest.approx(expected, abs=1e-4)
         assert all(abs(s["reward"]) < 100 for s in samples)
@@ -605,7 +488,7 @@ def test_two_ppo_steps_with_a_reward_model_read_at_the_last_real_token(make_conf
             assert math.isfinite(metrics[key]), key
         assert abs(metrics["critic/values_mean"]) < 100 and abs(metrics["returns/mean"]) < 100
         assert abs(metrics["critic/vf_loss"]) < 1e4
-    assert len({round(s["reward"], 4) for s in trainer._last_samples}) > 1
+    assert len({round(s["reward"], 4) for s in trainer.last_samples}) > 1
 
 
 def test_masked_positions_carry_nothing_in_ppo(make_config):
@@ -617,8 +500,8 @@ def test_masked_positions_carry_nothing_in_ppo(make_config):
     dirty = Trainer(make_config("dirty", **sections))
     poison_masked_positions(dirty)
     dirty.step()
-    assert _same_tree(_weights(dirty.policy), _weights(clean.policy))
-    assert _same_tree(_weights(dirty.critic), _weights(clean.critic))
+    assert same_tree(model_weights(dirty.policy), model_weights(clean.policy))
+    assert same_tree(model_weights(dirty.critic), model_weights(clean.critic))
 
 
 def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
@@ -645,10 +528,10 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
     resumed = Trainer(cfg, resume_from=cfg.output_dir)
     assert resumed.step_idx == 2
     resumed.train()
-    assert _same_tree(_weights(resumed.critic), _weights(straight.critic))
-    assert _same_tree(_weights(resumed.policy), _weights(straight.policy))
-    assert resumed.reward_normalizer.state_dict() == straight.reward_normalizer.state_dict()
-    assert _same_tree(resumed.critic_trainer.state_dict(), straight.critic_trainer.state_dict())
+    assert same_tree(model_weights(resumed.critic), model_weights(straight.critic))
+    assert same_tree(model_weights(resumed.policy), model_weights(straight.policy))
+    assert resumed.scorer.normalizer.state_dict() == straight.scorer.normalizer.state_dict()
+    assert same_tree(resumed.critic_trainer.state_dict(), straight.critic_trainer.state_dict())
     saved = load_file(
         os.path.join(cfg.output_dir, "checkpoints", "step_3", "critic", "value_model.safetensors")
     )
@@ -656,7 +539,7 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
 
     def rows(run_dir):
         with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
-            return [_comparable(json.loads(line)) for line in f]
+            return [comparable(json.loads(line)) for line in f]
 
     assert rows(cfg.output_dir) == rows(straight.run_dir)
 

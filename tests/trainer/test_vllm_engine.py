@@ -11,7 +11,10 @@ from policygrad.rollout.vllm import vllm_available
 from policygrad.trainer.loop import Trainer
 from tests.tiny import make_tiny_llama
 
-pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -14,15 +14,17 @@ import pytest
 import torch
 
 from policygrad.core.logprobs import logprobs_from_logits
-from policygrad.rollout.base import Rollout
-from policygrad.trainer.loop import (
+from policygrad.models.forward import (
     packed_response_hidden,
     plain_output_head,
     policy_logprobs,
     response_hidden,
     response_logits,
 )
+from policygrad.rollout.base import Rollout
 from tests.tiny import PAD_ID, make_tiny_llama
+
+pytestmark = pytest.mark.integration
 
 
 def _rollout(G: int = 3, n: int = 3, P: int = 7, T: int = 6, seed: int = 0) -> Rollout:
@@ -83,14 +85,17 @@ def test_single_token_responses_and_all_distinct_prompts():
     with torch.no_grad():
         one = _rollout(T=1)  # only the last prompt position's logits are used
         torch.testing.assert_close(
-            response_logits(model, one, share_prompts=True), response_logits(model, one, share_prompts=False),
-            atol=1e-12, rtol=0,
+            response_logits(model, one, share_prompts=True),
+            response_logits(model, one, share_prompts=False),
+            atol=1e-12,
+            rtol=0,
         )
         distinct = _rollout(G=1)  # nothing to share: the plain path runs
         torch.testing.assert_close(
             response_logits(model, distinct, share_prompts=True),
             response_logits(model, distinct, share_prompts=False),
-            atol=0, rtol=0,
+            atol=0,
+            rtol=0,
         )
 
 
@@ -176,8 +181,15 @@ def test_sliding_window_models_and_empty_responses_take_the_padded_path():
 
     torch.manual_seed(0)
     config = MistralConfig(
-        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=4, max_position_embeddings=64, tie_word_embeddings=True,
+        vocab_size=100,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
     )
     model = MistralForCausalLM(config).double().eval()
     decoder, _ = plain_output_head(model)

@@ -1,0 +1,393 @@
+"""Model forward kernels of the training step: log-probs of response tokens (and values' inputs).
+
+- :func:`response_logits` / :func:`response_hidden`: the outputs that predict each response token,
+  with each distinct prompt run once on a shared KV cache;
+- :func:`packed_response_hidden`: final hidden states at the valid response positions only,
+  responses packed end to end on their prompt's cache (no work on padding);
+- :func:`policy_logprobs`: float32 log-probs (and entropy) of the sampled tokens under the
+  sampled distribution, from hidden states block by block where the model allows it;
+- :func:`inference_logprobs`: the same without autograd, in micro-batches (old and reference
+  log-probs);
+- :func:`lm_loss`: next-token negative log-likelihood of text (the PPO-ptx term).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits
+from policygrad.core.losses import entropy_from_logits
+from policygrad.core.masking import masked_mean
+from policygrad.rollout.base import Rollout
+
+__all__ = [
+    "PACK_ROW_TOKENS",
+    "PLAIN_HEAD_MODEL_TYPES",
+    "inference_logprobs",
+    "lm_loss",
+    "packed_response_hidden",
+    "plain_output_head",
+    "policy_logprobs",
+    "response_hidden",
+    "response_logits",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Log-probs of response tokens: logits only at response positions.
+
+
+def response_logits(model, rollout: Rollout, *, share_prompts: bool = True) -> torch.Tensor:
+    """Logits that predict each response token, computed only at those positions.
+
+    With ``share_prompts`` (the default), rows whose prompts are identical (the G samples of a
+    prompt) run the prompt through the model once: one forward over the distinct prompts fills a
+    KV cache, the cache is indexed out to the B rows (``index_select``, so in the backward the
+    gradients of the G rows sum into the one prompt pass), and a second forward runs the response
+    tokens on top of it. The result equals the plain forward over ``cat(prompt, response)`` up to
+    float rounding (the same attention over the same keys), at (n_prompts x P + B x T) tokens of
+    work instead of B x (P + T). It is used when some prompt repeats and the model keeps a cache
+    (not under gradient checkpointing, which turns the cache off).
+
+    Args:
+        model: a causal LM (plain or peft-wrapped) that accepts ``logits_to_keep``.
+        rollout: left-padded prompts and right-padded responses.
+        share_prompts: run each distinct prompt once (see above); False runs every row whole.
+
+    Returns:
+        logits [B, T, V] in the model's dtype. ``logits[:, t]`` is computed from the prompt and
+        response tokens before t (it is the last-prompt-token position for t = 0).
+    """
+    return _response_outputs(model, rollout, share_prompts=share_prompts, decoder=None)
+
+
+def response_hidden(model, rollout: Rollout, *, share_prompts: bool = True) -> torch.Tensor:
+    """Final hidden states (after the last norm) at the positions that predict each response
+    token: :func:`response_logits` without the output layer, for models where
+    :func:`plain_output_head` returns one.
+
+    Returns:
+        [B, T, H] in the model's dtype; ``lm_head(response_hidden(...))`` equals
+        ``response_logits(...)``.
+
+    Raises:
+        ValueError: the model's logits are not a plain linear function of its hidden states.
+    """
+    head = plain_output_head(model)
+    if head is None:
+        raise ValueError(
+            f"{type(model).__name__}: its logits are not lm_head(last hidden state); use response_logits"
+        )
+    return _response_outputs(model, rollout, share_prompts=share_prompts, decoder=head[0])
+
+
+# Model types whose ``ForCausalLM.forward`` computes ``logits = lm_head(last_hidden_state)`` with
+# nothing after it (no soft-capping, logit scale or extra norm), so log-probs can be computed
+# from the hidden states and the lm_head weight directly.
+PLAIN_HEAD_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def plain_output_head(model):
+    """``(decoder, lm_head)`` when ``model``'s logits are exactly ``lm_head(decoder(...)[0])``
+    with ``lm_head`` a plain ``torch.nn.Linear`` (model type in :data:`PLAIN_HEAD_MODEL_TYPES`,
+    peft-wrapped or not, lm_head not adapted); None otherwise."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(base, "config", None)
+    if config is None or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+        return None
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
+    if type(head) is not torch.nn.Linear or decoder is None or decoder is base:
+        return None
+    return decoder, head
+
+
+def _response_outputs(model, rollout: Rollout, *, share_prompts: bool, decoder) -> torch.Tensor:
+    """Logits (``decoder`` None: the whole model, lm_head only at response positions) or final
+    hidden states (``decoder`` given) at the T positions that predict the response tokens."""
+
+    def run(input_ids, attention_mask, position_ids, keep, past_key_values=None, use_cache=False):
+        inputs = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "past_key_values": past_key_values,
+            "use_cache": use_cache,
+        }
+        if decoder is None:
+            out = model(**inputs, logits_to_keep=keep)
+            return out.logits, out.past_key_values
+        out = decoder(**inputs)
+        hidden = out.last_hidden_state
+        if isinstance(keep, int):
+            hidden = hidden[:, -keep:] if keep else hidden
+        else:
+            hidden = hidden[:, keep]
+        return hidden, out.past_key_values
+
+    input_ids = rollout.input_ids()
+    P = rollout.prompt_ids.shape[1]
+    T = rollout.response_ids.shape[1]
+    if share_prompts and rollout.batch_size > 1 and not getattr(model, "is_gradient_checkpointing", False):
+        key = torch.cat([rollout.prompt_ids, rollout.prompt_mask.to(rollout.prompt_ids)], dim=1)
+        distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+        if distinct.shape[0] < rollout.batch_size:
+            prompt_ids, prompt_mask = distinct[:, :P], distinct[:, P:]
+            position_ids = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
+            out, cache = run(prompt_ids, prompt_mask, position_ids, 1, use_cache=True)
+            first = out[:, -1:].index_select(0, inverse)  # the last prompt token predicts token 0
+            if T == 1:
+                return first
+            if hasattr(cache, "reorder_cache"):  # a transformers Cache (otherwise: no sharing)
+                cache.reorder_cache(inverse)  # [n, ...] -> [B, ...] by index_select: differentiable
+                # Response tokens 0 .. T-2 predict tokens 1 .. T-1 (the last predicts nothing kept).
+                out, _ = run(
+                    rollout.response_ids[:, : T - 1],
+                    rollout.attention_mask()[:, : P + T - 1],
+                    rollout.position_ids()[:, P : P + T - 1],
+                    0,
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                return torch.cat([first, out], dim=1)
+    # Positions P-1 .. P+T-2 predict response tokens 0 .. T-1; the lm_head runs on those only,
+    # and the result is a contiguous [B, T, V] tensor.
+    keep = torch.arange(P - 1, P + T - 1, device=input_ids.device)
+    out, _ = run(input_ids, rollout.attention_mask(), rollout.position_ids(), keep)
+    return out
+
+
+# Most response tokens one packed row holds: the attention inside a row costs (row length)^2,
+# so rows are capped to keep the training forward linear in G and in the response length.
+PACK_ROW_TOKENS = 512
+
+
+def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_ROW_TOKENS):
+    """Final hidden states at the valid response positions, computed without padding.
+
+    Each distinct prompt runs once (its KV cache is shared by the rows that repeat it, as in
+    :func:`response_logits`); then the responses of a prompt are packed end to end into rows of
+    at most ``row_tokens`` tokens (greedy, in row order; a longer response gets a row of its
+    own), each row sitting on its prompt's cache. A 4-D attention mask lets every response token
+    see its prompt's valid tokens and the earlier tokens of its own response only, and position
+    ids continue each response from its prompt's length, so every hidden state equals the one of
+    the plain forward over ``cat(prompt, response)`` up to float rounding. Work: (distinct
+    prompts x P) + (valid response tokens) + the padding of the last row of each prompt, instead
+    of B x T; attention per row at most ``row_tokens x (P + row_tokens)``.
+
+    Args:
+        decoder: the model's decoder stack (``plain_output_head(model)[0]``) with sdpa attention.
+        rollout: left-padded prompts, right-padded responses whose ``response_mask`` is 1 on a
+            prefix of each row (the rollout invariant).
+
+    Returns:
+        [N, H] hidden states in the model's dtype, N = ``(response_mask > 0).sum()``, in the
+        row-major order of ``rollout.response_mask > 0`` (row b, token t is predicted by the
+        hidden state before it); None when packing does not apply (another attention kernel, a
+        mask that is not a prefix, a model without a transformers cache), so the caller falls
+        back to the padded forward (also for a sliding-window model and for T = 0).
+    """
+    config = getattr(decoder, "config", None)
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":  # a boolean 4-D mask is what sdpa takes as is
+        return None
+    # A sliding window (Mistral's sliding_window, Qwen's use_sliding_window, sliding layer types)
+    # is not in the packed mask, and its cache keeps only the window's last keys.
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return None
+    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+        return None
+    if rollout.response_ids.shape[1] == 0:
+        return None
+    mask = rollout.response_mask > 0
+    lengths = mask.sum(-1)
+    B, T = mask.shape
+    steps = torch.arange(T, device=mask.device)
+    if not torch.equal(mask, steps[None] < lengths[:, None]):
+        return None
+    P = rollout.prompt_ids.shape[1]
+    key = torch.cat([rollout.prompt_ids, rollout.prompt_mask.to(rollout.prompt_ids)], dim=1)
+    distinct, inverse = torch.unique(key, dim=0, return_inverse=True)
+    prompt_ids, prompt_mask = distinct[:, :P], distinct[:, P:]
+    n = distinct.shape[0]
+    prompt_lengths = prompt_mask.sum(-1)
+    position_ids = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 0)
+    out = decoder(input_ids=prompt_ids, attention_mask=prompt_mask, position_ids=position_ids, use_cache=True)
+    last = out.last_hidden_state[:, -1]  # [n, H]: predicts token 0 of every row of that prompt
+    cache = out.past_key_values
+    if not hasattr(cache, "reorder_cache"):
+        return None
+    # Response tokens 0 .. len-2 of each row are inputs (token len-1 predicts nothing kept).
+    inputs = (lengths - 1).clamp(min=0).tolist()
+    owner = inverse.tolist()
+    row_bin, row_offset, bin_prompt, bin_fill = [0] * B, [0] * B, [], []
+    open_bin: dict[int, int] = {}
+    for b in range(B):
+        if inputs[b] == 0:
+            continue
+        j = owner[b]
+        k = open_bin.get(j)
+        if k is None or bin_fill[k] + inputs[b] > row_tokens:
+            k = len(bin_prompt)
+            bin_prompt.append(j)
+            bin_fill.append(0)
+            open_bin[j] = k
+        row_bin[b], row_offset[b] = k, bin_fill[k]
+        bin_fill[k] += inputs[b]
+    device = rollout.response_ids.device
+    index = torch.zeros(B, T, dtype=torch.long, device=device)
+    index[:, 0] = inverse  # t = 0 reads the prompt's last hidden state
+    if bin_prompt:
+        nb, L = len(bin_prompt), max(bin_fill)
+        ids = torch.zeros(nb, L, dtype=rollout.response_ids.dtype, device=device)
+        pos = torch.zeros(nb, L, dtype=torch.long, device=device)
+        segment = torch.full((nb, L), -1, dtype=torch.long, device=device)
+        for b in range(B):
+            k_b = inputs[b]
+            if k_b == 0:
+                continue
+            k, o = row_bin[b], row_offset[b]
+            ids[k, o : o + k_b] = rollout.response_ids[b, :k_b]
+            pos[k, o : o + k_b] = prompt_lengths[owner[b]] + steps[:k_b]
+            segment[k, o : o + k_b] = b
+            index[b, 1 : k_b + 1] = n + k * L + o + steps[:k_b]
+        bins = torch.tensor(bin_prompt, dtype=torch.long, device=device)
+        causal = steps.new_ones(L, L, dtype=torch.bool).tril()
+        same = (segment[:, :, None] == segment[:, None, :]) & (segment[:, :, None] >= 0) & causal
+        sees_prompt = (prompt_mask[bins] > 0)[:, None, :].expand(nb, L, P)
+        allowed = torch.cat([sees_prompt, same], dim=-1)[:, None]  # [nb, 1, L, P + L]
+        cache.reorder_cache(bins)  # [n, ...] -> [nb, ...] by index_select: differentiable
+        packed = decoder(
+            input_ids=ids, attention_mask=allowed, position_ids=pos, past_key_values=cache, use_cache=True
+        ).last_hidden_state
+        source = torch.cat([last, packed.reshape(nb * L, -1)], dim=0)
+    else:
+        source = last
+    return source.index_select(0, index[mask])
+
+
+def policy_logprobs(
+    model,
+    rollout: Rollout,
+    *,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    with_entropy: bool | str = False,
+    share_prompts: bool = True,
+    fused_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Float32 log-probs [B, T] of the response tokens under the sampled distribution
+    (``logits / temperature`` with the sampler's top-k/top-p truncation), and the entropy [B, T]
+    of the full tempered distribution when ``with_entropy`` is True (detached, a diagnostic) or
+    ``"grad"`` (differentiable, for an entropy bonus); None otherwise. ``share_prompts``: run each
+    distinct prompt once (:func:`response_logits`).
+
+    Without top-k/top-p truncation and for a model whose logits are a plain linear layer of its
+    hidden states (:func:`plain_output_head`), the logits are never materialised: the hidden
+    states at the valid response positions (``response_mask`` > 0) go through
+    :func:`policygrad.core.logprobs.logprobs_from_hidden` block by block, and positions outside
+    the mask get log-prob 0 and entropy 0. Otherwise, or with ``fused_head=False`` (a caller
+    that hooks the lm_head module), the [B, T, V] logits are computed at the response positions
+    (every position, masked or not, gets its value)."""
+    head = plain_output_head(model) if fused_head and not top_k and top_p >= 1.0 else None
+    if head is not None:
+        decoder, lm_head = head
+        valid = rollout.response_mask > 0
+        hidden_valid = None
+        if share_prompts and not getattr(model, "is_gradient_checkpointing", False):
+            hidden_valid = packed_response_hidden(decoder, rollout)
+        if hidden_valid is None:
+            hidden = _response_outputs(model, rollout, share_prompts=share_prompts, decoder=decoder)
+            hidden_valid = hidden[valid]
+        lp, ent = logprobs_from_hidden(
+            hidden_valid,
+            lm_head.weight,
+            rollout.response_ids[valid],
+            temperature=temperature,
+            bias=lm_head.bias,
+            with_entropy=bool(with_entropy),
+        )
+        logprobs = lp.new_zeros(valid.shape).masked_scatter(valid, lp)
+        entropy = None
+        if with_entropy:
+            ent = ent if with_entropy == "grad" else ent.detach()
+            entropy = ent.new_zeros(valid.shape).masked_scatter(valid, ent)
+        return logprobs, entropy
+    logits = response_logits(model, rollout, share_prompts=share_prompts)
+    kwargs = {}
+    if top_k:
+        kwargs["top_k"] = top_k
+    if top_p < 1.0:
+        kwargs["top_p"] = top_p
+    logprobs = logprobs_from_logits(logits, rollout.response_ids, temperature=temperature, **kwargs)
+    entropy = None
+    if with_entropy == "grad":
+        entropy = entropy_from_logits(logits, temperature=temperature)
+    elif with_entropy:
+        with torch.no_grad():  # a diagnostic only: no graph through the [B, T, V] logits
+            entropy = entropy_from_logits(logits.detach(), temperature=temperature)
+    return logprobs, entropy
+
+
+@torch.inference_mode()
+def inference_logprobs(
+    model,
+    rollout: Rollout,
+    *,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    micro_batch_size: int,
+) -> torch.Tensor:
+    """:func:`policy_logprobs` without autograd, ``micro_batch_size`` rows at a time: the old
+    log-probs of the sampling policy, or the reference's (pass ``top_k=0, top_p=1.0``: a reference
+    is never sampled from, so its log-probs are of the full tempered softmax).
+
+    Each micro-batch is trimmed to its own longest response and prompt (no work on columns that
+    are padding in all of its rows); the rest of its rows stays 0.
+
+    Returns:
+        float32 [B, T], a normal tensor (not an inference tensor), usable next to autograd tensors.
+    """
+    out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
+    for start in range(0, rollout.batch_size, micro_batch_size):
+        sub = rollout.select(torch.arange(start, min(start + micro_batch_size, rollout.batch_size))).trim()
+        lp, _ = policy_logprobs(model, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+        out[start : start + sub.batch_size, : lp.shape[1]] = lp
+    return out
+
+
+def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Mean next-token negative log-likelihood of right-padded text, the PPO-ptx term.
+
+    ``L_ptx = -mean over real next tokens of log pi(x_{j+1} | x_{<=j})`` at temperature 1 (the
+    model's own distribution, not the sampling temperature: this is plain language modelling).
+    InstructGPT maximises ``E[r - beta log(pi/pi_SFT)] + gamma E_pretrain[log pi(x)]`` (Ouyang et
+    al. 2022, eq. 2) with ``gamma = 27.8`` for its PPO-ptx models; the trainer adds
+    ``ptx.coef * L_ptx`` to the policy loss.
+
+    Args:
+        model: a causal LM.
+        input_ids: LongTensor [b, L], right-padded.
+        attention_mask: [b, L], 1 on real tokens (a prefix of each row).
+
+    Returns:
+        0-d float32 loss, differentiable with respect to the model's parameters.
+
+    Raises:
+        ValueError: shapes differ, fewer than 2 columns, or no row with 2 real tokens.
+    """
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2 or input_ids.shape[1] < 2:
+        raise ValueError(
+            f"input_ids {tuple(input_ids.shape)} and attention_mask {tuple(attention_mask.shape)} must both "
+            "be [b, L] with L >= 2"
+        )
+    mask = attention_mask[:, 1:] * attention_mask[:, :-1]
+    if not bool(mask.any()):
+        raise ValueError("ptx_loss needs at least one row with 2 real tokens")
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).logits
+    logprobs = logprobs_from_logits(logits[:, :-1], input_ids[:, 1:], temperature=1.0)
+    return -masked_mean(logprobs, mask)

@@ -1,0 +1,139 @@
+"""Scoring a batch of completions: reward functions, normalisation and the truncation policy.
+
+:class:`Scorer` turns the B completions of a step into the sequence scores the advantage
+estimator reads, in this order:
+
+1. the reward functions (:class:`~policygrad.rewards.registry.CompositeReward`): weighted sum,
+   per-function components, rows whose function failed marked invalid;
+2. normalisation (:class:`~policygrad.rewards.normalize.RewardNormalizer`), before the EOS
+   penalty so a truncated completion gets exactly the penalty (Huang et al. 2024, detail 4);
+3. the truncation policy (:func:`~policygrad.rewards.registry.apply_truncation_policy`);
+4. a row whose reward function failed (``on_error=skip``) gets its group's mean score, so it
+   moves no group statistic (it is out of the loss in any case).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policygrad.core.groups import fill_with_group_mean
+from policygrad.rewards.normalize import RewardNormalizer
+from policygrad.rewards.registry import CompositeReward, apply_truncation_policy, row_fields_from_rows
+
+__all__ = ["Scorer", "Scores"]
+
+
+@dataclass(frozen=True)
+class Scores:
+    """The scores of one batch of B completions.
+
+    Attributes:
+        scores: float32 [B], the sequence score after normalisation, the truncation policy and
+            the group-mean fill of failed rows: what the token rewards carry.
+        raw: float32 [B], the weighted sum of the reward functions (0 on failed rows).
+        valid: bool [B], rows that may take part in the loss (reward computed, not excluded by
+            the truncation policy).
+        failed: bool [B], rows on which a reward function failed (``on_error=skip``).
+        components: function name -> float32 [B] raw score of that function (NaN where it failed).
+        metrics: ``reward/invalid_frac`` and the per-function ``reward_fn/<name>/...`` metrics.
+    """
+
+    scores: torch.Tensor
+    raw: torch.Tensor
+    valid: torch.Tensor
+    failed: torch.Tensor
+    components: dict[str, torch.Tensor]
+    metrics: dict[str, float]
+
+    def select(self, rows: torch.Tensor) -> Scores:
+        """The scores of the rows ``rows`` (LongTensor of row ids), in that order."""
+        return Scores(
+            self.scores[rows],
+            self.raw[rows],
+            self.valid[rows],
+            self.failed[rows],
+            {k: v[rows] for k, v in self.components.items()},
+            self.metrics,
+        )
+
+
+class Scorer:
+    """Scores completions of dataset rows; see the module docstring for the order of operations.
+
+    Args:
+        reward_fn: the weighted reward functions.
+        normalizer: the run's score normaliser (its statistics are updated by :meth:`__call__`).
+        truncation: ``none``, ``penalty`` or ``exclude`` (``reward.truncation``).
+        truncation_penalty: the score of a completion without EOS in ``penalty`` mode.
+    """
+
+    def __init__(
+        self,
+        reward_fn: CompositeReward,
+        normalizer: RewardNormalizer,
+        *,
+        truncation: str = "none",
+        truncation_penalty: float = -1.0,
+    ):
+        self.reward_fn = reward_fn
+        self.normalizer = normalizer
+        self.truncation = truncation
+        self.truncation_penalty = truncation_penalty
+
+    @property
+    def names(self) -> list[str]:
+        """Names of the reward components, in call order."""
+        return self.reward_fn.names
+
+    def raw(self, rows: Sequence[Mapping[str, Any]], completions: Sequence[str], *, repeat: int):
+        """The reward functions' output (:class:`~policygrad.rewards.registry.RewardOutput`) for
+        ``completions``, ``repeat`` consecutive completions per row of ``rows``."""
+        prompts = [r["prompt"] for r in rows for _ in range(repeat)]
+        return self.reward_fn(prompts, completions, **row_fields_from_rows(rows, repeat=repeat))
+
+    def __call__(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        completions: Sequence[str],
+        truncated: torch.Tensor,
+        group_index: torch.Tensor,
+        *,
+        group_size: int,
+    ) -> Scores:
+        """Score B = len(rows) x ``group_size`` completions (rows of a prompt contiguous).
+
+        Args:
+            rows: the n dataset rows.
+            completions: B decoded completions.
+            truncated: bool [B], completions without EOS.
+            group_index: long [B], the prompt of each row.
+            group_size: G.
+
+        Raises:
+            RewardFunctionError, ValueError: from the reward functions (``on_error=raise``).
+        """
+        out = self.raw(rows, completions, repeat=group_size)
+        scores = self.normalizer(out.rewards, out.valid)
+        scores, valid = apply_truncation_policy(
+            scores, truncated, mode=self.truncation, penalty=self.truncation_penalty, valid=out.valid
+        )
+        failed = ~out.valid
+        if failed.any():
+            scores = fill_with_group_mean(scores, failed, group_index.cpu())
+        return Scores(scores, out.rewards.clone(), valid, failed, out.components, out.metrics())
+
+    def baseline(
+        self, rows: Sequence[Mapping[str, Any]], completions: Sequence[str], truncated
+    ) -> torch.Tensor:
+        """float32 [n] scores of one completion per row (e.g. ReMax's greedy responses), through
+        the same normalisation (its statistics not updated) and truncation policy."""
+        base = self.raw(rows, completions, repeat=1).rewards
+        base = self.normalizer(base, update=False)
+        base, _ = apply_truncation_policy(
+            base, truncated, mode=self.truncation, penalty=self.truncation_penalty
+        )
+        return base

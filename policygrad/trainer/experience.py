@@ -1,0 +1,98 @@
+"""The record one RL step hands from its rollout stages to the update.
+
+An :class:`Experience` holds everything the update needs for B sequences: the rollout, which
+tokens carry loss, advantages, and the log-probs and values computed before any weight moved.
+It is immutable; a minibatch or a micro-batch is a view of it (:meth:`Experience.select`,
+:meth:`Experience.trim`), and ``rows`` says which rows of the step's batch a view holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from policygrad.rollout.base import Rollout
+
+__all__ = ["Experience"]
+
+_PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns", "critic_mask")
+
+
+@dataclass(frozen=True)
+class Experience:
+    """B sequences ready for the update; every [B, T] tensor is float32 and right-padded like
+    ``rollout.response_ids``.
+
+    Attributes:
+        rows: long [B], the rows of the step's batch this record holds (``arange(B)`` for the
+            whole batch; a minibatch's ids in its order).
+        rollout: the sampled sequences.
+        loss_mask: [B, T] the response mask of rows that take part in the policy loss.
+        advantages: [B, T].
+        old_logprobs: [B, T] the trainer's log-probs of the sampled tokens before the update, or
+            None when the update is exactly on-policy (the ratio is then exactly 1).
+        ref_logprobs: [B, T] the reference's log-probs, or None without a KL.
+        values: [B, T] the critic's values at rollout time, or None without a critic.
+        returns: [B, T] the critic's targets, or None without a critic.
+        critic_mask: [B, T] tokens that train the critic.
+        kl_coef: beta of this step (the KL controller's value when it was sampled).
+        train_policy: False in the critic-pretraining steps (the policy is frozen).
+    """
+
+    rows: torch.Tensor
+    rollout: Rollout
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    returns: torch.Tensor | None = None
+    critic_mask: torch.Tensor | None = None
+    kl_coef: float = 0.0
+    train_policy: bool = True
+
+    @property
+    def batch_size(self) -> int:
+        """B."""
+        return self.rollout.batch_size
+
+    def select(self, index: torch.Tensor) -> Experience:
+        """A view of the rows ``index`` (LongTensor of positions in this record), in that order."""
+        changes = {name: _rows(getattr(self, name), index) for name in _PER_TOKEN}
+        return dataclasses.replace(self, rows=self.rows[index], rollout=self.rollout.select(index), **changes)
+
+    def trim(self) -> Experience:
+        """The same rows cut to their longest response and prompt (:meth:`Rollout.trim`): columns
+        masked in every row carry no loss and need no forward."""
+        rollout = self.rollout.trim()
+        T = rollout.response_ids.shape[1]
+        changes = {name: _columns(getattr(self, name), T) for name in _PER_TOKEN}
+        return dataclasses.replace(self, rollout=rollout, **changes)
+
+    def minibatches(
+        self, epochs: int, num_minibatches: int, generator: torch.Generator
+    ) -> Iterator[Experience]:
+        """``epochs`` passes of ``num_minibatches`` views each. Each epoch draws a fresh row
+        permutation from ``generator`` when there is more than one minibatch (drawn lazily, one per
+        epoch, so an update that stops early draws no more)."""
+        for _ in range(epochs):
+            B = self.batch_size
+            order = torch.randperm(B, generator=generator) if num_minibatches > 1 else torch.arange(B)
+            for rows in torch.tensor_split(order, num_minibatches):
+                yield self.select(rows)
+
+    def micro_batches(self, size: int) -> Iterator[Experience]:
+        """Consecutive views of at most ``size`` rows (untrimmed)."""
+        for index in torch.split(torch.arange(self.batch_size), size):
+            yield self.select(index)
+
+
+def _rows(value: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if value is None else value[index.to(value.device)]
+
+
+def _columns(value: torch.Tensor | None, T: int) -> torch.Tensor | None:
+    return None if value is None else value[:, :T]

@@ -1,0 +1,185 @@
+"""Every metric a run logs, defined once: :data:`METRICS` maps each name to its meaning, and the
+functions here compute the step's metrics from the step's records.
+
+Names follow the field's terms (``reward/mean``, ``kl/ref``, ``policy/clipfrac``,
+``policy/approx_kl``, ``critic/explained_variance``, ``time/generation_s``). A name with ``<fn>``
+stands for each reward function's component name. The README's metric list is checked against
+this table by a test.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from policygrad.core.diagnostics import explained_variance
+from policygrad.core.groups import zero_variance_group_fraction
+from policygrad.core.masking import masked_mean
+
+__all__ = ["METRICS", "batch_metrics", "critic_metrics", "is_known_metric", "mismatch_metrics"]
+
+METRICS: dict[str, str] = {
+    # rewards
+    "reward/mean": "mean sequence score (normalised, truncation policy applied) over rows scored",
+    "reward/std": "standard deviation of the sequence scores",
+    "reward/score": "mean sequence score, failed rows filled with their group's mean",
+    "reward/score_raw_mean": "mean weighted sum of the reward functions, before normalisation",
+    "reward/non_score": "mean over sequences of the KL part of the per-token reward (0 without a KL reward)",
+    "reward/valid_frac": "fraction of rows that may carry loss (reward computed, not excluded as truncated)",
+    "reward/invalid_frac": "fraction of rows on which a reward function failed (on_error=skip)",
+    "reward/zero_variance_group_frac": "fraction of sampled groups whose scores are all equal",
+    "reward_fn/<fn>/mean": "mean raw score of one reward function over the rows where it succeeded",
+    "reward_fn/<fn>/invalid": "rows on which one reward function failed",
+    # dynamic sampling
+    "dynamic_sampling/groups_sampled": "groups generated this step, over all rounds",
+    "dynamic_sampling/groups_kept": "groups with signal in the filtered reward that the update trains on",
+    "dynamic_sampling/rounds": "generation rounds this step (1 + extra rounds used to refill the batch)",
+    # responses
+    "response/length_mean": "mean response length in tokens (the first EOS included)",
+    "response/length_max": "longest response in tokens",
+    "response/truncated_frac": "fraction of responses cut at max_new_tokens without EOS",
+    # advantages and returns
+    "advantages/mean": "mean advantage over the tokens that carry loss",
+    "returns/mean": "mean return (the critic's target) over valid tokens",
+    # KL
+    "kl/ref": "mean k1 KL to the reference per valid token, from the behaviour log-probs",
+    "kl/coef": "beta of this step (the KL controller's value)",
+    "kl/loss_term": "mean per-token KL term of the loss (KL placement loss)",
+    # policy update
+    "policy/loss": "mean over applied optimizer steps of the policy loss",
+    "policy/clipfrac": "fraction of valid tokens whose gradient the clip removed",
+    "policy/clipfrac_low": "fraction of tokens clipped at 1 - clip_low (A < 0)",
+    "policy/clipfrac_high": "fraction of tokens clipped at 1 + clip_high (A > 0)",
+    "policy/clipfrac_dual": "fraction of tokens in the dual clip's constant region",
+    "policy/approx_kl": "mean k3 estimate of KL(pi_old || pi) over the update's tokens",
+    "policy/ratio_mean": "mean importance ratio pi / pi_old",
+    "policy/ratio_max": "largest importance ratio pi / pi_old",
+    "policy/entropy": "mean entropy of the sampled distribution per valid token",
+    "policy/nonfinite_tokens": "sampled tokens the trainer gives log-prob -inf (left out of the loss)",
+    "optim/steps": "policy optimizer steps applied this step",
+    "optim/skipped_nonfinite": "policy optimizer steps skipped for a non-finite loss or gradient",
+    "optim/grad_norm": "mean gradient norm before clipping",
+    "optim/lr": "the policy's learning rate after this step",
+    "optim/early_stopped": "1 when optim.target_kl stopped the update",
+    "ptx/loss": "mean PPO-ptx language-modelling loss",
+    # critic
+    "critic/vf_loss": "token-weighted value loss of the critic steps",
+    "critic/vf_clipfrac": "fraction of tokens whose clipped value error was used",
+    "critic/explained_variance": "explained variance of the rollout-time values against the targets",
+    "critic/values_mean": "mean rollout-time value over valid tokens",
+    "critic/pretraining": "1 while only the critic trains (critic.pretrain_steps)",
+    "critic/steps": "critic optimizer steps applied",
+    "critic/skipped_nonfinite": "critic optimizer steps skipped for a non-finite loss or gradient",
+    "critic/grad_norm": "mean critic gradient norm before clipping",
+    "critic/lr": "the critic's learning rate after this step",
+    # sampler / trainer mismatch
+    "mismatch/logprob_abs_mean": "mean |log-prob of the trainer - of the sampler| per token, same weights",
+    "mismatch/logprob_abs_max": "largest per-token |log-prob difference| between trainer and sampler",
+    "mismatch/seq_log_ratio_std": "std over sequences of the summed log-ratio trainer / sampler",
+    "mismatch/seq_ratio_min": "smallest sequence ratio pi_trainer / pi_sampler",
+    "mismatch/seq_ratio_max": "largest sequence ratio pi_trainer / pi_sampler",
+    "mismatch/is_weight_mean": "mean truncated importance weight applied (rollout.is_correction)",
+    "mismatch/is_capped_frac": "fraction of tokens whose importance ratio exceeded rollout.is_cap",
+    # evaluation
+    "eval/accuracy": "greedy held-out accuracy (answer correctness)",
+    # time, throughput, memory (volatile: they differ between identical runs)
+    "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline)",
+    "time/ref_logprobs_s": "seconds of the reference log-prob pass (0: not needed)",
+    "time/old_logprobs_s": "seconds of the old log-prob pass (0: exactly on-policy)",
+    "time/forward_s": "seconds of the policy's training forwards",
+    "time/backward_s": "seconds of the policy's backward passes",
+    "time/optimizer_s": "seconds of gradient clipping and optimizer steps",
+    "time/weight_sync_s": "seconds pushing the updated weights into a separate rollout engine",
+    "time/training_s": "seconds from the end of generation to the end of the update",
+    "time/step_s": "seconds of the whole step",
+    "perf/tokens_per_s": "response tokens of the step per second of the step",
+    "memory/peak_rss_gb": "peak resident memory of the process, GB",
+    "memory/peak_cuda_gb": "peak CUDA memory allocated, GB",
+}
+
+# A component is named by its spec, which may be a file path: ``<fn>`` matches any text.
+_PATTERNS = [
+    re.compile("^" + re.escape(name).replace(re.escape("<fn>"), ".+") + "$")
+    for name in METRICS
+    if "<fn>" in name
+]
+
+
+def is_known_metric(name: str) -> bool:
+    """True when ``name`` is in :data:`METRICS` (a ``<fn>`` entry matching any component name)."""
+    return name in METRICS or any(p.match(name) for p in _PATTERNS)
+
+
+def mismatch_metrics(logprobs, rows, rollout, response_mask: torch.Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs are from the trainer's for the same tokens and weights
+    (the train/inference mismatch, Yao et al. 2025): mean and max per-token absolute difference,
+    and the spread of the sequence-level ratio exp(sum_t (lp - lp_sampler)).
+
+    Args:
+        logprobs: [B, T] the trainer's log-probs before the update, or None (no metrics).
+        rows: bool [B] rows for which ``logprobs`` were recorded, or None (all).
+        rollout: the step's rollout (``sampler_logprobs``).
+        response_mask: [B, T] float.
+    """
+    if logprobs is None:
+        return {}
+    mask = response_mask > 0
+    if rows is not None:
+        mask = mask & rows[:, None]
+    if not mask.any():
+        return {}
+    diff = torch.where(mask, logprobs.float() - rollout.sampler_logprobs.float(), 0.0)
+    seq = diff.sum(-1)[mask.any(-1)]
+    return {
+        "mismatch/logprob_abs_mean": masked_mean(diff.abs(), mask.float()).item(),
+        "mismatch/logprob_abs_max": diff.abs().max().item(),
+        "mismatch/seq_log_ratio_std": seq.std().item() if seq.numel() > 1 else 0.0,
+        "mismatch/seq_ratio_min": seq.min().exp().item(),
+        "mismatch/seq_ratio_max": seq.max().exp().item(),
+    }
+
+
+def critic_metrics(values, returns, critic_mask, response_mask, *, pretraining: bool) -> dict[str, float]:
+    """Explained variance of the rollout-time values against the targets, their mean, and
+    whether the step only pretrained the critic (empty without a critic)."""
+    if values is None:
+        return {}
+    ev = explained_variance(values, returns, critic_mask) if critic_mask.any() else float("nan")
+    return {
+        "critic/explained_variance": float(ev),
+        "critic/values_mean": masked_mean(values, response_mask).item(),
+        "critic/pretraining": float(pretraining),
+    }
+
+
+def batch_metrics(scores, rollout, *, advantages, loss_mask, returns, response_mask) -> dict[str, Any]:
+    """Reward, response-length, advantage and return statistics of a step.
+
+    Args:
+        scores: the sampled rows' :class:`~policygrad.rewards.scoring.Scores`.
+        rollout: the sampled rows' rollout.
+        advantages, loss_mask, returns, response_mask: [B, T] of the trained rows.
+    """
+    s, failed = scores.scores, scores.failed
+    lengths = rollout.response_mask.sum(-1)
+    return {
+        "reward/mean": s[~failed].mean().item() if (~failed).any() else float("nan"),
+        "reward/std": s.std().item() if s.numel() > 1 else 0.0,
+        "reward/score_raw_mean": scores.raw.mean().item(),
+        "reward/valid_frac": scores.valid.float().mean().item(),
+        "reward/zero_variance_group_frac": float(zero_variance_group_fraction(s, rollout.group_index)),
+        "response/length_mean": lengths.mean().item(),
+        "response/length_max": lengths.max().item(),
+        "response/truncated_frac": rollout.truncated.float().mean().item(),
+        "advantages/mean": masked_mean(advantages, loss_mask).item() if loss_mask.any() else 0.0,
+        "returns/mean": masked_mean(returns, response_mask).item(),
+    }
+
+
+def metrics_markdown() -> str:
+    """The README's metric table, generated from :data:`METRICS` (a test keeps them equal)."""
+    lines = ["| metric | meaning |", "|:--|:--|"]
+    lines += [f"| `{name}` | {meaning} |" for name, meaning in METRICS.items()]
+    return "\n".join(lines)

@@ -1,0 +1,170 @@
+"""The rollout stages of an RL step that go beyond one call each: sampling with DAPO's dynamic
+sampling, and the providers of an advantage estimator's extra inputs.
+
+- :class:`SampledBatch`: n prompts, their B = n x G completions and their scores.
+- :func:`keep_groups_with_signal`: which groups a batch keeps under dynamic sampling (Yu et al.
+  2025, DAPO, section 3.2: a group whose task reward is the same for every sample gives a group
+  baseline no signal), judged on a named reward component before normalisation and the truncation
+  penalty.
+- :data:`ESTIMATOR_INPUTS`: registered providers of the inputs an estimator declares (ReMax's
+  ``baseline_rewards``: the score of a greedy response to each prompt, Li et al. 2023, eq. 6).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policygrad.core.groups import fill_with_group_mean, varied_group_rows
+from policygrad.rewards.scoring import Scores
+from policygrad.rollout.base import Rollout
+
+__all__ = [
+    "ESTIMATOR_INPUTS",
+    "SampledBatch",
+    "concat_batches",
+    "keep_groups_with_signal",
+    "register_estimator_input",
+]
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """n dataset rows, their prompt token ids, and G scored completions each (B = n x G rows,
+    the samples of prompt i in rows i*G .. i*G+G-1, ``rollout.group_index`` = the prompt)."""
+
+    rows: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    rollout: Rollout
+    completions: list[str]
+    scores: Scores
+
+    @property
+    def group_size(self) -> int:
+        """G."""
+        return self.rollout.group_size
+
+    def select_groups(self, groups: Sequence[int]) -> SampledBatch:
+        """The batch of the prompts ``groups`` (positions 0..n-1), renumbered 0..k-1."""
+        G = self.group_size
+        rows = torch.tensor([i * G + g for i in groups for g in range(G)], dtype=torch.long)
+        rollout = self.rollout.select(rows)
+        rollout = dataclasses.replace(rollout, group_index=torch.arange(len(groups)).repeat_interleave(G))
+        return SampledBatch(
+            [self.rows[i] for i in groups],
+            [self.prompt_ids[i] for i in groups],
+            rollout,
+            [self.completions[r] for r in rows.tolist()],
+            self.scores.select(rows),
+        )
+
+
+def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
+    """One batch of several (same G): prompts left-padded and responses right-padded to the
+    widest, groups renumbered in order. A single batch is returned as it is."""
+    if len(batches) == 1:
+        return batches[0]
+    rollouts = [b.rollout for b in batches]
+    P = max(r.prompt_ids.shape[1] for r in rollouts)
+    T = max(r.response_ids.shape[1] for r in rollouts)
+
+    def pad(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
+        extra = width - t.shape[1]
+        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+    offsets, total = [], 0
+    for r in rollouts:
+        offsets.append(total)
+        total += int(r.group_index.max()) + 1 if r.batch_size else 0
+    rollout = dataclasses.replace(
+        rollouts[0],
+        prompt_ids=torch.cat([pad(r.prompt_ids, P, left=True) for r in rollouts]),
+        prompt_mask=torch.cat([pad(r.prompt_mask, P, left=True) for r in rollouts]),
+        response_ids=torch.cat([pad(r.response_ids, T, left=False) for r in rollouts]),
+        response_mask=torch.cat([pad(r.response_mask, T, left=False) for r in rollouts]),
+        sampler_logprobs=torch.cat([pad(r.sampler_logprobs, T, left=False) for r in rollouts]),
+        truncated=torch.cat([r.truncated for r in rollouts]),
+        group_index=torch.cat([r.group_index + o for r, o in zip(rollouts, offsets)]),
+    )
+    scores = [b.scores for b in batches]
+    merged = Scores(
+        torch.cat([s.scores for s in scores]),
+        torch.cat([s.raw for s in scores]),
+        torch.cat([s.valid for s in scores]),
+        torch.cat([s.failed for s in scores]),
+        {k: torch.cat([s.components[k] for s in scores]) for k in scores[0].components},
+        scores[0].metrics,
+    )
+    return SampledBatch(
+        [row for b in batches for row in b.rows],
+        [ids for b in batches for ids in b.prompt_ids],
+        rollout,
+        [c for b in batches for c in b.completions],
+        merged,
+    )
+
+
+def keep_groups_with_signal(batch: SampledBatch, component: str) -> list[int]:
+    """Positions of the prompts whose samples do not all score the same on reward ``component``
+    (its raw score: before normalisation and the truncation penalty; a row where the function
+    failed takes its group's mean, so it decides nothing).
+
+    Raises:
+        KeyError: ``component`` is not one of the batch's reward components.
+    """
+    raw = batch.scores.components[component]
+    missing = torch.isnan(raw)
+    group_index = batch.rollout.group_index.cpu()
+    if missing.any():
+        raw = fill_with_group_mean(torch.where(missing, 0.0, raw), missing, group_index)
+    varied = varied_group_rows(raw, group_index)
+    G = batch.group_size
+    return [i for i in range(len(batch.rows)) if bool(varied[i * G])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs that estimators declare (``register_advantage_estimator(..., inputs=(...))``).
+
+EstimatorInput = Callable[[Any, SampledBatch], torch.Tensor]
+ESTIMATOR_INPUTS: dict[str, EstimatorInput] = {}
+
+
+def register_estimator_input(name: str) -> Callable[[EstimatorInput], EstimatorInput]:
+    """Register the provider of an estimator input: ``fn(trainer, batch) -> Tensor [B]``.
+
+    Raises:
+        ValueError: ``name`` already has a provider.
+    """
+
+    def decorator(fn: EstimatorInput) -> EstimatorInput:
+        if name in ESTIMATOR_INPUTS:
+            raise ValueError(f"estimator input {name!r} already has a provider")
+        ESTIMATOR_INPUTS[name] = fn
+        return fn
+
+    return decorator
+
+
+@register_estimator_input("baseline_rewards")
+def greedy_baseline_rewards(trainer, batch: SampledBatch) -> torch.Tensor:
+    """float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li
+    et al. 2023, eq. 6), normalised with the run's statistics (not updated) and through the same
+    truncation policy, repeated over the prompt's G rows."""
+    r = trainer.config.rollout
+    greedy = trainer.engine.generate(
+        batch.prompt_ids,
+        group_size=1,
+        max_new_tokens=r.max_new_tokens,
+        greedy=True,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+    )
+    completions = trainer.decode(greedy)
+    return trainer.scorer.baseline(batch.rows, completions, greedy.truncated).repeat_interleave(
+        batch.group_size
+    )

@@ -1,0 +1,92 @@
+"""Dynamic sampling (DAPO, Yu et al. 2025, section 3.2) in the trainer: which groups it keeps,
+judged on the task outcome rather than the shaped score, and the refill of the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from policygrad.core.groups import varied_group_rows
+from policygrad.trainer import Trainer
+from tests.trainer.conftest import write_jsonl
+
+pytestmark = pytest.mark.integration
+
+
+class TruncatingEngine:
+    """The trainer's engine, except that the completions in ``rows`` are reported as cut at the
+    length limit (the scorer reads only the flag)."""
+
+    def __init__(self, engine, rows: list[int]):
+        self.engine, self.rows = engine, rows
+        self.shares_policy_weights = engine.shares_policy_weights
+
+    def generate(self, *args, **kwargs):
+        rollout = self.engine.generate(*args, **kwargs)
+        truncated = torch.zeros_like(rollout.truncated)
+        truncated[self.rows] = True
+        return dataclasses.replace(rollout, truncated=truncated)
+
+    def sync_weights(self, model):
+        self.engine.sync_weights(model)
+
+
+def test_the_filter_reads_the_outcome_not_the_shaped_score(make_config):
+    # Every answer scores 0 (the outcome), but the last sample of prompt 0 is cut off, so the
+    # truncation penalty makes that group's shaped scores [0, 0, 0, -1]: it varies, and a filter
+    # on the shaped score would keep it and train on advantages [0.5, 0.5, 0.5, -1.5] of a group
+    # that carries no task signal. Filtered on the outcome, both groups go.
+    cfg = make_config(
+        reward_fn="zero",
+        drop_zero_variance_groups=True,
+        reward={"truncation": "penalty", "truncation_penalty": -1.0},
+    )
+    trainer = Trainer(cfg)
+    trainer.engine = TruncatingEngine(trainer.engine, [3])
+    m = trainer.step()
+    shaped = torch.tensor([s["reward"] for s in trainer.last_samples])
+    assert shaped.tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+    assert varied_group_rows(shaped, torch.arange(2).repeat_interleave(4))[0]  # the shaped score varies
+    assert m["dynamic_sampling/groups_sampled"] == 2 and m["dynamic_sampling/groups_kept"] == 0
+    assert m["optim/steps"] == 0 and m["reward/zero_variance_group_frac"] == 0.5
+
+
+def _same_then_varied(tmp_path) -> str:
+    # Rows 0-1: "same" prompts (every sample scores 1.0: no signal); rows 2-3: digit_fraction.
+    rows = [{"prompt": f"the same {k}: 2+2?", "answer": "4"} for k in range(2)]
+    rows += [{"prompt": f"What is {a}+1?", "answer": str(a + 1)} for a in (3, 8)]
+    return write_jsonl(tmp_path / "same_then_varied.jsonl", rows)
+
+
+@pytest.mark.parametrize("extra_rounds", [0, 1])
+def test_refill_reaches_the_configured_number_of_groups(extra_rounds, make_config, tmp_path):
+    cfg = make_config(
+        reward_fn="constant_if_same",
+        drop_zero_variance_groups=True,
+        dynamic_sampling={"max_extra_rounds": extra_rounds},
+        data={"dataset": _same_then_varied(tmp_path), "shuffle": False},
+        loss={"entropy_coef": 0.01},
+    )
+    trainer = Trainer(cfg)
+    trained = []
+    forward = trainer.policy_step.forward
+
+    def record(model, rollout, **kwargs):
+        trained.append(rollout.prompt_ids.clone())
+        return forward(model, rollout, **kwargs)
+
+    trainer.policy_step.forward = record
+    m = trainer.step()
+    if extra_rounds == 0:
+        # The first round's two groups have no signal, and no round is left to refill: no update.
+        assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/groups_kept"]) == (1, 0)
+        assert m["optim/steps"] == 0 and not trained
+        return
+    # A second round samples rows 2-3, whose groups vary: the batch is full again (2 groups).
+    assert m["dynamic_sampling/rounds"] == 2
+    assert (m["dynamic_sampling/groups_sampled"], m["dynamic_sampling/groups_kept"]) == (4, 2)
+    assert m["optim/steps"] == 1 and trainer.stream.position == 4
+    assert [s["prompt"] for s in trainer.last_samples[::4]] == ["What is 3+1?", "What is 8+1?"]
+    assert sum(p.shape[0] for p in trained) == 8  # the 2 kept groups x G = 4, nothing else
