@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
+from policygrad.rewards.registry import RewardOutput
 from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout
 
@@ -91,13 +92,15 @@ def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
         group_index=torch.cat([r.group_index + o for r, o in zip(rollouts, offsets)]),
     )
     scores = [b.scores for b in batches]
+    raw, failed = torch.cat([s.raw for s in scores]), torch.cat([s.failed for s in scores])
+    components = {k: torch.cat([s.components[k] for s in scores]) for k in scores[0].components}
     merged = Scores(
         torch.cat([s.scores for s in scores]),
-        torch.cat([s.raw for s in scores]),
+        raw,
         torch.cat([s.valid for s in scores]),
-        torch.cat([s.failed for s in scores]),
-        {k: torch.cat([s.components[k] for s in scores]) for k in scores[0].components},
-        scores[0].metrics,
+        failed,
+        components,
+        RewardOutput(raw, components, ~failed).metrics(),  # the reward metrics of every row
     )
     return SampledBatch(
         [row for b in batches for row in b.rows],

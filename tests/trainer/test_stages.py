@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from policygrad.core.groups import varied_group_rows
+from policygrad.rewards.scoring import Scores
+from policygrad.rollout.base import Rollout
 from policygrad.trainer import Trainer
+from policygrad.trainer.stages import SampledBatch, concat_batches
 from tests.trainer.conftest import write_jsonl
-
-pytestmark = pytest.mark.integration
 
 
 class TruncatingEngine:
@@ -33,6 +34,7 @@ class TruncatingEngine:
         self.engine.sync_weights(model)
 
 
+@pytest.mark.integration
 def test_the_filter_reads_the_outcome_not_the_shaped_score(make_config):
     # Every answer scores 0 (the outcome), but the last sample of prompt 0 is cut off, so the
     # truncation penalty makes that group's shaped scores [0, 0, 0, -1]: it varies, and a filter
@@ -60,6 +62,7 @@ def _same_then_varied(tmp_path) -> str:
     return write_jsonl(tmp_path / "same_then_varied.jsonl", rows)
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("extra_rounds", [0, 1])
 def test_refill_reaches_the_configured_number_of_groups(extra_rounds, make_config, tmp_path):
     cfg = make_config(
@@ -90,3 +93,55 @@ def test_refill_reaches_the_configured_number_of_groups(extra_rounds, make_confi
     assert m["optim/steps"] == 1 and trainer.stream.position == 4
     assert [s["prompt"] for s in trainer.last_samples[::4]] == ["What is 3+1?", "What is 8+1?"]
     assert sum(p.shape[0] for p in trained) == 8  # the 2 kept groups x G = 4, nothing else
+
+
+def _batch(prompt_lengths: list[int], response_lengths: list[int], G: int, first_token: int) -> SampledBatch:
+    """A hand-made batch: prompt i has prompt_lengths[i] tokens (left-padded with 0), row r a
+    response of response_lengths[r] tokens (right-padded), token ids counting from first_token."""
+    n, P, T = len(prompt_lengths), max(prompt_lengths), max(response_lengths)
+    B = n * G
+    prompt_mask = torch.tensor([[0] * (P - k) + [1] * k for k in prompt_lengths]).repeat_interleave(G, 0)
+    response_mask = torch.tensor([[1.0] * k + [0.0] * (T - k) for k in response_lengths])
+    ids = torch.arange(B * (P + T)).reshape(B, P + T) + first_token
+    rollout = Rollout(
+        prompt_ids=ids[:, :P] * prompt_mask,
+        prompt_mask=prompt_mask,
+        response_ids=(ids[:, P:] * response_mask).long(),
+        response_mask=response_mask,
+        truncated=torch.zeros(B, dtype=torch.bool),
+        sampler_logprobs=-response_mask,
+        group_index=torch.arange(n).repeat_interleave(G),
+        group_size=G,
+    )
+    raw = torch.arange(B, dtype=torch.float32) + first_token
+    scores = Scores(
+        raw, raw, torch.ones(B, dtype=torch.bool), torch.zeros(B, dtype=torch.bool), {"f": raw}, {}
+    )
+    rows = [{"prompt": f"p{first_token + i}"} for i in range(n)]
+    return SampledBatch(rows, [[1] * k for k in prompt_lengths], rollout, [f"c{r}" for r in range(B)], scores)
+
+
+@pytest.mark.unit
+def test_select_and_concat_keep_rows_aligned_and_pad_to_the_widest():
+    a = _batch([2, 3], [1, 2, 2, 1], G=2, first_token=100)  # P = 3, T = 2
+    b = _batch([4], [3, 1], G=2, first_token=500)  # P = 4, T = 3
+    kept = a.select_groups([1])  # rows 2, 3 of a
+    assert kept.rows == [{"prompt": "p101"}] and kept.completions == ["c2", "c3"]
+    assert kept.rollout.group_index.tolist() == [0, 0] and kept.scores.scores.tolist() == [102.0, 103.0]
+    both = concat_batches([kept, b])
+    r = both.rollout
+    assert r.prompt_ids.shape == (4, 4) and r.response_ids.shape == (4, 3)
+    assert r.group_index.tolist() == [0, 0, 1, 1]  # renumbered in order
+    # a's prompts gain one column of left padding, its responses one of right padding: the real
+    # tokens keep their order, and every padded position is masked.
+    assert torch.equal(r.prompt_ids[:2, 1:], a.rollout.prompt_ids[2:]) and r.prompt_mask[:2, 0].sum() == 0
+    assert (
+        torch.equal(r.response_ids[:2, :2], a.rollout.response_ids[2:]) and r.response_mask[:2, 2].sum() == 0
+    )
+    assert torch.equal(r.response_ids[2:], b.rollout.response_ids)
+    assert both.scores.scores.tolist() == [102.0, 103.0, 500.0, 501.0]
+    assert both.completions == ["c2", "c3", "c0", "c1"] and [x["prompt"] for x in both.rows] == [
+        "p101",
+        "p500",
+    ]
+    assert both.scores.metrics["reward/invalid_frac"] == 0.0  # recomputed over every row
