@@ -67,10 +67,17 @@ class Models:
 
 
 def build_models(
-    cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, checkpoint: str | None
+    cfg: TrainConfig,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    checkpoint: str | None,
+    policy_dtype: torch.dtype | None = None,
 ) -> Models:
     """Load the policy (LoRA, memory-efficient MLPs, checkpoint weights, gradient checkpointing)
-    and, when the KL placement needs one, the reference (always the base model)."""
+    and, when the KL placement needs one, the reference (always the base model). The policy's
+    parameters are ``policy_dtype`` (the precision's, float32 unless bf16-pure; None: ``dtype``),
+    the frozen reference's ``dtype``."""
     from policygrad.models.loading import (
         apply_lora,
         eos_token_ids,
@@ -83,7 +90,7 @@ def build_models(
 
     model_path = resolve_model_path(cfg.model.name)
     tokenizer = load_tokenizer(model_path)
-    policy = load_causal_lm(model_path, dtype=dtype).to(device)
+    policy = load_causal_lm(model_path, dtype=policy_dtype or dtype).to(device)
     lora = cfg.model.lora
     if lora.rank > 0:
         policy = apply_lora(

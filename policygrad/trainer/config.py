@@ -122,11 +122,17 @@ class ModelConfig:
     """The policy. ``name``: ``bundled:smollm2-135m-instruct``, a local HF folder, or a hub id.
 
     ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
-    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one.
+    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
+    of the frozen networks (reference, reward models, vLLM's weights); the trained ones follow
+    ``precision``: ``fp32``, ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute
+    under autocast), ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away;
+    an explicit opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
+    fp32); see :mod:`policygrad.trainer.precision`.
     """
 
     name: str = "bundled:smollm2-135m-instruct"
     dtype: str = "auto"
+    precision: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
 
@@ -134,6 +140,7 @@ class ModelConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
         _check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        _check_choice(f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure"})
         self.lora.validate(f"{path}.lora")
 
 

@@ -56,6 +56,7 @@ from policygrad.trainer.evaluate import decode_completions, greedy_eval, write_j
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
 from policygrad.trainer.metrics import batch_metrics, critic_metrics, mismatch_metrics
+from policygrad.trainer.precision import apply_precision, resolve_precision
 from policygrad.trainer.runtime import release_free_memory, synced_clock
 from policygrad.trainer.stages import (
     ESTIMATOR_INPUTS,
@@ -94,6 +95,7 @@ class Trainer:
         build.seed_everything(cfg.seed)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
+        self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
         self.run_dir = cfg.output_dir
         if resume_from is None:
             prepare_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
@@ -108,7 +110,10 @@ class Trainer:
             raise TrainingError(
                 f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
             )
-        m = build.build_models(cfg, device=self.device, dtype=self.dtype, checkpoint=ckpt)
+        trained = self.precision.param_dtype  # float32 master weights unless bf16-pure
+        m = build.build_models(
+            cfg, device=self.device, dtype=self.dtype, policy_dtype=trained, checkpoint=ckpt
+        )
         self.model_path, self.tokenizer, self.policy, self.reference = (
             m.model_path,
             m.tokenizer,
@@ -124,7 +129,7 @@ class Trainer:
         self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
         self.scorer = build.build_scorer(cfg, device=self.device, dtype=self.dtype)
         self.critic_trainer = build.build_critic(
-            cfg, model_path=self.model_path, device=self.device, dtype=self.dtype, checkpoint=ckpt
+            cfg, model_path=self.model_path, device=self.device, dtype=trained, checkpoint=ckpt
         )
         self.critic = self.critic_trainer.critic if self.critic_trainer else None
         self.ptx_data = build.build_ptx(cfg, self.tokenizer)
@@ -138,6 +143,7 @@ class Trainer:
             cfg, self.policy, self.objective, optimizer_step, ptx=self.ptx_data, device=self.device
         )
         self.kl_ctl = build.build_kl_controller(cfg)
+        apply_precision(self, self.precision)  # forwards under autocast; parameters stay float32
         self.step_idx = 0
         self.last_samples: list[dict[str, Any]] = []  # the last step's completions, for display
         if ckpt is not None:
