@@ -407,6 +407,7 @@ class VLLMRolloutEngine(RolloutEngine):
         max_new_tokens: int,
         greedy: bool = False,
         generator_seed: int | None = None,
+        prompt_seeds: list[int] | None = None,
     ) -> Rollout:
         """Sample ``group_size`` responses per prompt in one ``llm.generate`` call.
 
@@ -427,7 +428,8 @@ class VLLMRolloutEngine(RolloutEngine):
         sample seed + g), so the result depends on ``generator_seed`` alone; with None the seeds
         are drawn with ``torch.randint`` from torch's global generator (n draws), so seeding torch
         before the call makes it reproducible. Either way vLLM's internal use of torch's RNG is
-        undone (``fork_rng``).
+        undone (``fork_rng``). With ``prompt_seeds``, prompt i's request has seed
+        ``prompt_seeds[i]`` (mod 2**62), whatever else is in the batch.
 
         Source: the log-probs must be those of the behaviour distribution actually sampled (the
         truncated, renormalised one), or the importance ratio ``pi / pi_old`` (Schulman et al.
@@ -466,7 +468,9 @@ class VLLMRolloutEngine(RolloutEngine):
 
         G, n, pad = int(group_size), len(prompts), self.pad_token_id
         max_new_tokens = int(max_new_tokens)
-        if generator_seed is None:
+        if prompt_seeds is not None:
+            seeds = [int(s) % 2**62 for s in prompt_seeds]
+        elif generator_seed is None:
             seeds = torch.randint(0, 2**62, (n,), dtype=torch.long).tolist()
         else:
             seeds = [_request_seed(int(generator_seed), i) for i in range(n)]

@@ -55,6 +55,7 @@ class CriticTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
         self.clip_range = clip_range
         self.micro_batch_size = micro_batch_size
+        self.reduce = None  # data-parallel: sums over ranks (the step's sync is set on ``step``)
         self.step = OptimizerStep(
             self.optimizer,
             self.scheduler,
@@ -86,6 +87,8 @@ class CriticTrainer:
             untouched.
         """
         num_tokens = batch.critic_mask.sum()
+        if self.reduce is not None:  # data-parallel: the count (and below the metrics) of all ranks
+            num_tokens = self.reduce(num_tokens)
         if num_tokens.item() == 0:
             return {}
         self.critic.train()
@@ -105,6 +108,9 @@ class CriticTrainer:
         if not out.applied:
             return {"skipped": 1.0, "num_tokens": float(num_tokens), "grad_norm": grad_norm}
         n = float(num_tokens)
+        if self.reduce is not None:
+            summed = self.reduce(torch.tensor([out.loss, clipped[0]], dtype=torch.float64))
+            out.loss, clipped[0] = summed.tolist()
         return {
             "vf_loss": out.loss,
             "vf_clipfrac": clipped[0] / n,

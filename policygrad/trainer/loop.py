@@ -40,6 +40,7 @@ from policygrad.data.chat import encode_prompts
 from policygrad.data.sources import build_eval_rows, build_train_source
 from policygrad.data.stream import PromptStream
 from policygrad.models.forward import inference_logprobs
+from policygrad.rollout.base import prompt_seed
 from policygrad.trainer import build
 from policygrad.trainer.checkpoint import (
     checkpoint_path,
@@ -51,6 +52,7 @@ from policygrad.trainer.checkpoint import (
     trainer_state,
 )
 from policygrad.trainer.config import ConfigError, TrainConfig
+from policygrad.trainer.distributed import Dist, NullLogger
 from policygrad.trainer.errors import TrainingError
 from policygrad.trainer.evaluate import decode_completions, greedy_eval, write_jsonl
 from policygrad.trainer.experience import Experience
@@ -93,12 +95,15 @@ class Trainer:
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         build.seed_everything(cfg.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = Dist.current()  # rank and world size (one process: rank 0 of 1)
+        self.dist.check(cfg)
+        self.device = self.dist.device
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
         self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
         self.run_dir = cfg.output_dir
-        if resume_from is None:
+        if resume_from is None and self.dist.is_main:
             prepare_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
+        self.dist.barrier()
         try:
             os.makedirs(self.run_dir, exist_ok=True)
         except OSError as e:
@@ -144,18 +149,19 @@ class Trainer:
         )
         self.kl_ctl = build.build_kl_controller(cfg)
         apply_precision(self, self.precision)  # forwards under autocast; parameters stay float32
+        self.dist.attach(self)  # data-parallel: gradient sums and batch statistics over ranks
         self.step_idx = 0
         self.last_samples: list[dict[str, Any]] = []  # the last step's completions, for display
         if ckpt is not None:
             restore_trainer_state(self, load_trainer_state(ckpt), ckpt)
-        else:
+        elif self.dist.is_main:
             with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
                 yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
         self.logger = MetricsLogger(
             self.run_dir,
             tensorboard=cfg.tensorboard,
             truncate_after_step=self.step_idx if ckpt is not None else None,
-        )
+        ) if self.dist.is_main else NullLogger()  # rank 0 writes the run's files
         if ckpt is None and os.path.exists(self.logger.path):
             os.remove(self.logger.path)  # a new run in an old directory starts a fresh file
 
@@ -202,7 +208,11 @@ class Trainer:
 
     def step_metrics(self, batch, sampled, exp, shaped, stats, pretraining: bool) -> dict[str, Any]:
         """The step's metrics other than time and memory (names in :data:`METRICS`); feeds the
-        KL controller its measurement."""
+        KL controller its measurement. Data-parallel: of the batch gathered from every rank."""
+        if self.dist.active:
+            d = self.dist
+            batch, sampled, exp = d.gather_batch(batch), d.gather_batch(sampled), d.gather_experience(exp)
+            shaped, stats = {k: d.gather_rows(v) for k, v in shaped.items()}, d.reduce_update_stats(stats)
         response_mask = exp.rollout.response_mask.float()
         metrics = mismatch_metrics(stats.rollout_logprobs, stats.rollout_rows, exp.rollout, response_mask)
         metrics.update(
@@ -240,13 +250,13 @@ class Trainer:
         """
         cfg = self.config
         n = cfg.rollout.prompts_per_step
-        rounds = [self.generate_and_score(self.stream.take(n))]
+        rounds = [self.generate_and_score(self.stream.take(n))]  # every rank takes all n, keeps its share
         if not cfg.drop_zero_variance_groups:
             return rounds[0], rounds[0], {}
         component = cfg.dynamic_sampling_reward
         kept = [keep_groups_with_signal(rounds[0], component)]
         while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
-            rounds.append(self.generate_and_score(self.stream.take(n)))
+            rounds.append(self.generate_and_score(self.stream.take(n), len(rounds)))
             kept.append(keep_groups_with_signal(rounds[-1], component))
         chosen, need = [], n
         for batch, groups in zip(rounds, kept):
@@ -264,9 +274,14 @@ class Trainer:
             return dataclasses.replace(rounds[0], scores=nothing), sampled, metrics
         return concat_batches(chosen), sampled, metrics
 
-    def generate_and_score(self, rows: list[dict[str, Any]]) -> SampledBatch:
-        """G completions of each row's prompt, scored."""
+    def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
+        """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
+        scored. Prompt i of the step's ``round_index``-th round samples from its own seed (run
+        seed, step, round, i), whichever rank or batch it is in."""
         r = self.config.rollout
+        share = self.dist.share(len(rows))
+        seeds = [prompt_seed(self.config.seed, self.step_idx, round_index, i) for i in range(len(rows))]
+        rows, seeds = rows[share], seeds[share]
         prompt_ids = encode_prompts(self.tokenizer, rows, self.config.data)
         rollout = self.engine.generate(
             prompt_ids,
@@ -275,6 +290,7 @@ class Trainer:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
+            prompt_seeds=seeds,
         )
         completions = self.decode(rollout)
         scores = self.scorer(
@@ -342,9 +358,12 @@ class Trainer:
             scores, behaviour, ref_logprobs, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
         )
         non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
-        if cfg.reward.whiten and loss_mask.sum() >= 2:  # N+ reward whitening: scale only
-            token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False)
+        reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
+        if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only
+            token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False, reduce=reduce)
         options = {**cfg.estimator_options, **inputs}
+        if self.estimator.spec.batch_statistics:  # e.g. reinforce_pp's whitening, over every rank
+            options["batch_reduce"] = reduce
         advantages, returns = self.estimator(
             token_rewards, response_mask, group_index=rollout.group_index, values=values, **options
         )
@@ -352,8 +371,8 @@ class Trainer:
             returns = monte_carlo_returns(
                 token_rewards, response_mask, gamma=float(options.get("gamma", 1.0))
             )
-        if cfg.whiten_advantages and loss_mask.sum() >= 2:
-            advantages = masked_whiten(advantages, loss_mask)
+        if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
+            advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
         exp = Experience(
             rows=torch.arange(rollout.batch_size),
             rollout=rollout,
@@ -378,8 +397,9 @@ class Trainer:
         self.policy.train()
         stats = UpdateStats.for_batch(exp)
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + self.step_idx)
-        for mb in exp.minibatches(o.ppo_epochs, o.num_minibatches, generator):
-            if exp.train_policy and mb.loss_mask.sum().item() > 0:
+        shard = self.dist.minibatch_shard(exp.batch_size)  # data-parallel: global minibatches
+        for mb in exp.minibatches(o.ppo_epochs, o.num_minibatches, generator, shard):
+            if exp.train_policy and self.dist.total(mb.loss_mask.sum()) > 0:
                 self.policy_step(mb, stats)
                 if stats.early_stopped:
                     break
@@ -414,7 +434,7 @@ class Trainer:
         Returns ``(accuracy, records)``; records (prompt, completion, answer, reward) are also
         written to ``RUN_DIR/<tag>.jsonl``."""
         rows = self.eval_rows if rows is None else rows
-        if not rows:
+        if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return float("nan"), []
         records = greedy_eval(
             self.engine,
@@ -442,7 +462,11 @@ class Trainer:
             self.logger.log(0, {"eval/accuracy": acc})
             log.info("held-out greedy accuracy before training: %.3f (%d problems)", acc, len(self.eval_rows))
         bar = tqdm(
-            total=cfg.steps, initial=self.step_idx, disable=not cfg.progress, desc="train", dynamic_ncols=True
+            total=cfg.steps,
+            initial=self.step_idx,
+            disable=not cfg.progress or not self.dist.is_main,
+            desc="train",
+            dynamic_ncols=True,
         )
         stopped_early = False
         while self.step_idx < cfg.steps:
@@ -481,8 +505,9 @@ class Trainer:
         summary["peak_rss_gb"] = peak_rss_gb()
         if not cfg.save_every or self.step_idx % cfg.save_every:
             self.save_checkpoint()
-        with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=2)
+        if self.dist.is_main:
+            with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=2)
         self.logger.close()
         return summary
 
@@ -496,8 +521,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def save_checkpoint(self) -> str:
-        """Write ``RUN_DIR/checkpoints/step_N`` (see :mod:`policygrad.trainer.checkpoint`)."""
+        """Write ``RUN_DIR/checkpoints/step_N`` (see :mod:`policygrad.trainer.checkpoint`); rank 0
+        only (every rank holds the same full weights and state)."""
         path = checkpoint_path(self.run_dir, self.step_idx)
+        if not self.dist.is_main:
+            return path
         return save_checkpoint(
             path, policy=self.policy, tokenizer=self.tokenizer, state=trainer_state(self), critic=self.critic
         )

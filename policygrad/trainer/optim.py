@@ -106,14 +106,20 @@ class OptimizerStep:
         params: the trainable parameters (clipped together).
         max_grad_norm: the clip threshold (> 0).
         device: where the work runs (for timing).
+        sync: None, or ``sync(params, finite) -> finite`` run by every data-parallel rank after
+            the backward passes: sums the gradients over ranks and returns whether every rank's
+            losses were finite (see :meth:`policygrad.trainer.distributed.Dist.sync_gradients`).
     """
 
-    def __init__(self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device):
+    def __init__(
+        self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device, sync=None
+    ):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = list(params)
         self.max_grad_norm = max_grad_norm
         self.device = device
+        self.sync = sync
 
     def _backward(self, losses: Iterable[torch.Tensor], out: StepOutcome, *, count: bool) -> bool:
         for loss in losses:
@@ -150,6 +156,8 @@ class OptimizerStep:
             return out
         if finite and extra_losses is not None:
             finite = self._backward(extra_losses(), out, count=False)
+        if self.sync is not None:
+            finite = self.sync(self.params, finite)
         start = time.perf_counter()
         if finite:
             out.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))

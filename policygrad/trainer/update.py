@@ -131,7 +131,9 @@ class PolicyStep:
     """One policy optimizer step on a minibatch (see the module docstring).
 
     Attributes (seams): ``forward`` (the log-prob kernel, signature of
-    :func:`~policygrad.models.forward.policy_logprobs`), ``objective``.
+    :func:`~policygrad.models.forward.policy_logprobs`), ``objective``, ``reduce`` (None, or a
+    data-parallel ``reduce(tensor) -> tensor`` summing over ranks: the minibatch counts and the
+    approx-KL of ``target_kl`` are then global).
     """
 
     def __init__(
@@ -159,10 +161,13 @@ class PolicyStep:
         self.ptx = ptx
         self.ptx_coef = ptx_coef
         self.device = device
+        self.reduce = None
 
     def __call__(self, mb: Experience, stats: UpdateStats) -> None:
         """Forward, backward and (unless stopped or non-finite) step on ``mb``; records into ``stats``."""
         counts = MinibatchCounts.of(mb.loss_mask)
+        if self.reduce is not None:
+            counts = MinibatchCounts(self.reduce(counts.num_tokens), self.reduce(counts.num_seqs))
         kl = {"sum": 0.0, "weight": 0.0}
         with_entropy = "grad" if self.objective.entropy_coef else True
 
@@ -192,6 +197,8 @@ class PolicyStep:
 
         def exceeds_target_kl() -> bool:
             # The policy has moved too far from the one that sampled: no step, and the update ends.
+            if self.target_kl is not None and self.reduce is not None:
+                kl["sum"], kl["weight"] = self.reduce(torch.tensor([kl["sum"], kl["weight"]])).tolist()
             return (
                 self.target_kl is not None and kl["weight"] > 0 and kl["sum"] / kl["weight"] > self.target_kl
             )
