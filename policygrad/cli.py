@@ -49,6 +49,7 @@ def _user_errors():
 
 def cmd_train(argv: list[str]) -> int:
     from policygrad.trainer.config import load_config
+    from policygrad.trainer.distributed import init_from_env, shutdown
     from policygrad.trainer.loop import Trainer
 
     if argv and argv[0] in ("-h", "--help"):
@@ -84,12 +85,17 @@ def cmd_train(argv: list[str]) -> int:
         if config_path is not None and not os.path.exists(config_path):
             raise FileNotFoundError(f"config file {config_path} not found")
         config = load_config(config_path, rest)
-    trainer = Trainer(config, resume_from=resume)
+    dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
     try:
-        summary = trainer.train()
+        trainer = Trainer(config, resume_from=resume)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
-    print(json.dumps(summary, indent=2))
+        shutdown()
+    if dist.is_main:
+        print(json.dumps(summary, indent=2))
     return 0
 
 
