@@ -189,9 +189,14 @@ class RolloutConfig:
     al. 2025, truncated importance sampling): ``none``, ``token`` or ``sequence`` weights
     ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
     the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
-    of every token is multiplied by its weight."""
+    of every token is multiplied by its weight.
+
+    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
+    so its samples do not depend on the batch or rank it is in; always on with more than one
+    process. Off (the default) in one process keeps the earlier sampling stream."""
 
     engine: str = "auto"
+    per_prompt_seeds: bool = False
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 1.0

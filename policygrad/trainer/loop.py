@@ -276,8 +276,9 @@ class Trainer:
 
     def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
         """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
-        scored. Prompt i of the step's ``round_index``-th round samples from its own seed (run
-        seed, step, round, i), whichever rank or batch it is in."""
+        scored. With ``rollout.per_prompt_seeds`` (always with several processes) prompt i of the
+        step's ``round_index``-th round samples from its own seed (run seed, step, round, i),
+        whichever rank or batch it is in."""
         r = self.config.rollout
         share = self.dist.share(len(rows))
         seeds = [prompt_seed(self.config.seed, self.step_idx, round_index, i) for i in range(len(rows))]
@@ -290,7 +291,7 @@ class Trainer:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            prompt_seeds=seeds,
+            prompt_seeds=seeds if r.per_prompt_seeds or self.dist.active else None,
         )
         completions = self.decode(rollout)
         scores = self.scorer(

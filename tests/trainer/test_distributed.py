@@ -47,6 +47,7 @@ def case_config(name: str, model_dir: str, rewards_py: str, out_dir: str, **extr
     optim = {"lr": 1e-3, "micro_batch_size": 2, **sections.pop("optim", {})}
     tree = tiny_overrides(model_dir, f"{rewards_py}:digit_fraction", out_dir, optim=optim, **sections)
     tree["steps"] = STEPS
+    tree["rollout"]["per_prompt_seeds"] = True  # as every multi-process run samples
     for key, value in extra.items():
         tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
     return load_config(None, tree)
