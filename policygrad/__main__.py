@@ -4,4 +4,5 @@ import sys
 
 from policygrad.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # a worker process that imports this module must not start a second run
+    sys.exit(main())

@@ -13,6 +13,7 @@ with status 2; it never ends in a traceback.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -24,8 +25,14 @@ TRAIN_USAGE = """usage: policygrad train [CONFIG.yaml] [--key=value ...] [--resu
 
 Runs a training job. With no arguments: GRPO on the bundled SmolLM2-135M-Instruct and the
 built-in arithmetic task. Every config field can be overridden, e.g. --kl.beta=0.04 --steps=10.
---resume RUN_DIR continues the run in RUN_DIR from its latest checkpoint (its saved config plus
-any overrides given here).
+--resume RUN_DIR continues the run in RUN_DIR from its newest complete checkpoint (its saved
+config plus any overrides given here: --steps, --max_minutes and similar are applied, --optim.lr
+sets the new rate, an option that cannot change on resume is refused by name).
+--overwrite=true replaces the run in output_dir (only the files a run writes are deleted, after
+the new config is validated).
+
+Ctrl-C (or SIGTERM) stops after the current step with a checkpoint; press it again to stop at
+once. Checkpoints are also written every save_every_minutes (10) minutes and on an error.
 """
 
 
@@ -48,8 +55,9 @@ def _user_errors():
 
 
 def cmd_train(argv: list[str]) -> int:
-    from policygrad.trainer.config import load_config
+    from policygrad.trainer.config import ConfigError, load_config, parse_overrides
     from policygrad.trainer.distributed import init_from_env, shutdown
+    from policygrad.trainer.interrupts import EXIT_STATUS
     from policygrad.trainer.loop import Trainer
 
     if argv and argv[0] in ("-h", "--help"):
@@ -80,7 +88,12 @@ def cmd_train(argv: list[str]) -> int:
             raise FileNotFoundError(
                 f"--resume {resume}: {saved} not found; is this a policygrad run directory?"
             )
-        config = load_config(config_path or saved, rest + [f"--output_dir={resume}"])
+        given = parse_overrides(rest)
+        if "overwrite" in given:
+            raise ConfigError(f"--overwrite cannot be combined with --resume {resume}; give one of them")
+        # The run continues in its own folder: a different --output_dir is refused by the Trainer.
+        where = [] if "output_dir" in given else [f"--output_dir={resume}"]
+        config = load_config(config_path or saved, rest + where + ["--overwrite=false"])
     else:
         if config_path is not None and not os.path.exists(config_path):
             raise FileNotFoundError(f"config file {config_path} not found")
@@ -96,39 +109,68 @@ def cmd_train(argv: list[str]) -> int:
         shutdown()
     if dist.is_main:
         print(json.dumps(summary, indent=2))
-    return 0
+    return EXIT_STATUS.get(summary.get("interrupted"), 0)
 
 
 def cmd_eval(argv: list[str]) -> int:
+    from policygrad.data.sources import is_code_dataset
+    from policygrad.rewards.code import TaskReward
     from policygrad.trainer.config import DataConfig, TrainConfig
     from policygrad.trainer.evaluate import evaluate_model
 
-    p = argparse.ArgumentParser(prog="policygrad eval", description="Greedy accuracy and pass@k of a model.")
-    p.add_argument(
-        "--model", default="bundled:smollm2-135m-instruct", help="model folder, hub id or bundled:NAME"
+    p = argparse.ArgumentParser(
+        prog="policygrad eval", description="Greedy accuracy, pass@k and maj@k of a model."
     )
     p.add_argument(
-        "--dataset", default="builtin:arithmetic", help="JSONL path or builtin:arithmetic (held-out split)"
+        "--model",
+        default="bundled:smollm2-135m-instruct",
+        help="model folder, LoRA adapter folder (RUN_DIR/checkpoints/step_N/model), hub id or bundled:NAME",
     )
+    p.add_argument("--adapter", default=None, help="a PEFT adapter folder on top of --model")
+    p.add_argument(
+        "--dataset",
+        default="builtin:arithmetic",
+        help="JSONL path, Hub dataset id (openai/gsm8k), builtin:arithmetic, builtin:code (held-out split) "
+        "or humaneval",
+    )
+    p.add_argument("--dataset-config", default=None, help="the Hub dataset's config (openai/gsm8k: main)")
+    p.add_argument("--split", default="test", help="split of a Hub dataset or dataset folder (default test)")
     p.add_argument("--limit", type=int, default=100, help="first N items (default 100; all when fewer)")
     p.add_argument(
-        "--samples", type=int, default=1, help="k samples per item for pass@k (default 1: greedy only)"
+        "--samples", type=int, default=1, help="n samples per item for pass@k, maj@k (default 1: greedy only)"
     )
-    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for pass@k")
+    p.add_argument("--k", default=None, help="comma-separated k <= n for pass@k and maj@k (default 1,n)")
+    p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the n samples")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--difficulty", default="medium", help="difficulty of builtin:arithmetic")
+    p.add_argument(
+        "--engine", default="auto", choices=("auto", "hf", "vllm"), help="auto: vllm when installed"
+    )
+    p.add_argument("--difficulty", default="medium", help="difficulty of builtin:arithmetic / builtin:code")
     p.add_argument("--prompt-field", default=None)
     p.add_argument("--answer-field", default=None)
-    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all)")
     p.add_argument("--output", default=None, help="JSONL of every completion (default: eval-<dataset>.jsonl)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--isolation", default="auto", choices=("auto", "bwrap", "namespaces", "none"),
+        help="sandbox of code rows (humaneval, builtin:code): see reward.code.isolation",
+    )
     args = p.parse_args(argv)
     checks = (("--limit", args.limit), ("--batch-size", args.batch_size), ("--samples", args.samples),
               ("--max-new-tokens", args.max_new_tokens))
     for flag, value in checks:
-        if value < 1:
+        if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
+    ks: list[int] = []
+    if args.k:
+        try:
+            ks = [int(k) for k in args.k.split(",") if k.strip()]
+        except ValueError:
+            raise ValueError(f"--k {args.k!r} must be comma-separated integers, e.g. --k 1,5") from None
+        bad = [k for k in ks if not 1 <= k <= args.samples]
+        if bad:
+            raise ValueError(f"--k {args.k}: each k must be in 1 .. --samples {args.samples}")
     if args.num_threads is not None:
         if args.num_threads < 1:
             raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
@@ -144,18 +186,26 @@ def cmd_eval(argv: list[str]) -> int:
         answer_field=args.answer_field,
         eval_dataset=args.dataset,
         eval_size=args.limit,
+        dataset_config=args.dataset_config,
+        eval_split=args.split,
     )
     TrainConfig(data=data)  # validates
     result = evaluate_model(
         args.model,
         data,
+        adapter=args.adapter,
         limit=args.limit,
         samples=args.samples,
+        ks=ks,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         output=args.output,
         seed=args.seed,
+        engine=args.engine,
+        # Rows with code tests are judged by code_tests in the sandbox; maj@k has no answer to vote on.
+        reward_fn=TaskReward({"isolation": args.isolation}),
+        **({"answer_fn": None} if is_code_dataset(args.dataset) else {}),
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -240,12 +290,37 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except _user_errors() as e:
-        if os.environ.get("POLICYGRAD_DEBUG"):
-            raise
-        message = str(e).strip().replace("\n", " ") or type(e).__name__
+    except Exception as e:
+        message = _error_message(command, e)
+        if message is None or os.environ.get("POLICYGRAD_DEBUG"):
+            raise  # a bug, not a user's mistake: the traceback helps
         print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+_OOM_TEXT = ("out of memory", "not enough memory", "failed to allocate memory")
+_OOM_HINT = {
+    "train": "lower rollout.prompts_per_step, rollout.group_size, rollout.max_new_tokens or "
+    "optim.micro_batch_size, or use model.lora.rank > 0 or model.gradient_checkpointing=true",
+    "eval": "lower --batch-size, --samples or --max-new-tokens",
+}
+
+
+def _error_message(command: str, e: Exception) -> str | None:
+    """The one-line message of an error a user can cause (bad config or data, a full disk, out of
+    memory, a failing reward function, a corrupt checkpoint, ...); None for anything else."""
+    first = str(e).strip().replace("\n", " ") or type(e).__name__
+    if isinstance(e, MemoryError) or (
+        isinstance(e, RuntimeError) and any(t in first.lower() for t in _OOM_TEXT)
+    ):
+        hint = _OOM_HINT.get(command, "use less memory")
+        return f"out of memory ({first[:200]}); {hint}"
+    if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+        where = f" writing {e.filename}" if e.filename else ""
+        return f"no space left on device{where}; free space, then continue a run with --resume RUN_DIR"
+    if isinstance(e, _user_errors()):
+        return first
+    return None
 
 
 if __name__ == "__main__":

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from tests.tiny import make_tiny_llama
+
+# trackio reads TRACKIO_DIR once, when it is first imported: point it at a temporary folder before
+# any test can import it, so no test writes into the user's trackio store.
+os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="policygrad-tests-trackio-")
 
 
 @pytest.fixture(scope="session")

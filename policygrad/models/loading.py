@@ -16,6 +16,7 @@ dropout would make those differ by noise even when the weights are equal.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from collections.abc import Sequence
@@ -122,7 +123,7 @@ def resolve_model_path(spec: str | os.PathLike) -> str:
     return spec
 
 
-def load_tokenizer(path: str, *, padding_side: str = "left"):
+def load_tokenizer(path: str, *, padding_side: str = "left", trust_remote_code: bool = False):
     """Load the tokenizer of a model folder (or hub id), ready for batched generation.
 
     Padding goes on the left (prompts are left-padded so every row's next token is at the last
@@ -131,6 +132,8 @@ def load_tokenizer(path: str, *, padding_side: str = "left"):
     Args:
         path: a folder or hub id, as returned by :func:`resolve_model_path`.
         padding_side: ``"left"`` (default) or ``"right"``.
+        trust_remote_code: run code the folder ships (``model.trust_remote_code``); False never
+            runs it and never asks: a tokenizer that needs it is an error.
 
     Returns:
         The ``transformers`` tokenizer.
@@ -142,12 +145,38 @@ def load_tokenizer(path: str, *, padding_side: str = "left"):
 
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    with _remote_code_refused(path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return prepare_tokenizer(tokenizer, padding_side=padding_side, name=path)
+
+
+@contextlib.contextmanager
+def _remote_code_refused(path: str):
+    """transformers' refusal of a folder's own code (``trust_remote_code=False``) as an error that
+    names the option to set."""
+    try:
+        yield
+    except ValueError as e:
+        if "trust_remote_code" not in str(e):
+            raise
+        raise ValueError(
+            f"model {path!r} ships its own Python code, which policygrad does not run unless asked; if you "
+            "trust it, set model.trust_remote_code=true"
+        ) from None
+
+
+def prepare_tokenizer(tokenizer, *, padding_side: str = "left", name: str | None = None):
+    """Make a loaded tokenizer ready for batched generation, in place: padding on
+    ``padding_side``, the eos token as pad when it has none. Returns ``tokenizer``.
+
+    Raises:
+        ValueError: the tokenizer has neither a pad nor an eos token.
+    """
     tokenizer.padding_side = padding_side
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token is None:
             raise ValueError(
-                f"model {path!r}: the tokenizer has neither a pad token nor an eos token; "
+                f"model {name or 'tokenizer'!r}: the tokenizer has neither a pad token nor an eos token; "
                 "add one (tokenizer.add_special_tokens) and save the folder again"
             )
         tokenizer.pad_token = tokenizer.eos_token
@@ -212,7 +241,7 @@ def resolve_torch_dtype(dtype: str | torch.dtype) -> torch.dtype | str:
 
 
 def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", trainable: bool = True,
-                   device: str | torch.device | None = None):
+                   device: str | torch.device | None = None, trust_remote_code: bool = False):
     """Load a causal language model with dropout off.
 
     Dropout probabilities are zeroed in the config before the model is built, and again on the
@@ -226,6 +255,8 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", trainable
             False (a training forward never needs a KV cache; rollout engines ask for the cache
             explicitly). False -> eval mode, all parameters frozen (reference and reward models).
         device: where to put the model; None leaves it where ``from_pretrained`` puts it (CPU).
+        trust_remote_code: run the modelling code the folder ships (``model.trust_remote_code``);
+            False never runs it and never asks: a model that needs it is an error.
 
     Returns:
         The ``PreTrainedModel`` (e.g. ``LlamaForCausalLM``).
@@ -237,10 +268,13 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", trainable
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = resolve_torch_dtype(dtype)
-    config = AutoConfig.from_pretrained(path)
-    zero_dropout_config(config)
-    config.use_cache = not trainable
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch_dtype)
+    with _remote_code_refused(path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        zero_dropout_config(config)
+        config.use_cache = not trainable
+        model = AutoModelForCausalLM.from_pretrained(
+            path, config=config, dtype=torch_dtype, trust_remote_code=trust_remote_code
+        )
     disable_dropout(model)
     if device is not None:
         model.to(device)

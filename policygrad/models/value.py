@@ -33,7 +33,7 @@ import torch
 __all__ = ["ValueModel", "load_value_model", "is_sequence_classifier"]
 
 
-def is_sequence_classifier(path: str) -> bool:
+def is_sequence_classifier(path: str, *, trust_remote_code: bool = False) -> bool:
     """True when the folder's ``config.json`` names a ``*ForSequenceClassification`` architecture.
 
     Raises:
@@ -41,7 +41,7 @@ def is_sequence_classifier(path: str) -> bool:
     """
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     return any(str(a).endswith("ForSequenceClassification") for a in (config.architectures or []))
 
 
@@ -210,6 +210,7 @@ def load_value_model(
     lora_target_modules: str | Sequence[str] = "all-linear",
     gradient_checkpointing: bool = False,
     device: str | torch.device | None = None,
+    trust_remote_code: bool = False,
 ) -> ValueModel:
     """Build the critic (trainable, dropout off, train mode).
 
@@ -225,6 +226,7 @@ def load_value_model(
         lora_alpha, lora_dropout, lora_target_modules: the LoRA settings.
         gradient_checkpointing: recompute activations in the backward pass.
         device: where to put the model.
+        trust_remote_code: run the modelling code a folder ships; False never runs it or asks.
 
     Returns:
         :class:`ValueModel`; with a zero head every initial value is exactly 0.
@@ -244,12 +246,13 @@ def load_value_model(
         )
     torch_dtype = resolve_torch_dtype(dtype)
     path = policy_path if init_from.strip() == "policy" else resolve_model_path(init_from.strip())
-    config = AutoConfig.from_pretrained(path)
+    trust = {"trust_remote_code": trust_remote_code}
+    config = AutoConfig.from_pretrained(path, **trust)
     for key, value in list(vars(config).items()):
         if ("dropout" in key or "pdrop" in key) and type(value) is float:
             setattr(config, key, 0.0)
     config.use_cache = False
-    policy_vocab = AutoConfig.from_pretrained(policy_path).get_text_config().vocab_size
+    policy_vocab = AutoConfig.from_pretrained(policy_path, **trust).get_text_config().vocab_size
     vocab = config.get_text_config().vocab_size
     if vocab != policy_vocab:
         raise ValueError(
@@ -257,14 +260,14 @@ def load_value_model(
             f"{policy_vocab}; the critic reads the policy's token ids, so it must share the policy's "
             "tokenizer (use critic.init_from=policy or a reward model trained on the policy's tokenizer)"
         )
-    if is_sequence_classifier(path):
+    if is_sequence_classifier(path, trust_remote_code=trust_remote_code):
         if getattr(config, "num_labels", 1) != 1:
             raise ValueError(
                 f"critic.init_from={init_from!r} is a classifier with {config.num_labels} labels; "
                 "a reward model to initialise the critic from needs num_labels=1"
             )
         classifier = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=torch_dtype
+            path, config=config, dtype=torch_dtype, **trust
         )
         source = score_head(classifier)
         backbone = getattr(classifier, classifier.base_model_prefix)
@@ -275,7 +278,7 @@ def load_value_model(
             head.bias.copy_(source.bias if source.bias is not None else torch.zeros(1))
         del classifier
     else:
-        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype)
+        backbone = AutoModel.from_pretrained(path, config=config, dtype=torch_dtype, **trust)
         hidden = backbone.config.get_text_config().hidden_size
         param_dtype = next(backbone.parameters()).dtype
         head = torch.nn.Linear(hidden, 1, bias=True, dtype=param_dtype)

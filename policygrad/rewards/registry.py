@@ -5,9 +5,9 @@ A reward function follows the protocol of :mod:`policygrad.rewards.verifiers`::
     fn(prompts: list[str], completions: list[str], **row_fields: list) -> list[float]
 
 and is named in a config as a built-in (``answer_correctness``, ``answer_format``,
-``length_penalty``), an importable ``package.module:function`` or a file ``path/to/file.py:function``
-(:func:`load_reward_function`). :class:`CompositeReward` calls each function once per batch,
-validates what it returns, and sums the weighted scores.
+``length_penalty``, ``code_tests``), an importable ``package.module:function`` or a file
+``path/to/file.py:function`` (:func:`load_reward_function`). :class:`CompositeReward` calls each
+function once per batch, validates what it returns, and sums the weighted scores.
 
 Errors from reward functions (a chosen policy, ``on_error``):
 
@@ -37,6 +37,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from policygrad.rewards.callables import awaited
+from policygrad.rewards.code import code_tests
 from policygrad.rewards.verifiers import answer_correctness, answer_format, length_penalty
 
 __all__ = [
@@ -44,6 +46,7 @@ __all__ = [
     "ON_ERROR_MODES",
     "TRUNCATION_MODES",
     "CompositeReward",
+    "RewardCallFailed",
     "RewardFunctionError",
     "RewardOutput",
     "apply_truncation_policy",
@@ -57,6 +60,7 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {
     "answer_correctness": answer_correctness,
     "answer_format": answer_format,
     "length_penalty": length_penalty,
+    "code_tests": code_tests,
 }
 
 ON_ERROR_MODES = ("raise", "skip")
@@ -66,6 +70,13 @@ _RESERVED_FIELDS = ("prompts", "completions")
 
 class RewardFunctionError(ValueError):
     """A reward function failed or broke the protocol; the message names the function and row."""
+
+
+class RewardCallFailed(Exception):
+    """A call of a reward function failed as a whole rather than on a row: it ran past
+    ``reward.timeout_s`` or its worker process ended (``policygrad.rewards.isolation``). No row
+    can be blamed, so :class:`CompositeReward` does not retry the rows one at a time: every row
+    of the batch failed, and ``on_error`` decides (``raise`` names the function and the batch)."""
 
 
 def _spec_forms() -> str:
@@ -85,7 +96,8 @@ def load_reward_function(spec: str | Callable) -> Callable:
             is relative to the current directory).
 
     Returns:
-        The function. It is not called here.
+        The function (an async one wrapped to run each call to completion, see
+        :func:`policygrad.rewards.callables.awaited`). It is not called here.
 
     Raises:
         FileNotFoundError: the ``.py`` file does not exist.
@@ -94,7 +106,7 @@ def load_reward_function(spec: str | Callable) -> Callable:
         TypeError: the attribute is not callable, or ``spec`` is neither a string nor a callable.
     """
     if callable(spec):
-        return spec
+        return awaited(spec)
     if not isinstance(spec, str):
         raise TypeError(f"reward function spec must be a string or a callable, got {type(spec).__name__}")
     spec = spec.strip()
@@ -147,7 +159,7 @@ def load_reward_function(spec: str | Callable) -> Callable:
     fn = getattr(module, attr)
     if not callable(fn):
         raise TypeError(f"{attr!r} in {where} is a {type(fn).__name__}, not a function (spec {spec!r})")
-    return fn
+    return awaited(fn)
 
 
 def _fn_name(fn: Callable) -> str:
@@ -184,8 +196,13 @@ class RewardOutput(NamedTuple):
         return out
 
 
+# Scores become float32 tensors: anything beyond float32's range would turn into infinity there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _as_score(value: Any) -> float | None:
-    """A finite float from one returned score, or ``None`` when it is not a finite real number.
+    """A finite float from one returned score, or ``None`` when it is not a finite real number
+    within float32's range (|x| <= 3.4e38; a larger score would become infinite in training).
 
     Accepted: bool, int, float, any ``numbers.Real``, one-element tensors and numpy scalars."""
     if isinstance(value, torch.Tensor) or (hasattr(value, "item") and getattr(value, "shape", None) == ()):
@@ -194,8 +211,11 @@ def _as_score(value: Any) -> float | None:
         value = value.item()
     if not isinstance(value, numbers.Real):
         return None
-    result = float(value)
-    return result if math.isfinite(result) else None
+    try:
+        result = float(value)
+    except OverflowError:  # an int beyond any float
+        return None
+    return result if math.isfinite(result) and abs(result) <= FLOAT32_MAX else None
 
 
 def _as_score_list(name: str, raw: Any, batch: int) -> list:
@@ -380,6 +400,14 @@ class CompositeReward:
         for name, fn, weight, kwargs in self.entries:
             try:
                 raw = fn(prompts, completions, **row_fields, **kwargs)
+            except RewardCallFailed as exc:  # the whole call failed: every row did, no retries
+                if self.on_error == "raise":
+                    raise RewardFunctionError(
+                        f"reward function {name!r} {exc}; fix the function (or raise reward.timeout_s), or "
+                        "set on_error='skip' to leave such rows out of the loss and count them in "
+                        "reward/invalid_frac"
+                    ) from exc
+                raw = [exc] * batch
             except Exception as exc:  # noqa: BLE001 - the policy decides
                 raw = self._call_rows(name, fn, kwargs, prompts, completions, row_fields, exc)
             else:
@@ -395,7 +423,8 @@ class CompositeReward:
                     score = _as_score(value)
                     if score is None and self.on_error == "raise":
                         problem = (
-                            f"returned {value!r:.40} ({type(value).__name__}), not a finite real number,"
+                            f"returned {value!r:.40} ({type(value).__name__}), not a finite real number "
+                            "within float32's range,"
                         )
                         raise RewardFunctionError(self._row_message(name, i, prompts, problem))
                 if score is None:
@@ -405,6 +434,14 @@ class CompositeReward:
                     scores.append(score)
                     total[i] += weight * score
             components[name] = torch.tensor(scores, dtype=torch.float32)
+        for i, t in enumerate(total):  # each score fits float32, their weighted sum may not
+            if valid[i] and not abs(t) <= FLOAT32_MAX:
+                if self.on_error == "raise":
+                    raise RewardFunctionError(
+                        f"the weighted sum of the rewards of row {i} is {t:g}, beyond float32's range "
+                        "(|x| <= 3.4e38); lower the scores or reward.weights"
+                    )
+                valid[i] = False
         rewards = torch.tensor([t if ok else 0.0 for t, ok in zip(total, valid)], dtype=torch.float32)
         return RewardOutput(rewards, components, torch.tensor(valid, dtype=torch.bool))
 

@@ -134,18 +134,18 @@ class RewardModel:
                 "not end in ForSequenceClassification); a reward model is an "
                 "AutoModelForSequenceClassification with num_labels=1"
             )
-        config = AutoConfig.from_pretrained(folder)
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=False)  # library code only, never asks
         if getattr(config, "num_labels", 1) != 1:
             raise ValueError(
                 f"reward model {path!r} has num_labels={config.num_labels}; it needs num_labels=1"
             )
         zero_dropout_config(config)
         model = AutoModelForSequenceClassification.from_pretrained(
-            folder, config=config, dtype=resolve_torch_dtype(dtype)
+            folder, config=config, dtype=resolve_torch_dtype(dtype), trust_remote_code=False
         )
         if device is not None:
             model.to(device)
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
         return cls(model, tokenizer, device=device, **options)
 
     # ------------------------------------------------------------------------------------------

@@ -69,6 +69,8 @@ class Scorer:
         normalizer: the run's score normaliser (its statistics are updated by :meth:`__call__`).
         truncation: ``none``, ``penalty`` or ``exclude`` (``reward.truncation``).
         truncation_penalty: the score of a completion without EOS in ``penalty`` mode.
+        worker: the :class:`~policygrad.rewards.isolation.RewardWorker` running the isolated
+            reward functions, stopped by :meth:`close`; None when there is none.
     """
 
     def __init__(
@@ -78,11 +80,18 @@ class Scorer:
         *,
         truncation: str = "none",
         truncation_penalty: float = -1.0,
+        worker=None,
     ):
         self.reward_fn = reward_fn
         self.normalizer = normalizer
         self.truncation = truncation
         self.truncation_penalty = truncation_penalty
+        self.worker = worker
+
+    def close(self) -> None:
+        """Stop the reward worker process, if any (idempotent)."""
+        if self.worker is not None:
+            self.worker.close()
 
     @property
     def names(self) -> list[str]:

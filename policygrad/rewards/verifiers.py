@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import re
+import string
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -29,6 +30,7 @@ __all__ = [
     "answer_format",
     "answer_matches",
     "extract_answer",
+    "final_line_matches",
     "length_penalty",
     "math_verify_available",
     "normalize_number",
@@ -145,18 +147,25 @@ def normalize_number(text: str) -> str | None:
 
 
 def _boxed_contents(text: str) -> str | None:
-    """Contents of the last ``\\boxed{...}`` in ``text`` (braces balanced), or ``None``."""
+    """Contents of the last ``\\boxed{...}`` in ``text`` whose braces balance, or ``None``.
+
+    One pass over the text (linear time, whatever the input): every ``{`` is matched to its ``}``
+    with a stack, then the last ``\\boxed{`` whose brace closes wins. An unbalanced later
+    ``\\boxed{`` falls back to an earlier balanced one."""
+    if _BOXED + "{" not in text:
+        return None
+    closes: dict[int, int] = {}  # index of "{" -> index of its "}"
+    stack: list[int] = []
+    for i, ch in enumerate(text):
+        if ch == "{":
+            stack.append(i)
+        elif ch == "}" and stack:
+            closes[stack.pop()] = i
     start = text.rfind(_BOXED + "{")
     while start != -1:
-        depth = 0
-        for i in range(start + len(_BOXED), len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    return text[start + len(_BOXED) + 1 : i]
-        # Unbalanced: try an earlier \boxed{.
+        brace = start + len(_BOXED)
+        if brace in closes:
+            return text[brace + 1 : closes[brace]]
         start = text.rfind(_BOXED + "{", 0, start)
     return None
 
@@ -237,6 +246,39 @@ def _reference_answer(reference) -> str | None:
 def _plain_text(answer: str) -> str:
     """Loose form of a non-numeric answer for string comparison."""
     return answer.strip().strip("$").rstrip(".").strip().lower()
+
+
+# What surrounds a final answer line without being part of it: whitespace and punctuation
+# (markdown stars, quotes, a closing period, brackets).
+_SURROUNDING = string.whitespace + string.punctuation
+
+
+def _final_line(text: str) -> str:
+    """The last non-empty line of ``text``, lower-cased, without surrounding whitespace and
+    punctuation (``"**Red.**"`` -> ``"red"``); ``""`` when there is none."""
+    for line in reversed(text.splitlines()):
+        line = line.strip(_SURROUNDING)
+        if line:
+            return line.casefold()
+    return ""
+
+
+def final_line_matches(completion: str, reference) -> bool:
+    """Whether the last non-empty line of ``completion`` is a non-numeric reference answer.
+
+    Both sides are compared after normalisation: case, surrounding whitespace and punctuation
+    (``"Red."``, ``"**red**"`` and ``" RED "`` all match ``"red"``). A numeric reference never
+    matches here (numbers are compared exactly by :func:`answer_matches`), nor does an empty one.
+
+    Args:
+        completion: a completion string.
+        reference: the row's reference answer (string or number).
+    """
+    ref = _reference_answer(reference)
+    if ref is None or parse_number(ref) is not None:
+        return False
+    wanted = ref.strip(_SURROUNDING).casefold()
+    return bool(wanted) and _final_line(completion) == wanted
 
 
 def math_verify_available() -> bool:
@@ -325,7 +367,9 @@ def answer_correctness(
 
     The completion's answer is :func:`extract_answer` (``#### x``, then ``\\boxed{x}``, then the
     last number); the comparison is :func:`answer_matches` (exact numeric equality; math-verify's
-    symbolic check on top when installed). A completion with no answer scores 0.0. This is the
+    symbolic check on top when installed). A non-numeric reference (``red``) also matches a
+    completion whose final line is that answer (:func:`final_line_matches`: case, surrounding
+    whitespace and punctuation ignored). A completion with no answer scores 0.0. This is the
     binary verifier of RL with verifiable rewards (Lambert et al. 2024, Tulu 3, which names RLVR;
     the rule-based accuracy reward of DeepSeek-R1, DeepSeek-AI 2025).
 
@@ -354,10 +398,11 @@ def answer_correctness(
         )
     if use_math_verify is None:
         use_math_verify = math_verify_available()
-    return [
-        1.0 if answer_matches(extract_answer(c), ref, use_math_verify=use_math_verify) else 0.0
+    matches = (
+        answer_matches(extract_answer(c), ref, use_math_verify=use_math_verify) or final_line_matches(c, ref)
         for c, ref in zip(completions, answer)
-    ]
+    )
+    return [1.0 if match else 0.0 for match in matches]
 
 
 # A completion "ends with a number" when its stripped text ends in a number followed by at most a

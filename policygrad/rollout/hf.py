@@ -318,6 +318,14 @@ class HFRolloutEngine(RolloutEngine):
                     logits_processor=LogitsProcessorList([recorder]),
                 )
                 logprobs = recorder.finish(sequences[:, -1])
+        except RuntimeError as e:
+            if "probability tensor contains" not in str(e):
+                raise
+            # torch.multinomial on NaN/inf probabilities: the logits were not finite
+            raise ValueError(
+                "sampling failed: the policy's next-token probabilities are not finite (NaN or infinite "
+                f"logits at temperature {temperature:g}); the model's weights or activations overflow"
+            ) from None
         finally:
             inner.generation_config = saved_config
             for module, mode in modes:

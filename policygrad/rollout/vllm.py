@@ -51,10 +51,10 @@ import os
 import random
 import time
 import weakref
-from collections.abc import Iterator
 
 import torch
 
+from policygrad.models.adapters import merged_weights
 from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
@@ -189,45 +189,6 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
-def _merged_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` pairs of ``model``'s weights in Hugging Face checkpoint naming.
-
-    A peft LoRA model yields its base weights with every active adapter's delta added
-    (``W + get_delta_weight(adapter)`` = ``W + (alpha / r) B A``, Hu et al. 2021, "LoRA", eq. 3;
-    computed here, the model is not modified), under the base
-    model's names (``base_model.model.`` and ``.base_layer`` removed); ``lora_*`` tensors are skipped.
-    A plain model yields its ``state_dict``. Tensors are detached, in the model's dtype.
-    """
-    deltas: dict[str, list] = {}
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # peft absent: no LoRA layers can exist
-        LoraLayer = ()  # noqa: N806
-    for module_name, module in model.named_modules():
-        if LoraLayer and isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
-            known = set(module.lora_A) | set(module.lora_embedding_A)
-            adapters = [a for a in module.active_adapters if a in known]
-            if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
-                raise ValueError(
-                    f"sync_weights: {module_name} uses DoRA, whose merge is not W + delta; "
-                    "sync a LoRA model without use_dora, or merge the adapters first"
-                )
-            if adapters:
-                deltas[f"{module_name}.base_layer.weight"] = [module, adapters]
-    state = model.state_dict()
-    for name, tensor in state.items():
-        parts = name.split(".")
-        if any(p.startswith("lora_") for p in parts):
-            continue
-        tensor = tensor.detach()
-        if name in deltas:
-            module, adapters = deltas[name]
-            for adapter in adapters:
-                tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
-        clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
-        yield clean, tensor
-
-
 class VLLMRolloutEngine(RolloutEngine):
     """Sampling with an in-process ``vllm.LLM`` built from a model folder; weights synced from the trainer.
 
@@ -300,7 +261,7 @@ class VLLMRolloutEngine(RolloutEngine):
             )
         from transformers import AutoConfig
 
-        text_config = _text_config(AutoConfig.from_pretrained(model_path))
+        text_config = _text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=False))
         limit = getattr(text_config, "max_position_embeddings", None)
         if max_model_len < 1 or (limit is not None and max_model_len > limit):
             raise ValueError(
@@ -592,7 +553,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self._check_open()
         target = DTYPES[self.dtype]
         with torch.no_grad():
-            weights = list(_merged_state(model))
+            weights = list(merged_weights(model))
             self._check_weight_names(weights)
             cast = [(name, tensor.to(target)) for name, tensor in weights]
             del weights

@@ -5,10 +5,13 @@ streams a run consumes at start)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import random
-from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -16,6 +19,7 @@ from policygrad.trainer.config import ConfigError, TrainConfig
 
 __all__ = [
     "Models",
+    "adopt_model",
     "build_critic",
     "build_engine",
     "build_kl_controller",
@@ -24,6 +28,7 @@ __all__ = [
     "build_policy_step",
     "build_ptx",
     "build_scorer",
+    "load_eval_models",
     "policy_optimizer",
     "resolve_dtype",
     "seed_everything",
@@ -56,14 +61,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class Models:
-    """The policy (trainable), the frozen reference (None without a KL, or with LoRA: the base
-    weights under ``disable_adapter`` are the reference), the tokenizer and end-of-sequence ids."""
+    """The policy (trainable), the tokenizer, end-of-sequence ids, and the reference: a frozen
+    model (``reference``), or the policy itself inside ``policy_as_reference()`` (LoRA: the base
+    under ``disable_adapter``; a run started from a trained adapter: that adapter's starting
+    weights), or neither without a KL.
+
+    ``model_path`` is the folder an engine or critic loads the architecture (and, unless
+    ``weights_differ_from_path``, the weights) from."""
 
     model_path: str
     tokenizer: object
     policy: torch.nn.Module
     reference: torch.nn.Module | None
     eos_ids: list[int]
+    policy_as_reference: Callable[[], AbstractContextManager] | None = None
+    weights_differ_from_path: bool = False
 
 
 def build_models(
@@ -72,26 +84,57 @@ def build_models(
     device: torch.device,
     dtype: torch.dtype,
     checkpoint: str | None,
+    model=None,
+    tokenizer=None,
+    run_dir: str | None = None,
     policy_dtype: torch.dtype | None = None,
 ) -> Models:
-    """Load the policy (LoRA, memory-efficient MLPs, checkpoint weights, gradient checkpointing)
-    and, when the KL placement needs one, the reference (always the base model). The policy's
-    parameters are ``policy_dtype`` (the precision's, float32 unless bf16-pure; None: ``dtype``),
-    the frozen reference's ``dtype``."""
-    from policygrad.models.loading import (
-        apply_lora,
-        eos_token_ids,
-        load_causal_lm,
-        load_tokenizer,
-        resolve_model_path,
-    )
+    """Load the policy (a trained adapter to start from, LoRA, memory-efficient MLPs, checkpoint
+    weights, gradient checkpointing) and, when the KL placement needs one, the reference: the
+    starting policy, frozen. The policy's parameters are ``policy_dtype`` (the precision's:
+    float32 unless bf16-pure; None: ``dtype``), the frozen reference's ``dtype``.
+
+    Args:
+        cfg: the run's config (``model`` section).
+        model, tokenizer: a loaded transformers model (or peft model) to train instead of
+            ``model.name``, and its tokenizer (None: read from the model's folder). The model is
+            trained in place; without a local folder of its own it is written to
+            ``run_dir/start_model`` for engines and critics that load from a folder.
+        checkpoint: a checkpoint folder whose policy weights are loaded (resume).
+
+    Raises:
+        ConfigError: ``model.lora.rank`` set for a run that starts from an adapter.
+        ValueError / OSError: as :func:`policygrad.models.adapters.resolve_model_source`.
+    """
+    from policygrad.models.adapters import FrozenStart, is_peft_model, load_model, resolve_model_source
+    from policygrad.models.loading import apply_lora, eos_token_ids, load_tokenizer
     from policygrad.models.swiglu import use_memory_efficient_mlp
     from policygrad.trainer.checkpoint import load_policy_weights
 
-    model_path = resolve_model_path(cfg.model.name)
-    tokenizer = load_tokenizer(model_path)
-    policy = load_causal_lm(model_path, dtype=policy_dtype or dtype).to(device)
+    trained = policy_dtype or dtype
+    source = None
+    if model is None:
+        source = resolve_model_source(cfg.model.name, cfg.model.adapter)
+        trust = cfg.model.trust_remote_code  # False: a model folder's own code never runs, never asks
+        tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=trust)
+        policy = load_model(source, dtype=trained, trainable=True, trust_remote_code=trust).to(device)
+        model_path = source.base
+    else:
+        policy, tokenizer, model_path = adopt_model(model, tokenizer, dtype=trained, run_dir=run_dir)
+        policy = policy.to(device)
+    from_adapter = is_peft_model(policy)
     lora = cfg.model.lora
+    if from_adapter and lora.rank > 0:
+        raise ConfigError(
+            f"model.lora.rank={lora.rank}: this run starts from a trained adapter and trains it (its own "
+            "rank and targets); unset model.lora.rank, or start from a full model"
+        )
+    start = None
+    needs_reference = cfg.kl_placement.needs_reference
+    if needs_reference and model is not None and not from_adapter and lora.rank == 0:
+        start = copy.deepcopy(policy)  # an object the caller passed: its starting weights, frozen
+    elif from_adapter and needs_reference:
+        start = FrozenStart(policy)  # before any checkpoint weights load
     if lora.rank > 0:
         policy = apply_lora(
             policy, rank=lora.rank, alpha=lora.alpha, dropout=lora.dropout, target_modules=lora.target_modules
@@ -103,10 +146,94 @@ def build_models(
         load_policy_weights(policy, os.path.join(checkpoint, "model"))
     if cfg.model.gradient_checkpointing:
         policy.gradient_checkpointing_enable()
-    reference = None
-    if cfg.kl_placement.needs_reference and lora.rank == 0:
-        reference = load_causal_lm(model_path, dtype=dtype, trainable=False).to(device)
-    return Models(model_path, tokenizer, policy, reference, eos_token_ids(tokenizer, policy))
+    reference, as_reference = None, None
+    if isinstance(start, FrozenStart):
+        as_reference = start.active
+    elif isinstance(start, torch.nn.Module):
+        reference = start.eval().requires_grad_(False).to(dtype)
+    elif needs_reference and lora.rank > 0:
+        as_reference = policy.disable_adapter  # LoRA: the base weights are the starting policy
+    elif needs_reference:
+        reference = load_model(
+            source, dtype=dtype, trainable=False, trust_remote_code=cfg.model.trust_remote_code
+        ).to(device)
+    differ = from_adapter or model is not None
+    return Models(
+        model_path, tokenizer, policy, reference, eos_token_ids(tokenizer, policy), as_reference, differ
+    )
+
+
+def load_eval_models(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype) -> Models:
+    """The model of ``model.name`` / ``model.adapter`` for evaluation only: frozen, in eval mode,
+    a LoRA adapter merged into the weights (plain generation speed).
+
+    Raises:
+        ValueError / OSError: as :func:`policygrad.models.adapters.resolve_model_source`.
+    """
+    from policygrad.models.adapters import load_model, merged_model, resolve_model_source
+    from policygrad.models.loading import eos_token_ids, load_tokenizer
+
+    source = resolve_model_source(cfg.model.name, cfg.model.adapter)
+    trust = cfg.model.trust_remote_code
+    tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=trust)
+    policy = merged_model(load_model(source, dtype=dtype, trainable=False, trust_remote_code=trust))
+    policy = policy.to(device)
+    policy.requires_grad_(False)
+    return Models(
+        source.base, tokenizer, policy, None, eos_token_ids(tokenizer, policy),
+        weights_differ_from_path=source.adapter is not None,
+    )
+
+
+def adopt_model(model, tokenizer, *, dtype: torch.dtype, run_dir: str | None):
+    """A caller's loaded model made ready to train (dropout off, no KV cache, train mode, every
+    parameter trainable unless it is a peft model, whose adapter alone trains; cast to ``dtype``
+    when its floating-point parameters differ), its tokenizer (a copy, padded on the left) and the
+    folder engines load its architecture from.
+
+    Returns:
+        ``(model, tokenizer, folder)``.
+
+    Raises:
+        TypeError: ``model`` is not a torch module with a transformers config.
+        ValueError: no tokenizer given and none in the model's folder.
+    """
+    from policygrad.models.adapters import is_peft_model
+    from policygrad.models.loading import disable_dropout, load_tokenizer, prepare_tokenizer
+
+    if not isinstance(model, torch.nn.Module) or getattr(model, "config", None) is None:
+        raise TypeError(
+            f"model must be a transformers model (or a peft model around one), got {type(model).__name__}"
+        )
+    peft = is_peft_model(model)
+    base = model.get_base_model() if peft else model
+    folder = getattr(base, "name_or_path", "") or ""
+    local = bool(folder) and os.path.isfile(os.path.join(os.path.expanduser(folder), "config.json"))
+    if tokenizer is None:
+        if not local:
+            raise ValueError(
+                "tokenizer: the model has no local folder to read its tokenizer from; pass tokenizer="
+            )
+        tokenizer = load_tokenizer(folder)
+    else:
+        tokenizer = prepare_tokenizer(copy.deepcopy(tokenizer))
+    if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
+        model = model.to(dtype)
+    disable_dropout(model)
+    base.config.use_cache = False
+    model.train()
+    if not peft:
+        model.requires_grad_(True)
+    if not local:
+        if run_dir is None:
+            raise ValueError("the model has no local folder; give run_dir to write one")
+        from policygrad.models.adapters import merged_weights
+
+        folder = os.path.join(run_dir, "start_model")
+        state = dict(merged_weights(model)) if peft else None  # plain names an engine can load
+        base.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        tokenizer.save_pretrained(folder)
+    return model, tokenizer, os.path.expanduser(folder)
 
 
 def engine_context(model, wanted: int) -> int:
@@ -118,8 +245,9 @@ def engine_context(model, wanted: int) -> int:
     return min(wanted, int(limit)) if limit else wanted
 
 
-def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype):
-    """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged.
+def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype, quiet: bool = False):
+    """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged
+    (at debug level when ``quiet``: ``policygrad eval`` reports the engine in its result).
 
     Returns:
         ``(engine, name)``.
@@ -135,7 +263,7 @@ def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype):
             f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
             "resolved to hf (vllm is not installed); install the vllm extra or set rollout.dtype=auto"
         )
-    log.info("rollout engine: %s (%s)", name, why)
+    log.log(logging.DEBUG if quiet else logging.INFO, "rollout engine: %s (%s)", name, why)
     if name != "vllm":
         return HFRolloutEngine(models.policy, models.tokenizer, models.eos_ids), name
     from policygrad.rollout.vllm import VLLMRolloutEngine
@@ -155,9 +283,14 @@ def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype):
     return engine, name
 
 
-def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype):
+def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, functions=None):
     """The reward functions (reward models loaded), the score normaliser and the truncation
-    policy, as one :class:`~policygrad.rewards.scoring.Scorer`."""
+    policy, as one :class:`~policygrad.rewards.scoring.Scorer`.
+
+    ``functions``: the reward functions as objects (callables, sync or async, or specs) to use
+    instead of ``reward.functions``, which then holds how the config records them."""
+    from policygrad.rewards.code import configure_code_rewards
+    from policygrad.rewards.isolation import isolate_reward_functions
     from policygrad.rewards.normalize import RewardNormalizer
     from policygrad.rewards.registry import CompositeReward
     from policygrad.rewards.reward_model import resolve_reward_functions
@@ -166,19 +299,29 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype):
     rw = cfg.reward
     weights = rw.weights or [1.0] * len(rw.functions)
     functions = resolve_reward_functions(
-        rw.functions,
+        rw.functions if functions is None else functions,
         dtype=dtype,
         device=device,
         batch_size=rw.model_batch_size,
         max_length=rw.model_max_length,
         use_chat_template=rw.model_chat_template,
     )
-    return Scorer(
-        CompositeReward(list(zip(functions, weights)), on_error=rw.on_error),
-        RewardNormalizer(rw.normalize, clip=rw.normalize_clip),
-        truncation=rw.truncation,
-        truncation_penalty=rw.truncation_penalty,
-    )
+    # code_tests gets the run's sandbox (reward.code); building it checks and logs the isolation.
+    functions = configure_code_rewards(functions, asdict(rw.code))
+    # User code (module:function, file.py:function) runs in a worker process; see rewards.isolation.
+    functions, worker = isolate_reward_functions(functions, isolation=rw.isolation, timeout_s=rw.timeout_s)
+    try:
+        return Scorer(
+            CompositeReward(list(zip(functions, weights)), on_error=rw.on_error),
+            RewardNormalizer(rw.normalize, clip=rw.normalize_clip),
+            truncation=rw.truncation,
+            truncation_penalty=rw.truncation_penalty,
+            worker=worker,
+        )
+    except BaseException:
+        if worker is not None:
+            worker.close()
+        raise
 
 
 def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dtype: torch.dtype, checkpoint):
@@ -200,6 +343,7 @@ def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dty
         lora_target_modules=c.lora.target_modules,
         gradient_checkpointing=cfg.model.gradient_checkpointing,
         device=device,
+        trust_remote_code=cfg.model.trust_remote_code,
     )
     if checkpoint is not None:
         critic.load(os.path.join(checkpoint, "critic"))

@@ -1,38 +1,54 @@
-"""Checkpoints of a run (``RUN_DIR/checkpoints/step_N``) and the run directory itself.
+"""Checkpoints of a run (``RUN_DIR/checkpoints/step_N``).
 
 A checkpoint folder holds ``model/`` (safetensors weights, or the LoRA adapter, plus the
 tokenizer: a complete model folder for ``policygrad eval --model``), ``trainer_state.pt``
 (optimizer, schedule, KL controller, data position, RNG states, reward normaliser, PPO-ptx
-position; loaded with ``weights_only=True``, so a crafted file cannot run code) and, with a
-critic, ``critic/``.
+position, update counts; loaded with ``weights_only=True``, so a crafted file cannot run code),
+with a critic ``critic/``, and the completion marker ``COMPLETE``.
+
+A checkpoint is a transaction (:func:`save_checkpoint`): everything is written into a hidden
+sibling folder ``.step_N.tmp-PID``, every file and folder is fsynced, the folder is renamed to
+``step_N``, and only then the marker is written, listing every file with its size. A save that
+is killed, or fails on a full disk, leaves no ``step_N`` or one without a marker; either way
+:func:`latest_checkpoint` skips it (saying why) and resume takes the newest complete one.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import pickle
 import random
 import shutil
+import time
 from typing import Any
 
 import torch
 
-from policygrad.trainer.config import ConfigError
-from policygrad.trainer.errors import CheckpointError
+from policygrad.trainer.errors import CheckpointError, CheckpointSaveError
+from policygrad.trainer.rundir import atomic_write_text, fsync_dir
 
 __all__ = [
     "CheckpointError",
+    "CheckpointSaveError",
     "checkpoint_path",
+    "checkpoint_problem",
+    "checkpoint_step",
+    "find_checkpoints",
     "latest_checkpoint",
     "load_policy_weights",
     "load_trainer_state",
-    "prepare_new_run_dir",
+    "recover_interrupted_saves",
     "restore_trainer_state",
     "save_checkpoint",
     "trainer_state",
 ]
 
+log = logging.getLogger("policygrad")
+
 STATE_FILE = "trainer_state.pt"
+COMPLETE_FILE = "COMPLETE"
 
 
 def checkpoint_path(run_dir: str, step: int) -> str:
@@ -40,34 +56,173 @@ def checkpoint_path(run_dir: str, step: int) -> str:
     return os.path.join(run_dir, "checkpoints", f"step_{step}")
 
 
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The ``checkpoints/step_N`` folder with the largest N under ``run_dir``, or None."""
+def checkpoint_step(path: str) -> int | None:
+    """N of a ``.../step_N`` folder, or None for any other name."""
+    name = os.path.basename(os.path.normpath(path))
+    number = name[len("step_") :] if name.startswith("step_") else ""
+    return int(number) if number.isdigit() else None
+
+
+def _files_with_sizes(folder: str) -> dict[str, int]:
+    sizes = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            full = os.path.join(root, name)
+            sizes[os.path.relpath(full, folder)] = os.path.getsize(full)
+    return sizes
+
+
+def checkpoint_problem(path: str) -> str | None:
+    """Why the checkpoint folder ``path`` is not complete, or None when it is: its marker is
+    present and every file it lists is there with the size it had when the save finished."""
+    marker = os.path.join(path, COMPLETE_FILE)
+    if not os.path.isfile(marker):
+        return "no completion marker (its save did not finish)"
+    try:
+        with open(marker, encoding="utf-8") as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its completion marker {COMPLETE_FILE} is unreadable"
+    for name, size in sorted(files.items()):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{name} is missing"
+        if os.path.getsize(full) != size:
+            return f"{name} has {os.path.getsize(full)} bytes, not the {size} it was saved with"
+    return None
+
+
+def find_checkpoints(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest complete checkpoint under ``run_dir/checkpoints`` and the newer ones skipped.
+
+    Returns:
+        ``(path or None, [(skipped path, why), ...])``, newest first.
+    """
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
-        return None
-    steps = [
-        int(d.split("_")[1]) for d in os.listdir(root) if d.startswith("step_") and d.split("_")[1].isdigit()
-    ]
-    return os.path.join(root, f"step_{max(steps)}") if steps else None
+        return None, []
+    steps = sorted(
+        (n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True
+    )
+    skipped = []
+    for step in steps:
+        path = os.path.join(root, f"step_{step}")
+        problem = checkpoint_problem(path)
+        if problem is None:
+            return path, skipped
+        skipped.append((path, problem))
+    return None, skipped
 
 
-def save_checkpoint(path: str, *, policy, tokenizer, state: dict[str, Any], critic=None) -> str:
-    """Write a checkpoint folder at ``path``: the policy (``save_pretrained``, safetensors; the
-    adapter with LoRA) and tokenizer under ``model/``, ``state`` as ``trainer_state.pt``, and the
-    critic under ``critic/`` when given. Returns ``path``."""
-    os.makedirs(path, exist_ok=True)
-    policy.save_pretrained(os.path.join(path, "model"), safe_serialization=True)
-    tokenizer.save_pretrained(os.path.join(path, "model"))
-    if critic is not None:
-        critic.save(os.path.join(path, "critic"))
-    torch.save(state, os.path.join(path, STATE_FILE))
+def latest_checkpoint(run_dir: str) -> str | None:
+    """The newest complete ``checkpoints/step_N`` folder under ``run_dir`` (see
+    :func:`checkpoint_problem`), or None. Logs which one it is and why newer ones were skipped."""
+    path, skipped = find_checkpoints(run_dir)
+    for bad, why in skipped:
+        log.warning("note: skipped checkpoint %s: %s", bad, why)
+    if path is not None:
+        log.info("newest complete checkpoint: %s", path)
+    return path
+
+
+def recover_interrupted_saves(run_dir: str) -> None:
+    """Tidy ``run_dir/checkpoints`` after a save was killed (call it while owning the run): a
+    checkpoint moved aside to be replaced (``.step_N.old-PID``) whose replacement never arrived is
+    put back, and every other hidden folder of an unfinished save is deleted."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return
+    for name in sorted(os.listdir(root)):
+        if not (name.startswith(".step_") and (".tmp-" in name or ".old-" in name)):
+            continue
+        path = os.path.join(root, name)
+        final = os.path.join(root, name[1:].split(".", 1)[0])
+        if ".old-" in name and not os.path.exists(final):
+            os.rename(path, final)
+            log.warning("note: restored checkpoint %s (a save replacing it was interrupted)", final)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_tree(folder: str) -> None:
+    for root, _, files in os.walk(folder, topdown=False):
+        for name in files:
+            fd = os.open(os.path.join(root, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(root)
+
+
+def _write_reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{exc.strerror or exc}{where}"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "StorageFull" in text or "No space left" in text:  # safetensors reports the OS error as text
+        return "No space left on device"
+    return f"{type(exc).__name__}: {text[:200]}"
+
+
+def save_checkpoint(
+    path: str, *, policy, tokenizer, state: dict[str, Any], critic=None, model_card: str | None = None
+) -> str:
+    """Write the checkpoint folder ``path`` as a transaction (see the module docstring): the
+    policy (``save_pretrained``, safetensors; the adapter with LoRA), tokenizer and ``model_card``
+    (``README.md``, :mod:`policygrad.trainer.export`) under ``model/``, ``state`` as
+    ``trainer_state.pt``, the critic under ``critic/`` when given, then the completion marker.
+    Returns ``path``.
+
+    Raises:
+        CheckpointSaveError: a write failed (full disk, read-only folder, ...): nothing of this
+            checkpoint is left, an older ``path`` and every other checkpoint are untouched.
+    """
+    parent, name = os.path.split(os.path.normpath(path))
+    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+    old = os.path.join(parent, f".{name}.old-{os.getpid()}")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        policy.save_pretrained(os.path.join(tmp, "model"), safe_serialization=True)
+        tokenizer.save_pretrained(os.path.join(tmp, "model"))
+        if model_card is not None:  # after save_pretrained, whose template it replaces
+            with open(os.path.join(tmp, "model", "README.md"), "w", encoding="utf-8") as f:
+                f.write(model_card)
+        if critic is not None:
+            critic.save(os.path.join(tmp, "critic"))
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        files = _files_with_sizes(tmp)
+        _fsync_tree(tmp)
+        if os.path.exists(path):  # the same step saved again: the new one replaces it
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        fsync_dir(parent)
+        marker = {"step": state.get("step"), "saved_at": time.time(), "files": files}
+        atomic_write_text(os.path.join(path, COMPLETE_FILE), json.dumps(marker, indent=1))
+    except Exception as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if os.path.exists(old) and not os.path.exists(path):
+            os.rename(old, path)  # the replaced checkpoint comes back
+        raise CheckpointSaveError(
+            f"could not write checkpoint {path}: {_write_reason(exc)}; nothing of it was kept and the "
+            "checkpoints written before are intact; free space (or fix the folder) and continue with "
+            f"--resume {os.path.dirname(parent)}"
+        ) from exc
+    except BaseException:  # a second Ctrl-C: leave no half folder behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
     return path
 
 
 def trainer_state(trainer) -> dict[str, Any]:
     """What a :class:`~policygrad.trainer.loop.Trainer` needs to continue exactly where it is:
     step, data position, optimizer, schedule, KL controller, reward normaliser, RNG states; with
-    a critic its optimizer and schedule; with PPO-ptx the text position."""
+    a critic its optimizer and schedule; with PPO-ptx the text position; the counts of applied
+    and skipped updates (:class:`~policygrad.trainer.health.UpdateWatch`)."""
     state = {
         "step": trainer.step_idx,
         "data_position": trainer.stream.position,
@@ -76,6 +231,7 @@ def trainer_state(trainer) -> dict[str, Any]:
         "kl_controller": trainer.kl_ctl.state_dict(),
         "reward_normalizer": trainer.scorer.normalizer.state_dict(),
         "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+        "updates": trainer.watch.state_dict(),
     }
     if trainer.critic_trainer is not None:
         state["critic"] = trainer.critic_trainer.state_dict()
@@ -108,6 +264,8 @@ def restore_trainer_state(trainer, state: dict[str, Any], path: str) -> None:
         trainer.critic_trainer.load_state_dict(state["critic"])
     if trainer.ptx_data is not None:
         trainer.ptx_data.position = state.get("ptx_position", 0)
+    if "updates" in state:
+        trainer.watch.load_state_dict(state["updates"])
     random.setstate(state["rng"]["python"])
     torch.set_rng_state(state["rng"]["torch"])
 
@@ -116,20 +274,31 @@ def load_trainer_state(path: str) -> dict[str, Any]:
     """The ``trainer_state.pt`` of a checkpoint folder, loaded with ``weights_only=True``.
 
     Raises:
-        CheckpointError: the file is missing, unreadable, or holds anything but tensors and plain
-            containers (a file that would run code when unpickled).
+        CheckpointError: the file is missing, unreadable, holds anything but tensors and plain
+            containers (a file that would run code when unpickled), or lacks the fields a
+            trainer state has.
     """
     file = os.path.join(path, STATE_FILE)
     try:
-        return torch.load(file, weights_only=True)
+        state = torch.load(file, weights_only=True)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} has no {STATE_FILE}; it is incomplete") from None
-    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError) as e:
+    except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError, TypeError, KeyError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(
             f"checkpoint {file} cannot be loaded safely ({first[:200]}); it is corrupt or was not written "
             "by policygrad"
         ) from None
+    missing = [k for k in _STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {file} is not a policygrad trainer state (no {', '.join(missing)}); it is corrupt "
+            "or was not written by policygrad"
+        )
+    return state
+
+
+_STATE_KEYS = ("step", "data_position", "optimizer", "scheduler", "kl_controller", "rng")
 
 
 def load_policy_weights(model, folder: str) -> None:
@@ -149,7 +318,13 @@ def load_policy_weights(model, folder: str) -> None:
     state = {}
     for name in sorted(os.listdir(folder)):
         if name.endswith(".safetensors"):
-            state.update(load_file(os.path.join(folder, name)))
+            try:
+                state.update(load_file(os.path.join(folder, name)))
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
+                raise CheckpointError(
+                    f"checkpoint weights {os.path.join(folder, name)} cannot be read ({str(e)[:200]}); "
+                    "the file is corrupt"
+                ) from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if "lm_head" not in k]  # tied embeddings are saved once
     if missing or unexpected:
@@ -157,33 +332,3 @@ def load_policy_weights(model, folder: str) -> None:
             f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
             f"unexpected {unexpected[:3]}"
         )
-
-
-_RUN_MARKERS = ("checkpoints", "metrics.jsonl", "config.yaml", "summary.json")
-
-
-def prepare_new_run_dir(run_dir: str, *, overwrite: bool) -> None:
-    """A new run never mixes with an old one: an ``output_dir`` that already holds a run is an
-    error unless ``overwrite`` is set, in which case the old run's files are removed.
-
-    Raises:
-        ConfigError: ``run_dir`` holds a run and ``overwrite`` is False, or it is a file.
-    """
-    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
-        raise ConfigError(f"output_dir={run_dir!r} is a file; give a folder")
-    if not os.path.isdir(run_dir) or not any(os.path.exists(os.path.join(run_dir, m)) for m in _RUN_MARKERS):
-        return
-    if not overwrite:
-        raise ConfigError(
-            f"output_dir={run_dir!r} already holds a run; continue it with --resume {run_dir}, choose a new "
-            "--output_dir, or replace it with --overwrite=true"
-        )
-    for name in (*_RUN_MARKERS, "tensorboard"):
-        path = os.path.join(run_dir, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path)
-        elif os.path.exists(path):
-            os.remove(path)
-    for name in os.listdir(run_dir):
-        if name.startswith("eval") and name.endswith(".jsonl"):
-            os.remove(os.path.join(run_dir, name))

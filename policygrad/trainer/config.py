@@ -90,6 +90,11 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
 }
 
 
+# The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
+# the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
+MIN_TEMPERATURE = 1e-3
+
+
 def _check_choice(path: str, value: Any, choices) -> None:
     if value not in choices:
         raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
@@ -128,6 +133,16 @@ class ModelConfig:
     under autocast), ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away;
     an explicit opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
     fp32); see :mod:`policygrad.trainer.precision`.
+
+    ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
+    weights (transformers' ``trust_remote_code``). Off by default, and never asked interactively:
+    a model that needs it is refused with an error naming this option.
+
+    ``adapter``: a trained PEFT adapter folder to start from (``name`` is then its base model);
+    ``name`` may also be an adapter folder itself (a LoRA run's ``checkpoints/step_N/model``),
+    whose ``base_model_name_or_path`` is the base. The run trains that adapter, and the reference
+    is the starting policy (base plus the starting adapter, frozen). See
+    :mod:`policygrad.models.adapters`.
     """
 
     name: str = "bundled:smollm2-135m-instruct"
@@ -135,6 +150,8 @@ class ModelConfig:
     precision: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    adapter: str | None = None
 
     def validate(self, path: str) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -142,16 +159,25 @@ class ModelConfig:
         _check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
         _check_choice(f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure"})
         self.lora.validate(f"{path}.lora")
+        if self.adapter is not None and self.lora.rank > 0:
+            raise ConfigError(
+                f"{path}.adapter with {path}.lora.rank={self.lora.rank}: the run trains the adapter it "
+                f"starts from (its own rank and targets); unset {path}.lora.rank"
+            )
 
 
 @dataclass
 class DataConfig:
     """Training and held-out prompts.
 
-    ``dataset``: ``builtin:arithmetic`` (procedurally generated, the default) or a JSONL path
-    (GSM8K's ``question``/``answer`` format works without a field mapping). ``prompt_field`` and
-    ``answer_field`` map other formats. ``eval_dataset``: a path, or empty for the built-in
-    task's held-out split. ``eval_size``: held-out problems per evaluation.
+    ``dataset``: ``builtin:arithmetic`` (procedurally generated, the default), a local file or
+    folder (JSONL, JSON, Parquet, CSV, ``save_to_disk``; GSM8K's ``question``/``answer`` format
+    works without a field mapping) or a Hugging Face Hub dataset id such as ``openai/gsm8k``
+    (``datasets.load_dataset`` with ``dataset_config`` and ``split``; from the local cache when
+    ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set, see :mod:`policygrad.data.hub`).
+    ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
+    empty means the built-in task's held-out split, or a Hub dataset's ``eval_split``.
+    ``eval_size``: held-out problems per evaluation.
     """
 
     dataset: str = "builtin:arithmetic"
@@ -164,10 +190,16 @@ class DataConfig:
     eval_dataset: str | None = None
     eval_size: int = 200
     shuffle: bool = True
+    dataset_config: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
 
     def validate(self, path: str) -> None:
         _check_positive(f"{path}.max_prompt_length", self.max_prompt_length)
         _check_positive(f"{path}.eval_size", self.eval_size, allow_zero=True)
+        for name in ("split", "eval_split"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"{path}.{name} must name a split, e.g. train or test")
 
 
 @dataclass
@@ -216,6 +248,12 @@ class RolloutConfig:
         _check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
         _check_positive(f"{path}.group_size", self.group_size)
         _check_positive(f"{path}.temperature", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"{path}.temperature={self.temperature!r} is below {MIN_TEMPERATURE}: logits / temperature "
+                "overflows float32 (or keeps no precision in the log-probs the update needs); use "
+                f"{path}.temperature >= {MIN_TEMPERATURE} (0.1 samples almost greedily)"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p!r}")
         _check_positive(f"{path}.top_k", self.top_k, allow_zero=True)
@@ -248,11 +286,46 @@ class RolloutConfig:
 
 
 @dataclass
+class CodeRewardConfig:
+    """The sandbox of the ``code_tests`` reward (and of evaluation on code rows); see
+    :mod:`policygrad.rewards.sandbox` for what each isolation mode isolates and the threat model.
+
+    ``isolation``: ``auto`` (bubblewrap if installed, else Linux namespaces; the run refuses to
+    start when neither works), ``bwrap``, ``namespaces`` or ``none`` (separate processes with
+    resource limits only: unsafe, with a warning). ``partial``: score the fraction of passing
+    tests instead of 1/0. Per program: ``timeout_s`` wall (and CPU) seconds, ``memory_mb`` per
+    process, ``max_processes``, ``max_write_mb`` written, ``max_output_kb`` of output read (the
+    rest is discarded). ``workers``: programs tested at once (0: twice the CPU count, at most 16)."""
+
+    isolation: str = "auto"
+    partial: bool = False
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    max_processes: int = 64
+    max_write_mb: int = 256
+    max_output_kb: int = 1024
+    workers: int = 0
+
+    def validate(self, path: str) -> None:
+        _check_choice(f"{path}.isolation", self.isolation, {"auto", "bwrap", "namespaces", "none"})
+        _check_positive(f"{path}.timeout_s", self.timeout_s)
+        if self.memory_mb < 64:
+            raise ConfigError(
+                f"{path}.memory_mb must be >= 64 (an interpreter needs it), got {self.memory_mb}"
+            )
+        for name in ("max_processes", "max_write_mb", "max_output_kb"):
+            _check_positive(f"{path}.{name}", getattr(self, name))
+        _check_positive(f"{path}.workers", self.workers, allow_zero=True)
+
+
+@dataclass
 class RewardConfig:
     """Reward functions, summed with weights.
 
-    ``functions``: built-in names (``answer_correctness``, ``answer_format``, ``length_penalty``),
-    ``module:function`` or ``path.py:function``. ``weights``: one per function (default 1 each).
+    ``functions``: built-in names (``answer_correctness``, ``answer_format``, ``length_penalty``,
+    ``code_tests``: the row's tests run against the completion's program in the sandbox that
+    ``code`` configures, :class:`CodeRewardConfig`), ``module:function`` or ``path.py:function``.
+    ``weights``: one per function (default 1 each).
     ``on_error``: ``raise`` stops the run naming the row and the function; ``skip`` excludes the
     row from the loss and counts it in ``reward/invalid_frac``. ``truncation``: what a completion
     without EOS gets: ``none`` (scored as is), ``penalty`` (the N+ EOS trick: the score is
@@ -268,6 +341,14 @@ class RewardConfig:
     so they average 0: N+ detail 15); ``running`` (running mean/std, "Secrets of RLHF"), clamped
     to +-``normalize_clip`` when set. ``whiten``: whiten the per-token rewards (score plus KL
     penalty) over the batch's valid tokens, scale only (N+ reward whitening).
+
+    ``isolation`` (default on): reward functions given as ``module:function`` or
+    ``file.py:function`` run in a worker process (``policygrad.rewards.isolation``), on copies of
+    the completions and row fields; ``sys.exit``, ``os._exit``, ``os.chdir`` or a crash there
+    cannot stop or disturb the run, they make the call an error that ``on_error`` handles.
+    ``timeout_s``: the most seconds one call of such a function may take (``null``: no limit);
+    a call over it is stopped and is an error for its whole batch. Built-in rewards and reward
+    models are the library's code and run in the trainer's process.
     """
 
     functions: list[str] = field(default_factory=lambda: ["answer_correctness"])
@@ -281,8 +362,14 @@ class RewardConfig:
     model_batch_size: int = 16
     model_max_length: int = 1024
     model_chat_template: bool = True
+    isolation: bool = True
+    timeout_s: float | None = 300.0
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
 
     def validate(self, path: str) -> None:
+        self.code.validate(f"{path}.code")
+        if self.timeout_s is not None:
+            _check_positive(f"{path}.timeout_s", self.timeout_s)
         if not self.functions:
             raise ConfigError(f"{path}.functions is empty; give at least one reward function")
         if self.weights is not None and len(self.weights) != len(self.functions):
@@ -559,7 +646,30 @@ class TrainConfig:
     ``drop_zero_variance_groups``: DAPO's dynamic sampling (Yu et al. 2025, section 3.2): groups
     whose ``dynamic_sampling.reward`` component is the same for every sample carry no loss, and
     up to ``dynamic_sampling.max_extra_rounds`` extra rounds refill the batch (see
-    :class:`DynamicSamplingConfig`)."""
+    :class:`DynamicSamplingConfig`).
+
+    Checkpoints (``RUN_DIR/checkpoints/step_N``): every ``save_every`` steps (0: off) and every
+    ``save_every_minutes`` minutes of training (0: off), on Ctrl-C / SIGTERM after the current
+    step, on an error after the first completed step, and at the end, before the final
+    evaluation. ``overwrite``: replace the run in ``output_dir`` (only the files a run writes are
+    deleted, after the whole new config is validated); it is never saved in ``config.yaml``.
+    ``max_skipped_updates``: end the run with an error after this many consecutive steps that
+    applied no update (every optimizer step skipped as non-finite, or no token carried loss);
+    0 never stops. A run that ends with no update applied is an error however short it was.
+
+    ``report_to``: the trackers that receive every step's metrics besides ``metrics.jsonl``:
+    ``tensorboard`` (``RUN_DIR/tensorboard``), ``wandb`` (offline unless ``WANDB_MODE`` says
+    otherwise, files under ``RUN_DIR/wandb``), ``mlflow`` (a file store under ``RUN_DIR/mlruns``
+    unless ``MLFLOW_TRACKING_URI`` is set), ``trackio`` (trackio's local storage, ``TRACKIO_DIR``
+    or its default), or ``[none]``; each needs its library (the ``wandb``, ``mlflow``, ``trackio``
+    extras). ``tensorboard: false`` removes TensorBoard from the list. ``project`` names the W&B
+    project, MLflow experiment and trackio project; ``run_name`` the run (default: the name of
+    ``output_dir``). See :mod:`policygrad.trainer.trackers`.
+
+    ``eval_samples``: n > 1 sampled completions per held-out problem at ``eval_temperature``
+    besides the greedy one, reported as pass@k (unbiased estimator) and maj@k for each k in
+    ``eval_k`` (default [1, n]); 0 evaluates greedily only. ``export_merged``: at the end of
+    the run, also write ``RUN_DIR/merged_model``, the policy with any LoRA adapter merged in."""
 
     algorithm: str = "grpo"
     steps: int = 300
@@ -571,11 +681,20 @@ class TrainConfig:
     eval_before: bool = True
     eval_after: bool = True
     save_every: int = 0
+    save_every_minutes: float = 10.0
+    max_skipped_updates: int = 20
     log_completions: int = 2
     drop_zero_variance_groups: bool = False
     num_threads: int | None = None
     tensorboard: bool = True
     progress: bool = True
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"])
+    project: str = "policygrad"
+    run_name: str | None = None
+    eval_samples: int = 0
+    eval_k: list[int] = field(default_factory=list)
+    eval_temperature: float = 1.0
+    export_merged: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -606,6 +725,9 @@ class TrainConfig:
         _check_positive("steps", self.steps, allow_zero=True)
         _check_positive("eval_every", self.eval_every, allow_zero=True)
         _check_positive("save_every", self.save_every, allow_zero=True)
+        self._validate_reporting_and_eval()
+        _check_positive("save_every_minutes", self.save_every_minutes, allow_zero=True)
+        _check_positive("max_skipped_updates", self.max_skipped_updates, allow_zero=True)
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
         for name in (*sections, "dynamic_sampling"):
             getattr(self, name).validate(name)
@@ -640,6 +762,38 @@ class TrainConfig:
                 f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
             )
         self._validate_dynamic_sampling()
+
+    def _validate_reporting_and_eval(self) -> None:
+        trackers = ("tensorboard", "wandb", "mlflow", "trackio", "none")
+        for i, name in enumerate(self.report_to):
+            _check_choice(f"report_to[{i}]", name, set(trackers))
+        if len(set(self.report_to)) != len(self.report_to):
+            raise ConfigError(f"report_to={self.report_to} names a tracker twice; name each once")
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise ConfigError(f"report_to={self.report_to}: 'none' cannot be combined with trackers; drop it")
+        if not self.project.strip():
+            raise ConfigError("project must be a non-empty name (W&B / trackio project, MLflow experiment)")
+        _check_positive("eval_samples", self.eval_samples, allow_zero=True)
+        _check_positive("eval_temperature", self.eval_temperature)
+        if self.eval_k and self.eval_samples < 2:
+            raise ConfigError(f"eval_k={self.eval_k} needs eval_samples >= 2 (samples per problem); set it")
+        for k in self.eval_k:
+            if not 1 <= k <= self.eval_samples:
+                raise ConfigError(
+                    f"eval_k contains {k}; each k must be in 1 .. eval_samples={self.eval_samples}"
+                )
+
+    @property
+    def trackers(self) -> list[str]:
+        """``report_to`` resolved: ``none`` removed, and TensorBoard dropped by ``tensorboard: false``."""
+        return [t for t in self.report_to if t != "none" and (t != "tensorboard" or self.tensorboard)]
+
+    @property
+    def eval_ks(self) -> list[int]:
+        """The k of pass@k / maj@k: ``eval_k``, or [1, n] with n = ``eval_samples`` (none when n < 2)."""
+        if self.eval_samples < 2:
+            return []
+        return sorted(set(self.eval_k)) if self.eval_k else [1, self.eval_samples]
 
     def _validate_policy_loss(self) -> None:
         """The loss is registered; every option set is one it declares, with a valid value."""

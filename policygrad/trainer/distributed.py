@@ -104,6 +104,23 @@ class Dist:
                 "run it in one process or set drop_zero_variance_groups=false"
             )
 
+    def any(self, flag: bool) -> bool:
+        """True when ``flag`` is True on any rank (``flag`` itself in one process)."""
+        if not self.active:
+            return bool(flag)
+        return bool(self.reduce(torch.tensor(float(bool(flag)), device=self.device), "max").item() > 0)
+
+    def first(self, flag: bool) -> bool:
+        """Rank 0's ``flag`` on every rank (``flag`` itself in one process): decisions that read
+        a clock, so every rank takes the same branch."""
+        if not self.active:
+            return bool(flag)
+        import torch.distributed as td
+
+        value = torch.tensor([float(bool(flag))], device=self.device)
+        td.broadcast(value, src=0)
+        return bool(value.item() > 0)
+
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""
         if self.active:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "TrainingError"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "TrainingError"]
 
 
 class TrainingError(RuntimeError):
@@ -11,3 +11,8 @@ class TrainingError(RuntimeError):
 
 class CheckpointError(TrainingError):
     """A checkpoint cannot be used; the message names the folder and why."""
+
+
+class CheckpointSaveError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a read-only folder): nothing of it was kept,
+    and the checkpoints written before are intact."""

@@ -1,5 +1,16 @@
-"""Evaluation: greedy accuracy of a policy on held-out rows (used by the trainer and by
-``policygrad eval``), and pass@k from sampled answers."""
+"""Evaluation, one implementation for the trainer and ``policygrad eval``: greedy accuracy of a
+policy on held-out rows, and from n sampled completions per row pass@k (the unbiased estimator
+of Chen et al. 2021) and maj@k (majority vote over the extracted answers) for any k <= n.
+
+Every problem goes to the rollout engine in one ``generate`` call (``batch_size`` caps it):
+vLLM schedules the whole set itself, the hf engine decodes it as one padded batch.
+
+Two hooks choose what is scored (for tasks other than answer matching, e.g. code tests):
+``reward_fn(prompts, completions, **row_fields) -> list[float]`` (a completion is correct when
+its reward is > 0.5; default :func:`~policygrad.rewards.verifiers.answer_correctness`) and
+``answer_fn(completion) -> str | None`` (the answer that maj@k votes on; default
+:func:`~policygrad.rewards.verifiers.extract_answer`; None reports no maj@k).
+"""
 
 from __future__ import annotations
 
@@ -7,14 +18,28 @@ import json
 import math
 import os
 import time
+from collections import Counter
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from policygrad.data.chat import encode_prompts
-from policygrad.rewards.verifiers import answer_correctness
+from policygrad.rewards.registry import row_fields_from_rows
+from policygrad.rewards.verifiers import answer_correctness, extract_answer
 
-__all__ = ["decode_completions", "evaluate_model", "greedy_eval", "pass_at_k", "write_jsonl"]
+__all__ = [
+    "decode_completions",
+    "evaluate",
+    "evaluate_model",
+    "greedy_eval",
+    "majority_at_k",
+    "pass_at_k",
+    "write_jsonl",
+]
+
+RewardFn = Callable[..., Sequence[float]]
+AnswerFn = Callable[[str], "str | None"]
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -33,6 +58,37 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def majority_at_k(answers: Sequence[str | None], correct: Sequence[bool], k: int) -> float:
+    """maj@k of one problem from n >= k samples: the mean, over the n // k disjoint blocks of k
+    consecutive samples (each an independent draw of k samples), of whether the block's most
+    frequent answer is correct. A tie goes to the answer seen first; samples without an answer
+    do not vote; a block where none answers counts as wrong.
+
+    Args:
+        answers: the n extracted answers (None: no answer).
+        correct: the n verdicts; samples with the same answer share it.
+
+    Raises:
+        ValueError: k < 1 or k > n, or the lengths differ.
+    """
+    n = len(answers)
+    if len(correct) != n:
+        raise ValueError(f"{n} answers but {len(correct)} verdicts")
+    if not 1 <= k <= n:
+        raise ValueError(f"k={k} must be in 1 .. n={n}")
+    blocks = n // k
+    hits = 0
+    for b in range(blocks):
+        votes = [(a, ok) for a, ok in zip(answers[b * k : (b + 1) * k], correct[b * k : (b + 1) * k])]
+        counts = Counter(a for a, _ in votes if a is not None)
+        if not counts:
+            continue
+        best = max(counts.values())
+        winner = next(a for a, _ in votes if a is not None and counts[a] == best)
+        hits += next(ok for a, ok in votes if a == winner)
+    return hits / blocks
+
+
 def decode_completions(tokenizer, rollout) -> list[str]:
     """Completion strings of a rollout: valid response tokens only, special tokens dropped."""
     ids = rollout.response_ids.masked_fill(rollout.response_mask == 0, tokenizer.pad_token_id)
@@ -46,50 +102,136 @@ def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
             f.write(json.dumps(rec) + "\n")
 
 
+def _complete(
+    engine, tokenizer, rows, *, data, n: int, greedy: bool, temperature: float, max_new_tokens: int,
+    batch_size: int | None, seed: int,
+) -> list[str]:
+    """n completions per row (rows' completions contiguous), ``batch_size`` rows per call (None: all)."""
+    prompt_ids = encode_prompts(tokenizer, rows, data)
+    step = batch_size or max(len(rows), 1)
+    out: list[str] = []
+    for start in range(0, len(rows), step):
+        rollout = engine.generate(
+            prompt_ids[start : start + step],
+            group_size=n,
+            max_new_tokens=max_new_tokens,
+            greedy=greedy,
+            temperature=1.0 if greedy else temperature,
+            top_p=1.0,
+            top_k=0,
+            generator_seed=None if greedy else seed * 1_000_003 + start,
+        )
+        out += decode_completions(tokenizer, rollout)
+    return out
+
+
+def _score(reward_fn: RewardFn, rows, completions: list[str], repeat: int) -> list[float]:
+    prompts = [r["prompt"] for r in rows for _ in range(repeat)]
+    return [float(x) for x in reward_fn(prompts, completions, **row_fields_from_rows(rows, repeat=repeat))]
+
+
 @torch.inference_mode()
 def greedy_eval(
-    engine, tokenizer, rows: list[dict[str, Any]], *, data, max_new_tokens: int, batch_size: int = 64
+    engine,
+    tokenizer,
+    rows: list[dict[str, Any]],
+    *,
+    data,
+    max_new_tokens: int,
+    batch_size: int | None = None,
+    reward_fn: RewardFn | None = None,
 ) -> list[dict[str, Any]]:
-    """Greedy completions of held-out rows, judged by the answer-correctness verifier.
+    """Greedy completions of held-out rows, scored by ``reward_fn`` (default: answer correctness).
 
     Args:
         engine: a rollout engine (``generate(..., greedy=True)``).
         tokenizer: the policy's tokenizer.
-        rows: dataset rows with ``prompt`` and ``answer``.
+        rows: dataset rows with ``prompt`` (and the fields ``reward_fn`` reads, ``answer``).
         data: the data section (prompt formatting: system prompt, chat template, prompt length).
         max_new_tokens: the most tokens per completion.
-        batch_size: prompts per ``generate`` call.
+        batch_size: prompts per ``generate`` call (None: all in one).
 
     Returns:
-        one record per row: ``{"prompt", "answer", "completion", "reward"}`` (reward 1.0 or 0.0);
-        the accuracy is the mean reward.
+        one record per row: ``{"prompt", "answer", "completion", "reward"}``; the accuracy is the
+        fraction of rewards > 0.5.
     """
-    records = []
-    for start in range(0, len(rows), batch_size):
-        chunk = rows[start : start + batch_size]
-        rollout = engine.generate(
-            encode_prompts(tokenizer, chunk, data),
-            group_size=1,
-            max_new_tokens=max_new_tokens,
-            greedy=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-        )
-        completions = decode_completions(tokenizer, rollout)
-        rewards = answer_correctness(
-            [r["prompt"] for r in chunk], completions, answer=[r["answer"] for r in chunk]
-        )
-        for row, completion, reward in zip(chunk, completions, rewards):
-            records.append(
-                {
-                    "prompt": row["prompt"],
-                    "answer": row["answer"],
-                    "completion": completion,
-                    "reward": float(reward),
-                }
-            )
-    return records
+    reward_fn = reward_fn or answer_correctness
+    completions = _complete(
+        engine, tokenizer, rows, data=data, n=1, greedy=True, temperature=1.0,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=0,
+    )
+    rewards = _score(reward_fn, rows, completions, 1) if rows else []
+    return [
+        {"prompt": row["prompt"], "answer": row.get("answer"), "completion": c, "reward": r}
+        for row, c, r in zip(rows, completions, rewards)
+    ]
+
+
+@torch.inference_mode()
+def evaluate(
+    engine,
+    tokenizer,
+    rows: list[dict[str, Any]],
+    *,
+    data,
+    max_new_tokens: int,
+    samples: int = 0,
+    ks: Sequence[int] = (),
+    temperature: float = 1.0,
+    batch_size: int | None = None,
+    seed: int = 0,
+    reward_fn: RewardFn | None = None,
+    answer_fn: AnswerFn | None = extract_answer,
+) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    """Greedy accuracy and, with ``samples`` = n >= 2, pass@k and maj@k for each k in ``ks``.
+
+    Args:
+        engine, tokenizer, rows, data, max_new_tokens, batch_size: as :func:`greedy_eval`.
+        samples: n sampled completions per row at ``temperature`` (0 or 1: greedy only).
+        ks: the k of pass@k / maj@k, each in 1 .. n (default [1, n]).
+        seed: the sampling seed (per ``generate`` call, so the global RNG is untouched).
+        reward_fn, answer_fn: the hooks of the module docstring.
+
+    Returns:
+        ``(metrics, records)``: metrics ``accuracy``, ``pass@k`` and ``maj@k`` (floats in [0, 1]);
+        one record per row (:func:`greedy_eval`'s, plus ``samples``: each sample's completion,
+        reward and answer).
+
+    Raises:
+        ValueError: a k outside 1 .. n.
+    """
+    reward_fn = reward_fn or answer_correctness
+    records = greedy_eval(
+        engine, tokenizer, rows, data=data, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        reward_fn=reward_fn,
+    )
+    metrics = {"accuracy": sum(r["reward"] > 0.5 for r in records) / max(len(records), 1)}
+    if samples < 2 or not rows:
+        return metrics, records
+    ks = sorted(set(ks)) if ks else [1, samples]
+    for k in ks:
+        if not 1 <= k <= samples:
+            raise ValueError(f"--k {k}: each k must be in 1 .. --samples {samples}")
+    texts = _complete(
+        engine, tokenizer, rows, data=data, n=samples, greedy=False, temperature=temperature,
+        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
+    )
+    rewards = _score(reward_fn, rows, texts, samples)
+    sums = dict.fromkeys([f"pass@{k}" for k in ks] + ([f"maj@{k}" for k in ks] if answer_fn else []), 0.0)
+    for i, rec in enumerate(records):
+        mine = slice(i * samples, (i + 1) * samples)
+        correct = [x > 0.5 for x in rewards[mine]]
+        answers = [answer_fn(t) for t in texts[mine]] if answer_fn else [None] * samples
+        for k in ks:
+            sums[f"pass@{k}"] += pass_at_k(samples, sum(correct), k)
+            if answer_fn:
+                sums[f"maj@{k}"] += majority_at_k(answers, correct, k)
+        rec["samples"] = [
+            {"completion": t, "reward": x, "answer": a}
+            for t, x, a in zip(texts[mine], rewards[mine], answers)
+        ]
+    metrics.update({name: total / len(records) for name, total in sums.items()})
+    return metrics, records
 
 
 def evaluate_model(
@@ -98,71 +240,83 @@ def evaluate_model(
     *,
     limit: int,
     samples: int = 1,
+    ks: Sequence[int] = (),
     temperature: float = 1.0,
     max_new_tokens: int = 256,
-    batch_size: int = 32,
+    batch_size: int | None = None,
     output: str | None = None,
     seed: int = 0,
+    engine: str = "auto",
+    adapter: str | None = None,
+    rollout: dict[str, Any] | None = None,
+    reward_fn: RewardFn | None = None,
+    answer_fn: AnswerFn | None = extract_answer,
 ) -> dict[str, Any]:
-    """Greedy accuracy (answer-correctness verifier) on the first ``limit`` items of
-    ``data.eval_dataset`` (all of them when it has fewer) and, with ``samples`` = k > 1, pass@k
-    from k samples at ``temperature``. Every completion and its reward go to a JSONL file.
+    """``policygrad eval``: :func:`evaluate` on the first ``limit`` rows of ``data.eval_dataset``
+    (all of them when it has fewer), with the rollout engine built as a training run builds it.
 
-    Returns a dict with ``accuracy``, ``pass@k`` (when k > 1), ``n``, ``output`` and timings.
+    Args:
+        model: ``model.name`` (a full model or a LoRA adapter folder, see
+            :mod:`policygrad.models.adapters`); ``adapter``: ``model.adapter``.
+        data: a :class:`~policygrad.trainer.config.DataConfig` (``eval_dataset``, its split and
+            field mapping).
+        engine: ``auto`` (vLLM when installed), ``hf`` or ``vllm``; ``rollout``: other
+            ``rollout.*`` fields (e.g. ``vllm_kv_cache_gb``).
+        samples, ks, temperature, batch_size, seed, reward_fn, answer_fn: as :func:`evaluate`.
+        output: JSONL of every completion and its reward (default ``eval-<dataset>.jsonl``).
+
+    Returns:
+        ``{"model", "dataset", "engine", "n", "accuracy", "pass@k"..., "maj@k"..., "output",
+        "seconds" (generation and scoring), "load_seconds" (model and engine)}``.
+
+    Raises:
+        ConfigError: a bad engine or rollout field. ValueError / OSError / FileNotFoundError:
+            a bad model, adapter or dataset, named.
     """
     from policygrad.data.sources import build_eval_rows
-    from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer, resolve_model_path
-    from policygrad.rollout.hf import HFRolloutEngine
+    from policygrad.trainer import build
+    from policygrad.trainer.config import ModelConfig, RolloutConfig, TrainConfig
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
+    t_load = time.perf_counter()
     rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
-    path = resolve_model_path(model)
-    tokenizer = load_tokenizer(path)
-    policy = load_causal_lm(path, dtype="float32", trainable=False)
-    engine = HFRolloutEngine(policy, tokenizer, eos_token_ids(tokenizer, policy))
-    torch.manual_seed(seed)
-    t0 = time.perf_counter()
-    records = greedy_eval(
-        engine, tokenizer, rows, data=data, max_new_tokens=max_new_tokens, batch_size=batch_size
+    cfg = TrainConfig(
+        seed=seed,
+        model=ModelConfig(name=model, adapter=adapter),
+        data=data,
+        rollout=RolloutConfig(engine=engine, max_new_tokens=max_new_tokens, **(rollout or {})),
     )
-    pass_values = []
-    if samples > 1:
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            sampled = engine.generate(
-                encode_prompts(tokenizer, chunk, data),
-                group_size=samples,
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                top_p=1.0,
-                top_k=0,
-            )
-            texts = decode_completions(tokenizer, sampled)
-            rewards = answer_correctness(
-                [r["prompt"] for r in chunk for _ in range(samples)],
-                texts,
-                answer=[r["answer"] for r in chunk for _ in range(samples)],
-            )
-            for i, rec in enumerate(records[start : start + len(chunk)]):
-                mine = [float(x) for x in rewards[i * samples : (i + 1) * samples]]
-                pass_values.append(pass_at_k(samples, sum(1 for x in mine if x > 0.5), samples))
-                rec["samples"] = [
-                    {"completion": t, "reward": x}
-                    for t, x in zip(texts[i * samples : (i + 1) * samples], mine)
-                ]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = build.resolve_dtype(cfg.model.dtype, device)
+    models = build.load_eval_models(cfg, device=device, dtype=dtype)
+    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
+    try:
+        if models.weights_differ_from_path:
+            gen.sync_weights(models.policy)  # an engine with its own weights loaded the base
+        load_seconds = time.perf_counter() - t_load
+        t0 = time.perf_counter()
+        metrics, records = evaluate(
+            gen, models.tokenizer, rows, data=data, max_new_tokens=max_new_tokens,
+            samples=samples, ks=ks, temperature=temperature, batch_size=batch_size, seed=seed,
+            reward_fn=reward_fn, answer_fn=answer_fn,
+        )
+        seconds = time.perf_counter() - t0
+    finally:
+        close = getattr(gen, "close", None)
+        if callable(close):
+            close()
     if output is None:
         stem = os.path.splitext(os.path.basename(data.eval_dataset or "builtin"))[0].replace(":", "-")
         output = f"eval-{stem}.jsonl"
     write_jsonl(output, records)
-    result: dict[str, Any] = {
+    return {
         "model": model,
         "dataset": data.eval_dataset,
+        "engine": name,
         "n": len(records),
-        "accuracy": sum(1 for r in records if r["reward"] > 0.5) / max(len(records), 1),
+        **metrics,
         "output": output,
-        "seconds": round(time.perf_counter() - t0, 1),
+        "seconds": round(seconds, 1),
+        "load_seconds": round(load_seconds, 1),
     }
-    if samples > 1:
-        result[f"pass@{samples}"] = sum(pass_values) / len(pass_values)
-    return result

@@ -24,14 +24,11 @@ resolves registered parts, and each declares what it needs.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 import time
 from typing import Any
 
 import torch
-import yaml
 
 from policygrad.core.advantages import get_advantage_estimator, monte_carlo_returns
 from policygrad.core.kl import kl_estimate
@@ -40,25 +37,24 @@ from policygrad.data.chat import encode_prompts
 from policygrad.data.sources import build_eval_rows, build_train_source
 from policygrad.data.stream import PromptStream
 from policygrad.models.forward import inference_logprobs
+from policygrad.rewards.callables import describe_object
+from policygrad.rewards.code import TaskReward
 from policygrad.rollout.base import prompt_seed
-from policygrad.trainer import build
+from policygrad.trainer import build, rundir
 from policygrad.trainer.checkpoint import (
-    checkpoint_path,
-    latest_checkpoint,
-    load_trainer_state,
-    prepare_new_run_dir,
     restore_trainer_state,
-    save_checkpoint,
-    trainer_state,
 )
-from policygrad.trainer.config import ConfigError, TrainConfig
-from policygrad.trainer.distributed import Dist, NullLogger
+from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import TrainingError
-from policygrad.trainer.evaluate import decode_completions, greedy_eval, write_jsonl
+from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.experience import Experience
-from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
+from policygrad.trainer.health import UpdateWatch, check_finite_weights
+from policygrad.trainer.lifecycle import RunLifecycle
+from policygrad.trainer.logging import peak_rss_gb
 from policygrad.trainer.metrics import batch_metrics, critic_metrics, mismatch_metrics
 from policygrad.trainer.precision import apply_precision, resolve_precision
+from policygrad.trainer.resume import set_base_lr
 from policygrad.trainer.runtime import release_free_memory, synced_clock
 from policygrad.trainer.stages import (
     ESTIMATOR_INPUTS,
@@ -73,24 +69,58 @@ __all__ = ["Trainer", "TrainingError"]
 log = logging.getLogger("policygrad")
 
 
-class Trainer:
+class Trainer(RunLifecycle):
     """Runs a :class:`TrainConfig`: builds the models, data and rewards, then trains.
 
     Args:
         config: the validated run configuration.
-        resume_from: a run directory to resume from (its latest checkpoint), or None.
+        resume_from: a run directory to resume from (its newest complete checkpoint), or None;
+            it must be ``config.output_dir``.
         engine: a rollout engine to use instead of the one ``rollout.engine`` names.
+        model, tokenizer: a loaded transformers model (or peft model: its adapter trains) to
+            train in place instead of ``model.name`` (see :func:`policygrad.trainer.build.adopt_model`).
+        reward_functions: reward functions as objects (callables, sync or async, or specs)
+            instead of ``reward.functions``; the config records each by its import path
+            (``module:qualname``) or ``<callable NAME (not importable)>``.
+        train_source: the training prompts as an object with ``train_row(i)`` (e.g. a
+            :class:`~policygrad.data.sources.PromptDataset`) instead of ``data.dataset``.
+        eval_rows: held-out rows (dicts with ``prompt`` and ``answer``) instead of ``data.eval_dataset``.
 
     Seams (attributes a caller may replace): ``engine``, ``scorer`` (rewards ->
     :class:`~policygrad.rewards.scoring.Scores`), ``estimator`` (the registered advantage
     estimator), ``kl`` (the KL placement), ``objective`` and ``policy_step.forward``.
 
+    Nothing is written until every check has passed and every part is built; then the run
+    directory is locked (:mod:`policygrad.trainer.rundir`) until :meth:`train` returns or
+    :meth:`close` is called.
+
     Raises:
-        ConfigError / ValueError: bad configuration or data, with the field named.
-        TrainingError: ``resume_from`` has no usable checkpoint.
+        ConfigError / ValueError: bad configuration or data (a prompt of the first batch too long
+            for ``data.max_prompt_length`` or the model's context, non-finite model weights), a
+            folder that holds a run without ``overwrite``, options that cannot change on resume;
+            the field is named.
+        TrainingError: another run owns the folder; ``resume_from`` has no complete checkpoint.
+        CheckpointError: the checkpoint to resume from is corrupt or not a policygrad one.
     """
 
-    def __init__(self, config: TrainConfig, *, resume_from: str | None = None, engine=None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        resume_from: str | None = None,
+        engine=None,
+        model=None,
+        tokenizer=None,
+        reward_functions: list | None = None,
+        train_source=None,
+        eval_rows: list[dict[str, Any]] | None = None,
+    ):
+        reward_objects = None
+        if reward_functions is not None:  # the config records them; importable ones by their path
+            recorded = [describe_object(f) for f in reward_functions]
+            reward_objects = [f if r.startswith("<") else r for f, r in zip(reward_functions, recorded)]
+            reward = dataclasses.replace(config.reward, functions=recorded)
+            config = dataclasses.replace(config, reward=reward)
         self.config = cfg = config
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
@@ -101,24 +131,28 @@ class Trainer:
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
         self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
         self.run_dir = cfg.output_dir
-        if resume_from is None and self.dist.is_main:
-            prepare_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
-        self.dist.barrier()
-        try:
-            os.makedirs(self.run_dir, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(
-                f"output_dir={self.run_dir!r} cannot be created ({e}); choose another folder"
-            ) from None
-        ckpt = latest_checkpoint(resume_from) if resume_from else None
-        if resume_from and ckpt is None:
-            raise TrainingError(
-                f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
-            )
-        trained = self.precision.param_dtype  # float32 master weights unless bf16-pure
+        self._lock: rundir.RunLock | None = None
+        self.scorer = None
+        # 1. Read-only checks of the run directory (and the checkpoint to resume from): nothing
+        # is written until every check has passed and every part is built (step 3).
+        ckpt, state, changes = None, None, {}
+        if resume_from is None:
+            rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
+        else:
+            ckpt, state, changes = self._check_resume(resume_from)
+        self.dist.barrier()  # every rank has checked before rank 0 may write (step 3)
+        # 2. Build every part (models, engine, data, rewards, optimizers).
         m = build.build_models(
-            cfg, device=self.device, dtype=self.dtype, policy_dtype=trained, checkpoint=ckpt
+            cfg,
+            device=self.device,
+            dtype=self.dtype,
+            checkpoint=ckpt,
+            model=model,
+            tokenizer=tokenizer,
+            run_dir=self.run_dir,
+            policy_dtype=self.precision.param_dtype,  # float32 master weights unless bf16-pure
         )
+        self.policy_as_reference = m.policy_as_reference
         self.model_path, self.tokenizer, self.policy, self.reference = (
             m.model_path,
             m.tokenizer,
@@ -128,13 +162,24 @@ class Trainer:
         self.engine, self.engine_name = (
             (engine, type(engine).__name__) if engine else build.build_engine(cfg, m, dtype=self.dtype)
         )
-        if ckpt is not None or cfg.model.lora.rank > 0:
+        if ckpt is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
             self.engine.sync_weights(self.policy)  # a separate engine loaded the base weights
-        self.stream = PromptStream(build_train_source(cfg.data, seed=cfg.seed))
-        self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
-        self.scorer = build.build_scorer(cfg, device=self.device, dtype=self.dtype)
+        if train_source is None:
+            train_source = build_train_source(cfg.data, seed=cfg.seed)
+        self.stream = PromptStream(train_source)
+        if eval_rows is not None:
+            self.eval_rows = list(eval_rows)[: cfg.data.eval_size]
+        else:
+            self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
+        # The rows' own verifier: code_tests (in the run's reward.code sandbox) on code rows.
+        self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
+        self.scorer = build.build_scorer(cfg, device=self.device, dtype=self.dtype, functions=reward_objects)
         self.critic_trainer = build.build_critic(
-            cfg, model_path=self.model_path, device=self.device, dtype=trained, checkpoint=ckpt
+            cfg,
+            model_path=self.model_path,
+            device=self.device,
+            dtype=self.precision.param_dtype,
+            checkpoint=ckpt,
         )
         self.critic = self.critic_trainer.critic if self.critic_trainer else None
         self.ptx_data = build.build_ptx(cfg, self.tokenizer)
@@ -150,20 +195,23 @@ class Trainer:
         self.kl_ctl = build.build_kl_controller(cfg)
         apply_precision(self, self.precision)  # forwards under autocast; parameters stay float32
         self.dist.attach(self)  # data-parallel: gradient sums and batch statistics over ranks
+        self.watch = UpdateWatch(cfg)
         self.step_idx = 0
+        self._saved_step: int | None = None  # the step of the newest checkpoint on disk
         self.last_samples: list[dict[str, Any]] = []  # the last step's completions, for display
         if ckpt is not None:
-            restore_trainer_state(self, load_trainer_state(ckpt), ckpt)
-        elif self.dist.is_main:
-            with open(os.path.join(self.run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-                yaml.safe_dump(cfg.to_dict(), f, sort_keys=False)
-        self.logger = MetricsLogger(
-            self.run_dir,
-            tensorboard=cfg.tensorboard,
-            truncate_after_step=self.step_idx if ckpt is not None else None,
-        ) if self.dist.is_main else NullLogger()  # rank 0 writes the run's files
-        if ckpt is None and os.path.exists(self.logger.path):
-            os.remove(self.logger.path)  # a new run in an old directory starts a fresh file
+            restore_trainer_state(self, state, ckpt)
+            self._saved_step = self.step_idx
+            if "optim.lr" in changes:
+                set_base_lr(self.optimizer, self.scheduler, cfg.optim.lr)
+        check_finite_weights(self.policy, f"model.name={cfg.model.name!r}" if ckpt is None else ckpt)
+        self._check_prompts()
+        # 3. Take the run directory: lock it, then write (or, on resume, update) the run's files.
+        try:
+            self._take_run_dir(resume_from, changes)
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -322,7 +370,8 @@ class Trainer:
         }
         if self.reference is not None:
             return inference_logprobs(self.reference, rollout, **kwargs)
-        with self.policy.disable_adapter():  # LoRA: the base weights are the reference
+        # LoRA: the base weights (disable_adapter), or the adapter the run started from
+        with self.policy_as_reference():
             return inference_logprobs(self.policy, rollout, **kwargs)
 
     def old_logprobs(self, rollout) -> torch.Tensor:
@@ -429,104 +478,5 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------------------------------
-    def evaluate(self, rows: list[dict[str, Any]] | None = None, *, batch_size: int = 64, tag: str = "eval"):
-        """Greedy accuracy on held-out rows, judged by the answer-correctness verifier.
-
-        Returns ``(accuracy, records)``; records (prompt, completion, answer, reward) are also
-        written to ``RUN_DIR/<tag>.jsonl``."""
-        rows = self.eval_rows if rows is None else rows
-        if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
-            return float("nan"), []
-        records = greedy_eval(
-            self.engine,
-            self.tokenizer,
-            rows,
-            data=self.config.data,
-            max_new_tokens=self.config.rollout.max_new_tokens,
-            batch_size=batch_size,
-        )
-        accuracy = sum(r["reward"] for r in records) / len(records)
-        write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), records)
-        return accuracy, records
-
-    def train(self) -> dict[str, Any]:
-        """Run ``config.steps`` steps (or until ``max_minutes``), with held-out evaluation before
-        and after. Returns a summary that is also written to ``RUN_DIR/summary.json``."""
-        from tqdm import tqdm
-
-        cfg = self.config
-        start = time.perf_counter()
-        summary: dict[str, Any] = {"run_dir": self.run_dir, "rollout_engine": self.engine_name}
-        if cfg.eval_before and self.eval_rows and self.step_idx == 0:
-            acc, _ = self.evaluate(tag="eval_before")
-            summary["accuracy_before"] = acc
-            self.logger.log(0, {"eval/accuracy": acc})
-            log.info("held-out greedy accuracy before training: %.3f (%d problems)", acc, len(self.eval_rows))
-        bar = tqdm(
-            total=cfg.steps,
-            initial=self.step_idx,
-            disable=not cfg.progress or not self.dist.is_main,
-            desc="train",
-            dynamic_ncols=True,
-        )
-        stopped_early = False
-        while self.step_idx < cfg.steps:
-            if cfg.max_minutes is not None and (time.perf_counter() - start) / 60 > cfg.max_minutes:
-                stopped_early = True
-                break
-            metrics = self.step()
-            if cfg.eval_every and self.step_idx % cfg.eval_every == 0 and self.step_idx < cfg.steps:
-                metrics["eval/accuracy"], _ = self.evaluate(tag=f"eval_step{self.step_idx}")
-            self.logger.log(self.step_idx, metrics)
-            bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward/mean']:.3f}",
-                len=f"{metrics['response/length_mean']:.0f}",
-                s=f"{metrics['time/step_s']:.1f}",
-            )
-            if cfg.log_completions and self.step_idx % 10 == 1:
-                for sample in self.last_samples[: cfg.log_completions]:
-                    text = sample["completion"][:120]
-                    bar.write(f"  [step {self.step_idx}] reward={sample['reward']:.2f} {text!r}")
-            if cfg.save_every and self.step_idx % cfg.save_every == 0:
-                self.save_checkpoint()
-        bar.close()
-        summary["steps"] = self.step_idx
-        summary["stopped_by_max_minutes"] = stopped_early
-        summary["train_minutes"] = (time.perf_counter() - start) / 60
-        if cfg.eval_after and self.eval_rows:
-            acc, _ = self.evaluate(tag="eval_after")
-            summary["accuracy_after"] = acc
-            self.logger.log(self.step_idx, {"eval/accuracy": acc})
-            log.info("held-out greedy accuracy after training:  %.3f (%d problems)", acc, len(self.eval_rows))
-            if "accuracy_before" in summary:
-                summary["accuracy_gain"] = acc - summary["accuracy_before"]
-                log.info("change: %+.3f", summary["accuracy_gain"])
-        summary["wall_minutes"] = (time.perf_counter() - start) / 60
-        summary["peak_rss_gb"] = peak_rss_gb()
-        if not cfg.save_every or self.step_idx % cfg.save_every:
-            self.save_checkpoint()
-        if self.dist.is_main:
-            with open(os.path.join(self.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-                json.dump(summary, f, indent=2)
-        self.logger.close()
-        return summary
-
-    def close(self) -> None:
-        """Shut down the rollout engine (vLLM holds its own weights, KV cache and process state)
-        and flush the metrics log. The trainer cannot generate afterwards."""
-        close = getattr(self.engine, "close", None)
-        if callable(close):
-            close()
-        self.logger.close()
 
     # ------------------------------------------------------------------------------------------
-    def save_checkpoint(self) -> str:
-        """Write ``RUN_DIR/checkpoints/step_N`` (see :mod:`policygrad.trainer.checkpoint`); rank 0
-        only (every rank holds the same full weights and state)."""
-        path = checkpoint_path(self.run_dir, self.step_idx)
-        if not self.dist.is_main:
-            return path
-        return save_checkpoint(
-            path, policy=self.policy, tokenizer=self.tokenizer, state=trainer_state(self), critic=self.critic
-        )

@@ -3,8 +3,11 @@ functions here compute the step's metrics from the step's records.
 
 Names follow the field's terms (``reward/mean``, ``kl/ref``, ``policy/clipfrac``,
 ``policy/approx_kl``, ``critic/explained_variance``, ``time/generation_s``). A name with ``<fn>``
-stands for each reward function's component name. The README's metric list is checked against
-this table by a test.
+stands for each reward function's component name, ``<k>`` for a number. The README's metric list
+is checked against this table by a test.
+
+Trackers (``report_to``) get the same names through :func:`tracker_metric_name`, the one place
+that maps a name to what a tracker accepts.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from policygrad.core.diagnostics import explained_variance
 from policygrad.core.groups import zero_variance_group_fraction
 from policygrad.core.masking import masked_mean
 
-__all__ = ["METRICS", "batch_metrics", "critic_metrics", "is_known_metric", "mismatch_metrics"]
+__all__ = [
+    "METRICS",
+    "batch_metrics",
+    "critic_metrics",
+    "is_known_metric",
+    "mismatch_metrics",
+    "tracker_metric_name",
+]
 
 METRICS: dict[str, str] = {
     # rewards
@@ -84,6 +94,10 @@ METRICS: dict[str, str] = {
     "mismatch/is_capped_frac": "fraction of tokens whose importance ratio exceeded rollout.is_cap",
     # evaluation
     "eval/accuracy": "greedy held-out accuracy (answer correctness)",
+    "eval/pass@<k>": "held-out pass@k from eval_samples samples per problem (unbiased estimator)",
+    "eval/maj@<k>": "held-out maj@k: the majority answer of k samples is correct",
+    # resume
+    "config/<field>": "an option changed on resume (optim.lr, ...): its new value, at the step resumed from",
     # time, throughput, memory (volatile: they differ between identical runs)
     "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline)",
     "time/ref_logprobs_s": "seconds of the reference log-prob pass (0: not needed)",
@@ -99,17 +113,45 @@ METRICS: dict[str, str] = {
     "memory/peak_cuda_gb": "peak CUDA memory allocated, GB",
 }
 
-# A component is named by its spec, which may be a file path: ``<fn>`` matches any text.
+# A component is named by its spec, which may be a file path: ``<fn>`` matches any text; ``<k>``
+# a number; ``<field>`` a dotted config field.
 _PATTERNS = [
-    re.compile("^" + re.escape(name).replace(re.escape("<fn>"), ".+") + "$")
+    re.compile(
+        "^" + re.escape(name).replace(re.escape("<fn>"), ".+").replace(re.escape("<k>"), "[0-9]+")
+        .replace(re.escape("<field>"), ".+")
+        + "$"
+    )
     for name in METRICS
-    if "<fn>" in name
+    if "<fn>" in name or "<k>" in name or "<field>" in name
 ]
 
 
 def is_known_metric(name: str) -> bool:
-    """True when ``name`` is in :data:`METRICS` (a ``<fn>`` entry matching any component name)."""
+    """True when ``name`` is in :data:`METRICS` (a ``<fn>`` entry matching any component name,
+    ``<k>`` any number)."""
     return name in METRICS or any(p.match(name) for p in _PATTERNS)
+
+
+# MLflow accepts only these characters in a metric name; the others become "_" ("eval/pass@8" ->
+# "eval/pass_8", a reward component "/x/rewards.py:f" -> "x/rewards.py_f"). TensorBoard, W&B and
+# trackio take any name; "/" groups the charts of a section in each of them.
+_MLFLOW_UNSAFE = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def _mlflow_name(name: str) -> str:
+    # MLflow also refuses a name that is not its own normal path: no empty, "." or ".." segment.
+    parts = [p if p != ".." else "__" for p in _MLFLOW_UNSAFE.sub("_", name).split("/") if p not in ("", ".")]
+    return "/".join(parts)
+
+
+_TRACKER_NAMES = {"mlflow": _mlflow_name}
+
+
+def tracker_metric_name(tracker: str, name: str) -> str:
+    """The name under which ``tracker`` (``tensorboard``, ``wandb``, ``mlflow``, ``trackio``)
+    records the metric ``name``."""
+    convert = _TRACKER_NAMES.get(tracker)
+    return convert(name) if convert else name
 
 
 def mismatch_metrics(logprobs, rows, rollout, response_mask: torch.Tensor) -> dict[str, float]:

@@ -8,6 +8,7 @@ import textwrap
 import pytest
 import torch
 
+from policygrad.rewards.code import code_tests
 from policygrad.rewards.registry import (
     BUILTIN_REWARDS,
     CompositeReward,
@@ -43,6 +44,7 @@ def test_builtin_names():
         "answer_correctness": answer_correctness,
         "answer_format": answer_format,
         "length_penalty": length_penalty,
+        "code_tests": code_tests,
     }
     assert load_reward_function("answer_format") is answer_format
     assert load_reward_function(answer_format) is answer_format  # a callable passes through

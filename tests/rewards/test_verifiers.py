@@ -196,3 +196,66 @@ def test_length_penalty_chars_default_buffer_and_hard_cut():
 def test_length_penalty_bad_options(kwargs, message):
     with pytest.raises(ValueError, match=message):
         length_penalty(["p"], ["x"], **kwargs)
+
+
+# ------------------------------------------------------------------ hostile and non-numeric answers
+
+
+def _best_time(fn, text: str, repeats: int = 3) -> float:
+    import time
+
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(text)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@pytest.mark.parametrize(
+    "unit",
+    ["\\boxed{", "{\\boxed{", "}\\boxed{", "#### \\boxed{1", "1,", "1 "],
+)
+def test_answer_extraction_is_linear_time(unit):
+    # Ten times the input may take about ten times as long, never a hundred (a quadratic scan:
+    # 4,000 repeated "\boxed{" took 6.9 s). The bound leaves room for a busy machine's noise.
+    def both(text):
+        extract_answer(text)
+        answer_format(["p"], [text])
+        answer_correctness(["p"], [text], answer=["red"])
+
+    small, large = unit * 2_000, unit * 20_000
+    both(small)  # warm the regex caches
+    ratio = _best_time(both, large) / max(_best_time(both, small), 1e-4)
+    assert ratio < 40, f"{unit!r}: 10x the input took {ratio:.0f}x as long"
+
+
+def test_unbalanced_boxed_falls_back_to_an_earlier_balanced_one():
+    assert extract_answer("\\boxed{1} then \\boxed{2") == "1"
+    assert extract_answer("a } b \\boxed{3}") == "3"
+    assert extract_answer("\\boxed{x{y}") is None  # never closed: no boxed answer, no number
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("red", "red", 1.0),
+        ("Red.", "red", 1.0),  # case and a closing period
+        ("  **RED**  \n", "red", 1.0),  # markdown and whitespace around the final line
+        ("I think it is blue.\nred", "red", 1.0),  # the final line decides
+        ("red\nor maybe blue", "red", 0.0),  # the final line is not the answer
+        ("The answer is red.", "red", 0.0),  # a sentence is not the answer line
+        ("reddish", "red", 0.0),  # exact, not a prefix
+        ("Paris, France", "paris, france", 1.0),  # inner punctuation kept
+        ("", "red", 0.0),
+        ("7", "seven", 0.0),
+    ],
+)
+def test_non_numeric_reference_matches_the_final_answer_line(completion, answer, expected):
+    assert answer_correctness(["p"], [completion], answer=[answer], use_math_verify=False) == [expected]
+
+
+def test_numeric_reference_ignores_the_final_line_rule():
+    # "5" vs "five": a number is compared exactly as a number, never as text.
+    assert answer_correctness(["p"], ["five"], answer=["5"], use_math_verify=False) == [0.0]
+    assert answer_correctness(["p"], ["so\n5."], answer=["5"], use_math_verify=False) == [1.0]

@@ -493,7 +493,8 @@ def test_nonfinite_loss_is_logged(make_config):
         return loss * float("inf"), metrics
 
     trainer.objective.policy_loss = inf_loss
-    trainer.train()
+    with pytest.raises(TrainingError, match="applied no update in 2 steps: every optimizer step was skipped"):
+        trainer.train()  # a run that trains nothing fails loudly, after logging every step
     rows = _metrics_rows(trainer.run_dir)
     assert [r["optim/skipped_nonfinite"] for r in rows] == [1, 1]
     assert [r["optim/steps"] for r in rows] == [0, 0]

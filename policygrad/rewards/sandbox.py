@@ -1,0 +1,656 @@
+"""An isolated runner for untrusted Python, and a test runner whose verdict the program cannot forge.
+
+Model-generated programs never run in the trainer's process. :class:`Sandbox` starts each one in a
+fresh interpreter (``python -I -S -B``: no ``PYTHON*`` variables, no site packages) running
+:mod:`policygrad.rewards.sandbox_worker`, in its own session, with an empty environment (only
+``PATH`` and ``LANG``), and kills its whole process tree when it ends.
+
+Isolation (``isolation``; the run logs which one is in force when the sandbox is built):
+
+* ``bwrap``: bubblewrap (the Debian/Ubuntu package ``bubblewrap``) builds new PID, network, IPC
+  and UTS namespaces (and a user namespace when not root) and a minimal read-only root.
+* ``namespaces``: the same with the kernel's namespaces directly (``unshare(2)``, needs root or
+  unprivileged user namespaces): the worker becomes PID 1 of a new PID namespace that dies with
+  its supervisor, builds a root on a tmpfs holding read-only binds of ``/usr``, ``/lib*``,
+  ``/bin``, ``/sbin`` and the interpreter's prefix, ``/dev/{null,zero,full,random,urandom}``, a
+  fresh ``/proc`` and one writable tmpfs ``/sandbox`` (also ``/tmp``) of ``max_write_bytes``, and
+  ``pivot_root``\\ s into it. No network device but a down loopback exists.
+* ``auto`` (the default): ``bwrap`` where the ``bwrap`` binary is found and works, else
+  ``namespaces`` where they work; otherwise code rewards refuse to run (:class:`SandboxUnavailable`).
+* ``none``: a separate process with the limits below and nothing else; the program can read what
+  the trainer's user can read, reach the network and see other processes. Only when set
+  explicitly, with a warning.
+
+In every mode: a fresh unprivileged uid when started as root (``bwrap``/``namespaces``; in a user
+namespace every capability is dropped instead), ``PR_SET_NO_NEW_PRIVS``, and resource limits
+(:class:`SandboxLimits`): wall time (the coordinator kills the process group), CPU time
+(``RLIMIT_CPU``), address space per process (``RLIMIT_AS``), processes (``RLIMIT_NPROC``), bytes
+per written file (``RLIMIT_FSIZE``; with namespaces also the size of the only writable
+filesystem), 256 open files, no core dumps. Output (stdout and stderr together) is read up to
+``max_output_bytes`` and then the pipe is closed: nothing beyond it is buffered; the first 4 KiB
+are kept for diagnostics.
+
+Threat model of :meth:`Sandbox.run_tests` (the verdict of the ``code_tests`` reward). The program
+is an adversary: arbitrary Python with ``ctypes``, ``fork``, threads, signals and syscalls, that
+knows this design. The verdict must depend only on what the program's functions *return* for the
+tests' inputs. So the tests never run in the program's interpreter: two sandboxes start per
+program, the candidate (the program, serving calls to its functions) and the harness (the
+tests: the prompt's helper code, HumanEval's ``check``, assert statements). In the harness the
+program's function names are bound to proxies; a call sends its arguments over a pipe and reads
+the reply, and only plain data crosses in either direction (JSON of None, bool, int, float, str,
+list, tuple, dict, set, frozenset, bytes, complex, checked by exact type; an exception crosses
+as a type name and a message and is re-raised in the harness as that built-in exception, or as
+``CandidateError``). Hence:
+
+* exit statuses, printed text, files and ``atexit`` hooks of the program are never read;
+* ``AssertionError``, built-ins, ``check`` and the harness live in another process the program
+  cannot see (its own PID, mount, IPC and network namespaces): replacing them in its own
+  interpreter, or defining its own ``check``, changes nothing the harness runs;
+* an object with a rigged ``__eq__`` (or any object the program defined) cannot cross: only
+  values of the exact built-in types arrive, so comparisons in the tests are the built-ins';
+* a program that exits, crashes, hangs, forks, floods the pipe or sends malformed replies
+  fails the tests in flight and every later one; a test passes only if it returned normally and
+  the candidate answered every call of it;
+* the harness writes the verdict (one line per test) to a pipe the candidate does not hold; the
+  coordinator counts only explicit passes, so a killed or stalled harness means failure.
+
+Out of scope: a program that special-cases the inputs it is sent (a weak-test problem, not a
+harness problem: the tests' code and expected values never enter the candidate's sandbox, so it
+can only guess them from the prompt); timing side channels; kernel exploits (namespaces are not
+a virtual machine); in ``none`` mode, everything namespaces provide. ``RLIMIT_AS`` is per process,
+so a program can hold at most ``max_processes x memory_bytes`` in total.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+__all__ = [
+    "ISOLATION_MODES",
+    "ProgramResult",
+    "Sandbox",
+    "SandboxError",
+    "SandboxLimits",
+    "SandboxUnavailable",
+    "TestResult",
+    "TestSpec",
+    "available_isolation",
+]
+
+log = logging.getLogger("policygrad")
+
+ISOLATION_MODES = ("auto", "bwrap", "namespaces", "none")
+KEPT_OUTPUT_BYTES = 4096  # the head of a program's output kept in results, for diagnostics
+GRACE_S = 2.0  # the harness's reporting time beyond the program's wall time
+# Both sandboxes must be up within this; the program's wall time starts when they are (so a
+# loaded machine's slow start-up is never counted against a program).
+START_TIMEOUT_S = 60.0
+SETUP_FAILED = 121  # the worker's exit status when the sandbox could not be set up
+_WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+_CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
+# A fresh uid per sandbox when started as root: no other process (and no file) belongs to it, so
+# RLIMIT_NPROC counts only this sandbox's processes and nothing outside can be signalled.
+_UID_RANGE = (1 << 20, 1 << 21)
+# The OS's randomness: never the global generator, which a run seeds (two runs with one seed
+# would share uids) and whose stream the sandbox must not move.
+_UIDS = random.SystemRandom()
+
+_ISOLATED = "pid, net, mount, ipc, uts namespaces, read-only minimal root"
+_PROBE = """
+import json, os, socket
+print(json.dumps({"interfaces": sorted(name for _, name in socket.if_nameindex()),
+                  "uid": os.getuid(), "pid": os.getpid(), "env": sorted(os.environ),
+                  "root": sorted(os.listdir("/"))}))
+"""
+
+
+class SandboxError(OSError):
+    """The sandbox itself failed (it did not start, or its harness broke): not the program's fault.
+    An ``OSError``: the machine refused or could not run a process as asked (the CLI shows it as
+    one ``error:`` line)."""
+
+
+class SandboxUnavailable(SandboxError):
+    """No isolation of the requested kind can be established on this machine."""
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-program limits.
+
+    Attributes:
+        wall_time_s: seconds for the program: for :meth:`Sandbox.run`, from its start; for
+            :meth:`Sandbox.run_tests`, from the moment both sandboxes are up (start-up may take up
+            to 60 s on a loaded machine) to the last test's verdict. Then everything is killed.
+        cpu_time_s: CPU seconds per process (``RLIMIT_CPU``); None: ``wall_time_s``.
+        memory_bytes: address space per process (``RLIMIT_AS``).
+        max_processes: processes and threads of the program (``RLIMIT_NPROC``; with a fresh uid
+            per sandbox, as root, they are the program's own; otherwise the user's processes
+            count too, so in ``none`` mode as a normal user a program may not be able to fork).
+        max_write_bytes: the largest file the program may write (``RLIMIT_FSIZE``) and, with
+            namespaces or bwrap, the size of its only writable filesystem.
+        max_output_bytes: stdout + stderr read before the pipe is closed (the rest is never read).
+    """
+
+    wall_time_s: float = 10.0
+    cpu_time_s: float | None = None
+    memory_bytes: int = 1 << 30
+    max_processes: int = 64
+    max_write_bytes: int = 256 << 20
+    max_output_bytes: int = 1 << 20
+
+    def __post_init__(self):
+        for name in ("wall_time_s", "memory_bytes", "max_processes", "max_write_bytes", "max_output_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"sandbox limit {name} must be a positive number, got {value!r}")
+        if self.cpu_time_s is not None and not self.cpu_time_s > 0:
+            raise ValueError(f"sandbox limit cpu_time_s must be positive or None, got {self.cpu_time_s!r}")
+        if self.memory_bytes < 64 << 20:
+            raise ValueError(
+                f"sandbox limit memory_bytes={self.memory_bytes} is below the 64 MiB an interpreter needs"
+            )
+
+    def for_worker(self) -> dict:
+        out = asdict(self)
+        out["cpu_time_s"] = self.cpu_time_s if self.cpu_time_s is not None else self.wall_time_s
+        return out
+
+
+@dataclass(frozen=True)
+class ProgramResult:
+    """What :meth:`Sandbox.run` saw: ``returncode`` (None when killed at the time limit; negative:
+    killed by that signal), the first 4 KiB of the output and its total size in bytes (counted up
+    to ``max_output_bytes``), whether the wall time ran out, and the seconds taken."""
+
+    returncode: int | None
+    output: str
+    output_bytes: int
+    timed_out: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class TestSpec:
+    """The tests of one program, run in the harness sandbox.
+
+    Attributes:
+        names: the program's functions the tests may call (each becomes a proxy in the harness).
+        check: HumanEval's test code, defining ``check(candidate)``; called with the proxy of
+            ``entry_point``. Counts as one test.
+        entry_point: the function ``check`` receives.
+        asserts: statements run one by one (each a test), e.g. ``"assert add(2, 3) == 5"``.
+        prelude: code run in the harness before the tests (HumanEval's prompt: the helpers it
+            defines belong to the tests, not to the program).
+    """
+
+    __test__ = False  # not a pytest class
+
+    names: tuple[str, ...]
+    check: str | None = None
+    entry_point: str | None = None
+    asserts: tuple[str, ...] = ()
+    prelude: str | None = None
+
+    def __post_init__(self):
+        if self.check and not self.entry_point:
+            raise ValueError("a TestSpec with check code needs entry_point (the function check receives)")
+        if not self.check and not self.asserts:
+            raise ValueError("a TestSpec needs check code or at least one assert statement")
+
+    @property
+    def total(self) -> int:
+        return (1 if self.check else 0) + len(self.asserts)
+
+
+@dataclass(frozen=True)
+class TestResult:
+    """The verdict on one program: ``passed`` of ``total`` tests passed (a test counts only when
+    the harness reported it passed), ``timed_out`` when the wall time ran out first, ``errors``
+    (per failed test, in order: its message), the head of the program's output and the seconds
+    taken. ``all_passed`` is the binary verdict."""
+
+    __test__ = False  # not a pytest class
+
+    passed: int
+    total: int
+    timed_out: bool
+    errors: tuple[str, ...] = field(default=())
+    output: str = ""
+    seconds: float = 0.0
+
+    @property
+    def all_passed(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+
+def _python() -> str:
+    """The interpreter the sandbox runs: this one's real file (a venv's python is a symlink)."""
+    return os.path.realpath(sys.executable)
+
+
+def _readonly_paths(python: str) -> list[str]:
+    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
+    for prefix in {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname(python))}:
+        if prefix and prefix not in ("/", "") and not any(prefix.startswith(p + "/") for p in ("/usr",)):
+            paths.append(os.path.realpath(prefix))
+    return [p for p in dict.fromkeys(paths) if os.path.lexists(p)]
+
+
+def _bwrap_argv(bwrap: str, python: str, limits: SandboxLimits) -> list[str]:
+    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
+    if os.geteuid() == 0:
+        # Kept only until the worker has switched to its fresh uid (which clears every capability).
+        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    else:
+        argv += ["--unshare-user"]
+    made: set[str] = set()
+    for path in _readonly_paths(python):
+        if os.path.islink(path):
+            argv += ["--symlink", os.readlink(path), path]
+            continue
+        # bwrap would copy the modes of missing parents (/root is 0700): the fresh uid could not
+        # reach the interpreter's prefix below them. Make them 0755.
+        parent = os.path.dirname(path)
+        ancestors = []
+        while parent not in ("/", "") and parent not in made:
+            ancestors.append(parent)
+            parent = os.path.dirname(parent)
+        for directory in reversed(ancestors):
+            argv += ["--perms", "0755", "--dir", directory]
+            made.add(directory)
+        argv += ["--ro-bind", path, path]
+    for path in ("/etc/ld.so.cache", "/etc/localtime"):
+        argv += ["--ro-bind-try", path, path]
+    argv += ["--dev", "/dev", "--proc", "/proc",
+             "--perms", "1777", "--size", str(int(limits.max_write_bytes)), "--tmpfs", "/sandbox",
+             "--symlink", "sandbox", "/tmp", "--chdir", "/sandbox", "--clearenv"]
+    for key, value in _CLEAN_ENV.items():
+        argv += ["--setenv", key, value]
+    return argv + ["--"]
+
+
+class _Drain:
+    """Reads a program's output pipe: counts bytes up to a cap, keeps the first 4 KiB, then closes
+    the pipe (the program's later writes fail) so nothing more is read or buffered."""
+
+    def __init__(self, fd: int, cap: int, keep: int = KEPT_OUTPUT_BYTES):
+        self.fd, self.cap, self.keep = fd, cap, keep
+        self.head = bytearray()
+        self.count = 0
+
+    def feed(self, data: bytes) -> bool:
+        """Take one chunk; False when the pipe should be closed (EOF or the cap reached)."""
+        if not data:
+            return False
+        self.count += len(data)
+        if len(self.head) < self.keep:
+            self.head += data[: self.keep - len(self.head)]
+        return self.count < self.cap
+
+    @property
+    def text(self) -> str:
+        return bytes(self.head).decode("utf-8", "replace")
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """End a worker and everything it started, and reap it: SIGTERM to its supervisor (which
+    SIGKILLs its child, the sandbox's PID 1, whose death takes the PID namespace down, and reaps
+    it), then SIGKILL to the whole process group for whatever is left (``none`` mode, bwrap)."""
+    if proc.poll() is None:
+        try:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=2)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:  # a process in uninterruptible sleep; the kernel will finish it
+        log.warning("sandbox process %d did not exit after SIGKILL", proc.pid)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+_PROBES: dict[tuple[str, str], tuple[bool, str]] = {}
+_PROBE_LOCK = threading.Lock()
+
+
+class Sandbox:
+    """Runs untrusted Python programs and tests them (see the module docstring).
+
+    Args:
+        isolation: ``"auto"``, ``"bwrap"``, ``"namespaces"`` or ``"none"``.
+        limits: :class:`SandboxLimits` (default: 10 s, 1 GiB, 64 processes, 256 MiB written,
+            1 MiB of output).
+
+    Attributes:
+        isolation: the mode in force (never ``"auto"``).
+        description: one line: the mode and what it isolates.
+
+    Raises:
+        ValueError: an unknown ``isolation``.
+        SandboxUnavailable: the requested isolation (for ``auto``: any) cannot be established
+            here; the message says why and how to proceed.
+
+    Thread-safe: one instance serves a pool of threads, each call in its own processes.
+    """
+
+    def __init__(self, isolation: str = "auto", limits: SandboxLimits | None = None):
+        if isolation not in ISOLATION_MODES:
+            raise ValueError(
+                f"unknown sandbox isolation {isolation!r}; choose one of {', '.join(ISOLATION_MODES)}"
+            )
+        self.limits = limits if limits is not None else SandboxLimits()
+        self.python = _python()
+        with open(_WORKER_PATH, encoding="utf-8") as handle:
+            self._worker_source = handle.read()
+        self.isolation, self.description = self._resolve(isolation)
+
+    # ----- isolation ------------------------------------------------------------------------
+    def _resolve(self, requested: str) -> tuple[str, str]:
+        if requested == "none":
+            ok, detail = self._probe("none")
+            if not ok:
+                raise SandboxError(f"the sandbox worker does not start: {detail}")
+            log.warning(
+                "code sandbox: isolation=none: programs run as separate processes with resource limits only; "
+                "they can read the user's files, reach the network and see other processes"
+            )
+            return "none", "none (separate process, resource limits only)"
+        candidates = ["bwrap", "namespaces"] if requested == "auto" else [requested]
+        reasons = []
+        for mode in candidates:
+            if mode == "bwrap" and shutil.which("bwrap") is None:
+                reasons.append("bwrap: not installed (Debian/Ubuntu package bubblewrap)")
+                continue
+            ok, detail = self._probe(mode)
+            if ok:
+                return mode, f"{mode} ({detail})"
+            reasons.append(f"{mode}: {detail}")
+        raise SandboxUnavailable(
+            f"no sandbox isolation could be established for isolation={requested!r} ("
+            + "; ".join(reasons)
+            + "); install bubblewrap, run as root or enable unprivileged user namespaces "
+            "(sysctl kernel.unprivileged_userns_clone=1), or set reward.code.isolation=none "
+            "(policygrad eval: --isolation none) to run model-generated code without isolation (unsafe)"
+        )
+
+    def _probe(self, mode: str) -> tuple[bool, str]:
+        """Run a fixed program in ``mode`` once per process; (works, description or reason)."""
+        key = (mode, self.python)
+        with _PROBE_LOCK:
+            if key in _PROBES:
+                return _PROBES[key]
+        try:
+            result = self._run("script", {"program": _PROBE}, mode, SandboxLimits(wall_time_s=30.0))
+            facts = json.loads(result.output) if result.returncode == 0 else None
+        except (OSError, ValueError, SandboxError) as exc:
+            facts, result = None, None
+            reason = f"{type(exc).__name__}: {exc}"
+        if facts is None:
+            if result is not None:
+                text = result.output.strip().splitlines()
+                reason = text[-1] if text else f"exit status {result.returncode}"
+            outcome = (False, reason)
+        elif mode != "none" and set(facts["interfaces"]) - {"lo"}:
+            outcome = (False, f"network interfaces visible: {facts['interfaces']}")
+        elif mode != "none" and facts["pid"] > 2:
+            outcome = (False, f"no new PID namespace (pid {facts['pid']})")
+        else:
+            fresh = os.geteuid() == 0 and mode != "none"
+            parts = [] if mode == "none" else [_ISOLATED]
+            parts.append(f"uid {facts['uid']}" + (" (fresh)" if fresh else ""))
+            outcome = (True, ", ".join(parts))
+        with _PROBE_LOCK:
+            _PROBES[key] = outcome
+        return outcome
+
+    # ----- processes ------------------------------------------------------------------------
+    def _argv(self, mode: str) -> list[str]:
+        prefix = []
+        if mode == "bwrap":
+            prefix = _bwrap_argv(shutil.which("bwrap") or "bwrap", self.python, self.limits)
+        return prefix + [self.python, "-I", "-S", "-B", "-c", self._worker_source]
+
+    def _spawn(self, role: str, payload: dict, mode: str, limits: SandboxLimits, *, stdout: int,
+               fds: dict[str, int], cwd: str) -> subprocess.Popen:
+        spec = {
+            "role": role,
+            "isolation": mode,
+            "limits": limits.for_worker(),
+            "uid": _UIDS.randrange(*_UID_RANGE) if os.geteuid() == 0 and mode != "none" else None,
+            "ro_paths": _readonly_paths(self.python),
+            "fds": fds,
+            "start_timeout_s": START_TIMEOUT_S,
+            **payload,
+        }
+        proc = subprocess.Popen(
+            self._argv(mode),
+            stdin=subprocess.PIPE,
+            stdout=stdout,
+            stderr=stdout,
+            pass_fds=tuple(fds.values()),
+            env=dict(_CLEAN_ENV),
+            cwd=cwd,
+            start_new_session=True,
+        )
+        try:
+            proc.stdin.write(json.dumps(spec).encode())
+            proc.stdin.close()
+        except BrokenPipeError:  # the worker (or bwrap) died at once; its output says why
+            pass
+        return proc
+
+    def _workdir(self, mode: str) -> str | None:
+        return tempfile.mkdtemp(prefix="policygrad-sandbox-") if mode == "none" else None
+
+    @staticmethod
+    def _pump(drains: dict[int, _Drain], until_eof: int | None, deadline: Callable[[], float]) -> bool:
+        """Read the pipes until ``until_eof`` closes (or, None, all close) or ``deadline()``
+        passes (re-read after every chunk); True when the deadline came first. Every pipe is
+        closed on return."""
+        selector = selectors.DefaultSelector()
+        for fd in drains:
+            selector.register(fd, selectors.EVENT_READ)
+        open_fds = set(drains)
+        timed_out = False
+        try:
+            while open_fds and (until_eof is None or until_eof in open_fds):
+                left = deadline() - time.monotonic()
+                if left <= 0:
+                    timed_out = True
+                    break
+                for key, _ in selector.select(timeout=left):
+                    fd = key.fd
+                    try:
+                        data = os.read(fd, 65536)
+                    except OSError:
+                        data = b""
+                    if not drains[fd].feed(data):
+                        selector.unregister(fd)
+                        os.close(fd)
+                        open_fds.discard(fd)
+        finally:
+            for fd in open_fds:
+                selector.unregister(fd)
+                os.close(fd)
+            selector.close()
+        return timed_out
+
+    def _run(self, role: str, payload: dict, mode: str, limits: SandboxLimits) -> ProgramResult:
+        start = time.monotonic()
+        workdir = self._workdir(mode)
+        out_r, out_w = os.pipe()
+        try:
+            proc = self._spawn(role, payload, mode, limits, stdout=out_w, fds={}, cwd=workdir or "/")
+        except BaseException:
+            _close(out_r, out_w)
+            raise
+        finally:
+            _close(out_w)
+        drain = _Drain(out_r, int(limits.max_output_bytes))
+        try:
+            timed_out = self._pump({out_r: drain}, out_r, lambda: start + limits.wall_time_s)
+            if not timed_out:
+                left = max(0.0, start + limits.wall_time_s - time.monotonic())
+                try:
+                    proc.wait(timeout=left)
+                except subprocess.TimeoutExpired:
+                    timed_out = True
+        finally:
+            _kill(proc)
+            if workdir:
+                shutil.rmtree(workdir, ignore_errors=True)
+        return ProgramResult(
+            returncode=None if timed_out else proc.returncode,
+            output=drain.text,
+            output_bytes=drain.count,
+            timed_out=timed_out,
+            seconds=time.monotonic() - start,
+        )
+
+    # ----- public API -----------------------------------------------------------------------
+    def run(self, program: str) -> ProgramResult:
+        """Run ``program`` (Python source, as ``__main__``) in the sandbox.
+
+        Returns:
+            :class:`ProgramResult`. A program that exits non-zero, crashes or runs out of time is a
+            result, not an error.
+
+        Raises:
+            OSError: the interpreter (or bwrap) cannot be started.
+        """
+        return self._run("script", {"program": program}, self.isolation, self.limits)
+
+    def run_tests(self, program: str, tests: TestSpec) -> TestResult:
+        """Run ``tests`` against ``program`` (Python source) in two sandboxes (module docstring).
+
+        Returns:
+            :class:`TestResult`; a program that fails, cheats, crashes or hangs gets failed tests.
+
+        Raises:
+            SandboxError: a sandbox did not start (e.g. the machine refused the namespaces, or it
+                is too overloaded to start a process within the wall time). Never raised because
+                of anything the program does after its first line runs.
+        """
+        start = time.monotonic()
+        limits = self.limits
+        workdirs = [self._workdir(self.isolation), self._workdir(self.isolation)]
+        req_r, req_w = os.pipe()
+        resp_r, resp_w = os.pipe()
+        rep_r, rep_w = os.pipe()
+        cand_out_r, cand_out_w = os.pipe()
+        test_out_r, test_out_w = os.pipe()
+        procs: list[subprocess.Popen] = []
+        try:
+            procs.append(self._spawn(
+                "candidate", {"program": program}, self.isolation, limits, stdout=cand_out_w,
+                fds={"req": req_r, "resp": resp_w}, cwd=workdirs[0] or "/",
+            ))
+            procs.append(self._spawn(
+                "tests", {"tests": {"names": list(tests.names), "check": tests.check,
+                                    "entry_point": tests.entry_point, "asserts": list(tests.asserts),
+                                    "prelude": tests.prelude}},
+                self.isolation, limits, stdout=test_out_w,
+                fds={"req": req_w, "resp": resp_r, "report": rep_w}, cwd=workdirs[1] or "/",
+            ))
+        except BaseException:
+            for proc in procs:
+                _kill(proc)
+            _close(rep_r, cand_out_r, test_out_r)
+            raise
+        finally:
+            _close(req_r, req_w, resp_r, resp_w, rep_w, cand_out_w, test_out_w)
+        drains = {
+            rep_r: _Drain(rep_r, 1 << 20, keep=1 << 20),  # the verdict lines, read whole
+            cand_out_r: _Drain(cand_out_r, int(limits.max_output_bytes)),
+            test_out_r: _Drain(test_out_r, int(limits.max_output_bytes)),
+        }
+        report = drains[rep_r]
+        ready_at: list[float] = []
+
+        def deadline() -> float:
+            if not ready_at and b'"ready": true' in report.head:
+                ready_at.append(time.monotonic())
+            return ready_at[0] + limits.wall_time_s + GRACE_S if ready_at else start + START_TIMEOUT_S
+
+        try:
+            timed_out = self._pump(drains, rep_r, deadline)
+        finally:
+            for proc in procs:
+                _kill(proc)
+            for workdir in workdirs:
+                if workdir:
+                    shutil.rmtree(workdir, ignore_errors=True)
+        return self._verdict(bytes(drains[rep_r].head), tests, timed_out, drains[cand_out_r].text,
+                             drains[test_out_r].text, procs[1].returncode, time.monotonic() - start)
+
+    @staticmethod
+    def _verdict(report: bytes, tests: TestSpec, timed_out: bool, cand_output: str, test_output: str,
+                 harness_status: int | None, seconds: float) -> TestResult:
+        passed: dict[int, bool] = {}
+        errors: dict[int, str] = {}
+        ready = False
+        for line in report.decode("utf-8", "replace").splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(record, dict):
+                continue
+            if "setup_error" in record:
+                raise SandboxError(f"{record['setup_error']}; its output: {cand_output.strip()[-500:]!r}")
+            if record.get("ready") is True:
+                ready = True
+            test = record.get("test")
+            if isinstance(test, int) and not isinstance(test, bool) and 0 <= test < tests.total:
+                passed[test] = record.get("passed") is True
+                if record.get("error"):
+                    errors[test] = str(record["error"])
+        if not ready:
+            why = "timed out" if timed_out else f"exit status {harness_status}"
+            raise SandboxError(
+                f"the test harness's sandbox did not start ({why}); "
+                f"its output: {test_output.strip()[-500:]!r}"
+            )
+        count = sum(1 for i in range(tests.total) if passed.get(i))
+        failures = tuple(
+            errors.get(i, "no verdict (time limit reached)" if timed_out else "no verdict")
+            for i in range(tests.total) if not passed.get(i)
+        )
+        return TestResult(count, tests.total, timed_out, failures, cand_output, seconds)
+
+
+def available_isolation() -> dict[str, str]:
+    """Which isolation modes work on this machine: mode -> description, for modes that do."""
+    out = {}
+    for mode in ("bwrap", "namespaces"):
+        try:
+            out[mode] = Sandbox(mode).description
+        except SandboxUnavailable:
+            continue
+    return out

@@ -1,0 +1,140 @@
+"""A run that trains nothing fails loudly.
+
+:class:`UpdateWatch` counts, step by step, the updates the optimizer applied. A step that
+applied none (every optimizer step skipped as non-finite, no token carrying loss, the update
+stopped by ``optim.target_kl`` before its first step) is *empty*; ``max_skipped_updates`` empty
+steps in a row end the run with a :class:`~policygrad.trainer.errors.TrainingError` that names
+the cause, and so does a run that ends having applied no update at all.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from policygrad.trainer.errors import TrainingError
+
+__all__ = ["UpdateWatch", "check_finite_weights", "why_nothing_trained"]
+
+
+def check_finite_weights(model, what: str) -> None:
+    """Refuse a model with a NaN or infinite weight before the run starts: it cannot sample (the
+    hf engine's probabilities would be NaN) and no update of it would be finite.
+
+    Args:
+        model: a torch module.
+        what: how to name it in the message (``model.name='...'``).
+
+    Raises:
+        ConfigError: the first parameter that holds a non-finite value, with how many.
+    """
+    import torch
+
+    from policygrad.trainer.config import ConfigError
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+                bad = int((~torch.isfinite(param)).sum())
+                raise ConfigError(
+                    f"{what} has non-finite weights: {name} holds {bad} NaN or infinite values; it cannot be "
+                    "trained (repair the weights or choose another model)"
+                )
+
+
+def why_nothing_trained(metrics: dict[str, Any], config) -> str:
+    """The cause of a step that applied no update, from its metrics (names of
+    :data:`~policygrad.trainer.metrics.METRICS`) and the run's config."""
+    if metrics.get("optim/skipped_nonfinite", 0) or metrics.get("critic/skipped_nonfinite", 0):
+        tokens = metrics.get("policy/nonfinite_tokens", 0)
+        extra = f" ({tokens:g} sampled tokens had log-prob -inf)" if tokens else ""
+        return (
+            "every optimizer step was skipped because the loss or the gradient was not finite"
+            f"{extra}: check optim.lr (lr={config.optim.lr:g}), the scale of the rewards, and the model's "
+            "weights for NaN or infinity"
+        )
+    if metrics.get("optim/early_stopped"):
+        return (
+            f"optim.target_kl={config.optim.target_kl:g} stopped every update before its first step "
+            "(policy/approx_kl was above it); raise optim.target_kl"
+        )
+    if metrics.get("dynamic_sampling/groups_kept") == 0:
+        return (
+            "no group had reward signal (drop_zero_variance_groups keeps none when every sample of a "
+            "prompt scores the same); check the reward functions"
+        )
+    if metrics.get("reward/invalid_frac") == 1:
+        return (
+            "the reward functions failed on every row and reward.on_error=skip left every row out of the "
+            "loss (see reward_fn/<fn>/invalid); fix the reward functions"
+        )
+    if config.reward.truncation == "exclude" and metrics.get("response/truncated_frac") == 1:
+        return (
+            f"every completion was cut at rollout.max_new_tokens={config.rollout.max_new_tokens} and "
+            "reward.truncation=exclude leaves them out of the loss; raise rollout.max_new_tokens"
+        )
+    return "no token carried loss (every row was left out of the loss)"
+
+
+class UpdateWatch:
+    """Counts applied updates and consecutive empty steps (see the module docstring).
+
+    Args:
+        config: the run's config (``max_skipped_updates`` and what causes name).
+
+    Attributes:
+        applied: optimizer steps applied over the run (policy and critic).
+        steps: RL steps watched over the run.
+        empty_in_a_row: consecutive steps that applied nothing, up to the last one.
+    """
+
+    def __init__(self, config):
+        self.config = config
+        self.applied = 0
+        self.steps = 0
+        self.empty_in_a_row = 0
+        self.last_cause = ""
+
+    def observe(self, metrics: dict[str, Any]) -> None:
+        """Record one step's metrics.
+
+        Raises:
+            TrainingError: this was the ``max_skipped_updates``-th empty step in a row.
+        """
+        applied = int(metrics.get("optim/steps", 0)) + int(_number(metrics.get("critic/steps", 0)))
+        self.steps += 1
+        self.applied += applied
+        if applied:
+            self.empty_in_a_row = 0
+            return
+        self.empty_in_a_row += 1
+        self.last_cause = why_nothing_trained(metrics, self.config)
+        limit = self.config.max_skipped_updates
+        if limit and self.empty_in_a_row >= limit:
+            raise TrainingError(
+                f"{self.empty_in_a_row} steps in a row applied no update: {self.last_cause} "
+                f"(max_skipped_updates={limit})"
+            )
+
+    def check_trained(self) -> None:
+        """At the end of a run that took at least one step.
+
+        Raises:
+            TrainingError: no update was applied over the whole run.
+        """
+        if self.steps and not self.applied:
+            raise TrainingError(
+                f"the run applied no update in {self.steps} steps: {self.last_cause}; nothing was trained"
+            )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"applied": self.applied, "steps": self.steps, "empty_in_a_row": self.empty_in_a_row}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.applied = int(state.get("applied", 0))
+        self.steps = int(state.get("steps", 0))
+        self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
+
+
+def _number(value) -> float:
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else 0

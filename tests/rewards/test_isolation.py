@@ -1,0 +1,210 @@
+"""User reward functions run in a worker process: copies of their inputs, timeouts, exits and
+crashes contained, the working directory unchanged, only plain data back; the same protocol and
+error policy as in-process (``CompositeReward``)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from policygrad.rewards.isolation import RewardWorker, is_user_reward, isolate_reward_functions
+from policygrad.rewards.registry import CompositeReward, RewardFunctionError
+
+pytestmark = pytest.mark.integration  # starts worker processes
+
+USER_REWARDS = """
+import os
+import sys
+import time
+
+
+def ok(prompts, completions, **fields):
+    return [float(len(c)) for c in completions]
+
+
+def exits(prompts, completions, **fields):
+    sys.exit(0)
+
+
+class Custom(BaseException):
+    pass
+
+
+def raises_base_exception(prompts, completions, **fields):
+    raise Custom("not an Exception")
+
+
+def hard_exit(prompts, completions, **fields):
+    os._exit(0)
+
+
+def moves(prompts, completions, **fields):
+    os.chdir("/")
+    return [0.5] * len(completions)
+
+
+def where(prompts, completions, **fields):
+    return [float(os.getcwd() == {cwd!r})] * len(completions)
+
+
+def pops(prompts, completions, tests=None, **fields):
+    scores = [float(len(t)) for t in tests]
+    for t in tests:
+        t.pop()
+    completions.clear()
+    return scores
+
+
+def sleeps(prompts, completions, **fields):
+    time.sleep(10_000)
+
+
+def tensor(prompts, completions, **fields):
+    import torch
+
+    return torch.full((len(completions),), 0.25)
+
+
+def matrix(prompts, completions, **fields):
+    import torch
+
+    return torch.zeros(len(completions), 2)
+
+
+class Score:
+    pass
+
+
+def custom_objects(prompts, completions, **fields):
+    return [Score() for _ in completions]
+
+
+def huge(prompts, completions, **fields):
+    return [1e39] * len(completions)
+"""
+
+
+@pytest.fixture(scope="module")
+def user_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("user_rewards") / "user_rewards.py"
+    path.write_text(USER_REWARDS.format(cwd=os.getcwd()))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def isolated(user_file):
+    """name -> an isolated function (one worker for all, 2 s timeout)."""
+    names = [
+        "ok",
+        "exits",
+        "raises_base_exception",
+        "hard_exit",
+        "moves",
+        "where",
+        "pops",
+        "sleeps",
+        "tensor",
+        "matrix",
+        "custom_objects",
+        "huge",
+    ]
+    functions, worker = isolate_reward_functions([f"{user_file}:{n}" for n in names], timeout_s=2.0)
+    yield dict(zip(names, functions))
+    worker.close()
+
+
+def _score(fn, on_error="skip", n=2, **fields):
+    return CompositeReward([fn], on_error=on_error)(["p"] * n, ["ab", "c"][:n], **fields)
+
+
+def test_only_user_code_is_isolated(user_file):
+    assert is_user_reward(f"{user_file}:ok") and is_user_reward("my_pkg.rewards:score")
+    assert not is_user_reward("answer_correctness") and not is_user_reward("reward_model:/models/rm")
+    functions, worker = isolate_reward_functions(["answer_correctness", "length_penalty"])
+    assert worker is None and functions == ["answer_correctness", "length_penalty"]
+
+
+def test_an_isolated_function_scores_like_in_process(isolated, user_file):
+    out = _score(isolated["ok"])
+    assert out.rewards.tolist() == [2.0, 1.0] and out.valid.all()
+    assert list(out.components) == [f"{user_file}:ok"]  # the same component name
+    assert _score(isolated["tensor"]).rewards.tolist() == [0.25, 0.25]
+
+
+def test_exits_and_crashes_end_the_call_not_the_trainer(isolated, user_file):
+    for name in ("exits", "raises_base_exception", "hard_exit"):
+        out = _score(isolated[name])
+        assert not out.valid.any(), name
+    with pytest.raises(RewardFunctionError, match=r"exits' raised SystemExit: 0 for row 0"):
+        _score(isolated["exits"], on_error="raise")
+    with pytest.raises(RewardFunctionError, match=r"raised Custom: not an Exception for row 0"):
+        _score(isolated["raises_base_exception"], on_error="raise")
+    with pytest.raises(RewardFunctionError, match=r"hard_exit' ended its worker process \(exit status 0"):
+        _score(isolated["hard_exit"], on_error="raise")
+    assert _score(isolated["ok"]).valid.all()  # a fresh worker serves the next call
+
+
+def test_the_working_directory_is_the_same_after_a_call(isolated):
+    cwd = os.getcwd()
+    assert _score(isolated["moves"]).rewards.tolist() == [0.5, 0.5]
+    assert os.getcwd() == cwd
+    assert _score(isolated["where"]).rewards.tolist() == [1.0, 1.0]  # the worker's, restored too
+
+
+def test_every_call_and_row_gets_its_own_copies(isolated):
+    shared = [1, 2, 3]  # one dataset row's list, repeated for its G samples
+    completions = ["ab", "c"]
+    for _ in range(2):
+        out = CompositeReward([isolated["pops"]], on_error="raise")(
+            ["p", "p"], completions, tests=[shared, shared]
+        )
+        assert out.rewards.tolist() == [3.0, 3.0]
+    assert shared == [1, 2, 3] and completions == ["ab", "c"]
+
+
+def test_a_call_over_its_timeout_is_stopped(isolated, user_file):
+    out = _score(isolated["sleeps"])
+    assert not out.valid.any()
+    with pytest.raises(
+        RewardFunctionError, match=r"sleeps' did not return within reward.timeout_s=2 s on a batch of 2"
+    ):
+        _score(isolated["sleeps"], on_error="raise")
+    assert _score(isolated["ok"]).valid.all()
+
+
+def test_protocol_errors_and_out_of_range_scores_read_as_in_process(isolated):
+    with pytest.raises(RewardFunctionError, match=r"returned an array of shape \(2, 2\) for 2 completions"):
+        _score(isolated["matrix"])
+    with pytest.raises(RewardFunctionError, match=r"returned <.*\(Score\), not a finite real number"):
+        _score(isolated["custom_objects"], on_error="raise")
+    with pytest.raises(
+        RewardFunctionError, match=r"returned 1e\+39 \(float\), not a finite real number within float32"
+    ):
+        _score(isolated["huge"], on_error="raise")
+
+
+def test_a_spec_that_does_not_load_is_refused_before_the_run(user_file, tmp_path):
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        isolate_reward_functions([f"{user_file}:nope"])
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        isolate_reward_functions([f"{tmp_path}/missing.py:f"])
+
+
+def test_without_isolation_inputs_are_still_copied_and_exits_contained(user_file):
+    functions, worker = isolate_reward_functions([f"{user_file}:pops", f"{user_file}:exits"], isolation=False)
+    assert worker is None
+    shared = [1, 2, 3]
+    out = CompositeReward([functions[0]])(["p", "p"], ["a", "b"], tests=[shared, shared])
+    assert out.rewards.tolist() == [3.0, 3.0] and shared == [1, 2, 3]
+    assert not _score(functions[1]).valid.any()
+
+
+def test_a_closed_worker_process_is_gone(user_file):
+    worker = RewardWorker(timeout_s=5)
+    worker.load(f"{user_file}:ok")
+    process = worker._process
+    assert process.is_alive()
+    worker.close()
+    process.join(5)
+    assert not process.is_alive()

@@ -1,0 +1,573 @@
+"""Runs are sacred: interrupts, kills and a full disk lose at most the step in progress, a run
+directory has one owner, an invalid command changes nothing on disk, a crafted checkpoint is
+refused, reward code cannot stop or disturb the trainer, and a run that trains nothing fails.
+
+The signal tests run ``python -m policygrad train`` in a subprocess, as a user would."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from policygrad.cli import main
+from policygrad.trainer import Trainer
+from policygrad.trainer.checkpoint import COMPLETE_FILE, checkpoint_problem
+from tests.trainer.conftest import tiny_overrides, write_jsonl
+
+pytestmark = pytest.mark.integration
+
+SLOW_REWARD = '''
+import time
+
+
+def slow_digits(prompts, completions, **fields):
+    """digit_fraction, a quarter of a second late: a step lasts long enough to be interrupted."""
+    time.sleep(0.25)
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def sleeps_forever(prompts, completions, **fields):
+    time.sleep(10_000)
+
+
+def misbehaves(prompts, completions, mode=None, tests=None, **fields):
+    """Per row mode: exit (sys.exit(0)), os_exit (os._exit(0)), chdir (os.chdir('/')), mutate
+    (pops every row's test cases and empties the completions). Scores: the number of test cases
+    the row arrived with."""
+    import os
+    import sys
+
+    if mode[0] == "exit":
+        sys.exit(0)
+    if mode[0] == "os_exit":
+        os._exit(0)
+    if mode[0] == "chdir":
+        os.chdir("/")
+    scores = [float(len(t)) for t in tests]
+    if mode[0] == "mutate":
+        for t in tests:
+            t.pop()
+        completions.clear()
+    return scores
+
+
+def flaky(prompts, completions, bad=None, **fields):
+    if any(bad or []):
+        raise RuntimeError("cannot score this row")
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+
+
+def nothing_scores(prompts, completions, **fields):
+    return [None] * len(completions)
+'''
+
+
+@pytest.fixture
+def rewards_file(tmp_path) -> str:
+    path = tmp_path / "sacred_rewards.py"
+    path.write_text(SLOW_REWARD)
+    return str(path)
+
+
+@pytest.fixture
+def run_yaml(eos_model_dir, rewards_file, tmp_path):
+    """``run_yaml(name, reward_fn="slow_digits", **sections)`` -> (config path, run dir)."""
+
+    def factory(name: str, *, reward_fn: str = "slow_digits", **sections):
+        tree = tiny_overrides(eos_model_dir, f"{rewards_file}:{reward_fn}", tmp_path / name, **sections)
+        tree.setdefault("num_threads", 1)
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(tree))
+        return str(path), str(tmp_path / name)
+
+    return factory
+
+
+def _rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _weights(run_dir, step) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in glob.glob(os.path.join(run_dir, "checkpoints", f"step_{step}", "model", "*.safetensors")):
+        out.update(load_file(path))
+    assert out
+    return out
+
+
+def _complete_steps(run_dir) -> list[int]:
+    root = os.path.join(run_dir, "checkpoints")
+    names = [n for n in os.listdir(root) if n.startswith("step_")] if os.path.isdir(root) else []
+    return sorted(int(n[5:]) for n in names if checkpoint_problem(os.path.join(root, n)) is None)
+
+
+def _hidden_checkpoint_folders(run_dir) -> list[str]:
+    return [n for n in os.listdir(os.path.join(run_dir, "checkpoints")) if n.startswith(".")]
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err, err
+    return lines[0]
+
+
+def _cli(*args, driver: str | None = None, **kwargs) -> subprocess.Popen:
+    """``python -m policygrad ARGS`` (or ``python DRIVER ARGS``) in a subprocess, 1 thread."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, driver] if driver else [sys.executable, "-m", "policygrad"]
+    return subprocess.Popen(
+        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kwargs
+    )
+
+
+def _wait_for(predicate, proc: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"the run ended (status {proc.returncode}) before {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _logged_steps(run_dir) -> int:
+    path = os.path.join(run_dir, "metrics.jsonl")
+    return len(_rows(run_dir)) if os.path.exists(path) else 0
+
+
+def _snapshot(folder) -> dict[str, str]:
+    """Every file under ``folder`` with the hash of its bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# ----------------------------------------------------------------------------- interrupts
+
+
+def test_sigint_mid_run_then_resume_equals_an_uninterrupted_run(run_yaml, capsys):
+    cfg, run = run_yaml("interrupted", steps=6)
+    proc = _cli("train", cfg)
+    try:
+        _wait_for(lambda: _logged_steps(run) >= 2, proc, "two steps were logged")
+        # Meanwhile a second run in the same directory is refused, naming the owner.
+        assert main(["train", cfg]) == 2
+        line = _one_error_line(capsys.readouterr().err)
+        assert f"is in use by another run (pid {proc.pid} on " in line and "started 20" in line
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "SIGINT received: finishing the current step, then saving a checkpoint" in out
+    assert f"continue with: policygrad train --resume {run}" in out
+    logged = [r["step"] for r in _rows(run)]
+    assert logged == list(range(1, len(logged) + 1)) and len(logged) < 6
+    # The checkpoint is the last step the run finished: at most the step in progress is lost.
+    assert _complete_steps(run) == [logged[-1]]
+    assert json.loads(open(os.path.join(run, "summary.json")).read())["interrupted"] == "SIGINT"
+    assert not os.path.exists(os.path.join(run, ".policygrad.lock"))
+
+    assert main(["train", "--resume", run]) == 0
+    straight_cfg, straight = run_yaml("straight", steps=6)
+    assert main(["train", straight_cfg]) == 0
+    capsys.readouterr()
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
+    a, b = _weights(straight, 6), _weights(run, 6)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+KILL_DRIVER = '''
+import os
+import sys
+import time
+
+import torch
+
+real_save = torch.save
+
+
+def save_then_hang(obj, f, *args, **kwargs):
+    """The trainer state of step {step} is written, then the save hangs before its rename and
+    completion marker: the test kills the process there."""
+    real_save(obj, f, *args, **kwargs)
+    if isinstance(obj, dict) and obj.get("step") == {step}:
+        open({mark!r}, "w").close()
+        time.sleep(600)
+
+
+if __name__ == "__main__":
+    torch.save = save_then_hang
+    from policygrad.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_sigkill_during_a_checkpoint_write_resumes_from_the_previous_complete_one(run_yaml, tmp_path, capsys):
+    cfg, run = run_yaml("killed", steps=3, save_every=1)
+    mark = tmp_path / "saving_step_2"
+    driver = tmp_path / "driver.py"
+    driver.write_text(KILL_DRIVER.format(step=2, mark=str(mark)))
+    proc = _cli("train", cfg, driver=str(driver))
+    try:
+        _wait_for(mark.exists, proc, "the checkpoint of step 2 was being written")
+        proc.send_signal(signal.SIGKILL)
+        proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _complete_steps(run) == [1]
+    assert any(".step_2.tmp-" in n for n in _hidden_checkpoint_folders(run))  # the half-written one
+    assert os.path.exists(os.path.join(run, ".policygrad.lock"))  # its owner died holding it
+
+    assert main(["train", "--resume", run]) == 0
+    out = capsys.readouterr().out
+    assert f"newest complete checkpoint: {run}/checkpoints/step_1" in out
+    assert f"took over the lock of {run}: a run (pid {proc.pid} on " in out
+    assert _complete_steps(run) == [1, 3] or _complete_steps(run) == [1, 2, 3]
+    assert _hidden_checkpoint_folders(run) == []
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3]
+
+
+FULL_DISK_REWARD = '''
+import os
+
+CALLS = []
+
+
+def fills_the_disk(prompts, completions, **fields):
+    """On its second call (step 2), fill the run's disk up to 64 KiB: the step's metrics row
+    still fits, its checkpoint does not."""
+    CALLS.append(1)
+    if len(CALLS) == 2:
+        st = os.statvfs({mount!r})
+        with open(os.path.join({mount!r}, "filler"), "wb") as f:
+            f.write(b"\\0" * max(st.f_bavail * st.f_frsize - 64 * 1024, 0))
+    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
+'''
+
+ENOSPC_DRIVER = """
+import errno
+import sys
+
+import torch
+
+real_save = torch.save
+
+
+def save(obj, f, *args, **kwargs):
+    if isinstance(obj, dict) and obj.get("step") == 2:  # the disk fills up during step 2's save
+        with open(f, "wb") as out:
+            out.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+    return real_save(obj, f, *args, **kwargs)
+
+
+if __name__ == "__main__":
+    torch.save = save
+    from policygrad.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _can_mount_tmpfs(tmp_path) -> bool:
+    if shutil.which("unshare") is None or not sys.platform.startswith("linux"):
+        return False
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    done = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", f"mount -t tmpfs -o size=1m tmpfs {probe}"], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_ends_in_one_line(
+    eos_model_dir, tmp_path
+):
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    rewards = tmp_path / "full_disk.py"
+    rewards.write_text(FULL_DISK_REWARD.format(mount=str(mount)))
+    tree = tiny_overrides(eos_model_dir, f"{rewards}:fills_the_disk", mount / "run", steps=3, save_every=1)
+    tree["num_threads"] = 1
+    cfg = tmp_path / "full_disk.yaml"
+    cfg.write_text(yaml.safe_dump(tree))
+    result = tmp_path / "result"
+    result.mkdir()
+    if _can_mount_tmpfs(tmp_path):  # a real full disk: an 8 MiB tmpfs in a private mount namespace
+        script = (
+            f"mount -t tmpfs -o size=8m tmpfs {mount} || exit 99\n"
+            f"OMP_NUM_THREADS=1 {sys.executable} -m policygrad train {cfg} > {result}/out 2> {result}/err\n"
+            f"echo $? > {result}/rc\n"
+            f"cp -a {mount}/run {result}/run\n"
+        )
+        subprocess.run(["unshare", "-rm", "sh", "-c", script], check=True, timeout=300)
+    else:  # simulated: the state file's write fails with ENOSPC
+        driver = tmp_path / "enospc.py"
+        driver.write_text(ENOSPC_DRIVER)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with open(result / "out", "w") as out, open(result / "err", "w") as err:
+            rc = subprocess.run(
+                [sys.executable, str(driver), "train", str(cfg)], stdout=out, stderr=err, env=env
+            )
+        (result / "rc").write_text(str(rc.returncode))
+        shutil.copytree(mount / "run", result / "run", symlinks=True)
+    err = (result / "err").read_text()
+    assert (result / "rc").read_text().strip() == "2", err
+    line = _one_error_line(err)
+    assert f"could not write checkpoint {mount}/run/checkpoints/step_2: No space left on device" in line
+    assert "the checkpoints written before are intact" in line
+    run = result / "run"
+    assert _complete_steps(run) == [1]  # step 1 intact, nothing of step 2
+    assert os.listdir(run / "checkpoints") == ["step_1"]
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--optim.lr=-1"],  # refused when the config is built
+        ["--data.max_prompt_length=8"],  # a prompt of the first batch is too long
+        ["--reward.functions=[missing.py:f]"],  # a reward file that does not exist
+        ["--data.dataset=/no/such/data.jsonl"],  # data that cannot be read
+        ["--rollout.max_new_tokens=100000"],  # prompt + new tokens beyond the model's context
+    ],
+    ids=["lr", "prompt-length", "reward-file", "dataset", "context"],
+)
+def test_overwrite_with_an_invalid_config_leaves_the_old_run_byte_identical(bad, run_yaml, tmp_path, capsys):
+    cfg, run = run_yaml("old", reward_fn="slow_digits", steps=1)
+    assert main(["train", cfg]) == 0
+    (tmp_path / "old" / "notes.txt").write_text("mine")
+    before = _snapshot(run)
+    assert main(["train", cfg, "--overwrite=true", *bad]) == 2
+    _one_error_line(capsys.readouterr().err)
+    assert _snapshot(run) == before
+    # A new output folder stays absent, so the corrected command needs no --overwrite.
+    assert main(["train", cfg, f"--output_dir={tmp_path / 'new'}", *bad]) == 2
+    assert not os.path.exists(tmp_path / "new")
+
+
+def test_overwrite_deletes_only_what_a_run_wrote_and_is_never_saved(run_yaml, tmp_path, capsys):
+    cfg, run = run_yaml("old", steps=2, save_every=1)
+    assert main(["train", cfg]) == 0
+    (tmp_path / "old" / "notes.txt").write_text("mine")
+    (tmp_path / "old" / "checkpoints" / "README").write_text("mine too")
+    assert main(["train", cfg, "--steps=1", "--overwrite=true"]) == 0
+    assert (tmp_path / "old" / "notes.txt").read_text() == "mine"
+    assert sorted(os.listdir(tmp_path / "old" / "checkpoints")) == ["README", "step_1"]
+    saved = yaml.safe_load(open(os.path.join(run, "config.yaml")))
+    assert "overwrite" not in saved
+    # Re-running the run's own config.yaml is a new run into a folder that holds one: refused.
+    assert main(["train", os.path.join(run, "config.yaml")]) == 2
+    assert "already holds a run" in _one_error_line(capsys.readouterr().err)
+    assert (tmp_path / "old" / "notes.txt").exists()
+
+
+def test_a_crafted_trainer_state_is_refused_on_resume(run_yaml, tmp_path, capsys):
+    cfg, run = run_yaml("crafted", steps=1)
+    assert main(["train", cfg]) == 0
+    payload = tmp_path / "code_ran"
+
+    class Exploit:
+        def __reduce__(self):
+            return (os.system, (f"touch {payload}",))
+
+    ckpt = os.path.join(run, "checkpoints", "step_1")
+    torch.save({"step": 1, "x": Exploit()}, os.path.join(ckpt, "trainer_state.pt"))
+    marker = json.load(open(os.path.join(ckpt, COMPLETE_FILE)))  # forge the marker too
+    marker["files"]["trainer_state.pt"] = os.path.getsize(os.path.join(ckpt, "trainer_state.pt"))
+    json.dump(marker, open(os.path.join(ckpt, COMPLETE_FILE), "w"))
+    assert main(["train", "--resume", run, "--steps=2"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"checkpoint {ckpt}/trainer_state.pt cannot be loaded safely" in line
+    assert not payload.exists()
+
+
+# ----------------------------------------------------------------------------- reward code
+
+
+def test_a_reward_that_sleeps_forever_is_stopped_by_its_timeout(run_yaml, capsys):
+    cfg, _ = run_yaml("hangs", reward_fn="sleeps_forever", steps=1, reward={"timeout_s": 1.0})
+    start = time.monotonic()
+    assert main(["train", cfg]) == 2
+    assert time.monotonic() - start < 120
+    line = _one_error_line(capsys.readouterr().err)
+    assert "sleeps_forever' did not return within reward.timeout_s=1 s on a batch of 8 rows" in line
+
+
+def test_rewards_that_exit_chdir_or_mutate_their_inputs_leave_the_run_alive(
+    make_config, rewards_file, tmp_path
+):
+    modes = ["exit", "os_exit", "chdir", "mutate", "mutate"]
+    data = write_jsonl(
+        tmp_path / "modes.jsonl",
+        [
+            {"prompt": f"Row {i}: what is 1+1?", "answer": "2", "mode": m, "tests": [1, 2, 3]}
+            for i, m in enumerate(modes)
+        ],
+    )
+    cfg = make_config(
+        "misbehaving",
+        steps=5,
+        data={"dataset": data, "shuffle": False},
+        rollout={"prompts_per_step": 1, "group_size": 4},
+        reward={"functions": [f"{rewards_file}:misbehaves"], "on_error": "skip"},
+    )
+    cwd = os.getcwd()
+    trainer = Trainer(cfg)
+    summary = trainer.train()  # alive: sys.exit and os._exit ended calls, not the run
+    assert os.getcwd() == cwd
+    assert summary["steps"] == 5 and summary["updates_applied"] == 3
+    rows = _rows(cfg.output_dir)
+    assert [r["reward/invalid_frac"] for r in rows] == [1.0, 1.0, 0.0, 0.0, 0.0]
+    name = f"reward_fn/{rewards_file}:misbehaves/mean"
+    assert [r[name] for r in rows[2:]] == [3.0, 3.0, 3.0]  # every row saw its 3 test cases
+    assert [row["tests"] for row in trainer.stream.source.rows] == [[1, 2, 3]] * 5  # the dataset
+    trainer.close()
+
+
+# ----------------------------------------------------------------------------- runs that train nothing
+
+
+def test_all_skipped_updates_end_the_run_non_zero(run_yaml, capsys):
+    cfg, run = run_yaml(
+        "nothing", reward_fn="nothing_scores", steps=6, max_skipped_updates=2, reward={"on_error": "skip"}
+    )
+    assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "2 steps in a row applied no update: the reward functions failed on every row" in line
+    assert "(max_skipped_updates=2)" in line
+    assert [r["step"] for r in _rows(run)] == [1, 2]
+
+    cfg, run = run_yaml("short", reward_fn="nothing_scores", steps=1, reward={"on_error": "skip"})
+    assert main(["train", cfg]) == 2  # however short: no update applied is an error
+    line = _one_error_line(capsys.readouterr().err)
+    assert "the run applied no update in 1 steps" in line
+    assert json.load(open(os.path.join(run, "summary.json")))["updates_applied"] == 0
+
+
+# ----------------------------------------------------------------------------- errors keep the finished steps
+
+
+def test_an_error_after_the_first_step_keeps_the_finished_steps(run_yaml, bad_row_dataset, capsys):
+    # The second row (step 2) makes the reward raise: step 1's work is saved before the run ends.
+    cfg, run = run_yaml(
+        "fails_later",
+        reward_fn="flaky",
+        steps=3,
+        data={"dataset": bad_row_dataset, "shuffle": False},
+        rollout={"prompts_per_step": 1},
+    )
+    assert main(["train", cfg]) == 2
+    captured = capsys.readouterr()
+    assert "raised RuntimeError: cannot score this row" in _one_error_line(captured.err)
+    assert f"saved checkpoint {run}/checkpoints/step_1 before stopping on the error" in captured.out
+    assert _complete_steps(run) == [1]
+    state = torch.load(os.path.join(run, "checkpoints", "step_1", "trainer_state.pt"), weights_only=True)
+    assert (state["step"], state["data_position"]) == (1, 1)  # the failed step's row is not skipped
+
+
+def test_ctrl_c_during_the_final_evaluation_loses_nothing(make_config, monkeypatch):
+    cfg = make_config("final_eval", steps=2, eval_after=True, data={"eval_size": 2})
+    evaluate = Trainer.evaluate
+
+    def interrupted(self, *args, tag="eval", **kwargs):
+        if tag == "eval_after":
+            raise KeyboardInterrupt
+        return evaluate(self, *args, tag=tag, **kwargs)
+
+    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(cfg).train()
+    assert _complete_steps(cfg.output_dir) == [2]
+
+
+# ----------------------------------------------------------------------------- resume options
+
+
+def test_resume_applies_a_new_lr_and_refuses_other_changes(run_yaml, tmp_path, capsys):
+    cfg, run = run_yaml("lr", steps=1)
+    assert main(["train", cfg]) == 0
+    assert main(["train", "--resume", run, "--steps=2", "--optim.lr=0.5"]) == 0
+    rows = _rows(run)
+    assert {"step": 1, "config/optim.lr": 0.5} in rows
+    assert rows[-1]["step"] == 2 and rows[-1]["optim/lr"] == 0.5
+    assert yaml.safe_load(open(os.path.join(run, "config.yaml")))["optim"]["lr"] == 0.5
+    capsys.readouterr()
+    assert main(["train", "--resume", run, "--steps=3", "--seed=5", "--algorithm=rloo"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "cannot change on resume" in line and "algorithm: 'grpo' -> 'rloo'; seed: 0 -> 5" in line
+    assert main(["train", "--resume", run, "--steps=3", f"--output_dir={tmp_path / 'fork'}"]) == 2
+    assert "a resumed run continues in its own folder" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "fork").exists()
+    assert [r["step"] for r in _rows(run) if "config/optim.lr" not in r] == [1, 2]
+
+
+# ----------------------------------------------------------------------------- models that cannot be trained
+
+
+def _model_copy(eos_model_dir, tmp_path, name) -> str:
+    folder = tmp_path / name
+    shutil.copytree(eos_model_dir, folder)
+    return str(folder)
+
+
+def test_a_model_folder_with_its_own_code_is_refused_without_running_it(
+    eos_model_dir, run_yaml, tmp_path, capsys
+):
+    folder = _model_copy(eos_model_dir, tmp_path, "custom_code")
+    config = json.load(open(os.path.join(folder, "config.json")))
+    config.update(model_type="my_custom", auto_map={"AutoConfig": "my_config.MyConfig"})
+    json.dump(config, open(os.path.join(folder, "config.json"), "w"))
+    ran = tmp_path / "custom_code_ran"
+    (tmp_path / "custom_code" / "my_config.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    cfg, run = run_yaml("custom", steps=1, model={"name": folder})
+    assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "ships its own Python code" in line and "model.trust_remote_code=true" in line
+    assert not ran.exists() and not os.path.exists(run)
+
+
+def test_a_model_with_nan_weights_is_refused_before_anything_is_written(
+    eos_model_dir, run_yaml, tmp_path, capsys
+):
+    from safetensors.torch import save_file
+
+    folder = _model_copy(eos_model_dir, tmp_path, "nan_model")
+    weights = load_file(os.path.join(folder, "model.safetensors"))
+    name = sorted(k for k in weights if k.endswith("mlp.up_proj.weight"))[0]
+    weights[name][0, 0] = float("nan")
+    save_file(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    cfg, run = run_yaml("nan", steps=1, model={"name": folder})
+    assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"has non-finite weights: {name} holds 1 NaN or infinite values" in line
+    assert not os.path.exists(run)
+    assert main(["train", cfg, "--rollout.temperature=1e-45"]) == 2
+    assert "rollout.temperature=1e-45 is below 0.001" in _one_error_line(capsys.readouterr().err)
