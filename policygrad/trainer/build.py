@@ -324,8 +324,12 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, 
         raise
 
 
-def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dtype: torch.dtype, checkpoint):
-    """The value model and its :class:`~policygrad.trainer.critic.CriticTrainer` (None without a critic)."""
+def build_critic(
+    cfg: TrainConfig, *, model_path: str, device: torch.device, dtype: torch.dtype, checkpoint, prepare=None
+):
+    """The value model and its :class:`~policygrad.trainer.critic.CriticTrainer` (None without a
+    critic). ``prepare(critic)``, when given, runs after the checkpoint weights load and before
+    the optimizer is built on the parameters (FSDP sharding)."""
     if not cfg.uses_critic:
         return None
     from policygrad.models.value import load_value_model
@@ -347,6 +351,8 @@ def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dty
     )
     if checkpoint is not None:
         critic.load(os.path.join(checkpoint, "critic"))
+    if prepare is not None:
+        prepare(critic)
     return CriticTrainer(
         critic,
         lr=c.lr,

@@ -625,6 +625,30 @@ class DynamicSamplingConfig:
         _check_positive(f"{path}.max_extra_rounds", self.max_extra_rounds, allow_zero=True)
 
 
+@dataclass
+class DistributedConfig:
+    """How a run started by torchrun (``torchrun --nproc_per_node=N -m policygrad train ...``)
+    spreads the trained networks over its processes; ignored in one process.
+
+    ``strategy``: ``ddp`` (every rank holds the whole policy, critic and reference; gradients
+    are summed over ranks after the backward passes), ``fsdp`` (FSDP2's ``fully_shard`` per
+    decoder layer, then the root, for the policy, the critic and the reference: each rank holds
+    1/N of the parameters, gradients and AdamW state; the rollout engine gets the full weights
+    after each update), or ``auto`` (``fsdp`` on CUDA, ``ddp`` on CPU). See
+    :mod:`policygrad.trainer.distributed` and :mod:`policygrad.trainer.sharding`."""
+
+    strategy: str = "auto"
+
+    def validate(self, path: str) -> None:
+        _check_choice(f"{path}.strategy", self.strategy, {"auto", "ddp", "fsdp"})
+
+    def resolved(self, device_type: str) -> str:
+        """``ddp`` or ``fsdp`` (``auto``: fsdp on CUDA, ddp elsewhere)."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "fsdp" if device_type == "cuda" else "ddp"
+
+
 def reward_component_names(functions: list[str]) -> list[str]:
     """The component names of ``reward.functions``, in order: each entry (``reward_model`` for a
     ``reward_model:/folder`` entry), and ``name#k`` for the k-th occurrence (k >= 2) of a repeated
@@ -706,6 +730,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     ptx: PtxConfig = field(default_factory=PtxConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -729,7 +754,7 @@ class TrainConfig:
         _check_positive("save_every_minutes", self.save_every_minutes, allow_zero=True)
         _check_positive("max_skipped_updates", self.max_skipped_updates, allow_zero=True)
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
-        for name in (*sections, "dynamic_sampling"):
+        for name in (*sections, "dynamic_sampling", "distributed"):
             getattr(self, name).validate(name)
         if self.kl_placement.needs_reference and (self.rollout.top_k or self.rollout.top_p < 1.0):
             raise ConfigError(

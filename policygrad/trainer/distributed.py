@@ -85,8 +85,8 @@ class Dist:
 
         Raises:
             ConfigError: ``rollout.prompts_per_step`` not divisible by the world size (a group
-                never spans ranks); ``drop_zero_variance_groups`` with more than one rank (its
-                refill is not yet split over ranks).
+                never spans ranks); ``fsdp`` with LoRA; ``drop_zero_variance_groups`` with more
+                than one rank (its refill is not yet split over ranks).
         """
         from policygrad.trainer.config import ConfigError
 
@@ -97,6 +97,12 @@ class Dist:
             raise ConfigError(
                 f"rollout.prompts_per_step={n} must be divisible by the world size {self.world_size}: "
                 "each rank samples whole groups of an equal share of the prompts"
+            )
+        lora = cfg.model.lora.rank or cfg.model.adapter
+        if cfg.distributed.resolved(self.device.type) == "fsdp" and lora:
+            raise ConfigError(
+                "distributed.strategy=fsdp shards full fine-tuning; a LoRA run (model.lora.rank or "
+                "model.adapter) trains a small adapter that every rank can hold: set distributed.strategy=ddp"
             )
         if cfg.drop_zero_variance_groups:
             raise ConfigError(
@@ -109,6 +115,16 @@ class Dist:
         if not self.active:
             return bool(flag)
         return bool(self.reduce(torch.tensor(float(bool(flag)), device=self.device), "max").item() > 0)
+
+    def broadcast_object(self, value):
+        """Rank 0's ``value`` (any picklable object) on every rank (``value`` in one process)."""
+        if not self.active:
+            return value
+        import torch.distributed as td
+
+        box = [value]
+        td.broadcast_object_list(box, src=0)
+        return box[0]
 
     def first(self, flag: bool) -> bool:
         """Rank 0's ``flag`` on every rank (``flag`` itself in one process): decisions that read
@@ -128,19 +144,39 @@ class Dist:
 
             td.barrier()
 
-    def attach(self, trainer) -> None:
+    def attach(self, trainer, strategy: str = "ddp") -> None:
         """Wire a :class:`~policygrad.trainer.loop.Trainer`'s parts to the process group: the
-        policy's and the critic's optimizer steps sum gradients over ranks, the policy step's
-        counts and approx-KL, the critic's token count and the reward normaliser's statistics are
-        global. A no-op in one process."""
+        policy step's counts and approx-KL, the critic's token count and the reward normaliser's
+        statistics are global; the optimizer steps agree on finiteness and, with ``ddp``, sum
+        the gradients over ranks (``fsdp`` reduce-scatters them in the backward, so every rank
+        then runs the same number of sharded passes: :meth:`equal_passes`). A no-op in one
+        process."""
         if not self.active:
             return
+        sharded = strategy == "fsdp"
         trainer.policy_step.reduce = self.reduce
-        trainer.policy_step.step.sync = self.sync_gradients
         trainer.scorer.normalizer.reduce = self.reduce
+        steps = [trainer.policy_step.step]
         if trainer.critic_trainer is not None:
             trainer.critic_trainer.reduce = self.reduce
-            trainer.critic_trainer.step.sync = self.sync_gradients
+            steps.append(trainer.critic_trainer.step)
+        for step in steps:
+            step.sync = self.agree_finite if sharded else self.sync_gradients
+            step.collective = sharded
+        if sharded:
+            trainer.policy_step.equal_passes = self.equal_passes
+            if trainer.critic_trainer is not None:
+                trainer.critic_trainer.equal_passes = self.equal_passes
+
+    def equal_passes(self, count: int) -> int:
+        """The largest ``count`` over ranks: how many sharded forward/backward passes every rank
+        runs on a minibatch (a rank with fewer runs zero-weight passes, so the collectives of
+        FSDP's all-gathers and reduce-scatters pair up)."""
+        return int(self.reduce(torch.tensor(count, dtype=torch.long, device=self.device), "max").item())
+
+    def agree_finite(self, params, finite: bool) -> bool:
+        """True only when ``finite`` is True on every rank (gradients already reduced by FSDP)."""
+        return not self.any(not finite)
 
     # -- collectives ---------------------------------------------------------------------------
     def reduce(self, value: torch.Tensor, op: str = "sum") -> torch.Tensor:

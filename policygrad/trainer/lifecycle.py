@@ -354,6 +354,11 @@ class RunLifecycle:
         state, steps_then = safe
         if isinstance(exc, CheckpointSaveError) or not self.step_idx:
             return  # the save itself failed (the disk is full), or no step was completed
+        if self.strategy == "fsdp":
+            # A sharded save needs every rank, and the others are not here: the newest checkpoint stands.
+            log.warning("note: a sharded run cannot save after an error on one rank; the newest checkpoint "
+                        "is of step %s", self._saved_step)
+            return
         if self.step_idx == state["step"] and self._optimizer_steps() != steps_then:
             log.warning(
                 "note: the error came during the update of step %d, so that step cannot be saved; the newest "
@@ -407,7 +412,9 @@ class RunLifecycle:
         """
         state = trainer_state(self) if state is None else state
         path = checkpoint_path(self.run_dir, state["step"])
-        if self.dist.is_main:  # data-parallel: every rank holds the same full weights and state
+        if self.strategy == "fsdp":
+            self._save_sharded(path, state)
+        elif self.dist.is_main:  # ddp: every rank holds the same full weights and state
             save_checkpoint(
                 path,
                 policy=self.policy,
@@ -418,6 +425,42 @@ class RunLifecycle:
             )
         self._saved_step = state["step"]
         return path
+
+    def _save_sharded(self, path: str, state: dict[str, Any]) -> None:
+        """An FSDP run's checkpoint: every rank writes its shards (``sharded/``) into rank 0's
+        temporary folder, then rank 0 writes the unsharded model folder (from the engine's full
+        copy, refreshed here), the critic's gathered weights and the trainer state, and completes
+        the transaction. A collective: every rank calls it."""
+        import shutil
+
+        from policygrad.trainer.checkpoint import SHARDED_DIR, save_sharded_state, temp_folder
+        from policygrad.trainer.sharding import copy_full_weights, full_state_dict
+
+        tmp = self.dist.broadcast_object(temp_folder(path) if self.dist.is_main else None)
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self.dist.barrier()
+        try:
+            save_sharded_state(os.path.join(tmp, SHARDED_DIR), self)
+            copy_full_weights(self.policy, self.full_policy)
+            critic_state = full_state_dict(self.critic, rank0_cpu=True) if self.critic is not None else None
+        except Exception as exc:
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(f"could not write the shards of checkpoint {path}: {exc}") from exc
+        if self.dist.is_main:
+            save_checkpoint(
+                path,
+                policy=self.full_policy,
+                tokenizer=self.tokenizer,
+                state=state,
+                critic=self.critic,
+                critic_state=critic_state,
+                model_card=self.model_card(state["step"]),
+                tmp=tmp,
+            )
+        self.dist.barrier()  # the checkpoint is complete before any rank goes on
 
     def model_card(self, step: int, *, kind: str | None = None) -> str:
         """The ``README.md`` of a model folder this run exports at ``step`` (see
@@ -443,4 +486,5 @@ class RunLifecycle:
         if not self.dist.is_main:
             return folder
         card = self.model_card(self.step_idx, kind="merged model")
-        return export_merged(self.policy, self.tokenizer, folder, card=card)
+        policy = self.full_policy if self.full_policy is not None else self.policy  # fsdp: the whole copy
+        return export_merged(policy, self.tokenizer, folder, card=card)

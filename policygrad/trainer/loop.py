@@ -23,6 +23,7 @@ resolves registered parts, and each declares what it needs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -56,6 +57,7 @@ from policygrad.trainer.metrics import batch_metrics, critic_metrics, mismatch_m
 from policygrad.trainer.precision import apply_precision, resolve_precision
 from policygrad.trainer.resume import set_base_lr
 from policygrad.trainer.runtime import release_free_memory, synced_clock
+from policygrad.trainer.sharding import copy_full_weights, shard_model
 from policygrad.trainer.stages import (
     ESTIMATOR_INPUTS,
     SampledBatch,
@@ -130,6 +132,8 @@ class Trainer(RunLifecycle):
         self.device = self.dist.device
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
         self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
+        # single (one process), ddp (whole networks on every rank) or fsdp (sharded networks)
+        self.strategy = cfg.distributed.resolved(self.device.type) if self.dist.active else "single"
         self.run_dir = cfg.output_dir
         self._lock: rundir.RunLock | None = None
         self.scorer = None
@@ -153,17 +157,23 @@ class Trainer(RunLifecycle):
             policy_dtype=self.precision.param_dtype,  # float32 master weights unless bf16-pure
         )
         self.policy_as_reference = m.policy_as_reference
+        self.full_policy = None  # fsdp: the unsharded copy the engine samples from and exports write
+        engine_models = self._shard(m) if self.strategy == "fsdp" else m
         self.model_path, self.tokenizer, self.policy, self.reference = (
             m.model_path,
             m.tokenizer,
             m.policy,
             m.reference,
         )
-        self.engine, self.engine_name = (
-            (engine, type(engine).__name__) if engine else build.build_engine(cfg, m, dtype=self.dtype)
-        )
+        if engine is None:
+            engine, self.engine_name = build.build_engine(cfg, engine_models, dtype=self.dtype)
+        else:
+            self.engine_name = type(engine).__name__
+        self.engine = engine
+        if self.full_policy is not None and self.engine.shares_policy_weights:
+            self.engine.shares_policy_weights = False  # it samples from the copy, synced after updates
         if ckpt is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
-            self.engine.sync_weights(self.policy)  # a separate engine loaded the base weights
+            self.sync_engine()  # a separate engine loaded the base weights
         if train_source is None:
             train_source = build_train_source(cfg.data, seed=cfg.seed)
         self.stream = PromptStream(train_source)
@@ -180,6 +190,7 @@ class Trainer(RunLifecycle):
             device=self.device,
             dtype=self.precision.param_dtype,
             checkpoint=ckpt,
+            prepare=self._shard_critic if self.strategy == "fsdp" else None,
         )
         self.critic = self.critic_trainer.critic if self.critic_trainer else None
         self.ptx_data = build.build_ptx(cfg, self.tokenizer)
@@ -194,7 +205,7 @@ class Trainer(RunLifecycle):
         )
         self.kl_ctl = build.build_kl_controller(cfg)
         apply_precision(self, self.precision)  # forwards under autocast; parameters stay float32
-        self.dist.attach(self)  # data-parallel: gradient sums and batch statistics over ranks
+        self.dist.attach(self, self.strategy)  # data-parallel: gradients and batch statistics over ranks
         self.watch = UpdateWatch(cfg)
         self.step_idx = 0
         self._saved_step: int | None = None  # the step of the newest checkpoint on disk
@@ -237,7 +248,7 @@ class Trainer(RunLifecycle):
         metrics["time/training_s"] = synced_clock(self.device) - t_gen
         if stats.steps and not self.engine.shares_policy_weights:
             t_sync = time.perf_counter()  # the engine holds its own weights: push the updated ones
-            self.engine.sync_weights(self.policy)
+            self.sync_engine()
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
         metrics.update(self.step_metrics(batch, sampled, exp, shaped, stats, pretraining))
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -360,6 +371,32 @@ class Trainer(RunLifecycle):
         exact = (o.ppo_epochs == 1 and o.num_minibatches == 1) or pretraining
         return exact and (self.engine.shares_policy_weights or not self.kl.shapes_rewards)
 
+    def sync_engine(self) -> None:
+        """Give the rollout engine the policy's current weights (fsdp: gathered from the shards
+        into the unsharded copy it samples from; a collective, every rank calls it)."""
+        if self.full_policy is not None:
+            copy_full_weights(self.policy, self.full_policy)
+            self.engine.sync_weights(self.full_policy)
+        else:
+            self.engine.sync_weights(self.policy)
+
+    def _shard(self, m: build.Models) -> build.Models:
+        """fsdp: keep an unsharded copy of the policy for the engine (on the CPU for vLLM, which
+        holds its own weights), then shard the policy and the reference. Returns the models the
+        engine is built from."""
+        engine_name, _ = self.config.rollout.resolved_engine()
+        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval()
+        if engine_name == "vllm":
+            self.full_policy = self.full_policy.to("cpu")
+        compute = self.precision.autocast_dtype
+        shard_model(m.policy, compute_dtype=compute)
+        if m.reference is not None:
+            shard_model(m.reference)
+        return dataclasses.replace(m, policy=self.full_policy)
+
+    def _shard_critic(self, critic) -> None:
+        shard_model(critic, compute_dtype=self.precision.autocast_dtype)
+
     def reference_logprobs(self, rollout) -> torch.Tensor:
         """The reference's log-probs [B, T] of the sampled tokens, of the full tempered softmax:
         the reference is never sampled from, and truncated to its own top-k/top-p set it would give
@@ -448,6 +485,10 @@ class Trainer(RunLifecycle):
         stats = UpdateStats.for_batch(exp)
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + self.step_idx)
         shard = self.dist.minibatch_shard(exp.batch_size)  # data-parallel: global minibatches
+        if self.strategy == "fsdp":  # what a rank with fewer rows in a minibatch runs its idle passes on
+            self.policy_step.idle_batch = exp.select(torch.arange(1))
+            if self.critic_trainer is not None:
+                self.critic_trainer.idle_batch = self.policy_step.idle_batch
         for mb in exp.minibatches(o.ppo_epochs, o.num_minibatches, generator, shard):
             if exp.train_policy and self.dist.total(mb.loss_mask.sum()) > 0:
                 self.policy_step(mb, stats)

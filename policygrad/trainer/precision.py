@@ -101,7 +101,8 @@ def resolve_precision(name: str, device: torch.device, *, model_dtype: str = "au
 def apply_precision(trainer, precision: Precision) -> None:
     """Run the trainer's forwards under ``precision``'s autocast, through its seams: the policy's
     training forward (``policy_step.forward``), the old and reference log-prob passes, the critic's
-    value forward and, when it samples with the live policy, the rollout engine's ``generate``.
+    value forward and, when it samples with the live policy (or, with FSDP, the hf engine with
+    the policy's unsharded copy), the rollout engine's ``generate``.
     Optimizer steps stay outside autocast. A no-op without autocast."""
     if precision.autocast_dtype is None:
         return
@@ -110,5 +111,12 @@ def apply_precision(trainer, precision: Precision) -> None:
     trainer.reference_logprobs = precision.wrap(trainer.reference_logprobs)
     if trainer.critic is not None:
         trainer.critic.response_values = precision.wrap(trainer.critic.response_values)
-    if trainer.engine.shares_policy_weights:
-        trainer.engine.generate = precision.wrap(trainer.engine.generate)
+    copy = getattr(trainer, "full_policy", None) is not None and _runs_torch(trainer.engine)
+    if trainer.engine.shares_policy_weights or copy:
+        trainer.engine.generate = precision.wrap(trainer.engine.generate)  # the live policy or its copy
+
+
+def _runs_torch(engine) -> bool:
+    from policygrad.rollout.hf import HFRolloutEngine
+
+    return isinstance(engine, HFRolloutEngine)
