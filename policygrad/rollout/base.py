@@ -246,6 +246,7 @@ class RolloutEngine(abc.ABC):
         greedy: bool = False,
         generator_seed: int | None = None,
         prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch.
 
@@ -262,6 +263,9 @@ class RolloutEngine(abc.ABC):
                 depend on this seed only.
             prompt_seeds: one int per prompt: prompt i's samples depend on ``prompt_seeds[i]``
                 only, not on the rest of the batch (overrides ``generator_seed``).
+            ignore_eos: every response runs to exactly ``max_new_tokens`` tokens: an
+                end-of-sequence id is sampled and kept as any other token (vLLM's ``ignore_eos``),
+                and no response counts as truncated. For benchmarks of equal work.
 
         Returns:
             A :class:`Rollout` with B = n * G rows.

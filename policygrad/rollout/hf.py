@@ -174,6 +174,7 @@ class HFRolloutEngine(RolloutEngine):
         greedy: bool = False,
         generator_seed: int | None = None,
         prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses per prompt in one batched ``generate`` call.
 
@@ -242,10 +243,11 @@ class HFRolloutEngine(RolloutEngine):
             prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
             max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
             row_keys=None if greedy or prompt_seeds is None else sample_keys(prompt_seeds, G, device),
+            ignore_eos=ignore_eos,
         )
         responses = sequences[:, longest:]
         steps = responses.shape[1]
-        eos = torch.tensor(self.eos_token_ids, device=device)
+        eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.long, device=device)
         is_eos = torch.isin(responses, eos)
         has_eos = is_eos.any(dim=1)
         # argmax returns the first maximum: the first EOS of a row that has one.
@@ -259,7 +261,7 @@ class HFRolloutEngine(RolloutEngine):
             prompt_mask=prompt_mask,
             response_ids=response_ids,
             response_mask=keep.float(),
-            truncated=~has_eos,
+            truncated=~has_eos if not ignore_eos else torch.zeros_like(has_eos),
             sampler_logprobs=sampler_logprobs,
             group_index=group_index,
             group_size=G,
@@ -270,7 +272,7 @@ class HFRolloutEngine(RolloutEngine):
         )
 
     def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,
-                      generator_seed, row_keys=None):
+                      generator_seed, row_keys=None, ignore_eos=False):
         """``sequences`` LongTensor [B, P + steps] and log-probs FloatTensor [B, steps]."""
         from transformers import GenerationConfig
         from transformers.generation.logits_process import LogitsProcessorList
@@ -288,7 +290,7 @@ class HFRolloutEngine(RolloutEngine):
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             use_cache=True,
-            eos_token_id=list(self.eos_token_ids),
+            eos_token_id=list(self.eos_token_ids) if not ignore_eos else None,  # None: never stop early
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=False,
             output_scores=False,

@@ -369,6 +369,7 @@ class VLLMRolloutEngine(RolloutEngine):
         greedy: bool = False,
         generator_seed: int | None = None,
         prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses per prompt in one ``llm.generate`` call.
 
@@ -436,7 +437,8 @@ class VLLMRolloutEngine(RolloutEngine):
         else:
             seeds = [_request_seed(int(generator_seed), i) for i in range(n)]
         params = [
-            self._sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, s) for s in seeds
+            self._sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, s, ignore_eos)
+            for s in seeds
         ]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -445,7 +447,7 @@ class VLLMRolloutEngine(RolloutEngine):
         responses = torch.full((n * G, max_new_tokens), pad, dtype=torch.long)
         logprobs = torch.zeros((n * G, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(n * G, dtype=torch.long)
-        eos = set(self.eos_token_ids)
+        eos = set(self.eos_token_ids) if not ignore_eos else set()  # ignore_eos: EOS is a plain token
         for i, out in enumerate(outputs):
             completions = sorted(out.outputs, key=lambda c: c.index)
             if greedy:
@@ -493,7 +495,7 @@ class VLLMRolloutEngine(RolloutEngine):
             prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
             response_ids=responses[:, :T].masked_fill(~keep, pad),
             response_mask=keep.float(),
-            truncated=~has_eos,
+            truncated=~has_eos if not ignore_eos else torch.zeros_like(has_eos),
             sampler_logprobs=torch.where(keep, logprobs[:, :T], torch.zeros(())),
             group_index=torch.arange(n).repeat_interleave(G),
             group_size=G,
@@ -503,13 +505,14 @@ class VLLMRolloutEngine(RolloutEngine):
             greedy=bool(greedy),
         )
 
-    def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed):
+    def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos):
         from vllm import SamplingParams
 
         common = dict(
             max_tokens=max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
-            stop_token_ids=list(self.eos_token_ids),
+            stop_token_ids=list(self.eos_token_ids) if not ignore_eos else [],
+            ignore_eos=ignore_eos,
             detokenize=False,
         )
         if greedy:  # vLLM's greedy mode needs n=1; the G rows are copies

@@ -108,10 +108,14 @@ class RunLifecycle:
             self.logger = NullLogger()
             return
         new_folder = not os.path.exists(self.run_dir)
+        # A caller's model object without a folder of its own was written to start_model/ while
+        # the run was built (engines and critics load from a folder): it is this run's, not an old one's.
+        start_model = os.path.join(self.run_dir, "start_model")
+        ours = ("start_model",) if os.path.realpath(self.model_path) == os.path.realpath(start_model) else ()
         self._lock = rundir.RunLock.acquire(self.run_dir)
         try:  # what was checked at the start still holds now that the folder is ours
             if resume_from is None:
-                rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite, owned=True)
+                rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite, owned=True, keep=ours)
             elif find_checkpoints(self.run_dir)[0] != checkpoint_path(self.run_dir, self.step_idx):
                 raise TrainingError(
                     f"--resume {resume_from}: another run wrote a newer checkpoint while this one was "
@@ -122,7 +126,7 @@ class RunLifecycle:
             raise
         try:
             if resume_from is None:
-                removed = rundir.remove_run_files(self.run_dir)
+                removed = rundir.remove_run_files(self.run_dir, keep=ours)
                 if removed:
                     log.info(
                         "--overwrite: deleted %d files and folders of the previous run in %s",

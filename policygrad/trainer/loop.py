@@ -351,6 +351,7 @@ class Trainer(RunLifecycle):
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             prompt_seeds=seeds if r.per_prompt_seeds or self.dist.active else None,
+            ignore_eos=r.ignore_eos,
         )
         completions = self.decode(rollout)
         scores = self.scorer(
