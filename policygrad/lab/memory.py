@@ -513,6 +513,8 @@ def plan_memory(
     if algorithm == "sft" and (inference_engine or reward_model):
         raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
     use_reference = needs.reference if reference is None else bool(reference and needs.reference)
+    # fsdp: the engine samples from an unsharded bf16 copy of the policy on every rank, always.
+    inference_engine = inference_engine or (strategy == "fsdp" and world_size > 1 and algorithm != "sft")
     lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
     p = shape.params
 

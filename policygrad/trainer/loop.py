@@ -382,11 +382,13 @@ class Trainer(RunLifecycle):
             self.engine.sync_weights(self.policy)
 
     def _shard(self, m: build.Models) -> build.Models:
-        """fsdp: keep an unsharded copy of the policy for the engine (on the CPU for vLLM, which
-        holds its own weights), then shard the policy and the reference. Returns the models the
-        engine is built from."""
+        """fsdp: keep an unsharded copy of the policy, in ``model.dtype``, for the engine (on the
+        CPU for vLLM, which holds its own weights), then shard the policy and the reference.
+        Returns the models the engine is built from."""
         engine_name, _ = self.config.rollout.resolved_engine()
-        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval()
+        # In model.dtype (bf16 on a GPU): under autocast the trainer's matmuls use the bf16
+        # roundings of the float32 weights, which is what this copy holds.
+        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval().to(self.dtype)
         if engine_name == "vllm":
             self.full_policy = self.full_policy.to("cpu")
         compute = self.precision.autocast_dtype

@@ -287,6 +287,8 @@ def test_fsdp_rank_holds_half_the_training_state(two_rank_runs, one_rank_runs, e
     shape = model_shape_from_config(eos_model_dir)
     planned = plan_memory(shape, "grpo", world_size=2, strategy="fsdp").item("policy").bytes
     assert abs(planned - two) <= 0.05 * two, (planned, two)
+    print(f"policy parameter + gradient + AdamW bytes: 1 rank {one}, largest FSDP rank of 2 {two} "
+          f"({two / one:.3f}x), policygrad memory --world-size 2 --strategy fsdp {planned}")
     assert plan_memory(shape, "grpo").item("policy").bytes == one  # 16 B per trainable parameter
 
 
