@@ -24,10 +24,17 @@ log-prob passes inside it; log-prob passes = ``_get_per_token_logps_and_entropie
 (``time/*_s`` metrics). Tokens/s = (non-padding prompt tokens + response tokens of the batch) /
 step time.
 
+Equal work (``--equal-length``): every response on both sides runs to exactly ``max_new_tokens``
+tokens, so a step-time ratio compares the same number of tokens whatever each policy would write
+(policygrad: ``rollout.ignore_eos``, an end-of-sequence id sampled as a plain token; TRL:
+``generation_kwargs={"min_new_tokens": N}``, transformers suppressing end-of-sequence until N).
+Without it the two policies' answers may differ in length after the first update.
+
 Usage::
 
     python benchmarks/grpo_vs_trl.py --quick --pg-engine hf
     python benchmarks/grpo_vs_trl.py --steps 5 --update-readme
+    python benchmarks/grpo_vs_trl.py --steps 5 --equal-length
 
 Writes ``benchmarks/results/<date>-grpo-vs-trl.json`` (every step's raw numbers, the settings and
 the machine) and prints one markdown table per beta.
@@ -394,12 +401,17 @@ def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
         steps=steps_total,
         output_dir=str(scratch / "policygrad-run"),
     )
-    cfg = policygrad_config(base, args.pg_override)  # validates the overrides before any worker starts
+    overrides = list(args.pg_override) + (["--rollout.ignore_eos=true"] if args.equal_length else [])
+    cfg = policygrad_config(base, overrides)  # validates the overrides before any worker starts
     r = cfg.rollout
     source = build_train_source(cfg.data, seed=cfg.seed)
     rows = [source.train_row(i) for i in range(r.prompts_per_step * steps_total)]
     rows = [{"prompt": row["prompt"], "answer": row.get("answer")} for row in rows]
-    pg_spec = {"config": base, "overrides": list(args.pg_override), "threads": args.threads}
+    pg_spec = {"config": base, "overrides": overrides, "threads": args.threads}
+    trl_overrides = _parse_trl_overrides(args.trl_override)
+    if args.equal_length:  # transformers' generate suppresses EOS until N tokens: every completion is N long
+        generation = dict(trl_overrides.get("generation_kwargs") or {})
+        trl_overrides["generation_kwargs"] = {**generation, "min_new_tokens": r.max_new_tokens}
     trl_spec = {
         "model_path": resolve_model_path(cfg.model.name),
         "rows": rows,
@@ -413,7 +425,7 @@ def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
         "steps_total": steps_total,
         "threads": args.threads,
         "output_dir": str(scratch / "trl-run"),
-        "trl_overrides": _parse_trl_overrides(args.trl_override),
+        "trl_overrides": trl_overrides,
     }
     specs = {}
     for side, spec in (("policygrad", pg_spec), ("trl", trl_spec)):
@@ -558,9 +570,14 @@ def report(result: dict[str, Any]) -> str:
         lines.append(beta_table(run, trl_version))
         lines.append("")
     batch = s["prompts_per_step"] * s["group_size"]
+    length = (
+        f"every response exactly {s['max_new_tokens']} tokens (--equal-length)"
+        if s.get("equal_length")
+        else f"at most {s['max_new_tokens']} new tokens"
+    )
     lines.append(
         f"{s['prompts_per_step']} prompts x G = {s['group_size']} = {batch} sequences per step, "
-        f"at most {s['max_new_tokens']} new tokens, temperature {s['temperature']}, fp32, "
+        f"{length}, temperature {s['temperature']}, fp32, "
         f"lr {s['lr']:g} constant, AdamW, clip 1.0. TRL's loss forward includes its log-prob forward with "
         "gradients; with gradient checkpointing its backward recomputes the forward. Peak RSS: "
         "`ru_maxrss` of each worker process. The sides sample with different random streams and their "
@@ -587,6 +604,11 @@ def main() -> int:
         default=[],
         metavar="KEY=VALUE",
         help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
+    )
+    parser.add_argument(
+        "--equal-length",
+        action="store_true",
+        help="every response on both sides runs to max_new_tokens (equal work per step)",
     )
     parser.add_argument("--worker", choices=("policygrad", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -641,6 +663,7 @@ def main() -> int:
             "pg_engine": args.pg_engine,
             "pg_overrides": args.pg_override,
             "trl_overrides": args.trl_override,
+            "equal_length": args.equal_length,
             "prompts_per_step": r.prompts_per_step,
             "group_size": r.group_size,
             "max_new_tokens": r.max_new_tokens,

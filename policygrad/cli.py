@@ -56,6 +56,7 @@ def _user_errors():
 
 def cmd_train(argv: list[str]) -> int:
     from policygrad.trainer.config import ConfigError, load_config, parse_overrides
+    from policygrad.trainer.distributed import init_from_env, shutdown
     from policygrad.trainer.interrupts import EXIT_STATUS
     from policygrad.trainer.loop import Trainer
 
@@ -97,12 +98,17 @@ def cmd_train(argv: list[str]) -> int:
         if config_path is not None and not os.path.exists(config_path):
             raise FileNotFoundError(f"config file {config_path} not found")
         config = load_config(config_path, rest)
-    trainer = Trainer(config, resume_from=resume)
+    dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
     try:
-        summary = trainer.train()
+        trainer = Trainer(config, resume_from=resume)
+        try:
+            summary = trainer.train()
+        finally:
+            trainer.close()
     finally:
-        trainer.close()
-    print(json.dumps(summary, indent=2))
+        shutdown()
+    if dist.is_main:
+        print(json.dumps(summary, indent=2))
     return EXIT_STATUS.get(summary.get("interrupted"), 0)
 
 

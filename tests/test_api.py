@@ -128,3 +128,18 @@ def test_config_forms_and_mistakes(tiny_dir, tmp_path):
         policygrad.train(tiny_dir, digit_reward, ROWS, tokenizer=object())
     with pytest.raises(ValueError, match="cannot tell which field holds the prompt"):
         policygrad.train(tiny_dir, digit_reward, [{"text": "x"}], **_small(tmp_path, "bad"))
+
+
+def test_a_model_object_without_a_folder_trains_and_keeps_its_start_model(tiny_dir, tmp_path):
+    # A model built in memory has no folder: it is written to RUN_DIR/start_model while the run
+    # is built, and neither the run-directory check nor --overwrite may take it for an old run's.
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    model.name_or_path = model.config._name_or_path = ""  # as after from_config
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    for overwrite in (False, True):  # a first run, then one that replaces it
+        config = {**_small(tmp_path, "object"), "overwrite": overwrite}
+        summary = policygrad.train(model, digit_reward, ROWS, tokenizer=tokenizer, config=config)
+        assert summary["steps"] == 1
+        assert os.path.isfile(tmp_path / "object" / "start_model" / "config.json")

@@ -94,6 +94,10 @@ class EstimatorSpec:
             ``baseline_rewards`` [B], the rewards of the greedy responses.
         group_size_rule: the minimum group size as declared: an int, or a function
             ``(options: dict) -> int``; read it through :meth:`min_group_size`.
+        batch_statistics: the estimator computes a statistic of the whole batch (e.g.
+            ``reinforce_pp``'s whitening) and takes the trainer-supplied keyword ``batch_reduce``
+            (None, or a data-parallel ``reduce(tensor, op)``, see
+            :func:`~policygrad.core.masking.masked_whiten`).
     """
 
     name: str
@@ -101,6 +105,7 @@ class EstimatorSpec:
     needs_values: bool
     inputs: tuple[str, ...]
     group_size_rule: int | Callable[[dict[str, Any]], int] = 1
+    batch_statistics: bool = False
 
     def min_group_size(self, options: Mapping[str, Any]) -> int:
         """The smallest G (samples per prompt) the estimator accepts with these options.
@@ -167,6 +172,7 @@ def register_advantage_estimator(
     needs_values: bool = False,
     inputs: tuple[str, ...] = (),
     min_group_size: int | Callable[[dict[str, Any]], int] = 1,
+    batch_statistics: bool = False,
 ) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
     """Decorator registering an advantage estimator under ``name``, with its capabilities.
 
@@ -186,6 +192,8 @@ def register_advantage_estimator(
             ``("baseline_rewards",)`` for ReMax; each must be a keyword-only parameter.
         min_group_size: the smallest group size G the estimator accepts, an int >= 1 or a
             function ``(options: dict) -> int`` when it depends on the options.
+        batch_statistics: the estimator reduces over the whole batch and takes a keyword-only
+            ``batch_reduce=None`` that the trainer supplies (a cross-rank reduce, or None).
 
     Returns:
         the decorator.
@@ -235,7 +243,9 @@ def register_advantage_estimator(
             for p in params.values()
             if p.kind == inspect.Parameter.KEYWORD_ONLY and p.name not in _SHARED_KEYWORDS
         )
-        missing = [i for i in inputs if i not in keyword_only]
+        missing = [
+            i for i in (*inputs, *(("batch_reduce",) if batch_statistics else ())) if i not in keyword_only
+        ]
         if missing:
             raise TypeError(
                 f"advantage estimator {name!r}: input(s) {', '.join(map(repr, missing))} must be "
@@ -243,10 +253,13 @@ def register_advantage_estimator(
             )
         spec = EstimatorSpec(
             name=name,
-            options=tuple(k for k in keyword_only if k not in inputs),
+            options=tuple(
+                k for k in keyword_only if k not in inputs and not (batch_statistics and k == "batch_reduce")
+            ),
             needs_values=needs_values,
             inputs=inputs,
             group_size_rule=min_group_size,
+            batch_statistics=batch_statistics,
         )
 
         @functools.wraps(fn)
@@ -333,7 +346,9 @@ def check_estimator_options(name: str, options: Mapping[str, Any]) -> dict[str, 
             f"advantage estimator options must be a mapping of name -> value, got {type(options).__name__}"
         )
     valid = ", ".join(spec.options) if spec.options else "(none)"
-    supplied = [key for key in options if key in spec.inputs]
+    supplied = [
+        key for key in options if key in spec.inputs or (spec.batch_statistics and key == "batch_reduce")
+    ]
     if supplied:
         raise ValueError(
             f"advantage estimator {name!r}: {supplied[0]!r} is an input the trainer supplies, not an "
@@ -626,7 +641,9 @@ def _reinforce_pp_min_group_size(options: dict[str, Any]) -> int:
     return 2 if options.get("group_baseline") else 1
 
 
-@register_advantage_estimator("reinforce_pp", min_group_size=_reinforce_pp_min_group_size)
+@register_advantage_estimator(
+    "reinforce_pp", min_group_size=_reinforce_pp_min_group_size, batch_statistics=True
+)
 def reinforce_pp_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
@@ -635,6 +652,7 @@ def reinforce_pp_advantages(
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     group_baseline: bool = False,
+    batch_reduce=None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, "REINFORCE++: A Simple and Efficient Approach for Aligning LLMs").
 
@@ -651,6 +669,9 @@ def reinforce_pp_advantages(
     Args:
         gamma: discount in [0, 1], default 1.0.
         group_baseline: subtract the group mean of R first, default False.
+        batch_reduce: supplied by the trainer, not the user: None in one process, or the
+            cross-rank ``reduce`` of :func:`~policygrad.core.masking.masked_whiten`, so a batch
+            split over data-parallel ranks is whitened as one.
 
     Returns:
         advantages [B, T] (whitened, 0 on masked tokens); returns [B, T] = the unwhitened
@@ -667,6 +688,8 @@ def reinforce_pp_advantages(
     if not isinstance(group_baseline, bool):
         raise TypeError(f"reinforce_pp: group_baseline must be True or False, got {group_baseline!r}")
     n_valid = int(response_mask.sum().item())
+    if batch_reduce is not None:
+        n_valid = int(batch_reduce(response_mask.sum().to(torch.float64)).item())
     if n_valid < 2:
         raise ValueError(
             f"reinforce_pp whitens over all valid tokens of the batch and needs at least 2, got {n_valid}"
@@ -678,7 +701,7 @@ def reinforce_pp_advantages(
         centered, _, _ = group_mean_std(rewards, group_index)
         group_mean = rewards - centered
         shifted = returns - group_mean[:, None]
-    return masked_whiten(shifted, response_mask), returns
+    return masked_whiten(shifted, response_mask, reduce=batch_reduce), returns
 
 
 @register_advantage_estimator("gae", needs_values=True)

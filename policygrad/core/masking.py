@@ -153,6 +153,7 @@ def masked_whiten(
     eps: float = 1e-8,
     *,
     unbiased: bool = True,
+    reduce=None,
 ) -> torch.Tensor:
     """Whiten ``x`` with the mean and variance of its valid entries.
 
@@ -173,6 +174,11 @@ def masked_whiten(
         unbiased: use Bessel-corrected variance (default, as the usual PPO implementations do);
             ``False`` gives the population variance, so that the whitened valid entries have
             population variance exactly ``var / (var + eps)``.
+        reduce: None (the statistics of this tensor), or ``reduce(tensor, op) -> tensor`` that
+            combines a local statistic over data-parallel ranks (``op`` ``sum``, ``max`` or
+            ``min``, element-wise); the mean and variance are then those of the valid entries of
+            every rank's tensor (the same two-pass formula on global sums), so a batch split over
+            ranks is whitened as the whole batch would be, up to summation order.
 
     Returns:
         tensor of ``x``'s shape and dtype; masked positions are exactly 0. When all valid entries
@@ -183,12 +189,39 @@ def masked_whiten(
     """
     x = check_tensor(x, "x")
     m = as_bool_mask(x, mask)
-    mean = masked_mean(x, m)
-    var = masked_var(x, m, unbiased=unbiased)
-    whitened = _masked_centered(x, m) * torch.rsqrt(var + eps)
+    if reduce is None:
+        mean = masked_mean(x, m)
+        var = masked_var(x, m, unbiased=unbiased)
+        centered = _masked_centered(x, m)
+    else:
+        mean, var, centered = _global_moments(x, m, reduce, unbiased=unbiased)
+    whitened = centered * torch.rsqrt(var + eps)
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(m, whitened, torch.zeros((), dtype=whitened.dtype, device=whitened.device))
+
+
+def _global_moments(x: torch.Tensor, m: torch.Tensor, reduce, *, unbiased: bool):
+    """Mean, variance (two-pass, over every rank's valid entries) and the centred ``x`` (0 off the
+    mask; exactly 0 when every valid entry of every rank is equal), with ``reduce`` combining
+    the per-rank sums, counts and extremes."""
+    n = float(reduce(m.sum().to(torch.float64)))
+    needed = 2 if unbiased else 1
+    if n < needed:
+        raise ValueError(
+            f"masked_whiten needs at least {needed} valid entries over all ranks with unbiased={unbiased}, "
+            f"got {int(n)}"
+        )
+    zero = torch.zeros((), dtype=x.dtype, device=x.device)
+    mean = reduce(masked_sum(x, m)) / n
+    centered = torch.where(m, x - mean, zero)
+    valid = x[m]
+    hi = valid.amax() if valid.numel() else torch.tensor(-float("inf"), dtype=x.dtype, device=x.device)
+    lo = valid.amin() if valid.numel() else torch.tensor(float("inf"), dtype=x.dtype, device=x.device)
+    if reduce(hi, "max") == reduce(lo, "min"):
+        centered = torch.zeros_like(centered)
+    var = reduce((centered * centered).sum()) / (n - 1 if unbiased else n)
+    return mean, var, centered
 
 
 def aggregation_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,10 @@ Accounting (Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training
 Models", section 3.1, for the bytes per parameter; the policy, reference, reward model and value
 model of RLHF-PPO as in Ziegler et al. 2019 and Ouyang et al. 2022):
 
-- a trainable parameter costs 16 bytes with mixed-precision Adam: bf16 weights (2) and bf16
-  gradients (2), fp32 master weights (4) and two fp32 Adam moments (4 + 4);
+- a trainable parameter costs 16 bytes with mixed-precision Adam as the trainer runs it: fp32
+  master weights (4), fp32 gradients (4) and two fp32 Adam moments (4 + 4), bf16 copies of the
+  weights made only for compute (ZeRO's count, bf16 weights and gradients plus an fp32 master
+  copy, also comes to 16);
 - a frozen parameter costs 2 bytes (bf16 weights only);
 - the models: the policy (trainable); a reference (frozen, when a KL to it is used); a reward
   model (frozen, only when the reward comes from a model: a verifier needs none); a critic the
@@ -16,6 +18,13 @@ model of RLHF-PPO as in Ziegler et al. 2019 and Ouyang et al. 2022):
   (Hu et al. 2021, eq. 3), and the reference is the base with the adapters switched off (no copy);
 - the logits tensor ``B x T x V`` in bf16, which computing log-probs materialises unless it is
   chunked or fused.
+
+Per rank (``--world-size N --strategy ddp|fsdp``, as ``torchrun`` runs the trainer): with ``ddp``
+every rank holds every model whole; with ``fsdp`` (Zhao et al. 2023, "PyTorch FSDP"; ZeRO stage 3)
+the policy, critic and reference are sharded, so a rank holds 1/N of their weights, gradients and
+optimiser state (each parameter split along its first dimension, padded to a multiple of N when
+the shapes are known), while the reward model and the inference engine's copy stay whole; the
+KV cache and the logits are of the rank's B/N sequences.
 
 Activations, fragmentation and temporary buffers are not counted. GB are 10^9 bytes.
 Parameter counts come from the model's ``config.json`` alone: the model is instantiated on the
@@ -41,7 +50,8 @@ from policygrad.lab.common import (
 )
 
 BYTES_TRAINABLE = 16
-"""Bytes per trainable parameter: bf16 weight 2 + bf16 grad 2 + fp32 master 4 + Adam m 4 + Adam v 4."""
+"""Bytes per trainable parameter as the trainer holds it (``model.precision`` fp32 or bf16-mixed):
+fp32 weight 4 + fp32 gradient 4 + Adam m 4 + Adam v 4 (bf16 copies exist only for compute)."""
 BYTES_FROZEN = 2
 """Bytes per frozen parameter: the bf16 weight."""
 BYTES_BF16 = 2
@@ -100,6 +110,7 @@ class ModelShape:
     hidden_size: int | None = None
     linear_shapes: list[tuple[str, int, int]] | None = None
     source: str = "given"
+    param_rows: list[tuple[int, int]] | None = None  # (first dim, elements) of every parameter
 
     def kv_cache_bytes(self, batch: int, seq_len: int) -> int:
         """``2 * layers * kv_heads * head_dim * B * T * 2`` bytes (K and V, bf16).
@@ -194,6 +205,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
         hidden_size=hidden,
         linear_shapes=linears,
         source=os.path.join(path, "config.json") if os.path.isdir(path) else str(path),
+        param_rows=[(p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters()],
     )
 
 
@@ -342,6 +354,8 @@ class MemoryPlan:
         state_bytes: weights, gradients and optimiser state of every model (ZeRO's "model
             states", Rajbhandari et al. 2019, section 3.1).
         total_bytes: ``state_bytes`` + KV cache + logits.
+        world_size, strategy: the ranks and how models are spread over them (every figure is
+            per rank).
         sft_state_bytes: ``state_bytes`` of supervised fine-tuning of the same model (policy only,
             same LoRA setting).
         ratio_to_sft: ``state_bytes / sft_state_bytes``.
@@ -362,6 +376,8 @@ class MemoryPlan:
     total_bytes: int
     sft_state_bytes: int
     ratio_to_sft: float
+    world_size: int = 1
+    strategy: str = "ddp"
     table: str = ""
     json_path: str | None = None
     png_path: str | None = None
@@ -381,6 +397,7 @@ class MemoryPlan:
         """A JSON-ready dict (the shape without its list of linear layers)."""
         d = dataclasses.asdict(self)
         d["shape"].pop("linear_shapes", None)
+        d["shape"].pop("param_rows", None)
         d.pop("table", None)
         d["state_gb"] = self.state_bytes / 1e9
         d["total_gb"] = self.total_bytes / 1e9
@@ -425,7 +442,7 @@ def _model_items(name: str, params: int, trainable: bool, lora: int, note: str =
                 params,
                 BYTES_TRAINABLE,
                 params * BYTES_TRAINABLE,
-                note or "bf16 weights + bf16 grads + fp32 master + 2 fp32 Adam moments",
+                note or "fp32 weights + fp32 grads + 2 fp32 Adam moments",
             )
         ]
     return [MemoryItem(name, "frozen", params, BYTES_FROZEN, params * BYTES_FROZEN, note or "bf16 weights")]
@@ -444,6 +461,8 @@ def plan_memory(
     reference: bool | None = None,
     critic_params: int | None = None,
     reward_params: int | None = None,
+    world_size: int = 1,
+    strategy: str = "ddp",
 ) -> MemoryPlan:
     """The memory bill of ``algorithm`` on a model of ``shape`` (see the module docstring).
 
@@ -460,6 +479,9 @@ def plan_memory(
         critic_params: critic size (default: the policy's, as when the critic is initialised from
             the policy or from a reward model of the policy's size).
         reward_params: reward-model size (default: the policy's).
+        world_size: ranks N (every figure is one rank's).
+        strategy: ``ddp`` (whole models on every rank) or ``fsdp`` (policy, critic and reference
+            sharded N ways; the reward model and the engine's copy whole).
 
     Returns:
         :class:`MemoryPlan`; its ``table`` is filled, no file is written.
@@ -470,6 +492,10 @@ def plan_memory(
             with an inference engine or a reward model.
     """
     needs = _check_algorithm(algorithm)
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"--strategy must be ddp or fsdp, got {strategy!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be an int >= 1, got {world_size!r}")
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
     if (batch is None) != (seq_len is None):
@@ -487,6 +513,8 @@ def plan_memory(
     if algorithm == "sft" and (inference_engine or reward_model):
         raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
     use_reference = needs.reference if reference is None else bool(reference and needs.reference)
+    # fsdp: the engine samples from an unsharded bf16 copy of the policy on every rank, always.
+    inference_engine = inference_engine or (strategy == "fsdp" and world_size > 1 and algorithm != "sft")
     lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
     p = shape.params
 
@@ -522,9 +550,12 @@ def plan_memory(
                 "a bf16 copy of the policy" + (" (adapters merged)" if lora else ""),
             )
         )
+    if strategy == "fsdp" and world_size > 1:
+        items = [_sharded(it, shape, world_size) for it in items]
+    local_batch = -(-batch // world_size) if batch is not None else None  # this rank's sequences
     state_bytes = sum(it.bytes for it in items)
     if inference_engine and batch is not None:
-        kv = shape.kv_cache_bytes(batch, seq_len)
+        kv = shape.kv_cache_bytes(local_batch, seq_len)
         items.append(
             MemoryItem(
                 "KV cache",
@@ -533,11 +564,11 @@ def plan_memory(
                 None,
                 kv,
                 f"2 (K, V) x {shape.num_layers} layers x kv width {shape.num_kv_heads * shape.head_dim} "
-                f"x B {batch} x T {seq_len} x 2 B",
+                f"x B {local_batch} x T {seq_len} x 2 B",
             )
         )
     if batch is not None and shape.vocab_size:
-        logits = batch * seq_len * shape.vocab_size * BYTES_BF16
+        logits = local_batch * seq_len * shape.vocab_size * BYTES_BF16
         items.append(
             MemoryItem(
                 "logits B x T x V",
@@ -545,11 +576,14 @@ def plan_memory(
                 None,
                 None,
                 logits,
-                f"{batch} x {seq_len} x {shape.vocab_size} x 2 B (bf16), if materialised",
+                f"{local_batch} x {seq_len} x {shape.vocab_size} x 2 B (bf16), if materialised",
             )
         )
     total = sum(it.bytes for it in items)
-    sft = sum(it.bytes for it in _model_items("policy", p, True, lora))
+    sft_items = _model_items("policy", p, True, lora)
+    if strategy == "fsdp" and world_size > 1:
+        sft_items = [_sharded(it, shape, world_size) for it in sft_items]
+    sft = sum(it.bytes for it in sft_items)
     plan = MemoryPlan(
         algorithm=algorithm,
         lora_rank=lora_rank,
@@ -564,9 +598,31 @@ def plan_memory(
         total_bytes=total,
         sft_state_bytes=sft,
         ratio_to_sft=state_bytes / sft,
+        world_size=world_size,
+        strategy=strategy,
     )
     plan.table = memory_table(plan)
     return plan
+
+
+_SHARDED = ("policy", "reference", "critic")  # what the trainer's fsdp strategy shards
+
+
+def _sharded(item: MemoryItem, shape: ModelShape, world_size: int) -> MemoryItem:
+    """``item`` as one of ``world_size`` FSDP ranks holds it: 1/N of each parameter's rows (the
+    first dimension padded to a multiple of N, as ``fully_shard`` pads, when the parameter shapes
+    are known; LoRA adapters and given sizes are divided evenly)."""
+    if item.component.split(" (")[0] not in _SHARDED or not item.bytes:
+        return item
+    full = item.params
+    local = -(-full // world_size)
+    if shape.param_rows and full == shape.params and "LoRA" not in item.component:
+        local = sum(-(-rows // world_size) * (numel // rows) for rows, numel in shape.param_rows)
+    return dataclasses.replace(
+        item,
+        bytes=local * item.bytes_per_param,
+        note=f"{item.note}; sharded {world_size} ways: {_count(local)} params on this rank",
+    )
 
 
 def _gb(n: int) -> str:
@@ -599,7 +655,8 @@ def memory_table(plan: MemoryPlan) -> str:
     lines = [
         f"memory bill: {plan.algorithm} ({ALGORITHM_MODELS[plan.algorithm].description}); model "
         f"{_count(plan.shape.params)} params ({plan.shape.source})"
-        + (f", LoRA r={plan.lora_rank}" if plan.lora_rank else ""),
+        + (f", LoRA r={plan.lora_rank}" if plan.lora_rank else "")
+        + (f"; per rank of {plan.world_size} ({plan.strategy})" if plan.world_size > 1 else ""),
         table,
         "",
         f"weights + grads + optimiser state: {_gb(plan.state_bytes)} GB "
@@ -731,6 +788,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="no KL to a reference: drop it")
     p.add_argument("--critic-params", default=None, help="critic size (default: the policy's)")
     p.add_argument("--reward-params", default=None, help="reward-model size (default: the policy's)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks N (torchrun processes): figures per rank")
+    p.add_argument(
+        "--strategy",
+        default="ddp",
+        choices=("ddp", "fsdp"),
+        help="ddp: whole models on every rank; fsdp: policy, critic and reference sharded N ways",
+    )
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where memory.json and memory.png go")
     return p
 
@@ -765,6 +829,8 @@ def main(argv: list[str]) -> str:
         reference=False if args.no_reference else None,
         critic_params=parse_count(args.critic_params, "--critic-params") if args.critic_params else None,
         reward_params=parse_count(args.reward_params, "--reward-params") if args.reward_params else None,
+        world_size=args.world_size,
+        strategy=args.strategy,
     )
     lines = [plan.table]
     if args.inference_engine and args.batch is None:

@@ -23,8 +23,11 @@ from policygrad.rollout.base import Rollout
 __all__ = [
     "PACK_ROW_TOKENS",
     "PLAIN_HEAD_MODEL_TYPES",
+    "call_as_forward",
     "inference_logprobs",
+    "is_sharded_root",
     "lm_loss",
+    "no_grad_context",
     "packed_response_hidden",
     "plain_output_head",
     "policy_logprobs",
@@ -265,6 +268,32 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
     return source.index_select(0, index[mask])
 
 
+def is_sharded_root(model) -> bool:
+    """``model`` is an FSDP2 unit (``fully_shard``) not already running :func:`call_as_forward`."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule) and not model.__dict__.get("_running_as_forward", False)
+
+
+def call_as_forward(model, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` run as ``model``'s forward: through ``model.__call__``, so the hooks
+    FSDP2 puts around an FSDP unit's forward fire. The pre-forward hook gathers the unit's own
+    parameters (a root's embeddings, final norm and output head), the post-forward hook arranges
+    the reduce-scatter of their gradients in the backward. Needed because the kernels here call
+    the decoder and the head weight directly instead of ``model(...)``."""
+
+    def forward(*a, **k):
+        return fn(*a, **k)
+
+    model.__dict__["forward"] = forward  # an instance attribute: __call__ runs it inside the hooks
+    model.__dict__["_running_as_forward"] = True
+    try:
+        return model(*args, **kwargs)
+    finally:
+        del model.__dict__["forward"]
+        model.__dict__["_running_as_forward"] = False
+
+
 def policy_logprobs(
     model,
     rollout: Rollout,
@@ -288,7 +317,24 @@ def policy_logprobs(
     :func:`policygrad.core.logprobs.logprobs_from_hidden` block by block, and positions outside
     the mask get log-prob 0 and entropy 0. Otherwise, or with ``fused_head=False`` (a caller
     that hooks the lm_head module), the [B, T, V] logits are computed at the response positions
-    (every position, masked or not, gets its value)."""
+    (every position, masked or not, gets its value).
+
+    An FSDP2-sharded ``model`` runs this as its own forward (:func:`call_as_forward`), with one
+    decoder call per batch (no prompt sharing): each call all-gathers every layer, so the number
+    of calls must not depend on the data, or the ranks' collectives would not pair up."""
+    if is_sharded_root(model):
+        return call_as_forward(
+            model,
+            policy_logprobs,
+            model,
+            rollout,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            with_entropy=with_entropy,
+            share_prompts=False,
+            fused_head=fused_head,
+        )
     head = plain_output_head(model) if fused_head and not top_k and top_p >= 1.0 else None
     if head is not None:
         decoder, lm_head = head
@@ -329,7 +375,15 @@ def policy_logprobs(
     return logprobs, entropy
 
 
-@torch.inference_mode()
+def no_grad_context(model):
+    """``torch.inference_mode()``, or ``torch.no_grad()`` for an FSDP2 unit: FSDP reuses the
+    buffers it gathers parameters into across passes, and a buffer first written in inference
+    mode cannot be written again outside it (by the training forwards)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()
+
+
 def inference_logprobs(
     model,
     rollout: Rollout,
@@ -349,12 +403,14 @@ def inference_logprobs(
     Returns:
         float32 [B, T], a normal tensor (not an inference tensor), usable next to autograd tensors.
     """
-    out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
-    for start in range(0, rollout.batch_size, micro_batch_size):
-        sub = rollout.select(torch.arange(start, min(start + micro_batch_size, rollout.batch_size))).trim()
-        lp, _ = policy_logprobs(model, sub, temperature=temperature, top_k=top_k, top_p=top_p)
-        out[start : start + sub.batch_size, : lp.shape[1]] = lp
-    return out
+    with no_grad_context(model):
+        out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
+        for start in range(0, rollout.batch_size, micro_batch_size):
+            rows = torch.arange(start, min(start + micro_batch_size, rollout.batch_size))
+            sub = rollout.select(rows).trim()
+            lp, _ = policy_logprobs(model, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+            out[start : start + sub.batch_size, : lp.shape[1]] = lp
+        return out
 
 
 def lm_loss(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

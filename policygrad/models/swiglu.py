@@ -47,6 +47,12 @@ class SwiGLUFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
         need_x, need_gate, need_up, need_down = ctx.needs_input_grad
+        # Under autocast the forward's matmuls ran in gate's dtype (bf16) on float32 weights:
+        # the backward's run in that dtype too, and each gradient returns in its input's dtype.
+        # Without autocast every cast below is a no-op.
+        x_dtype, weight_dtypes = x.dtype, (w_gate.dtype, w_up.dtype, w_down.dtype)
+        x, w_gate, w_up, w_down = (t.to(gate.dtype) for t in (x, w_gate, w_up, w_down))
+        grad_out = grad_out.to(gate.dtype)
         sig = torch.sigmoid(gate)
         silu = gate * sig
         grad_h = grad_out @ w_down  # [..., I]
@@ -69,7 +75,10 @@ class SwiGLUFunction(torch.autograd.Function):
             grad_w_gate = grad_gate.reshape(-1, grad_gate.shape[-1]).t() @ x2
         if need_up:
             grad_w_up = grad_up.reshape(-1, grad_up.shape[-1]).t() @ x2
-        return grad_x, grad_w_gate, grad_w_up, grad_w_down
+        grad_x = grad_x.to(x_dtype) if grad_x is not None else None
+        weight_grads = (grad_w_gate, grad_w_up, grad_w_down)
+        grads = [g.to(dt) if g is not None else None for g, dt in zip(weight_grads, weight_dtypes)]
+        return (grad_x, *grads)
 
 
 class RMSNormFunction(torch.autograd.Function):

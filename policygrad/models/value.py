@@ -141,13 +141,20 @@ class ValueModel(torch.nn.Module):
         and the head with LoRA), detached and contiguous, keyed by parameter name."""
         return {name: p.detach().contiguous() for name, p in self.named_parameters() if p.requires_grad}
 
-    def save(self, folder: str) -> str:
-        """Write :meth:`trainable_state_dict` to ``folder/value_model.safetensors``; returns the path."""
+    def save(self, folder: str, state: dict[str, torch.Tensor] | None = None) -> str:
+        """Write :meth:`trainable_state_dict` to ``folder/value_model.safetensors``; returns the path.
+
+        ``state``: the full weights to take the trainable ones from instead (an FSDP-sharded
+        critic's, gathered by :func:`policygrad.trainer.sharding.full_state_dict`)."""
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, "value_model.safetensors")
-        save_file({k: v.cpu() for k, v in self.trainable_state_dict().items()}, path)
+        if state is None:
+            trainable = self.trainable_state_dict()
+        else:
+            trainable = {n: state[n].contiguous() for n, p in self.named_parameters() if p.requires_grad}
+        save_file({k: v.cpu() for k, v in trainable.items()}, path)
         return path
 
     def load(self, folder: str) -> None:

@@ -37,12 +37,15 @@ class RewardNormalizer:
         mode: one of :data:`REWARD_NORMALIZATIONS`.
         clip: None or a number > 0.
         eps: added to the running std, > 0.
+        reduce: None, or a data-parallel ``reduce(tensor, op) -> tensor`` (sum over ranks): the
+            offset and the running statistics then come from every rank's valid scores, as if
+            the whole batch had been scored in one process.
 
     Raises:
         ValueError: unknown ``mode`` (lists the valid ones), ``clip`` <= 0, ``eps`` <= 0.
     """
 
-    def __init__(self, mode: str = "none", *, clip: float | None = None, eps: float = 1e-8):
+    def __init__(self, mode: str = "none", *, clip: float | None = None, eps: float = 1e-8, reduce=None):
         if mode not in REWARD_NORMALIZATIONS:
             raise ValueError(
                 f"unknown reward normalisation {mode!r}; valid: {', '.join(REWARD_NORMALIZATIONS)}"
@@ -54,6 +57,7 @@ class RewardNormalizer:
         self.mode = mode
         self.clip = clip
         self.eps = eps
+        self.reduce = reduce
         self.offset: float | None = None
         self.count = 0
         self.mean = 0.0
@@ -64,12 +68,26 @@ class RewardNormalizer:
         """Population std of the scores seen so far (0 before any)."""
         return math.sqrt(self.m2 / self.count) if self.count else 0.0
 
+    def _batch_moments(self, values: torch.Tensor) -> tuple[int, float, float]:
+        """Count, mean and sum of squared deviations of the batch (over every rank's values)."""
+        if self.reduce is None:
+            n = values.numel()
+            if n == 0:
+                return 0, 0.0, 0.0
+            batch_mean = values.double().mean().item()
+            return n, batch_mean, ((values.double() - batch_mean) ** 2).sum().item()
+        total = self.reduce(torch.tensor([values.numel(), values.double().sum().item()], dtype=torch.float64))
+        n = int(total[0])
+        if n == 0:
+            return 0, 0.0, 0.0
+        batch_mean = float(total[1]) / n
+        m2 = self.reduce(((values.double() - batch_mean) ** 2).sum().reshape(1))
+        return n, batch_mean, float(m2[0])
+
     def _update(self, values: torch.Tensor) -> None:
-        n = values.numel()
+        n, batch_mean, batch_m2 = self._batch_moments(values)
         if n == 0:
             return
-        batch_mean = values.double().mean().item()
-        batch_m2 = ((values.double() - batch_mean) ** 2).sum().item()
         total = self.count + n
         delta = batch_mean - self.mean
         self.mean += delta * n / total
@@ -108,8 +126,9 @@ class RewardNormalizer:
         if self.mode == "none":
             out = scores.clone()
         elif self.mode == "fixed_offset":
-            if self.offset is None and update and bool(valid.any()):
-                self.offset = scores[valid].double().mean().item()
+            if self.offset is None and update:
+                n, mean, _ = self._batch_moments(scores[valid])
+                self.offset = mean if n else None
             out = scores - (self.offset or 0.0)
         else:
             if update:

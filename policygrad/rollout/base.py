@@ -15,10 +15,18 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
 import numbers
 from collections.abc import Sequence
 
 import torch
+
+
+def prompt_seed(*parts: int) -> int:
+    """A sampling seed in [0, 2**62) that depends on ``parts`` only (SHA-256), e.g. ``(run seed,
+    step, round, global prompt position)``."""
+    digest = hashlib.sha256(":".join(str(int(p)) for p in parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
 
 
 @dataclasses.dataclass
@@ -237,6 +245,8 @@ class RolloutEngine(abc.ABC):
         max_new_tokens: int,
         greedy: bool = False,
         generator_seed: int | None = None,
+        prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch.
 
@@ -251,6 +261,11 @@ class RolloutEngine(abc.ABC):
             greedy: choose the most likely token instead of sampling.
             generator_seed: None samples from torch's global RNG stream; an int makes the result
                 depend on this seed only.
+            prompt_seeds: one int per prompt: prompt i's samples depend on ``prompt_seeds[i]``
+                only, not on the rest of the batch (overrides ``generator_seed``).
+            ignore_eos: every response runs to exactly ``max_new_tokens`` tokens: an
+                end-of-sequence id is sampled and kept as any other token (vLLM's ``ignore_eos``),
+                and no response counts as truncated. For benchmarks of equal work.
 
         Returns:
             A :class:`Rollout` with B = n * G rows.

@@ -28,7 +28,9 @@ class _WarpAndRecord:
     same for the last step.
     """
 
-    def __init__(self, temperature: float, top_k: int | None, top_p: float | None):
+    def __init__(
+        self, temperature: float, top_k: int | None, top_p: float | None, row_keys: torch.Tensor | None = None
+    ):
         from transformers.generation.logits_process import (
             LogitsProcessorList,
             TemperatureLogitsWarper,
@@ -47,6 +49,8 @@ class _WarpAndRecord:
         self.columns: list[torch.Tensor] = []
         self._prev_scores: torch.Tensor | None = None
         self._prev_lse: torch.Tensor | None = None
+        self.row_keys = row_keys  # int64 [B] per-row sampling keys (None: generate samples)
+        self.calls = 0
 
     def _record(self, tokens: torch.Tensor) -> None:
         chosen = self._prev_scores.gather(1, tokens[:, None].long()).squeeze(1)
@@ -58,6 +62,11 @@ class _WarpAndRecord:
         scores = self.warpers(input_ids, scores)
         self._prev_scores = scores
         self._prev_lse = torch.logsumexp(scores, dim=-1)
+        if self.row_keys is not None:
+            # Gumbel-max: argmax(scores + Gumbel noise) is a draw from softmax(scores); generate
+            # runs greedy, and each row's noise depends on its key and the step only.
+            scores = scores + gumbel_noise(self.row_keys, self.calls, scores.shape[1]).to(scores)
+        self.calls += 1
         return scores
 
     def finish(self, last_tokens: torch.Tensor) -> torch.Tensor:
@@ -66,6 +75,43 @@ class _WarpAndRecord:
             self._record(last_tokens)
         self._prev_scores = self._prev_lse = None
         return torch.stack(self.columns, dim=1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed64(value: int) -> int:
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _mix64(x: torch.Tensor) -> torch.Tensor:
+    """SplitMix64's finaliser on int64 tensors (wrapping arithmetic; logical right shifts)."""
+
+    def shr(t, n):
+        return (t >> n) & ((1 << (64 - n)) - 1)
+
+    x = (x ^ shr(x, 30)) * _signed64(0xBF58476D1CE4E5B9)
+    x = (x ^ shr(x, 27)) * _signed64(0x94D049BB133111EB)
+    return x ^ shr(x, 31)
+
+
+def gumbel_noise(keys: torch.Tensor, step: int, vocab: int) -> torch.Tensor:
+    """float64 [B, V] standard Gumbel noise, a pure function of ``(keys[b], step, v)``: a
+    counter-based generator (SplitMix64 of the three), the same numbers on any device and in any
+    batch composition. 53-bit uniforms in (0, 1)."""
+    device = keys.device
+    golden = _signed64(0x9E3779B97F4A7C15)
+    base = _mix64(keys * golden + step)  # [B]
+    x = _mix64(base[:, None] + torch.arange(vocab, device=device, dtype=torch.long)[None, :] * golden)
+    u = (((x >> 11) & ((1 << 53) - 1)).to(torch.float64) + 0.5) * 2.0**-53
+    return -torch.log(-torch.log(u))
+
+
+def sample_keys(prompt_seeds, group_size: int, device) -> torch.Tensor:
+    """int64 [n * G]: the key of sample g of prompt i, a hash of ``(prompt_seeds[i], g)``."""
+    keys = [_signed64(int(s) * 1_000_003 + g) for s in prompt_seeds for g in range(group_size)]
+    return _mix64(torch.tensor(keys, dtype=torch.long, device=device))
 
 
 def _unwrap(model):
@@ -127,6 +173,8 @@ class HFRolloutEngine(RolloutEngine):
         max_new_tokens: int,
         greedy: bool = False,
         generator_seed: int | None = None,
+        prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses per prompt in one batched ``generate`` call.
 
@@ -149,7 +197,11 @@ class HFRolloutEngine(RolloutEngine):
         Randomness: with ``generator_seed=None`` the draws come from torch's global RNG (the
         caller seeds it, e.g. once per step, and the stream advances); with an int the call runs
         inside ``torch.random.fork_rng`` seeded with it, so the result depends on the seed alone
-        and the caller's RNG stream is left untouched.
+        and the caller's RNG stream is left untouched. With ``prompt_seeds`` (one int per prompt)
+        sampling is Gumbel-max with counter-based noise keyed by ``(prompt_seeds[i], g, step)``:
+        a prompt's samples do not depend on the other prompts of the batch, on the batch size or on
+        torch's RNG (up to the last bits of the logits a different padding can move), which is
+        what lets data-parallel ranks split a batch without changing its samples.
 
         Args: see :meth:`RolloutEngine.generate`. ``top_k`` 0 and ``top_p`` 1.0 mean off.
 
@@ -190,10 +242,12 @@ class HFRolloutEngine(RolloutEngine):
         sequences, logprobs = self._run_generate(
             prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
             max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
+            row_keys=None if greedy or prompt_seeds is None else sample_keys(prompt_seeds, G, device),
+            ignore_eos=ignore_eos,
         )
         responses = sequences[:, longest:]
         steps = responses.shape[1]
-        eos = torch.tensor(self.eos_token_ids, device=device)
+        eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.long, device=device)
         is_eos = torch.isin(responses, eos)
         has_eos = is_eos.any(dim=1)
         # argmax returns the first maximum: the first EOS of a row that has one.
@@ -207,7 +261,7 @@ class HFRolloutEngine(RolloutEngine):
             prompt_mask=prompt_mask,
             response_ids=response_ids,
             response_mask=keep.float(),
-            truncated=~has_eos,
+            truncated=~has_eos if not ignore_eos else torch.zeros_like(has_eos),
             sampler_logprobs=sampler_logprobs,
             group_index=group_index,
             group_size=G,
@@ -218,12 +272,13 @@ class HFRolloutEngine(RolloutEngine):
         )
 
     def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,
-                      generator_seed):
+                      generator_seed, row_keys=None, ignore_eos=False):
         """``sequences`` LongTensor [B, P + steps] and log-probs FloatTensor [B, steps]."""
         from transformers import GenerationConfig
         from transformers.generation.logits_process import LogitsProcessorList
 
-        recorder = _WarpAndRecord(temperature, top_k, top_p)
+        recorder = _WarpAndRecord(temperature, top_k, top_p, row_keys)
+        greedy = greedy or row_keys is not None  # Gumbel-max: the noise is in the scores
         generation_config = GenerationConfig(
             do_sample=not greedy,
             num_beams=1,
@@ -235,7 +290,7 @@ class HFRolloutEngine(RolloutEngine):
             repetition_penalty=1.0,
             no_repeat_ngram_size=0,
             use_cache=True,
-            eos_token_id=list(self.eos_token_ids),
+            eos_token_id=list(self.eos_token_ids) if not ignore_eos else None,  # None: never stop early
             pad_token_id=self.pad_token_id,
             return_dict_in_generate=False,
             output_scores=False,

@@ -368,6 +368,8 @@ class VLLMRolloutEngine(RolloutEngine):
         max_new_tokens: int,
         greedy: bool = False,
         generator_seed: int | None = None,
+        prompt_seeds: list[int] | None = None,
+        ignore_eos: bool = False,
     ) -> Rollout:
         """Sample ``group_size`` responses per prompt in one ``llm.generate`` call.
 
@@ -388,7 +390,8 @@ class VLLMRolloutEngine(RolloutEngine):
         sample seed + g), so the result depends on ``generator_seed`` alone; with None the seeds
         are drawn with ``torch.randint`` from torch's global generator (n draws), so seeding torch
         before the call makes it reproducible. Either way vLLM's internal use of torch's RNG is
-        undone (``fork_rng``).
+        undone (``fork_rng``). With ``prompt_seeds``, prompt i's request has seed
+        ``prompt_seeds[i]`` (mod 2**62), whatever else is in the batch.
 
         Source: the log-probs must be those of the behaviour distribution actually sampled (the
         truncated, renormalised one), or the importance ratio ``pi / pi_old`` (Schulman et al.
@@ -427,12 +430,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
         G, n, pad = int(group_size), len(prompts), self.pad_token_id
         max_new_tokens = int(max_new_tokens)
-        if generator_seed is None:
+        if prompt_seeds is not None:
+            seeds = [int(s) % 2**62 for s in prompt_seeds]
+        elif generator_seed is None:
             seeds = torch.randint(0, 2**62, (n,), dtype=torch.long).tolist()
         else:
             seeds = [_request_seed(int(generator_seed), i) for i in range(n)]
         params = [
-            self._sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, s) for s in seeds
+            self._sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, s, ignore_eos)
+            for s in seeds
         ]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
@@ -441,7 +447,7 @@ class VLLMRolloutEngine(RolloutEngine):
         responses = torch.full((n * G, max_new_tokens), pad, dtype=torch.long)
         logprobs = torch.zeros((n * G, max_new_tokens), dtype=torch.float32)
         lengths = torch.zeros(n * G, dtype=torch.long)
-        eos = set(self.eos_token_ids)
+        eos = set(self.eos_token_ids) if not ignore_eos else set()  # ignore_eos: EOS is a plain token
         for i, out in enumerate(outputs):
             completions = sorted(out.outputs, key=lambda c: c.index)
             if greedy:
@@ -489,7 +495,7 @@ class VLLMRolloutEngine(RolloutEngine):
             prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
             response_ids=responses[:, :T].masked_fill(~keep, pad),
             response_mask=keep.float(),
-            truncated=~has_eos,
+            truncated=~has_eos if not ignore_eos else torch.zeros_like(has_eos),
             sampler_logprobs=torch.where(keep, logprobs[:, :T], torch.zeros(())),
             group_index=torch.arange(n).repeat_interleave(G),
             group_size=G,
@@ -499,13 +505,14 @@ class VLLMRolloutEngine(RolloutEngine):
             greedy=bool(greedy),
         )
 
-    def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed):
+    def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos):
         from vllm import SamplingParams
 
         common = dict(
             max_tokens=max_new_tokens,
             logprobs=0,  # the sampled token's log-prob only
-            stop_token_ids=list(self.eos_token_ids),
+            stop_token_ids=list(self.eos_token_ids) if not ignore_eos else [],
+            ignore_eos=ignore_eos,
             detokenize=False,
         )
         if greedy:  # vLLM's greedy mode needs n=1; the G rows are copies

@@ -87,10 +87,12 @@ def build_models(
     model=None,
     tokenizer=None,
     run_dir: str | None = None,
+    policy_dtype: torch.dtype | None = None,
 ) -> Models:
     """Load the policy (a trained adapter to start from, LoRA, memory-efficient MLPs, checkpoint
     weights, gradient checkpointing) and, when the KL placement needs one, the reference: the
-    starting policy, frozen.
+    starting policy, frozen. The policy's parameters are ``policy_dtype`` (the precision's:
+    float32 unless bf16-pure; None: ``dtype``), the frozen reference's ``dtype``.
 
     Args:
         cfg: the run's config (``model`` section).
@@ -109,15 +111,16 @@ def build_models(
     from policygrad.models.swiglu import use_memory_efficient_mlp
     from policygrad.trainer.checkpoint import load_policy_weights
 
+    trained = policy_dtype or dtype
     source = None
     if model is None:
         source = resolve_model_source(cfg.model.name, cfg.model.adapter)
         trust = cfg.model.trust_remote_code  # False: a model folder's own code never runs, never asks
         tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=trust)
-        policy = load_model(source, dtype=dtype, trainable=True, trust_remote_code=trust).to(device)
+        policy = load_model(source, dtype=trained, trainable=True, trust_remote_code=trust).to(device)
         model_path = source.base
     else:
-        policy, tokenizer, model_path = adopt_model(model, tokenizer, dtype=dtype, run_dir=run_dir)
+        policy, tokenizer, model_path = adopt_model(model, tokenizer, dtype=trained, run_dir=run_dir)
         policy = policy.to(device)
     from_adapter = is_peft_model(policy)
     lora = cfg.model.lora
@@ -147,7 +150,7 @@ def build_models(
     if isinstance(start, FrozenStart):
         as_reference = start.active
     elif isinstance(start, torch.nn.Module):
-        reference = start.eval().requires_grad_(False)
+        reference = start.eval().requires_grad_(False).to(dtype)
     elif needs_reference and lora.rank > 0:
         as_reference = policy.disable_adapter  # LoRA: the base weights are the starting policy
     elif needs_reference:
@@ -321,8 +324,12 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, 
         raise
 
 
-def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dtype: torch.dtype, checkpoint):
-    """The value model and its :class:`~policygrad.trainer.critic.CriticTrainer` (None without a critic)."""
+def build_critic(
+    cfg: TrainConfig, *, model_path: str, device: torch.device, dtype: torch.dtype, checkpoint, prepare=None
+):
+    """The value model and its :class:`~policygrad.trainer.critic.CriticTrainer` (None without a
+    critic). ``prepare(critic)``, when given, runs after the checkpoint weights load and before
+    the optimizer is built on the parameters (FSDP sharding)."""
     if not cfg.uses_critic:
         return None
     from policygrad.models.value import load_value_model
@@ -344,6 +351,8 @@ def build_critic(cfg: TrainConfig, *, model_path: str, device: torch.device, dty
     )
     if checkpoint is not None:
         critic.load(os.path.join(checkpoint, "critic"))
+    if prepare is not None:
+        prepare(critic)
     return CriticTrainer(
         critic,
         lr=c.lr,

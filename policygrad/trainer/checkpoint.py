@@ -4,7 +4,12 @@ A checkpoint folder holds ``model/`` (safetensors weights, or the LoRA adapter, 
 tokenizer: a complete model folder for ``policygrad eval --model``), ``trainer_state.pt``
 (optimizer, schedule, KL controller, data position, RNG states, reward normaliser, PPO-ptx
 position, update counts; loaded with ``weights_only=True``, so a crafted file cannot run code),
-with a critic ``critic/``, and the completion marker ``COMPLETE``.
+with a critic ``critic/``, and the completion marker ``COMPLETE``. A run whose networks are
+FSDP-sharded (``distributed.strategy: fsdp``) also writes ``sharded/``, a
+``torch.distributed.checkpoint`` folder in which every rank writes its shards of the policy's (and
+critic's) weights and AdamW state; its ``trainer_state.pt`` then holds no optimizer tensors.
+Every checkpoint resumes with any number of ranks and either strategy: ``sharded/`` is resharded
+on load, and a full optimizer state is sharded on load (:func:`restore_trainer_state`).
 
 A checkpoint is a transaction (:func:`save_checkpoint`): everything is written into a hidden
 sibling folder ``.step_N.tmp-PID``, every file and folder is fsynced, the folder is renamed to
@@ -22,6 +27,7 @@ import pickle
 import random
 import shutil
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -42,6 +48,7 @@ __all__ = [
     "recover_interrupted_saves",
     "restore_trainer_state",
     "save_checkpoint",
+    "save_sharded_state",
     "trainer_state",
 ]
 
@@ -49,6 +56,7 @@ log = logging.getLogger("policygrad")
 
 STATE_FILE = "trainer_state.pt"
 COMPLETE_FILE = "COMPLETE"
+SHARDED_DIR = "sharded"
 
 
 def checkpoint_path(run_dir: str, step: int) -> str:
@@ -166,32 +174,45 @@ def _write_reason(exc: BaseException) -> str:
 
 
 def save_checkpoint(
-    path: str, *, policy, tokenizer, state: dict[str, Any], critic=None, model_card: str | None = None
+    path: str,
+    *,
+    policy,
+    tokenizer,
+    state: dict[str, Any],
+    critic=None,
+    model_card: str | None = None,
+    critic_state: dict[str, torch.Tensor] | None = None,
+    tmp: str | None = None,
 ) -> str:
     """Write the checkpoint folder ``path`` as a transaction (see the module docstring): the
     policy (``save_pretrained``, safetensors; the adapter with LoRA), tokenizer and ``model_card``
     (``README.md``, :mod:`policygrad.trainer.export`) under ``model/``, ``state`` as
-    ``trainer_state.pt``, the critic under ``critic/`` when given, then the completion marker.
-    Returns ``path``.
+    ``trainer_state.pt``, the critic under ``critic/`` when given (``critic_state``: its full
+    weights, when the critic itself is sharded), then the completion marker. Returns ``path``.
+
+    ``tmp``: the temporary folder to complete, already holding what the ranks wrote into it
+    (``sharded/``, :func:`save_sharded_state`); default a fresh ``.step_N.tmp-PID``.
 
     Raises:
         CheckpointSaveError: a write failed (full disk, read-only folder, ...): nothing of this
             checkpoint is left, an older ``path`` and every other checkpoint are untouched.
     """
     parent, name = os.path.split(os.path.normpath(path))
-    tmp = os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+    prepared = tmp is not None
+    tmp = tmp or temp_folder(path)
     old = os.path.join(parent, f".{name}.old-{os.getpid()}")
     try:
         os.makedirs(parent, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
+        if not prepared:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
         policy.save_pretrained(os.path.join(tmp, "model"), safe_serialization=True)
         tokenizer.save_pretrained(os.path.join(tmp, "model"))
         if model_card is not None:  # after save_pretrained, whose template it replaces
             with open(os.path.join(tmp, "model", "README.md"), "w", encoding="utf-8") as f:
                 f.write(model_card)
         if critic is not None:
-            critic.save(os.path.join(tmp, "critic"))
+            critic.save(os.path.join(tmp, "critic"), state=critic_state)
         torch.save(state, os.path.join(tmp, STATE_FILE))
         files = _files_with_sizes(tmp)
         _fsync_tree(tmp)
@@ -218,15 +239,80 @@ def save_checkpoint(
     return path
 
 
+def temp_folder(path: str) -> str:
+    """The hidden folder a save of checkpoint ``path`` writes into before it is renamed."""
+    parent, name = os.path.split(os.path.normpath(path))
+    return os.path.join(parent, f".{name}.tmp-{os.getpid()}")
+
+
+def _sharded_models(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
+    models = {"policy": (trainer.policy, trainer.optimizer)}
+    if trainer.critic_trainer is not None:
+        models["critic"] = (trainer.critic, trainer.critic_trainer.optimizer)
+    return models
+
+
+def save_sharded_state(folder: str, trainer) -> None:
+    """Write the policy's (and critic's) weights and optimizer state with
+    ``torch.distributed.checkpoint``: every rank writes its own shards into ``folder`` (a
+    collective; every rank calls it with the same folder)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    state = {}
+    for name, (model, optimizer) in _sharded_models(trainer).items():
+        weights, optim = get_state_dict(model, optimizer)
+        state[name], state[f"{name}_optimizer"] = weights, optim
+    dcp.save(state, checkpoint_id=folder)
+
+
+def _load_sharded_state(folder: str, trainer) -> None:
+    """Load :func:`save_sharded_state`'s folder into the trainer's networks and optimizers,
+    resharded to this run's ranks (or into whole networks in one process)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    models = _sharded_models(trainer)
+    state = {}
+    for name, (model, optimizer) in models.items():
+        state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=folder)
+    for name, (model, optimizer) in models.items():
+        set_state_dict(
+            model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"]
+        )
+
+
+def _load_full_optimizer(model, optimizer, saved: dict[str, Any]) -> None:
+    """A whole-network optimizer state (``optimizer.state_dict()``: parameters by position) into
+    ``optimizer``, whose parameters may be FSDP shards (each rank keeps its shard)."""
+    from policygrad.trainer.sharding import is_sharded
+
+    if not is_sharded(model):
+        optimizer.load_state_dict(saved)
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the order optimizers see
+    by_name = {
+        "state": {names[i]: value for i, value in saved["state"].items()},
+        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
 def trainer_state(trainer) -> dict[str, Any]:
     """What a :class:`~policygrad.trainer.loop.Trainer` needs to continue exactly where it is:
     step, data position, optimizer, schedule, KL controller, reward normaliser, RNG states; with
     a critic its optimizer and schedule; with PPO-ptx the text position; the counts of applied
     and skipped updates (:class:`~policygrad.trainer.health.UpdateWatch`)."""
+    sharded = getattr(trainer, "strategy", None) == "fsdp"  # optimizer tensors go to sharded/
     state = {
         "step": trainer.step_idx,
         "data_position": trainer.stream.position,
-        "optimizer": trainer.optimizer.state_dict(),
+        "optimizer": None if sharded else trainer.optimizer.state_dict(),
         "scheduler": trainer.scheduler.state_dict(),
         "kl_controller": trainer.kl_ctl.state_dict(),
         "reward_normalizer": trainer.scorer.normalizer.state_dict(),
@@ -235,8 +321,12 @@ def trainer_state(trainer) -> dict[str, Any]:
     }
     if trainer.critic_trainer is not None:
         state["critic"] = trainer.critic_trainer.state_dict()
+        if sharded:
+            state["critic"]["optimizer"] = None
     if trainer.ptx_data is not None:
         state["ptx_position"] = trainer.ptx_data.position
+    if sharded:
+        state["sharded"] = SHARDED_DIR
     return state
 
 
@@ -248,7 +338,17 @@ def restore_trainer_state(trainer, state: dict[str, Any], path: str) -> None:
     """
     trainer.step_idx = state["step"]
     trainer.stream.position = state["data_position"]
-    trainer.optimizer.load_state_dict(state["optimizer"])
+    if trainer.critic_trainer is not None and "critic" not in state:
+        raise CheckpointError(
+            f"checkpoint {path} has no critic state; it was written by a run without a critic"
+        )
+    if state.get("sharded"):  # an FSDP run's checkpoint: resharded to this run's ranks
+        _load_sharded_state(os.path.join(path, state["sharded"]), trainer)
+    else:
+        _load_full_optimizer(trainer.policy, trainer.optimizer, state["optimizer"])
+        critic = trainer.critic_trainer
+        if critic is not None:
+            _load_full_optimizer(trainer.critic, critic.optimizer, state["critic"]["optimizer"])
     fused = trainer.optimizer.defaults.get("fused")
     for group in trainer.optimizer.param_groups:  # a checkpoint may carry another implementation
         group["fused"] = fused
@@ -257,11 +357,7 @@ def restore_trainer_state(trainer, state: dict[str, Any], path: str) -> None:
     if "reward_normalizer" in state:
         trainer.scorer.normalizer.load_state_dict(state["reward_normalizer"])
     if trainer.critic_trainer is not None:
-        if "critic" not in state:
-            raise CheckpointError(
-                f"checkpoint {path} has no critic state; it was written by a run without a critic"
-            )
-        trainer.critic_trainer.load_state_dict(state["critic"])
+        trainer.critic_trainer.scheduler.load_state_dict(state["critic"]["scheduler"])
     if trainer.ptx_data is not None:
         trainer.ptx_data.position = state.get("ptx_position", 0)
     if "updates" in state:

@@ -127,7 +127,12 @@ class ModelConfig:
     """The policy. ``name``: ``bundled:smollm2-135m-instruct``, a local HF folder, or a hub id.
 
     ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
-    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one.
+    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
+    of the frozen networks (reference, reward models, vLLM's weights); the trained ones follow
+    ``precision``: ``fp32``, ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute
+    under autocast), ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away;
+    an explicit opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
+    fp32); see :mod:`policygrad.trainer.precision`.
 
     ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
     weights (transformers' ``trust_remote_code``). Off by default, and never asked interactively:
@@ -142,6 +147,7 @@ class ModelConfig:
 
     name: str = "bundled:smollm2-135m-instruct"
     dtype: str = "auto"
+    precision: str = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
@@ -151,6 +157,7 @@ class ModelConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
         _check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        _check_choice(f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure"})
         self.lora.validate(f"{path}.lora")
         if self.adapter is not None and self.lora.rank > 0:
             raise ConfigError(
@@ -214,9 +221,19 @@ class RolloutConfig:
     al. 2025, truncated importance sampling): ``none``, ``token`` or ``sequence`` weights
     ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
     the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
-    of every token is multiplied by its weight."""
+    of every token is multiplied by its weight.
+
+    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
+    so its samples do not depend on the batch or rank it is in; always on with more than one
+    process. Off (the default) in one process keeps the earlier sampling stream.
+
+    ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
+    id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
+    counts as truncated. For measuring equal work (benchmarks), not for training a model to stop."""
 
     engine: str = "auto"
+    per_prompt_seeds: bool = False
+    ignore_eos: bool = False
     prompts_per_step: int = 4
     group_size: int = 8
     temperature: float = 1.0
@@ -613,6 +630,30 @@ class DynamicSamplingConfig:
         _check_positive(f"{path}.max_extra_rounds", self.max_extra_rounds, allow_zero=True)
 
 
+@dataclass
+class DistributedConfig:
+    """How a run started by torchrun (``torchrun --nproc_per_node=N -m policygrad train ...``)
+    spreads the trained networks over its processes; ignored in one process.
+
+    ``strategy``: ``ddp`` (every rank holds the whole policy, critic and reference; gradients
+    are summed over ranks after the backward passes), ``fsdp`` (FSDP2's ``fully_shard`` per
+    decoder layer, then the root, for the policy, the critic and the reference: each rank holds
+    1/N of the parameters, gradients and AdamW state; the rollout engine gets the full weights
+    after each update), or ``auto`` (``fsdp`` on CUDA, ``ddp`` on CPU). See
+    :mod:`policygrad.trainer.distributed` and :mod:`policygrad.trainer.sharding`."""
+
+    strategy: str = "auto"
+
+    def validate(self, path: str) -> None:
+        _check_choice(f"{path}.strategy", self.strategy, {"auto", "ddp", "fsdp"})
+
+    def resolved(self, device_type: str) -> str:
+        """``ddp`` or ``fsdp`` (``auto``: fsdp on CUDA, ddp elsewhere)."""
+        if self.strategy != "auto":
+            return self.strategy
+        return "fsdp" if device_type == "cuda" else "ddp"
+
+
 def reward_component_names(functions: list[str]) -> list[str]:
     """The component names of ``reward.functions``, in order: each entry (``reward_model`` for a
     ``reward_model:/folder`` entry), and ``name#k`` for the k-th occurrence (k >= 2) of a repeated
@@ -694,6 +735,7 @@ class TrainConfig:
     critic: CriticConfig = field(default_factory=CriticConfig)
     ptx: PtxConfig = field(default_factory=PtxConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -717,7 +759,7 @@ class TrainConfig:
         _check_positive("save_every_minutes", self.save_every_minutes, allow_zero=True)
         _check_positive("max_skipped_updates", self.max_skipped_updates, allow_zero=True)
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
-        for name in (*sections, "dynamic_sampling"):
+        for name in (*sections, "dynamic_sampling", "distributed"):
             getattr(self, name).validate(name)
         if self.kl_placement.needs_reference and (self.rollout.top_k or self.rollout.top_p < 1.0):
             raise ConfigError(

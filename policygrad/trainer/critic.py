@@ -14,6 +14,7 @@ import torch
 
 from policygrad.core.losses import value_loss
 from policygrad.core.masking import aggregate
+from policygrad.models.forward import no_grad_context
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.optim import OptimizerStep, make_adamw
 
@@ -55,6 +56,9 @@ class CriticTrainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
         self.clip_range = clip_range
         self.micro_batch_size = micro_batch_size
+        self.reduce = None  # data-parallel: sums over ranks (the step's sync is set on ``step``)
+        self.equal_passes = None  # FSDP: as PolicyStep.equal_passes, with ``idle_batch``
+        self.idle_batch = None
         self.step = OptimizerStep(
             self.optimizer,
             self.scheduler,
@@ -66,7 +70,7 @@ class CriticTrainer:
     def values(self, rollout) -> torch.Tensor:
         """float32 [B, T] ``V(s_t)`` of a rollout at rollout time (no gradient), in micro-batches."""
         chunks = []
-        with torch.inference_mode():
+        with no_grad_context(self.critic):
             for start in range(0, rollout.batch_size, self.micro_batch_size):
                 rows = torch.arange(start, min(start + self.micro_batch_size, rollout.batch_size))
                 chunks.append(self.critic.response_values(rollout.select(rows)))
@@ -86,13 +90,20 @@ class CriticTrainer:
             untouched.
         """
         num_tokens = batch.critic_mask.sum()
+        if self.reduce is not None:  # data-parallel: the count (and below the metrics) of all ranks
+            num_tokens = self.reduce(num_tokens)
         if num_tokens.item() == 0:
             return {}
         self.critic.train()
         clipped = [0.0]
 
+        micros = list(batch.micro_batches(self.micro_batch_size))
+        idle = self.equal_passes(len(micros)) - len(micros) if self.equal_passes is not None else 0
+
         def losses():
-            for micro in batch.micro_batches(self.micro_batch_size):
+            for _ in range(idle):  # FSDP: this rank's share of the minibatch is smaller
+                yield self.critic.response_values(self.idle_batch.rollout).sum() * 0.0
+            for micro in micros:
                 values = self.critic.response_values(micro.rollout)
                 loss_mat, metrics = value_loss(
                     values, micro.values, micro.returns, micro.critic_mask, clip_range=self.clip_range
@@ -105,6 +116,9 @@ class CriticTrainer:
         if not out.applied:
             return {"skipped": 1.0, "num_tokens": float(num_tokens), "grad_norm": grad_norm}
         n = float(num_tokens)
+        if self.reduce is not None:
+            summed = self.reduce(torch.tensor([out.loss, clipped[0]], dtype=torch.float64))
+            out.loss, clipped[0] = summed.tolist()
         return {
             "vf_loss": out.loss,
             "vf_clipfrac": clipped[0] / n,

@@ -16,9 +16,10 @@ import torch
 
 from policygrad.rollout.base import Rollout
 
-__all__ = ["Experience"]
+__all__ = ["PER_TOKEN_FIELDS", "Experience"]
 
 _PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns", "critic_mask")
+PER_TOKEN_FIELDS = _PER_TOKEN  # the [B, T] fields (or None), e.g. for gathering over ranks
 
 
 @dataclass(frozen=True)
@@ -73,19 +74,33 @@ class Experience:
         return dataclasses.replace(self, rollout=rollout, **changes)
 
     def minibatches(
-        self, epochs: int, num_minibatches: int, generator: torch.Generator
+        self,
+        epochs: int,
+        num_minibatches: int,
+        generator: torch.Generator,
+        shard: tuple[int, int] | None = None,
     ) -> Iterator[Experience]:
         """``epochs`` passes of ``num_minibatches`` views each. Each epoch draws a fresh row
         permutation from ``generator`` when there is more than one minibatch (drawn lazily, one per
-        epoch, so an update that stops early draws no more)."""
+        epoch, so an update that stops early draws no more).
+
+        ``shard = (offset, global_rows)``: this record holds rows ``offset .. offset + B - 1`` of a
+        global batch of ``global_rows`` split over data-parallel ranks; the permutation is of the
+        global batch (every rank draws the same one) and each view holds this record's rows of a
+        global minibatch (possibly none), so minibatches are those of a single-process run."""
+        B = self.batch_size
+        offset, total = shard if shard is not None else (0, B)
         for _ in range(epochs):
-            B = self.batch_size
-            order = torch.randperm(B, generator=generator) if num_minibatches > 1 else torch.arange(B)
+            order = torch.randperm(total, generator=generator) if num_minibatches > 1 else torch.arange(total)
             for rows in torch.tensor_split(order, num_minibatches):
+                if shard is not None:
+                    rows = rows[(rows >= offset) & (rows < offset + B)] - offset
                 yield self.select(rows)
 
     def micro_batches(self, size: int) -> Iterator[Experience]:
-        """Consecutive views of at most ``size`` rows (untrimmed)."""
+        """Consecutive views of at most ``size`` rows (untrimmed); none for an empty record."""
+        if self.batch_size == 0:
+            return
         for index in torch.split(torch.arange(self.batch_size), size):
             yield self.select(index)
 

@@ -34,6 +34,7 @@ def check_finite_weights(model, what: str) -> None:
 
     with torch.no_grad():
         for name, param in model.named_parameters():
+            param = param.to_local() if hasattr(param, "to_local") else param  # FSDP: this rank's shard
             if param.is_floating_point() and not bool(torch.isfinite(param).all()):
                 bad = int((~torch.isfinite(param)).sum())
                 raise ConfigError(

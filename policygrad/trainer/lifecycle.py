@@ -23,6 +23,7 @@ from policygrad.trainer.checkpoint import (
     trainer_state,
 )
 from policygrad.trainer.config import ConfigError
+from policygrad.trainer.distributed import NullLogger
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.trainer.evaluate import evaluate as evaluate_rows
 from policygrad.trainer.evaluate import write_jsonl
@@ -100,13 +101,21 @@ class RunLifecycle:
     def _take_run_dir(self, resume_from: str | None, changes: dict[str, tuple[Any, Any]]) -> None:
         """Lock the run directory and write the run's files: a new run deletes what an old run
         wrote there (``overwrite``) and writes ``config.yaml``; a resumed one tidies interrupted
-        saves, records changed options and drops metrics logged after its checkpoint."""
+        saves, records changed options and drops metrics logged after its checkpoint. Data-parallel:
+        rank 0 alone; the other ranks write nothing."""
         cfg = self.config
+        if not self.dist.is_main:
+            self.logger = NullLogger()
+            return
         new_folder = not os.path.exists(self.run_dir)
+        # A caller's model object without a folder of its own was written to start_model/ while
+        # the run was built (engines and critics load from a folder): it is this run's, not an old one's.
+        start_model = os.path.join(self.run_dir, "start_model")
+        ours = ("start_model",) if os.path.realpath(self.model_path) == os.path.realpath(start_model) else ()
         self._lock = rundir.RunLock.acquire(self.run_dir)
         try:  # what was checked at the start still holds now that the folder is ours
             if resume_from is None:
-                rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite, owned=True)
+                rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite, owned=True, keep=ours)
             elif find_checkpoints(self.run_dir)[0] != checkpoint_path(self.run_dir, self.step_idx):
                 raise TrainingError(
                     f"--resume {resume_from}: another run wrote a newer checkpoint while this one was "
@@ -117,7 +126,7 @@ class RunLifecycle:
             raise
         try:
             if resume_from is None:
-                removed = rundir.remove_run_files(self.run_dir)
+                removed = rundir.remove_run_files(self.run_dir, keep=ours)
                 if removed:
                     log.info(
                         "--overwrite: deleted %d files and folders of the previous run in %s",
@@ -171,7 +180,7 @@ class RunLifecycle:
             samples) are also written to ``RUN_DIR/<tag>.jsonl``.
         """
         rows = self.eval_rows if rows is None else rows
-        if not rows:
+        if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg = self.config
         scores, records = evaluate_rows(
@@ -230,19 +239,30 @@ class RunLifecycle:
             self.logger.log(0, scores)
             log.info("held-out greedy accuracy before training: %.3f (%d problems)", acc, len(self.eval_rows))
         bar = tqdm(
-            total=cfg.steps, initial=self.step_idx, disable=not cfg.progress, desc="train", dynamic_ncols=True
+            total=cfg.steps,
+            initial=self.step_idx,
+            disable=not cfg.progress or not self.dist.is_main,
+            desc="train",
+            dynamic_ncols=True,
         )
         stopped_early = False
         last_save = time.perf_counter()
+        interrupted = None
         with StopSignals() as signals:  # Ctrl-C / SIGTERM: stop after the current step
-            while self.step_idx < cfg.steps and not signals.received:
-                if cfg.max_minutes is not None and (time.perf_counter() - start) / 60 > cfg.max_minutes:
+            while self.step_idx < cfg.steps:
+                # Data-parallel, every rank takes the same decisions: a signal on any rank stops
+                # them all (torchrun forwards one to each), and rank 0's clock decides the time.
+                interrupted = self._agreed_signal(signals.received)
+                if interrupted:
+                    break
+                minutes = (time.perf_counter() - start) / 60
+                if self.dist.first(cfg.max_minutes is not None and minutes > cfg.max_minutes):
                     stopped_early = True
                     break
                 safe = self._safe_point()
                 try:
                     self._train_step(bar)
-                    if self._checkpoint_due(last_save):
+                    if self.dist.first(self._checkpoint_due(last_save)):
                         self.save_checkpoint()
                         last_save = time.perf_counter()
                 except Exception as exc:
@@ -255,13 +275,13 @@ class RunLifecycle:
             summary["train_minutes"] = (time.perf_counter() - start) / 60
             if self.step_idx and self._saved_step != self.step_idx:
                 self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
-        if signals.received:
-            summary["interrupted"] = signals.received
+        if interrupted:
+            summary["interrupted"] = interrupted
             self._write_summary(summary)
             log.warning(
                 "stopped by %s after step %d; checkpoint %s is saved; continue with: "
                 "policygrad train --resume %s",
-                signals.received,
+                interrupted,
                 self.step_idx,
                 checkpoint_path(self.run_dir, self._saved_step or 0),
                 self.run_dir,
@@ -310,6 +330,12 @@ class RunLifecycle:
                 bar.write(f"  [step {self.step_idx}] reward={sample['reward']:.2f} {text!r}")
         self.watch.observe(metrics)
 
+    def _agreed_signal(self, received: str | None) -> str | None:
+        """The signal that stops the run: this process's, or with several ranks, any rank's."""
+        if not self.dist.active:
+            return received
+        return (received or "SIGTERM") if self.dist.any(received is not None) else None
+
     def _checkpoint_due(self, last_save: float) -> bool:
         cfg = self.config
         by_steps = bool(cfg.save_every) and self.step_idx % cfg.save_every == 0
@@ -332,6 +358,11 @@ class RunLifecycle:
         state, steps_then = safe
         if isinstance(exc, CheckpointSaveError) or not self.step_idx:
             return  # the save itself failed (the disk is full), or no step was completed
+        if self.strategy == "fsdp":
+            # A sharded save needs every rank, and the others are not here: the newest checkpoint stands.
+            log.warning("note: a sharded run cannot save after an error on one rank; the newest checkpoint "
+                        "is of step %s", self._saved_step)
+            return
         if self.step_idx == state["step"] and self._optimizer_steps() != steps_then:
             log.warning(
                 "note: the error came during the update of step %d, so that step cannot be saved; the newest "
@@ -357,6 +388,8 @@ class RunLifecycle:
         )
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
         rundir.atomic_write_text(os.path.join(self.run_dir, "summary.json"), json.dumps(summary, indent=2))
 
     def close(self) -> None:
@@ -383,16 +416,55 @@ class RunLifecycle:
         """
         state = trainer_state(self) if state is None else state
         path = checkpoint_path(self.run_dir, state["step"])
-        save_checkpoint(
-            path,
-            policy=self.policy,
-            tokenizer=self.tokenizer,
-            state=state,
-            critic=self.critic,
-            model_card=self.model_card(state["step"]),
-        )
+        if self.strategy == "fsdp":
+            self._save_sharded(path, state)
+        elif self.dist.is_main:  # ddp: every rank holds the same full weights and state
+            save_checkpoint(
+                path,
+                policy=self.policy,
+                tokenizer=self.tokenizer,
+                state=state,
+                critic=self.critic,
+                model_card=self.model_card(state["step"]),
+            )
         self._saved_step = state["step"]
         return path
+
+    def _save_sharded(self, path: str, state: dict[str, Any]) -> None:
+        """An FSDP run's checkpoint: every rank writes its shards (``sharded/``) into rank 0's
+        temporary folder, then rank 0 writes the unsharded model folder (from the engine's full
+        copy, refreshed here), the critic's gathered weights and the trainer state, and completes
+        the transaction. A collective: every rank calls it."""
+        import shutil
+
+        from policygrad.trainer.checkpoint import SHARDED_DIR, save_sharded_state, temp_folder
+        from policygrad.trainer.sharding import copy_full_weights, full_state_dict
+
+        tmp = self.dist.broadcast_object(temp_folder(path) if self.dist.is_main else None)
+        if self.dist.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        self.dist.barrier()
+        try:
+            save_sharded_state(os.path.join(tmp, SHARDED_DIR), self)
+            copy_full_weights(self.policy, self.full_policy)
+            critic_state = full_state_dict(self.critic, rank0_cpu=True) if self.critic is not None else None
+        except Exception as exc:
+            if self.dist.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(f"could not write the shards of checkpoint {path}: {exc}") from exc
+        if self.dist.is_main:
+            save_checkpoint(
+                path,
+                policy=self.full_policy,
+                tokenizer=self.tokenizer,
+                state=state,
+                critic=self.critic,
+                critic_state=critic_state,
+                model_card=self.model_card(state["step"]),
+                tmp=tmp,
+            )
+        self.dist.barrier()  # the checkpoint is complete before any rank goes on
 
     def model_card(self, step: int, *, kind: str | None = None) -> str:
         """The ``README.md`` of a model folder this run exports at ``step`` (see
@@ -415,5 +487,8 @@ class RunLifecycle:
         from policygrad.trainer.export import export_merged
 
         folder = folder or os.path.join(self.run_dir, "merged_model")
+        if not self.dist.is_main:
+            return folder
         card = self.model_card(self.step_idx, kind="merged model")
-        return export_merged(self.policy, self.tokenizer, folder, card=card)
+        policy = self.full_policy if self.full_policy is not None else self.policy  # fsdp: the whole copy
+        return export_merged(policy, self.tokenizer, folder, card=card)

@@ -23,6 +23,7 @@ resolves registered parts, and each declares what it needs.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -39,11 +40,13 @@ from policygrad.data.stream import PromptStream
 from policygrad.models.forward import inference_logprobs
 from policygrad.rewards.callables import describe_object
 from policygrad.rewards.code import TaskReward
+from policygrad.rollout.base import prompt_seed
 from policygrad.trainer import build, rundir
 from policygrad.trainer.checkpoint import (
     restore_trainer_state,
 )
 from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import TrainingError
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.experience import Experience
@@ -51,8 +54,10 @@ from policygrad.trainer.health import UpdateWatch, check_finite_weights
 from policygrad.trainer.lifecycle import RunLifecycle
 from policygrad.trainer.logging import peak_rss_gb
 from policygrad.trainer.metrics import batch_metrics, critic_metrics, mismatch_metrics
+from policygrad.trainer.precision import apply_precision, resolve_precision
 from policygrad.trainer.resume import set_base_lr
 from policygrad.trainer.runtime import release_free_memory, synced_clock
+from policygrad.trainer.sharding import copy_full_weights, shard_model
 from policygrad.trainer.stages import (
     ESTIMATOR_INPUTS,
     SampledBatch,
@@ -122,8 +127,13 @@ class Trainer(RunLifecycle):
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
         build.seed_everything(cfg.seed)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.dist = Dist.current()  # rank and world size (one process: rank 0 of 1)
+        self.dist.check(cfg)
+        self.device = self.dist.device
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
+        self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
+        # single (one process), ddp (whole networks on every rank) or fsdp (sharded networks)
+        self.strategy = cfg.distributed.resolved(self.device.type) if self.dist.active else "single"
         self.run_dir = cfg.output_dir
         self._lock: rundir.RunLock | None = None
         self.scorer = None
@@ -134,6 +144,7 @@ class Trainer(RunLifecycle):
             rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
         else:
             ckpt, state, changes = self._check_resume(resume_from)
+        self.dist.barrier()  # every rank has checked before rank 0 may write (step 3)
         # 2. Build every part (models, engine, data, rewards, optimizers).
         m = build.build_models(
             cfg,
@@ -143,19 +154,26 @@ class Trainer(RunLifecycle):
             model=model,
             tokenizer=tokenizer,
             run_dir=self.run_dir,
+            policy_dtype=self.precision.param_dtype,  # float32 master weights unless bf16-pure
         )
         self.policy_as_reference = m.policy_as_reference
+        self.full_policy = None  # fsdp: the unsharded copy the engine samples from and exports write
+        engine_models = self._shard(m) if self.strategy == "fsdp" else m
         self.model_path, self.tokenizer, self.policy, self.reference = (
             m.model_path,
             m.tokenizer,
             m.policy,
             m.reference,
         )
-        self.engine, self.engine_name = (
-            (engine, type(engine).__name__) if engine else build.build_engine(cfg, m, dtype=self.dtype)
-        )
+        if engine is None:
+            engine, self.engine_name = build.build_engine(cfg, engine_models, dtype=self.dtype)
+        else:
+            self.engine_name = type(engine).__name__
+        self.engine = engine
+        if self.full_policy is not None and self.engine.shares_policy_weights:
+            self.engine.shares_policy_weights = False  # it samples from the copy, synced after updates
         if ckpt is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
-            self.engine.sync_weights(self.policy)  # a separate engine loaded the base weights
+            self.sync_engine()  # a separate engine loaded the base weights
         if train_source is None:
             train_source = build_train_source(cfg.data, seed=cfg.seed)
         self.stream = PromptStream(train_source)
@@ -167,7 +185,12 @@ class Trainer(RunLifecycle):
         self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
         self.scorer = build.build_scorer(cfg, device=self.device, dtype=self.dtype, functions=reward_objects)
         self.critic_trainer = build.build_critic(
-            cfg, model_path=self.model_path, device=self.device, dtype=self.dtype, checkpoint=ckpt
+            cfg,
+            model_path=self.model_path,
+            device=self.device,
+            dtype=self.precision.param_dtype,
+            checkpoint=ckpt,
+            prepare=self._shard_critic if self.strategy == "fsdp" else None,
         )
         self.critic = self.critic_trainer.critic if self.critic_trainer else None
         self.ptx_data = build.build_ptx(cfg, self.tokenizer)
@@ -181,6 +204,8 @@ class Trainer(RunLifecycle):
             cfg, self.policy, self.objective, optimizer_step, ptx=self.ptx_data, device=self.device
         )
         self.kl_ctl = build.build_kl_controller(cfg)
+        apply_precision(self, self.precision)  # forwards under autocast; parameters stay float32
+        self.dist.attach(self, self.strategy)  # data-parallel: gradients and batch statistics over ranks
         self.watch = UpdateWatch(cfg)
         self.step_idx = 0
         self._saved_step: int | None = None  # the step of the newest checkpoint on disk
@@ -223,7 +248,7 @@ class Trainer(RunLifecycle):
         metrics["time/training_s"] = synced_clock(self.device) - t_gen
         if stats.steps and not self.engine.shares_policy_weights:
             t_sync = time.perf_counter()  # the engine holds its own weights: push the updated ones
-            self.engine.sync_weights(self.policy)
+            self.sync_engine()
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
         metrics.update(self.step_metrics(batch, sampled, exp, shaped, stats, pretraining))
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -242,7 +267,11 @@ class Trainer(RunLifecycle):
 
     def step_metrics(self, batch, sampled, exp, shaped, stats, pretraining: bool) -> dict[str, Any]:
         """The step's metrics other than time and memory (names in :data:`METRICS`); feeds the
-        KL controller its measurement."""
+        KL controller its measurement. Data-parallel: of the batch gathered from every rank."""
+        if self.dist.active:
+            d = self.dist
+            batch, sampled, exp = d.gather_batch(batch), d.gather_batch(sampled), d.gather_experience(exp)
+            shaped, stats = {k: d.gather_rows(v) for k, v in shaped.items()}, d.reduce_update_stats(stats)
         response_mask = exp.rollout.response_mask.float()
         metrics = mismatch_metrics(stats.rollout_logprobs, stats.rollout_rows, exp.rollout, response_mask)
         metrics.update(
@@ -280,13 +309,13 @@ class Trainer(RunLifecycle):
         """
         cfg = self.config
         n = cfg.rollout.prompts_per_step
-        rounds = [self.generate_and_score(self.stream.take(n))]
+        rounds = [self.generate_and_score(self.stream.take(n))]  # every rank takes all n, keeps its share
         if not cfg.drop_zero_variance_groups:
             return rounds[0], rounds[0], {}
         component = cfg.dynamic_sampling_reward
         kept = [keep_groups_with_signal(rounds[0], component)]
         while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
-            rounds.append(self.generate_and_score(self.stream.take(n)))
+            rounds.append(self.generate_and_score(self.stream.take(n), len(rounds)))
             kept.append(keep_groups_with_signal(rounds[-1], component))
         chosen, need = [], n
         for batch, groups in zip(rounds, kept):
@@ -304,9 +333,15 @@ class Trainer(RunLifecycle):
             return dataclasses.replace(rounds[0], scores=nothing), sampled, metrics
         return concat_batches(chosen), sampled, metrics
 
-    def generate_and_score(self, rows: list[dict[str, Any]]) -> SampledBatch:
-        """G completions of each row's prompt, scored."""
+    def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
+        """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
+        scored. With ``rollout.per_prompt_seeds`` (always with several processes) prompt i of the
+        step's ``round_index``-th round samples from its own seed (run seed, step, round, i),
+        whichever rank or batch it is in."""
         r = self.config.rollout
+        share = self.dist.share(len(rows))
+        seeds = [prompt_seed(self.config.seed, self.step_idx, round_index, i) for i in range(len(rows))]
+        rows, seeds = rows[share], seeds[share]
         prompt_ids = encode_prompts(self.tokenizer, rows, self.config.data)
         rollout = self.engine.generate(
             prompt_ids,
@@ -315,6 +350,8 @@ class Trainer(RunLifecycle):
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
+            prompt_seeds=seeds if r.per_prompt_seeds or self.dist.active else None,
+            ignore_eos=r.ignore_eos,
         )
         completions = self.decode(rollout)
         scores = self.scorer(
@@ -334,6 +371,34 @@ class Trainer(RunLifecycle):
         o = self.config.optim
         exact = (o.ppo_epochs == 1 and o.num_minibatches == 1) or pretraining
         return exact and (self.engine.shares_policy_weights or not self.kl.shapes_rewards)
+
+    def sync_engine(self) -> None:
+        """Give the rollout engine the policy's current weights (fsdp: gathered from the shards
+        into the unsharded copy it samples from; a collective, every rank calls it)."""
+        if self.full_policy is not None:
+            copy_full_weights(self.policy, self.full_policy)
+            self.engine.sync_weights(self.full_policy)
+        else:
+            self.engine.sync_weights(self.policy)
+
+    def _shard(self, m: build.Models) -> build.Models:
+        """fsdp: keep an unsharded copy of the policy, in ``model.dtype``, for the engine (on the
+        CPU for vLLM, which holds its own weights), then shard the policy and the reference.
+        Returns the models the engine is built from."""
+        engine_name, _ = self.config.rollout.resolved_engine()
+        # In model.dtype (bf16 on a GPU): under autocast the trainer's matmuls use the bf16
+        # roundings of the float32 weights, which is what this copy holds.
+        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval().to(self.dtype)
+        if engine_name == "vllm":
+            self.full_policy = self.full_policy.to("cpu")
+        compute = self.precision.autocast_dtype
+        shard_model(m.policy, compute_dtype=compute)
+        if m.reference is not None:
+            shard_model(m.reference)
+        return dataclasses.replace(m, policy=self.full_policy)
+
+    def _shard_critic(self, critic) -> None:
+        shard_model(critic, compute_dtype=self.precision.autocast_dtype)
 
     def reference_logprobs(self, rollout) -> torch.Tensor:
         """The reference's log-probs [B, T] of the sampled tokens, of the full tempered softmax:
@@ -383,9 +448,12 @@ class Trainer(RunLifecycle):
             scores, behaviour, ref_logprobs, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
         )
         non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
-        if cfg.reward.whiten and loss_mask.sum() >= 2:  # N+ reward whitening: scale only
-            token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False)
+        reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
+        if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only
+            token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False, reduce=reduce)
         options = {**cfg.estimator_options, **inputs}
+        if self.estimator.spec.batch_statistics:  # e.g. reinforce_pp's whitening, over every rank
+            options["batch_reduce"] = reduce
         advantages, returns = self.estimator(
             token_rewards, response_mask, group_index=rollout.group_index, values=values, **options
         )
@@ -393,8 +461,8 @@ class Trainer(RunLifecycle):
             returns = monte_carlo_returns(
                 token_rewards, response_mask, gamma=float(options.get("gamma", 1.0))
             )
-        if cfg.whiten_advantages and loss_mask.sum() >= 2:
-            advantages = masked_whiten(advantages, loss_mask)
+        if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
+            advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
         exp = Experience(
             rows=torch.arange(rollout.batch_size),
             rollout=rollout,
@@ -419,8 +487,13 @@ class Trainer(RunLifecycle):
         self.policy.train()
         stats = UpdateStats.for_batch(exp)
         generator = torch.Generator().manual_seed(self.config.seed * 7919 + self.step_idx)
-        for mb in exp.minibatches(o.ppo_epochs, o.num_minibatches, generator):
-            if exp.train_policy and mb.loss_mask.sum().item() > 0:
+        shard = self.dist.minibatch_shard(exp.batch_size)  # data-parallel: global minibatches
+        if self.strategy == "fsdp":  # what a rank with fewer rows in a minibatch runs its idle passes on
+            self.policy_step.idle_batch = exp.select(torch.arange(1))
+            if self.critic_trainer is not None:
+                self.critic_trainer.idle_batch = self.policy_step.idle_batch
+        for mb in exp.minibatches(o.ppo_epochs, o.num_minibatches, generator, shard):
+            if exp.train_policy and self.dist.total(mb.loss_mask.sum()) > 0:
                 self.policy_step(mb, stats)
                 if stats.early_stopped:
                     break

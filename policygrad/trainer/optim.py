@@ -106,25 +106,38 @@ class OptimizerStep:
         params: the trainable parameters (clipped together).
         max_grad_norm: the clip threshold (> 0).
         device: where the work runs (for timing).
+        sync: None, or ``sync(params, finite) -> finite`` run by every data-parallel rank after
+            the backward passes: sums the gradients over ranks and returns whether every rank's
+            losses were finite (see :meth:`policygrad.trainer.distributed.Dist.sync_gradients`).
+
+    ``collective`` (set by FSDP): every loss is backpropagated even after a non-finite one, since
+    each backward is a collective every rank must join; the step is then skipped on all ranks.
     """
 
-    def __init__(self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device):
+    def __init__(
+        self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device, sync=None
+    ):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = list(params)
         self.max_grad_norm = max_grad_norm
         self.device = device
+        self.sync = sync
+        self.collective = False
 
     def _backward(self, losses: Iterable[torch.Tensor], out: StepOutcome, *, count: bool) -> bool:
+        finite = True
         for loss in losses:
             if not torch.isfinite(loss):
-                return False
+                finite = False
+                if not self.collective:
+                    return False
             start = synced_clock(self.device)
             loss.backward()
             out.backward_s += synced_clock(self.device) - start
-            if count:
+            if count and finite:
                 out.loss = out.loss + loss.item()
-        return True
+        return finite
 
     def __call__(
         self,
@@ -148,11 +161,14 @@ class OptimizerStep:
             self.optimizer.zero_grad(set_to_none=True)
             out.stopped = True
             return out
-        if finite and extra_losses is not None:
-            finite = self._backward(extra_losses(), out, count=False)
+        if extra_losses is not None and (finite or self.collective):
+            finite = self._backward(extra_losses(), out, count=False) and finite
+        if self.sync is not None:
+            finite = self.sync(self.params, finite)
         start = time.perf_counter()
         if finite:
-            out.grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            out.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
             finite = math.isfinite(out.grad_norm)
         if finite:
             self.optimizer.step()

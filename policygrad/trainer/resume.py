@@ -38,6 +38,7 @@ SESSION_OPTIONS = frozenset(
         "num_threads",
         "tensorboard",
         "progress",
+        "distributed.strategy",  # how the same numbers are spread over ranks (see distributed.py)
     }
 )
 TRAINING_OPTIONS = frozenset(

@@ -124,14 +124,17 @@ def write_config(run_dir: str, config) -> None:
 # What a run writes.
 
 
-def run_files(run_dir: str) -> list[str]:
+def run_files(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
     """The entries of ``run_dir`` that a run wrote (paths, top-level files and folders' own
-    entries), the lock file excluded; ``[]`` when the folder does not exist."""
+    entries), the lock file and the top-level names in ``keep`` excluded; ``[]`` when the folder
+    does not exist."""
     if not os.path.isdir(run_dir):
         return []
     found = []
     for name in sorted(os.listdir(run_dir)):
         path = os.path.join(run_dir, name)
+        if name in keep:
+            continue
         if _TOP_FILES.match(name) and os.path.isfile(path):
             found.append(path)
         elif name in _TOP_FOLDERS and os.path.isdir(path):
@@ -145,10 +148,10 @@ def run_files(run_dir: str) -> list[str]:
     return found
 
 
-def holds_run(run_dir: str) -> bool:
+def holds_run(run_dir: str, keep: tuple[str, ...] = ()) -> bool:
     """Whether ``run_dir`` holds files of a run (a lock file alone does not count: a run that
-    failed before writing anything leaves nothing to protect)."""
-    return bool(run_files(run_dir))
+    failed before writing anything leaves nothing to protect; nor do the names in ``keep``)."""
+    return bool(run_files(run_dir, keep))
 
 
 def _is_policygrad_config(path: str) -> bool:
@@ -160,15 +163,15 @@ def _is_policygrad_config(path: str) -> bool:
     return isinstance(data, dict) and {"algorithm", "model", "rollout", "reward"} <= set(data)
 
 
-def remove_run_files(run_dir: str) -> list[str]:
-    """Delete what a run wrote in ``run_dir`` (:func:`run_files`), then the ``checkpoints`` and
-    ``tensorboard`` folders if that left them empty. Everything else stays. Returns the paths
-    deleted. Call it only while holding the folder's :class:`RunLock`.
+def remove_run_files(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """Delete what a run wrote in ``run_dir`` (:func:`run_files`, but for the names in ``keep``),
+    then the ``checkpoints`` and ``tensorboard`` folders if that left them empty. Everything else
+    stays. Returns the paths deleted. Call it only while holding the folder's :class:`RunLock`.
 
     Raises:
         OSError: a file cannot be deleted.
     """
-    removed = run_files(run_dir)
+    removed = run_files(run_dir, keep)
     for path in removed:
         if os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
@@ -181,9 +184,12 @@ def remove_run_files(run_dir: str) -> list[str]:
     return removed
 
 
-def check_new_run_dir(run_dir: str, *, overwrite: bool, owned: bool = False) -> None:
+def check_new_run_dir(
+    run_dir: str, *, overwrite: bool, owned: bool = False, keep: tuple[str, ...] = ()
+) -> None:
     """Read-only checks that a new run may start in ``run_dir``: nothing is written. ``owned``:
-    the caller holds the folder's :class:`RunLock` (the owner check is skipped).
+    the caller holds the folder's :class:`RunLock` (the owner check is skipped). ``keep``: entries
+    the starting run itself wrote while it was being built (``start_model``), not a run's.
 
     Raises:
         ConfigError: ``run_dir`` is a file; it holds a ``config.yaml`` that policygrad did not
@@ -200,7 +206,7 @@ def check_new_run_dir(run_dir: str, *, overwrite: bool, owned: bool = False) -> 
         )
     if not owned:
         check_not_in_use(run_dir)
-    if holds_run(run_dir) and not overwrite:
+    if holds_run(run_dir, keep) and not overwrite:
         raise ConfigError(
             f"output_dir={run_dir!r} already holds a run; continue it with --resume {run_dir}, choose a new "
             "--output_dir, or replace it with --overwrite=true"

@@ -131,7 +131,11 @@ class PolicyStep:
     """One policy optimizer step on a minibatch (see the module docstring).
 
     Attributes (seams): ``forward`` (the log-prob kernel, signature of
-    :func:`~policygrad.models.forward.policy_logprobs`), ``objective``.
+    :func:`~policygrad.models.forward.policy_logprobs`), ``objective``, ``reduce`` (None, or a
+    data-parallel ``reduce(tensor) -> tensor`` summing over ranks: the minibatch counts and the
+    approx-KL of ``target_kl`` are then global), ``equal_passes`` and ``idle_batch`` (FSDP: None,
+    or ``equal_passes(count) -> max count over ranks``; a rank with fewer micro-batches runs
+    zero-weight passes on ``idle_batch`` so every rank's sharded collectives pair up).
     """
 
     def __init__(
@@ -159,15 +163,27 @@ class PolicyStep:
         self.ptx = ptx
         self.ptx_coef = ptx_coef
         self.device = device
+        self.reduce = None
+        self.equal_passes = None
+        self.idle_batch: Experience | None = None
 
     def __call__(self, mb: Experience, stats: UpdateStats) -> None:
         """Forward, backward and (unless stopped or non-finite) step on ``mb``; records into ``stats``."""
         counts = MinibatchCounts.of(mb.loss_mask)
+        if self.reduce is not None:
+            counts = MinibatchCounts(self.reduce(counts.num_tokens), self.reduce(counts.num_seqs))
         kl = {"sum": 0.0, "weight": 0.0}
         with_entropy = "grad" if self.objective.entropy_coef else True
 
+        micros = list(mb.micro_batches(self.micro_batch_size))
+        idle = self.equal_passes(len(micros)) - len(micros) if self.equal_passes is not None else 0
+
         def losses():
-            for micro in mb.micro_batches(self.micro_batch_size):
+            for _ in range(idle):  # FSDP: this rank's share of the minibatch is smaller
+                rollout = self.idle_batch.rollout
+                logprobs, _ = self.forward(self.policy, rollout, with_entropy=False, **self.sampling)
+                yield logprobs.sum() * 0.0
+            for micro in micros:
                 start = time.perf_counter()
                 micro = micro.trim()
                 logprobs, entropy = self.forward(
@@ -192,6 +208,8 @@ class PolicyStep:
 
         def exceeds_target_kl() -> bool:
             # The policy has moved too far from the one that sampled: no step, and the update ends.
+            if self.target_kl is not None and self.reduce is not None:
+                kl["sum"], kl["weight"] = self.reduce(torch.tensor([kl["sum"], kl["weight"]])).tolist()
             return (
                 self.target_kl is not None and kl["weight"] > 0 and kl["sum"] / kl["weight"] > self.target_kl
             )

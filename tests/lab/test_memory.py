@@ -12,6 +12,7 @@ from policygrad.cli import main
 from policygrad.lab.memory import (
     BYTES_FROZEN,
     BYTES_TRAINABLE,
+    ModelShape,
     llama_linear_shapes,
     model_shape_from_config,
     parse_count,
@@ -38,7 +39,7 @@ def test_logits_tensor_is_268_gb():
 
 
 def test_sixteen_and_two_bytes_per_parameter():
-    # bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m 4 + Adam v 4 = 16; frozen bf16 = 2.
+    # fp32 weights 4 + fp32 grads 4 + Adam m 4 + Adam v 4 = 16; frozen bf16 = 2.
     assert BYTES_TRAINABLE == 2 + 2 + 4 + 4 + 4 == 16
     assert BYTES_FROZEN == 2
     plan = plan_memory(seven_b(), "grpo")
@@ -190,3 +191,28 @@ def test_cli_memory_errors(capsys):
     assert err.startswith("error: unknown algorithm 'dpo'; choose one of")
     assert main(["memory", "--model", "/no/such/folder"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_fsdp_prices_one_rank_of_the_sharded_models():
+    # Two parameters of shapes [3, 2] and [4] (10 elements) over 2 ranks: fully_shard splits the
+    # first dimension padded to a multiple of 2, so a rank holds ceil(3/2) * 2 + ceil(4/2) * 1 =
+    # 4 + 2 = 6 elements: policy 6 x 16 B = 96, reference 6 x 2 B = 12. The engine's copy stays
+    # whole (10 x 2 B = 20); the KV cache and logits are of B/N = 3 of the 5 sequences (ceil):
+    # 2 x 1 layer x 1 x 1 x 3 x 4 x 2 B = 48 and 3 x 4 x 8 x 2 B.
+    rows = [(3, 6), (4, 4)]
+    shape = ModelShape(params=10, vocab_size=8, num_layers=1, num_kv_heads=1, head_dim=1, param_rows=rows)
+    plan = plan_memory(
+        shape, "grpo", world_size=2, strategy="fsdp", inference_engine=True, batch=5, seq_len=4
+    )
+    assert plan.item("policy").bytes == 96
+    assert plan.item("reference").bytes == 12
+    assert plan.item("inference engine").bytes == 20
+    assert plan.item("logits B x T x V").bytes == 3 * 4 * 8 * 2
+    assert plan.item("KV cache").bytes == 48
+    assert plan.state_bytes == 96 + 12 + 20
+    ddp = plan_memory(shape, "grpo", world_size=2, strategy="ddp")
+    assert ddp.item("policy").bytes == 160 and ddp.item("reference").bytes == 20  # whole on every rank
+    with pytest.raises(ValueError, match="--strategy must be ddp or fsdp"):
+        plan_memory(shape, "grpo", world_size=2, strategy="zero")
+    with pytest.raises(ValueError, match="--world-size must be an int >= 1"):
+        plan_memory(shape, "grpo", world_size=0)

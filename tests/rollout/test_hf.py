@@ -118,6 +118,26 @@ def test_stops_at_every_eos_id(tiny):
     assert len(enders) >= 3  # several different ids ended responses
 
 
+def test_ignore_eos_runs_every_response_to_max_new_tokens(tiny):
+    model, tok = tiny
+    prompts = _prompts(tok, ["hi", "What is 12+7?", "abc", "x"])
+    kwargs = dict(group_size=4, temperature=1.0, max_new_tokens=6, generator_seed=3)
+    stopped = HFRolloutEngine(model, tok, MANY_EOS).generate(prompts, **kwargs)
+    full = HFRolloutEngine(model, tok, MANY_EOS).generate(prompts, **kwargs, ignore_eos=True)
+    assert (stopped.response_lengths < 6).any()  # the same draws end early without the flag
+    assert full.response_lengths.tolist() == [6] * full.batch_size
+    assert not full.truncated.any() and bool(full.response_mask.all())
+    # EOS ids are sampled as plain tokens (MANY_EOS covers 1 in 7 ids: some appear mid-response),
+    # and the reported log-probs are of the unmasked distribution, as a training forward sees it.
+    assert any(t in MANY_EOS for t in full.response_ids[:, :-1].flatten().tolist())
+    expected = _gather(_full_forward_logits(model, full).log_softmax(-1), full.response_ids)
+    assert (expected - full.sampler_logprobs).abs().max() < 1e-4
+    # Up to each row's first EOS the samples are those of the run that stops there.
+    for row in range(full.batch_size):
+        n = int(stopped.response_lengths[row])
+        assert full.response_ids[row, :n].tolist() == stopped.response_ids[row, :n].tolist()
+
+
 # ----------------------------------------------------------------------------- log-probs
 
 

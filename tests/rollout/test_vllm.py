@@ -195,6 +195,18 @@ def test_only_eos_token_ids_end_a_response(setup):
     assert len(enders) >= 3 and enders <= set(MANY_EOS)  # several different ids ended responses
 
 
+def test_ignore_eos_runs_every_response_to_max_new_tokens(setup):
+    tok = setup["tok"]
+    prompts = _prompts(tok, TEXTS + ["x", "12+7=", "Hello"])
+    r = setup["engine"].generate(
+        prompts, group_size=4, temperature=1.0, max_new_tokens=16, generator_seed=0, ignore_eos=True
+    )
+    assert r.response_lengths.tolist() == [16] * r.batch_size
+    assert not r.truncated.any() and bool(r.response_mask.all())
+    assert set(r.response_ids[:, :-1].flatten().tolist()) & set(MANY_EOS)  # sampled as plain tokens
+    assert _abs_diff(setup["model"], r, temperature=1.0).max() < 1e-3  # of the unmasked softmax
+
+
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p"), [(0.7, 5, None), (0.7, None, 0.8), (1.3, 10, 0.9)]
 )

@@ -25,6 +25,12 @@ def digit_fraction(prompts, completions, **fields):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def length_fraction(prompts, completions, **fields):
+    """Characters of the completion over 40: varies with the sampled length even when no sample
+    holds a digit (a tiny random model's first step)."""
+    return [len(c) / 40 for c in completions]
+
+
 def flaky(prompts, completions, bad=None, **fields):
     """Like digit_fraction, but raises on rows whose dataset field ``bad`` is true."""
     bad = bad or [False] * len(completions)

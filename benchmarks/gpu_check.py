@@ -1,0 +1,302 @@
+"""GPU check: a few GRPO steps of a realistic model shape on one CUDA device, with numbers.
+
+Run on a machine with a CUDA GPU, no network, and only torch, transformers, peft and accelerate
+installed (no vLLM, no policygrad install: the repository is put on ``sys.path``)::
+
+    python benchmarks/gpu_check.py                      # Qwen2.5-0.5B's shape, ~2-4 minutes
+    python benchmarks/gpu_check.py --shape tiny --allow-cpu   # the same path on a CPU, seconds
+
+What it does: builds a randomly initialised model from a config of Qwen2.5-0.5B's shape (24
+layers, hidden 896, 14 heads, 2 KV heads, MLP 4864, tied embeddings, vocabulary 151,936) with a
+word-level tokenizer made in memory (``t0`` .. ``tV-1``: any sampled id decodes), writes it to a
+temporary folder, and trains it with the trainer's real path (hf engine, ``model.precision``
+auto = float32 master weights with bf16 autocast on a bf16 GPU, a KL to the reference in the
+loss) for ``--steps`` GRPO steps on prompts of ``--prompt-tokens`` words. Every response runs
+to exactly ``--new-tokens`` tokens (``rollout.ignore_eos``), so each step does the same work.
+The reward is the share of even token ids in a completion (it varies, so advantages are not 0).
+
+What it reports (the first step is warm-up and left out of the medians): step time; generation
+tokens/s; training FLOP/s and MFU against the device's dense bf16 peak (FLOPs: 6 N per trained
+token for forward and backward, 2 N per token of each no-grad pass and of generation, N the
+parameters that multiply, attention's quadratic term left out, so MFU is a slight undercount);
+peak CUDA memory; and, after one more step at lr 1e-6, the share of float32 master weights that
+moved (and of their bf16 roundings, which is what bf16 weights stepped by AdamW would keep).
+The report is printed and written to ``--out`` as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+SHAPES = {
+    # Qwen2.5-0.5B's config.json (model_type qwen2), weights random.
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2",
+        "hidden_size": 896,
+        "intermediate_size": 4864,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 14,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 32768,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "vocab_size": 151936,
+    },
+    # The same code path in seconds on a CPU (a smoke test of this script).
+    "tiny": {
+        "model_type": "qwen2",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+        "rope_theta": 10000.0,
+        "rms_norm_eps": 1e-6,
+        "tie_word_embeddings": True,
+        "vocab_size": 512,
+    },
+}
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from the vendors' data sheets, matched
+# against torch.cuda.get_device_name(); --peak-tflops overrides.
+BF16_PEAKS = [
+    ("H200", 989.4e12),
+    ("H100 PCIe", 756.0e12),
+    ("H100", 989.4e12),
+    ("GH200", 989.4e12),
+    ("B200", 2250e12),
+    ("A100", 312.0e12),
+    ("L40S", 362.1e12),
+    ("L40", 181.0e12),
+    ("A10G", 70.0e12),
+    ("A10", 125.0e12),
+    ("L4", 121.0e12),
+    ("RTX 4090", 165.2e12),
+    ("RTX 3090", 71.0e12),
+]
+
+
+def bf16_peak(device_name: str) -> float | None:
+    """The dense bf16 peak of a device named ``device_name`` (None: not in the table)."""
+    for key, peak in BF16_PEAKS:
+        if key in device_name:
+            return peak
+    return None
+
+
+def word_tokenizer(vocab_size: int):
+    """A word-level fast tokenizer with ids 0..V-1: ``<pad>`` 0, ``<eos>`` 1, ``<unk>`` 2, then
+    ``t3`` .. ``tV-1``; text splits on whitespace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2, **{f"t{i}": i for i in range(3, vocab_size)}}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+
+
+def build_model(folder: str, shape: dict, device: torch.device):
+    """A randomly initialised float32 model of ``shape`` on ``device``, also written to ``folder``
+    (the trainer's reference and engine read its architecture there), and its tokenizer. The
+    tokenizer is handed to the trainer as an object: loaded from a folder whose config says
+    ``qwen2``, transformers would build Qwen2's own tokenizer around the word vocabulary."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    fields = dict(shape)
+    kind = fields.pop("model_type")
+    config = AutoConfig.for_model(kind, **fields, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device(device):  # initialise where it is fast
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=1, pad_token_id=0)
+    model.save_pretrained(folder, safe_serialization=True)
+    model.name_or_path = model.config._name_or_path = folder
+    tokenizer = word_tokenizer(shape["vocab_size"])
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer
+
+
+def multiplying_params(model) -> int:
+    """Parameters that take part in a matmul per token: all but an untied input embedding (a
+    lookup); with tied embeddings the shared matrix is the output head's matmul."""
+    total = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return total if tied else total - embed.numel()
+
+
+def even_share(prompts, completions, **fields):
+    """Share of the completion's tokens whose id is even (``t<id>`` words): varies by sample."""
+    out = []
+    for text in completions:
+        ids = [int(w[1:]) for w in text.split() if w.startswith("t") and w[1:].isdigit()]
+        out.append(sum(i % 2 == 0 for i in ids) / max(len(ids), 1))
+    return out
+
+
+def write_prompts(path: str, count: int, words: int, vocab: int) -> None:
+    g = torch.Generator().manual_seed(1)
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(count):
+            ids = torch.randint(3, vocab, (words,), generator=g).tolist()
+            f.write(json.dumps({"prompt": " ".join(f"t{i}" for i in ids), "answer": "0"}) + "\n")
+
+
+def run(args) -> dict:
+    from policygrad.trainer import Trainer
+    from policygrad.trainer.config import load_config
+    from policygrad.trainer.resume import set_base_lr
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        raise SystemExit("error: no CUDA device; this check is for a GPU (--allow-cpu runs it on the CPU)")
+    device = torch.device("cuda" if cuda else "cpu")
+    name = torch.cuda.get_device_name(0) if cuda else "cpu"
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else (bf16_peak(name) if cuda else None)
+    shape = SHAPES[args.shape]
+    work = tempfile.mkdtemp(prefix="policygrad-gpu-check-")
+    start = time.perf_counter()
+    model, tokenizer = build_model(os.path.join(work, "model"), shape, device)
+    params = sum(p.numel() for p in model.parameters())
+    data = os.path.join(work, "prompts.jsonl")
+    write_prompts(data, args.prompts * (args.steps + 2), args.prompt_tokens, shape["vocab_size"])
+    tree = {
+        "algorithm": "grpo",
+        "steps": args.steps + 1,
+        "seed": 0,
+        "output_dir": os.path.join(work, "run"),
+        "max_minutes": None,
+        "eval_before": False,
+        "eval_after": False,
+        "save_every_minutes": 0,
+        "progress": False,
+        "tensorboard": False,
+        "report_to": ["none"],
+        "log_completions": 0,
+        "model": {"name": os.path.join(work, "model"), "precision": args.precision},
+        "data": {"dataset": data, "eval_size": 0, "max_prompt_length": args.prompt_tokens + 8},
+        "rollout": {
+            "engine": "hf",
+            "prompts_per_step": args.prompts,
+            "group_size": args.group_size,
+            "max_new_tokens": args.new_tokens,
+            "ignore_eos": True,
+        },
+        "kl": {"placement": "loss", "beta": 0.04},
+        "optim": {"lr": 1e-5, "micro_batch_size": args.micro_batch_size},
+    }
+    cfg = load_config(None, tree)
+    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_functions=[even_share])
+    del model
+    setup_s = time.perf_counter() - start
+    n_mult = multiplying_params(trainer.policy)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rows = []
+    for _ in range(args.steps):
+        rows.append(trainer.step())
+    B = args.prompts * args.group_size
+    gen_tokens = B * args.new_tokens
+    prompt_tokens = B * args.prompt_tokens  # words: one token each
+    seq_tokens = prompt_tokens + gen_tokens
+    measured = rows[1:] if len(rows) > 1 else rows  # the first step is warm-up
+
+    def med(key):
+        return statistics.median(float(r.get(key, 0.0)) for r in measured)
+
+    train_flops = 6 * n_mult * seq_tokens
+    nograd_passes = (med("time/ref_logprobs_s") > 0) + (med("time/old_logprobs_s") > 0)
+    nograd_flops = 2 * n_mult * seq_tokens * nograd_passes
+    gen_flops = 2 * n_mult * (prompt_tokens + gen_tokens)
+    training_s = med("time/training_s")
+    step_s = med("time/step_s")
+    report = {
+        "device": name,
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "params": params,
+        "multiplying_params": n_mult,
+        "batch": {"prompts": args.prompts, "group_size": args.group_size, "sequences": B},
+        "prompt_tokens": args.prompt_tokens,
+        "new_tokens": args.new_tokens,
+        "precision": trainer.precision.name,
+        "setup_s": round(setup_s, 1),
+        "steps_measured": len(measured),
+        "step_s_median": round(step_s, 3),
+        "generation_s_median": round(med("time/generation_s"), 3),
+        "training_s_median": round(training_s, 3),
+        "generation_tokens_per_s": round(gen_tokens / med("time/generation_s"), 1),
+        "training_flops_per_step": train_flops + nograd_flops,
+        "training_tflops_per_s": round((train_flops + nograd_flops) / training_s / 1e12, 2),
+        "step_tflops_per_s": round((train_flops + nograd_flops + gen_flops) / step_s / 1e12, 2),
+        "bf16_peak_tflops": peak / 1e12 if peak else None,
+        "mfu_training": round((train_flops + nograd_flops) / training_s / peak, 4) if peak else None,
+        "mfu_step": round((train_flops + nograd_flops + gen_flops) / step_s / peak, 4) if peak else None,
+        "peak_cuda_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if cuda else None,
+        "reward_mean_by_step": [round(float(r["reward/mean"]), 4) for r in rows],
+        "response_length_by_step": [float(r["response/length_mean"]) for r in rows],
+    }
+    # lr 1e-6: do the float32 master weights move? (bf16 weights stepped directly would not.)
+    set_base_lr(trainer.optimizer, trainer.scheduler, 1e-6)
+    params_now = [p for p in trainer.policy.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in params_now]
+    m = trainer.step()
+    changed = sum(int((p.detach() != b).sum()) for p, b in zip(params_now, before))
+    changed_bf16 = sum(
+        int((p.detach().to(torch.bfloat16) != b.to(torch.bfloat16)).sum()) for p, b in zip(params_now, before)
+    )
+    total = sum(b.numel() for b in before)
+    report["lr_1e-6_step_applied"] = bool(m.get("optim/steps", 0))
+    report["master_dtype"] = str(params_now[0].dtype).removeprefix("torch.")
+    report["lr_1e-6_master_changed_frac"] = round(changed / total, 4)
+    report["lr_1e-6_bf16_rounding_changed_frac"] = round(changed_bf16 / total, 4)
+    report["wall_s"] = round(time.perf_counter() - start, 1)
+    trainer.close()
+    return report
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
+    p.add_argument("--steps", type=int, default=4, help="timed GRPO steps (the first is warm-up)")
+    p.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--prompt-tokens", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=256, help="every response's length")
+    p.add_argument("--micro-batch-size", type=int, default=16)
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed", "bf16-pure"])
+    p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
+    p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (the tiny shape)")
+    p.add_argument("--out", default=None, help="JSON file for the report (default: print only)")
+    args = p.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""benchmarks/gpu_check.py on the CPU with its tiny shape: the GPU path's code runs end to end,
+every response has the fixed length, and at lr 1e-6 the float32 master weights move while their
+bf16 roundings mostly do not (the defect bf16 weights stepped by AdamW had)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+
+
+def test_gpu_check_runs_on_the_tiny_shape(tmp_path):
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    out = tmp_path / "report.json"
+    argv = ["--shape", "tiny", "--allow-cpu", "--steps", "2", "--prompts", "2", "--group-size", "4"]
+    argv += ["--prompt-tokens", "16", "--new-tokens", "12", "--micro-batch-size", "4"]
+    report = gpu_check.main([*argv, "--precision", "bf16-mixed", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["precision"] == "bf16-mixed" and report["master_dtype"] == "float32"
+    assert report["response_length_by_step"] == [12.0, 12.0]  # rollout.ignore_eos: equal work
+    assert report["generation_tokens_per_s"] > 0 and report["training_flops_per_step"] > 0
+    assert report["lr_1e-6_step_applied"]
+    assert report["lr_1e-6_master_changed_frac"] >= 0.99
+    assert report["lr_1e-6_bf16_rounding_changed_frac"] < 0.5
+    # 6 N per trained token + 2 N per token of the reference pass (kl in the loss): 8 N x 8 x 28.
+    n = report["multiplying_params"]
+    assert report["training_flops_per_step"] == 8 * n * 8 * (16 + 12)
+
+
+def test_bf16_peaks_match_device_names():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.bf16_peak("NVIDIA H200") == 989.4e12
+    assert gpu_check.bf16_peak("NVIDIA H100 PCIe") == 756.0e12  # before the SXM "H100" entry
+    assert gpu_check.bf16_peak("NVIDIA A100-SXM4-80GB") == 312.0e12
+    assert gpu_check.bf16_peak("Some GPU") is None
