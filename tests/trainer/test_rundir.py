@@ -281,12 +281,18 @@ def test_the_update_watch_names_the_cause_and_the_limit():
 
 
 def test_the_first_stop_signal_is_noted_and_the_second_stops_at_once():
-    with StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert signals.received == "SIGTERM"
-        with pytest.raises(KeyboardInterrupt):
-            os.kill(os.getpid(), signal.SIGINT)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own handler to start from: a process started in the background by a shell
+    # inherits SIGINT ignored, and StopSignals restores whatever it found.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.received == "SIGTERM"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 @pytest.mark.parametrize(
