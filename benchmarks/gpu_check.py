@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -162,10 +163,7 @@ def write_prompts(path: str, count: int, words: int, vocab: int) -> None:
 
 
 def run(args) -> dict:
-    from policygrad.trainer import Trainer
-    from policygrad.trainer.config import load_config
-    from policygrad.trainer.resume import set_base_lr
-
+    """The check (see the module docstring); the temporary model folder is deleted after."""
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
         raise SystemExit("error: no CUDA device; this check is for a GPU (--allow-cpu runs it on the CPU)")
@@ -174,6 +172,18 @@ def run(args) -> dict:
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (bf16_peak(name) if cuda else None)
     shape = SHAPES[args.shape]
     work = tempfile.mkdtemp(prefix="policygrad-gpu-check-")
+    try:
+        return _run(args, device, name, peak, shape, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the model folder: ~2 GB for the real shape
+
+
+def _run(args, device, name, peak, shape, work) -> dict:
+    from policygrad.trainer import Trainer
+    from policygrad.trainer.config import load_config
+    from policygrad.trainer.resume import set_base_lr
+
+    cuda = device.type == "cuda"
     start = time.perf_counter()
     model, tokenizer = build_model(os.path.join(work, "model"), shape, device)
     params = sum(p.numel() for p in model.parameters())
@@ -218,7 +228,7 @@ def run(args) -> dict:
     gen_tokens = B * args.new_tokens
     prompt_tokens = B * args.prompt_tokens  # words: one token each
     seq_tokens = prompt_tokens + gen_tokens
-    measured = rows[1:] if len(rows) > 1 else rows  # the first step is warm-up
+    measured = rows[1:]  # the first step is warm-up
 
     def med(key):
         return statistics.median(float(r.get(key, 0.0)) for r in measured)
@@ -277,7 +287,7 @@ def run(args) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
-    p.add_argument("--steps", type=int, default=4, help="timed GRPO steps (the first is warm-up)")
+    p.add_argument("--steps", type=int, default=4, help="timed GRPO steps, >= 2 (the first is warm-up)")
     p.add_argument("--prompts", type=int, default=8, help="prompts per step")
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--prompt-tokens", type=int, default=128)
@@ -288,6 +298,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (the tiny shape)")
     p.add_argument("--out", default=None, help="JSON file for the report (default: print only)")
     args = p.parse_args(argv)
+    lows = {"steps": 2, "prompts": 1, "group_size": 2, "prompt_tokens": 1, "new_tokens": 1}
+    lows["micro_batch_size"] = 1
+    for name, low in lows.items():
+        if getattr(args, name) < low:
+            why = " (the first step is warm-up)" if name == "steps" else ""
+            p.error(f"--{name.replace('_', '-')} must be >= {low}{why}")
+    if args.peak_tflops is not None and args.peak_tflops <= 0:
+        p.error("--peak-tflops must be > 0")
     report = run(args)
     text = json.dumps(report, indent=2)
     print(text)

@@ -294,8 +294,19 @@ def main(argv: list[str] | None = None) -> int:
         message = _error_message(command, e)
         if message is None or os.environ.get("POLICYGRAD_DEBUG"):
             raise  # a bug, not a user's mistake: the traceback helps
-        print(f"error: {message}", file=sys.stderr)
+        if not _said_by_rank_0(e):
+            print(f"error: {message}", file=sys.stderr)
         return 2
+
+
+def _said_by_rank_0(e: Exception) -> bool:
+    """Under torchrun every rank reads the same config, so a config error is raised by all of
+    them: rank 0 alone prints it. Errors of one rank's work (a reward, a row) print where they
+    happen."""
+    from policygrad.trainer.config import ConfigError
+
+    rank = int(os.environ.get("RANK", "0") or 0)
+    return isinstance(e, ConfigError) and rank > 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
 _OOM_TEXT = ("out of memory", "not enough memory", "failed to allocate memory")

@@ -56,6 +56,8 @@ BYTES_FROZEN = 2
 """Bytes per frozen parameter: the bf16 weight."""
 BYTES_BF16 = 2
 """Bytes per element of a bf16 activation (logits, KV cache)."""
+BYTES_FP32 = 4
+"""Bytes per parameter of a float32 copy."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -513,8 +515,7 @@ def plan_memory(
     if algorithm == "sft" and (inference_engine or reward_model):
         raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
     use_reference = needs.reference if reference is None else bool(reference and needs.reference)
-    # fsdp: the engine samples from an unsharded bf16 copy of the policy on every rank, always.
-    inference_engine = inference_engine or (strategy == "fsdp" and world_size > 1 and algorithm != "sft")
+    full_copy = strategy == "fsdp" and world_size > 1 and algorithm != "sft"
     lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
     p = shape.params
 
@@ -539,6 +540,29 @@ def plan_memory(
                 "policy's layers; drop --critic-params"
             )
         items += _model_items("critic", cp, True, critic_lora)
+    if full_copy and not inference_engine:
+        items.append(
+            MemoryItem(
+                "unsharded copy",
+                "frozen",
+                p,
+                BYTES_FP32,
+                p * BYTES_FP32,
+                "fsdp: the float32 policy the hf engine samples from and exports are written from",
+            )
+        )
+    elif full_copy:
+        items.append(
+            MemoryItem(
+                "unsharded copy",
+                "host",
+                p,
+                0,
+                0,
+                f"fsdp with vLLM: the float32 policy for exports and weight pushes, {_gb(p * BYTES_FP32)} GB "
+                "of CPU memory, not on the device",
+            )
+        )
     if inference_engine:
         items.append(
             MemoryItem(
@@ -759,8 +783,15 @@ Parameter counts come from the model's config.json (no weights are read); --para
 options describe a hypothetical model instead."""
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """Bad arguments raise ValueError, which the CLI prints as one ``error:`` line."""
+
+    def error(self, message: str):
+        raise ValueError(f"policygrad memory: {message} (see policygrad memory --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="policygrad memory", description=MEMORY_DESCRIPTION)
+    p = _OneLineErrors(prog="policygrad memory", description=MEMORY_DESCRIPTION)
     p.add_argument(
         "--model",
         default=None,

@@ -234,7 +234,11 @@ def _watch_parent() -> None:
 def _serve(conn) -> None:
     """The worker's loop: ``("load", spec)`` and ``("call", spec, prompts, completions, fields)``
     requests, one reply each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    # Ctrl-C, and SIGTERM sent to the trainer's whole process group (torchrun stopping its
+    # workers, a job scheduler, kill -- -PGID), are the trainer's to handle: it finishes the step,
+    # which may be waiting on this worker, then closes it. The worker ends with the trainer anyway.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_watch_parent, daemon=True).start()
     home = os.getcwd()
     functions: dict[str, Callable] = {}

@@ -397,7 +397,7 @@ def init_from_env() -> Dist:
             td.init_process_group("gloo")
     dist = Dist.current()
     if not dist.is_main:
-        logging.getLogger("policygrad").setLevel(logging.WARNING)  # rank 0 reports progress
+        logging.getLogger("policygrad").setLevel(logging.ERROR)  # rank 0 reports progress and notes
     return dist
 
 

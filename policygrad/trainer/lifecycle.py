@@ -360,8 +360,10 @@ class RunLifecycle:
             return  # the save itself failed (the disk is full), or no step was completed
         if self.strategy == "fsdp":
             # A sharded save needs every rank, and the others are not here: the newest checkpoint stands.
-            log.warning("note: a sharded run cannot save after an error on one rank; the newest checkpoint "
-                        "is of step %s", self._saved_step)
+            newest = f"is of step {self._saved_step}" if self._saved_step else "does not exist yet"
+            log.warning(
+                "note: a sharded run cannot save after an error on one rank; the newest checkpoint %s", newest
+            )
             return
         if self.step_idx == state["step"] and self._optimizer_steps() != steps_then:
             log.warning(

@@ -37,6 +37,7 @@ from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.chat import encode_prompts
 from policygrad.data.sources import build_eval_rows, build_train_source
 from policygrad.data.stream import PromptStream
+from policygrad.models.adapters import is_peft_model
 from policygrad.models.forward import inference_logprobs
 from policygrad.rewards.callables import describe_object
 from policygrad.rewards.code import TaskReward
@@ -45,7 +46,7 @@ from policygrad.trainer import build, rundir
 from policygrad.trainer.checkpoint import (
     restore_trainer_state,
 )
-from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import TrainingError
 from policygrad.trainer.evaluate import decode_completions
@@ -129,6 +130,11 @@ class Trainer(RunLifecycle):
         build.seed_everything(cfg.seed)
         self.dist = Dist.current()  # rank and world size (one process: rank 0 of 1)
         self.dist.check(cfg)
+        if self.dist.active and not cfg.rollout.per_prompt_seeds:
+            # Several processes always sample with per-prompt seeds: config.yaml says so, and a
+            # resume in one process goes on sampling the same way.
+            rollout = dataclasses.replace(cfg.rollout, per_prompt_seeds=True)
+            self.config = cfg = dataclasses.replace(cfg, rollout=rollout)
         self.device = self.dist.device
         self.dtype = build.resolve_dtype(cfg.model.dtype, self.device)
         self.precision = resolve_precision(cfg.model.precision, self.device, model_dtype=cfg.model.dtype)
@@ -158,6 +164,12 @@ class Trainer(RunLifecycle):
         )
         self.policy_as_reference = m.policy_as_reference
         self.full_policy = None  # fsdp: the unsharded copy the engine samples from and exports write
+        if self.strategy == "fsdp" and is_peft_model(m.policy):  # e.g. model.name an adapter folder
+            raise ConfigError(
+                f"distributed.strategy=fsdp shards full fine-tuning, and model.name={cfg.model.name!r} is a "
+                "LoRA adapter; a LoRA run trains a small adapter every rank can hold: set "
+                "distributed.strategy=ddp"
+            )
         engine_models = self._shard(m) if self.strategy == "fsdp" else m
         self.model_path, self.tokenizer, self.policy, self.reference = (
             m.model_path,
@@ -382,13 +394,14 @@ class Trainer(RunLifecycle):
             self.engine.sync_weights(self.policy)
 
     def _shard(self, m: build.Models) -> build.Models:
-        """fsdp: keep an unsharded copy of the policy, in ``model.dtype``, for the engine (on the
-        CPU for vLLM, which holds its own weights), then shard the policy and the reference.
-        Returns the models the engine is built from."""
+        """fsdp: keep an unsharded copy of the policy for the engine and the exports (on the CPU
+        for vLLM, which holds its own weights), then shard the policy and the reference. Returns
+        the models the engine is built from."""
         engine_name, _ = self.config.rollout.resolved_engine()
-        # In model.dtype (bf16 on a GPU): under autocast the trainer's matmuls use the bf16
-        # roundings of the float32 weights, which is what this copy holds.
-        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval().to(self.dtype)
+        # In the master weights' dtype (float32 unless bf16-pure): checkpoints' model folders and
+        # exports are written from it, and bf16 weights would drop the small updates (the hf engine
+        # still computes in bf16 under autocast).
+        self.full_policy = copy.deepcopy(m.policy).requires_grad_(False).eval()
         if engine_name == "vllm":
             self.full_policy = self.full_policy.to("cpu")
         compute = self.precision.autocast_dtype

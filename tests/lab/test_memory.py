@@ -196,8 +196,8 @@ def test_cli_memory_errors(capsys):
 def test_fsdp_prices_one_rank_of_the_sharded_models():
     # Two parameters of shapes [3, 2] and [4] (10 elements) over 2 ranks: fully_shard splits the
     # first dimension padded to a multiple of 2, so a rank holds ceil(3/2) * 2 + ceil(4/2) * 1 =
-    # 4 + 2 = 6 elements: policy 6 x 16 B = 96, reference 6 x 2 B = 12. The engine's copy stays
-    # whole (10 x 2 B = 20); the KV cache and logits are of B/N = 3 of the 5 sequences (ceil):
+    # 4 + 2 = 6 elements: policy 6 x 16 B = 96, reference 6 x 2 B = 12. vLLM's copy stays whole
+    # (10 x 2 B = 20); the KV cache and logits are of B/N = 3 of the 5 sequences (ceil):
     # 2 x 1 layer x 1 x 1 x 3 x 4 x 2 B = 48 and 3 x 4 x 8 x 2 B.
     rows = [(3, 6), (4, 4)]
     shape = ModelShape(params=10, vocab_size=8, num_layers=1, num_kv_heads=1, head_dim=1, param_rows=rows)
@@ -209,10 +209,22 @@ def test_fsdp_prices_one_rank_of_the_sharded_models():
     assert plan.item("inference engine").bytes == 20
     assert plan.item("logits B x T x V").bytes == 3 * 4 * 8 * 2
     assert plan.item("KV cache").bytes == 48
+    assert plan.item("unsharded copy").bytes == 0  # with vLLM it lives in CPU memory
     assert plan.state_bytes == 96 + 12 + 20
+    # Without a vLLM engine the hf engine samples from the unsharded float32 copy: 10 x 4 B.
+    hf = plan_memory(shape, "grpo", world_size=2, strategy="fsdp")
+    assert hf.item("unsharded copy").bytes == 40 and hf.state_bytes == 96 + 12 + 40
     ddp = plan_memory(shape, "grpo", world_size=2, strategy="ddp")
     assert ddp.item("policy").bytes == 160 and ddp.item("reference").bytes == 20  # whole on every rank
     with pytest.raises(ValueError, match="--strategy must be ddp or fsdp"):
         plan_memory(shape, "grpo", world_size=2, strategy="zero")
     with pytest.raises(ValueError, match="--world-size must be an int >= 1"):
         plan_memory(shape, "grpo", world_size=0)
+
+
+@pytest.mark.parametrize("args", [["--world-size", "2.5"], ["--strategy", "zero"], ["--world-size", "0"]])
+def test_bad_memory_arguments_are_one_error_line(args, capsys):
+    assert main(["memory", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ")
+    assert "--world-size" in err[0] or "--strategy" in err[0]

@@ -82,6 +82,11 @@ def custom_objects(prompts, completions, **fields):
 
 def huge(prompts, completions, **fields):
     return [1e39] * len(completions)
+
+
+def naps(prompts, completions, **fields):
+    time.sleep(1.0)
+    return [float(len(c)) for c in completions]
 """
 
 
@@ -208,3 +213,22 @@ def test_a_closed_worker_process_is_gone(user_file):
     worker.close()
     process.join(5)
     assert not process.is_alive()
+
+
+def test_sigterm_to_the_process_group_leaves_the_call_to_finish(user_file):
+    # torchrun, job schedulers and `kill -- -PGID` send SIGTERM to every process of the trainer's
+    # group, this worker included: the trainer finishes its step (this call) and then stops, so
+    # the worker must not die under it.
+    import signal
+    import threading
+
+    worker = RewardWorker(timeout_s=10)
+    worker.load(f"{user_file}:naps")
+    timer = threading.Timer(0.4, os.kill, (worker._process.pid, signal.SIGTERM))
+    timer.start()
+    try:
+        assert worker.call(f"{user_file}:naps", ["p", "p"], ["ab", "c"], {}) == [2.0, 1.0]
+        assert worker._process.is_alive()
+    finally:
+        timer.cancel()
+        worker.close()

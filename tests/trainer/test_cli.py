@@ -352,3 +352,14 @@ def test_resume_without_checkpoint_yaml_error_and_broken_reward_file_are_one_lin
 def test_eval_rejects_a_useless_batch_size_or_limit(capsys):
     assert _fails(["eval", "--batch-size", "-1"], capsys) == "error: --batch-size must be >= 1, got -1"
     assert _fails(["eval", "--limit", "0"], capsys) == "error: --limit must be >= 1, got 0"
+
+
+def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, capsys):
+    # Every rank reads the same config and raises the same error: one line in all, from rank 0.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("RANK", rank)
+        assert main(["train", "--no_such_option=1"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == lines
+        assert all(line.startswith("error: ") and "no_such_option" in line for line in err)

@@ -126,6 +126,15 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rewards_py: str, o
         resumed = os.path.join(out, "ppo_resumed")
         train(case_config("ppo", model_dir, rewards_py, resumed, "fsdp", steps=4), resume_from=resumed)
         results["resume_seconds"] = time.perf_counter() - start
+        # bf16 compute (CPU autocast) with FSDP2's mixed precision: what the checkpoint exports.
+        bf16 = {"dtype": "bfloat16", "precision": "bf16-mixed"}
+        cfg = case_config("grpo", model_dir, rewards_py, os.path.join(out, "bf16"), "fsdp", model=bf16)
+        trainer = Trainer(cfg)
+        try:
+            trainer.train()
+            results["bf16_master"] = full_weights(trainer)
+        finally:
+            trainer.close()
         if rank == 0:
             torch.save(results, os.path.join(out, "results.pt"))
     finally:
@@ -274,6 +283,16 @@ def test_sharded_ppo_resumes_bitwise(two_rank_runs):
     one, two = (load_file(os.path.join(d, "checkpoints", "step_4", "critic", "value_model.safetensors"))
                 for d in (straight, resumed))
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_an_fsdp_checkpoint_exports_the_float32_master_weights(two_rank_runs):
+    """bf16 compute (model.dtype bfloat16, bf16-mixed): the checkpoint's model folder holds the
+    float32 master weights, not their bf16 roundings (which would drop small updates)."""
+    saved = _saved_weights(os.path.join(two_rank_runs["out"], "bf16"), STEPS)
+    master = two_rank_runs["bf16_master"]
+    assert all(t.dtype == torch.float32 for t in saved.values())
+    assert all(torch.equal(t, master[k]) for k, t in saved.items())
+    assert any(not torch.equal(t, t.bfloat16().float()) for t in saved.values())  # not bf16 values
 
 
 def test_fsdp_rank_holds_half_the_training_state(two_rank_runs, one_rank_runs, eos_model_dir):
