@@ -580,8 +580,13 @@ def report(result: dict[str, Any]) -> str:
         f"{length}, temperature {s['temperature']}, fp32, "
         f"lr {s['lr']:g} constant, AdamW, clip 1.0. TRL's loss forward includes its log-prob forward with "
         "gradients; with gradient checkpointing its backward recomputes the forward. Peak RSS: "
-        "`ru_maxrss` of each worker process. The sides sample with different random streams and their "
-        "losses move the policy differently, so their response lengths differ: compare tokens/s too."
+        "`ru_maxrss` of each worker process. "
+        + (
+            "Every response is max_new_tokens long on both sides, so a step-time ratio is a per-token one."
+            if s.get("equal_length")
+            else "The sides sample with different random streams and their losses move the policy "
+            "differently, so their response lengths differ: compare tokens/s too."
+        )
     )
     return "\n".join(lines)
 
