@@ -9,25 +9,16 @@ import os
 import re
 
 import pytest
-import torch
 import yaml
 
 import policygrad
 from policygrad.rollout.vllm import vllm_available
 from tests.tiny import make_tiny_llama
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -236,8 +236,7 @@ class Dist:
         ``finite``. Called by every rank once per optimizer step, before clipping."""
         if not self.active:
             return finite
-        agreed = self.reduce(torch.tensor(float(finite), device=self.device), "min").item() > 0
-        if not agreed:
+        if not self.agree_finite(params, finite):
             return False
         import torch.distributed as td
 

@@ -418,29 +418,41 @@ class RunLifecycle:
         """
         state = trainer_state(self) if state is None else state
         path = checkpoint_path(self.run_dir, state["step"])
-        if self.strategy == "fsdp":
-            self._save_sharded(path, state)
-        elif self.dist.is_main:  # ddp: every rank holds the same full weights and state
+        policy, critic_state, tmp = self.policy, None, None
+        if self.strategy == "fsdp":  # the ranks write their shards first; the whole copy is current
+            policy, (tmp, critic_state) = self.full_policy, self._write_shards(path)
+        if self.dist.is_main:  # ddp: every rank holds the same full weights and state
             save_checkpoint(
                 path,
-                policy=self.policy,
+                policy=policy,
                 tokenizer=self.tokenizer,
                 state=state,
                 critic=self.critic,
+                critic_state=critic_state,
                 model_card=self.model_card(state["step"]),
+                tmp=tmp,
             )
+        if self.strategy == "fsdp":
+            self.dist.barrier()  # the checkpoint is complete before any rank goes on
         self._saved_step = state["step"]
         return path
 
-    def _save_sharded(self, path: str, state: dict[str, Any]) -> None:
-        """An FSDP run's checkpoint: every rank writes its shards (``sharded/``) into rank 0's
-        temporary folder, then rank 0 writes the unsharded model folder (from the engine's full
-        copy, refreshed here), the critic's gathered weights and the trainer state, and completes
-        the transaction. A collective: every rank calls it."""
+    def _write_shards(self, path: str) -> tuple[str, dict[str, Any] | None]:
+        """An FSDP run's part of a checkpoint that needs every rank: each writes its shards
+        (``sharded/``) into rank 0's temporary folder, and the critic's weights are gathered to
+        rank 0. Rank 0 then completes the transaction from that folder with the unsharded model
+        folder, written from the engine's whole copy (synced after every update). A collective.
+
+        Returns:
+            ``(temporary folder, the critic's full weights on rank 0 or None)``.
+
+        Raises:
+            CheckpointSaveError: a shard could not be written (the temporary folder is removed).
+        """
         import shutil
 
         from policygrad.trainer.checkpoint import SHARDED_DIR, save_sharded_state, temp_folder
-        from policygrad.trainer.sharding import copy_full_weights, full_state_dict
+        from policygrad.trainer.sharding import full_state_dict
 
         tmp = self.dist.broadcast_object(temp_folder(path) if self.dist.is_main else None)
         if self.dist.is_main:
@@ -449,24 +461,12 @@ class RunLifecycle:
         self.dist.barrier()
         try:
             save_sharded_state(os.path.join(tmp, SHARDED_DIR), self)
-            copy_full_weights(self.policy, self.full_policy)
             critic_state = full_state_dict(self.critic, rank0_cpu=True) if self.critic is not None else None
         except Exception as exc:
             if self.dist.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointSaveError(f"could not write the shards of checkpoint {path}: {exc}") from exc
-        if self.dist.is_main:
-            save_checkpoint(
-                path,
-                policy=self.full_policy,
-                tokenizer=self.tokenizer,
-                state=state,
-                critic=self.critic,
-                critic_state=critic_state,
-                model_card=self.model_card(state["step"]),
-                tmp=tmp,
-            )
-        self.dist.barrier()  # the checkpoint is complete before any rank goes on
+        return tmp, critic_state
 
     def model_card(self, step: int, *, kind: str | None = None) -> str:
         """The ``README.md`` of a model folder this run exports at ``step`` (see

@@ -3,19 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.tiny import make_tiny_llama
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy 2-core machine spinning OpenMP
-    threads make them far slower. Restored after the test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _every_test_on_one_thread(one_thread):
+    """The ``one_thread`` fixture of tests/conftest.py for every test here."""
 
 
 @pytest.fixture(scope="session")

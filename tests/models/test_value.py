@@ -16,7 +16,7 @@ from policygrad.models.value import ValueModel, is_sequence_classifier, load_val
 from policygrad.rollout.base import Rollout
 from tests.tiny import BOS_ID, EOS_ID, PAD_ID, make_tiny_llama, make_tiny_tokenizer
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 PAD_SPIKE = 1e6
 
@@ -92,14 +92,6 @@ def make_rollout(prompts: list[list[int]], responses: list[list[int]], lengths: 
         sampler_logprobs=torch.zeros((B, T)),
         group_index=torch.arange(B),
     )
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

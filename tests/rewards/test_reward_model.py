@@ -14,18 +14,10 @@ from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX, RewardModel, re
 from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
 from tests.tiny import EOS_ID, PAD_ID, make_tiny_llama
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
 PROMPTS = ["What is 2+3?", "Say hi.", "What is 10-4? Answer with just the number."]
 COMPLETIONS = ["5", "hi there, friend", "6\n"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,13 @@ settings (2 prompts x G 4, 6 new tokens, no evaluation, no progress bar, no Tens
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import GenerationConfig
 
 from policygrad.trainer.config import load_config
@@ -54,13 +56,8 @@ def not_a_number(prompts, completions, bad=None, **fields):
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine spinning
-    OpenMP threads make each step about 50x slower; restored after the test."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+def _every_test_on_one_thread(one_thread):
+    """The ``one_thread`` fixture of tests/conftest.py for every test here."""
 
 
 @pytest.fixture(scope="session")
@@ -148,3 +145,13 @@ def zero(prompts, completions, **fields):
     """0.0 for every completion: no group has signal in this component."""
     return [0.0 for _ in completions]
 '''
+
+
+def checkpoint_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
+    """The policy tensors saved in ``RUN_DIR/checkpoints/step_N/model`` (every safetensors file)."""
+    out = {}
+    folder = os.path.join(run_dir, "checkpoints", f"step_{step}", "model")
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(load_file(path))
+    assert out, f"no weights saved at step {step} of {run_dir}"
+    return out

@@ -4,7 +4,6 @@ command line, and evaluation with its JSONL of completions."""
 
 from __future__ import annotations
 
-import glob
 import json
 import math
 import os
@@ -12,12 +11,11 @@ import os
 import pytest
 import torch
 import yaml
-from safetensors.torch import load_file
 
 from policygrad.cli import main
 from policygrad.rewards.verifiers import extract_answer
 from policygrad.trainer.evaluate import pass_at_k
-from tests.trainer.conftest import tiny_overrides, write_jsonl
+from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -182,14 +180,6 @@ def _rows(run_dir) -> list[dict]:
         return [{k: v for k, v in json.loads(line).items() if not k.startswith(VOLATILE)} for line in f]
 
 
-def _weights(run_dir, step) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "checkpoints", f"step_{step}", "model", "*.safetensors")):
-        out.update(load_file(path))
-    assert out
-    return out
-
-
 def test_resume_from_the_command_line(tiny_yaml, tmp_path, capsys):
     # 2 steps, stop, `--resume` with 2 more steps == 4 straight steps (metrics and weights bitwise).
     extra = ["--kl.placement=reward", "--kl.beta=0.05", "--optim.num_minibatches=2"]
@@ -200,7 +190,7 @@ def test_resume_from_the_command_line(tiny_yaml, tmp_path, capsys):
     straight, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed == straight
-    a, b = _weights(tmp_path / "straight", 4), _weights(tmp_path / "resumed", 4)
+    a, b = checkpoint_weights(tmp_path / "straight", 4), checkpoint_weights(tmp_path / "resumed", 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

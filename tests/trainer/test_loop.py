@@ -16,7 +16,6 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from policygrad.core.masking import aggregate
 from policygrad.models.forward import policy_logprobs
@@ -25,7 +24,7 @@ from policygrad.rewards.registry import RewardFunctionError
 from policygrad.rollout import HFRolloutEngine
 from policygrad.trainer import Trainer, TrainingError
 from policygrad.trainer.config import ConfigError
-from tests.trainer.conftest import write_jsonl
+from tests.trainer.conftest import checkpoint_weights, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -348,15 +347,6 @@ def _metrics_rows(run_dir) -> list[dict]:
         return [comparable(json.loads(line)) for line in f]
 
 
-def _final_tensors(run_dir, step: int) -> dict[str, torch.Tensor]:
-    folder = os.path.join(run_dir, "checkpoints", f"step_{step}", "model")
-    tensors = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        tensors.update(load_file(path))
-    assert tensors
-    return tensors
-
-
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monkeypatch):
     # Over a data epoch boundary (3 rows, 2 per step), a cosine schedule with warmup, an adaptive
@@ -387,7 +377,7 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
     rows = _metrics_rows(cfg.output_dir)
     assert [r["step"] for r in rows] == [0, 1, 2, 3, 4, 4]  # eval before, 4 steps, eval after
     assert rows == _metrics_rows(straight.run_dir)
-    a, b = _final_tensors(straight.run_dir, 4), _final_tensors(cfg.output_dir, 4)
+    a, b = checkpoint_weights(straight.run_dir, 4), checkpoint_weights(cfg.output_dir, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert same_tree(model_weights(resumed.policy), model_weights(straight.policy))
     assert same_tree(_optimizer_state(resumed.optimizer), _optimizer_state(straight.optimizer))

@@ -6,7 +6,6 @@ The signal tests run ``python -m policygrad train`` in a subprocess, as a user w
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -24,7 +23,7 @@ from safetensors.torch import load_file
 from policygrad.cli import main
 from policygrad.trainer import Trainer
 from policygrad.trainer.checkpoint import COMPLETE_FILE, checkpoint_problem
-from tests.trainer.conftest import tiny_overrides, write_jsonl
+from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -98,14 +97,6 @@ def run_yaml(eos_model_dir, rewards_file, tmp_path):
 def _rows(run_dir) -> list[dict]:
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def _weights(run_dir, step) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in glob.glob(os.path.join(run_dir, "checkpoints", f"step_{step}", "model", "*.safetensors")):
-        out.update(load_file(path))
-    assert out
-    return out
 
 
 def _complete_steps(run_dir) -> list[int]:
@@ -194,7 +185,7 @@ def test_sigint_mid_run_then_resume_equals_an_uninterrupted_run(run_yaml, capsys
     assert main(["train", straight_cfg]) == 0
     capsys.readouterr()
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4, 5, 6]
-    a, b = _weights(straight, 6), _weights(run, 6)
+    a, b = checkpoint_weights(straight, 6), checkpoint_weights(run, 6)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
