@@ -776,9 +776,10 @@ def run_memory(
     return plan
 
 
-MEMORY_DESCRIPTION = """The memory bill of an RL job: 16 bytes per trainable parameter (bf16 weights and
-gradients, fp32 master weights and two Adam moments), 2 per frozen one; reference, reward model,
-critic and inference engine as the algorithm needs; KV cache and the B x T x V logits tensor.
+MEMORY_DESCRIPTION = """The memory bill of an RL job: 16 bytes per trainable parameter (fp32 master weights
+and gradients, two fp32 Adam moments), 2 per frozen one; reference, reward model, critic and
+inference engine as the algorithm needs; KV cache and the B x T x V logits tensor; per rank with
+--world-size and --strategy.
 Parameter counts come from the model's config.json (no weights are read); --params and the shape
 options describe a hypothetical model instead."""
 

@@ -324,7 +324,7 @@ class RunLifecycle:
             len=f"{metrics['response/length_mean']:.0f}",
             s=f"{metrics['time/step_s']:.1f}",
         )
-        if cfg.log_completions and self.step_idx % 10 == 1:
+        if cfg.log_completions and self.step_idx % 10 == 1 and self.dist.is_main:  # rank 0 reports
             for sample in self.last_samples[: cfg.log_completions]:
                 text = sample["completion"][:120]
                 bar.write(f"  [step {self.step_idx}] reward={sample['reward']:.2f} {text!r}")
