@@ -12,7 +12,6 @@ with status 2; it never ends in a traceback.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import json
 import logging
@@ -114,11 +113,12 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     from policygrad.data.sources import is_code_dataset
+    from policygrad.lab.common import OneLineArgumentParser, check_temperature
     from policygrad.rewards.code import TaskReward
     from policygrad.trainer.config import DataConfig, TrainConfig
-    from policygrad.trainer.evaluate import evaluate_model
+    from policygrad.trainer.evaluate import eval_output_path, evaluate_model
 
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="policygrad eval", description="Greedy accuracy, pass@k and maj@k of a model."
     )
     p.add_argument(
@@ -177,8 +177,7 @@ def cmd_eval(argv: list[str]) -> int:
         import torch
 
         torch.set_num_threads(args.num_threads)
-    if args.output is not None and os.path.isdir(args.output):
-        raise ValueError(f"--output {args.output} is a folder; give a file, e.g. {args.output}/eval.jsonl")
+    check_temperature(args.temperature)
     data = DataConfig(
         dataset=args.dataset,
         difficulty=args.difficulty,
@@ -190,6 +189,8 @@ def cmd_eval(argv: list[str]) -> int:
         eval_split=args.split,
     )
     TrainConfig(data=data)  # validates
+    # Every argument is checked before the dataset is read or a model is loaded (or converted).
+    output = eval_output_path(args.output, args.dataset)
     result = evaluate_model(
         args.model,
         data,
@@ -200,7 +201,7 @@ def cmd_eval(argv: list[str]) -> int:
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
-        output=args.output,
+        output=output,
         seed=args.seed,
         engine=args.engine,
         # Rows with code tests are judged by code_tests in the sandbox; maj@k has no answer to vote on.

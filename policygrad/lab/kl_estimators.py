@@ -46,6 +46,7 @@ from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.core.losses import get_policy_loss
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    OneLineArgumentParser,
     add_run_args,
     check_positive_int,
     ensure_output_dir,
@@ -657,7 +658,7 @@ def run_kl_estimators(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="policygrad lab kl-estimators",
         description="Bias and spread of the KL estimators k1, k2, k3 (Gaussian pairs and real token "
         "distributions) and which KL each placement's gradient follows.",
@@ -692,6 +693,7 @@ def main(argv: list[str]) -> str:
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
     if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
         raise ValueError(f"--prompts must be in 1..{len(DEFAULT_PROMPTS)}, got {args.prompts}")
+    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before the model loads
     model = tokenizer = None
     name = None
     if args.model.lower() != "none":
@@ -710,7 +712,7 @@ def main(argv: list[str]) -> str:
         samples_per_prompt=args.samples_per_prompt,
         max_new_tokens=args.max_new_tokens,
         seed=args.seed,
-        output_dir=args.output_dir,
+        output_dir=output_dir,
     )
     lines = [result.table]
     lines.append(f"\nwrote {result.json_path}\nwrote {result.png_path}")

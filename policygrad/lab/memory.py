@@ -41,6 +41,7 @@ from typing import Any
 
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    OneLineArgumentParser,
     ensure_output_dir,
     fmt,
     format_table,
@@ -450,6 +451,55 @@ def _model_items(name: str, params: int, trainable: bool, lora: int, note: str =
     return [MemoryItem(name, "frozen", params, BYTES_FROZEN, params * BYTES_FROZEN, note or "bf16 weights")]
 
 
+def check_options(
+    algorithm: str,
+    *,
+    lora_rank: int = 0,
+    batch: int | None = None,
+    seq_len: int | None = None,
+    inference_engine: bool = False,
+    reward_model: bool = False,
+    critic_params: int | None = None,
+    reward_params: int | None = None,
+    world_size: int = 1,
+    strategy: str = "ddp",
+) -> AlgorithmModels:
+    """The checks of :func:`plan_memory` that need no model shape, so ``policygrad memory`` refuses
+    a bad option before it reads (or converts) any model.
+
+    Returns:
+        the models ``algorithm`` needs.
+
+    Raises:
+        ValueError: as :func:`plan_memory` (names the option).
+    """
+    needs = _check_algorithm(algorithm)
+    if strategy not in ("ddp", "fsdp"):
+        raise ValueError(f"--strategy must be ddp or fsdp, got {strategy!r}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"--world-size must be an int >= 1, got {world_size!r}")
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
+    if (batch is None) != (seq_len is None):
+        raise ValueError("give --batch and --seq-len together (the logits and KV cache are B x T)")
+    for name, value in (
+        ("--batch", batch),
+        ("--seq-len", seq_len),
+        ("--critic-params", critic_params),
+        ("--reward-params", reward_params),
+    ):
+        if value is not None and value <= 0:
+            raise ValueError(f"{name} must be > 0, got {value}")
+    if algorithm == "sft" and (inference_engine or reward_model):
+        raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
+    if critic_params is not None and lora_rank and needs.critic:
+        raise ValueError(
+            "--critic-params with --lora-rank: the critic's adapters are counted from the "
+            "policy's layers; drop --critic-params"
+        )
+    return needs
+
+
 def plan_memory(
     shape: ModelShape,
     algorithm: str = "grpo",
@@ -493,27 +543,20 @@ def plan_memory(
             seq_len or the reverse; non-positive sizes; LoRA without linear-layer shapes; ``sft``
             with an inference engine or a reward model.
     """
-    needs = _check_algorithm(algorithm)
-    if strategy not in ("ddp", "fsdp"):
-        raise ValueError(f"--strategy must be ddp or fsdp, got {strategy!r}")
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"--world-size must be an int >= 1, got {world_size!r}")
-    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
-        raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
-    if (batch is None) != (seq_len is None):
-        raise ValueError("give --batch and --seq-len together (the logits and KV cache are B x T)")
-    for name, value in (
-        ("--batch", batch),
-        ("--seq-len", seq_len),
-        ("--critic-params", critic_params),
-        ("--reward-params", reward_params),
-    ):
-        if value is not None and value <= 0:
-            raise ValueError(f"{name} must be > 0, got {value}")
+    needs = check_options(
+        algorithm,
+        lora_rank=lora_rank,
+        batch=batch,
+        seq_len=seq_len,
+        inference_engine=inference_engine,
+        reward_model=reward_model,
+        critic_params=critic_params,
+        reward_params=reward_params,
+        world_size=world_size,
+        strategy=strategy,
+    )
     if shape.params <= 0:
         raise ValueError(f"the model's parameter count must be > 0, got {shape.params}")
-    if algorithm == "sft" and (inference_engine or reward_model):
-        raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
     use_reference = needs.reference if reference is None else bool(reference and needs.reference)
     full_copy = strategy == "fsdp" and world_size > 1 and algorithm != "sft"
     lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
@@ -534,11 +577,6 @@ def plan_memory(
     if needs.critic:
         cp = critic_params or p
         critic_lora = lora if (lora and critic_params is None) else 0
-        if lora and critic_params is not None:
-            raise ValueError(
-                "--critic-params with --lora-rank: the critic's adapters are counted from the "
-                "policy's layers; drop --critic-params"
-            )
         items += _model_items("critic", cp, True, critic_lora)
     if full_copy and not inference_engine:
         items.append(
@@ -784,15 +822,8 @@ Parameter counts come from the model's config.json (no weights are read); --para
 options describe a hypothetical model instead."""
 
 
-class _OneLineErrors(argparse.ArgumentParser):
-    """Bad arguments raise ValueError, which the CLI prints as one ``error:`` line."""
-
-    def error(self, message: str):
-        raise ValueError(f"policygrad memory: {message} (see policygrad memory --help)")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _OneLineErrors(prog="policygrad memory", description=MEMORY_DESCRIPTION)
+    p = OneLineArgumentParser(prog="policygrad memory", description=MEMORY_DESCRIPTION)
     p.add_argument(
         "--model",
         default=None,
@@ -834,11 +865,34 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> str:
     """``policygrad memory ...``: write the JSON and the PNG; returns the bill and their paths to print."""
     args = build_parser().parse_args(argv)
-    _check_algorithm(args.algorithm)
+    counts = {
+        name: parse_count(value, flag) if value is not None else None
+        for name, flag, value in (
+            ("params", "--params", args.params),
+            ("vocab", "--vocab", args.vocab),
+            ("critic_params", "--critic-params", args.critic_params),
+            ("reward_params", "--reward-params", args.reward_params),
+        )
+    }
+    options = {
+        "lora_rank": args.lora_rank,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "inference_engine": args.inference_engine,
+        "reward_model": args.reward_model,
+        "critic_params": counts["critic_params"],
+        "reward_params": counts["reward_params"],
+        "world_size": args.world_size,
+        "strategy": args.strategy,
+    }
+    # Every option is checked, and the output folder made, before a model's config is read: the
+    # bundled model's first read converts it (tens of seconds).
+    check_options(args.algorithm, **options)
+    output_dir = ensure_output_dir(args.output_dir)
     shape = resolve_shape(
         args.model,
-        params=parse_count(args.params, "--params") if args.params is not None else None,
-        vocab=parse_count(args.vocab, "--vocab") if args.vocab is not None else None,
+        params=counts["params"],
+        vocab=counts["vocab"],
         layers=args.layers,
         hidden=args.hidden,
         kv_heads=args.kv_heads,
@@ -851,18 +905,10 @@ def main(argv: list[str]) -> str:
     plan = run_memory(
         shape,
         args.algorithm,
-        output_dir=args.output_dir,
-        lora_rank=args.lora_rank,
+        output_dir=output_dir,
         lora_targets=targets,
-        batch=args.batch,
-        seq_len=args.seq_len,
-        inference_engine=args.inference_engine,
-        reward_model=args.reward_model,
         reference=False if args.no_reference else None,
-        critic_params=parse_count(args.critic_params, "--critic-params") if args.critic_params else None,
-        reward_params=parse_count(args.reward_params, "--reward-params") if args.reward_params else None,
-        world_size=args.world_size,
-        strategy=args.strategy,
+        **options,
     )
     lines = [plan.table]
     if args.inference_engine and args.batch is None:
@@ -872,6 +918,7 @@ def main(argv: list[str]) -> str:
 
 
 __all__ = [
+    "check_options",
     "ALGORITHM_MODELS",
     "BYTES_FROZEN",
     "BYTES_TRAINABLE",

@@ -38,8 +38,10 @@ import torch
 from policygrad.core.logprobs import truncated_importance_weights
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
+    OneLineArgumentParser,
     add_run_args,
     check_positive_int,
+    check_temperature,
     ensure_output_dir,
     format_table,
     pyplot,
@@ -427,7 +429,7 @@ def plot_mismatch(result: MismatchResult, path: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="policygrad lab mismatch",
         description="Per-token log-prob differences between the sampler (KV-cache decode) and the training "
         "recompute, and between bf16 and fp32 forwards; their growth with sequence length; truncated "
@@ -460,6 +462,8 @@ def main(argv: list[str]) -> str:
         raise ValueError(f"--cap must be a finite number > 0, got {args.cap}")
     check_positive_int(args.samples_per_prompt, "--samples-per-prompt")
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
+    check_temperature(args.temperature)
+    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before the model loads
     model, tokenizer = load_lab_model(args.model)
     result = run_mismatch(
         model,
@@ -471,7 +475,7 @@ def main(argv: list[str]) -> str:
         sampler_dtype=args.sampler_dtype,
         cap=args.cap,
         seed=args.seed,
-        output_dir=args.output_dir,
+        output_dir=output_dir,
     )
     lines = [result.table]
     lines.append(f"\nwrote {result.json_path}\nwrote {result.png_path}")

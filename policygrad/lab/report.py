@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from policygrad.lab.common import pyplot
+from policygrad.lab.common import OneLineArgumentParser, pyplot
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,7 +410,7 @@ def write_report(run_dirs: Sequence[str], output: str | None = None, *, samples:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = OneLineArgumentParser(
         prog="policygrad report",
         description="One self-contained HTML page with a run's curves, config and best/worst completions; "
         "several runs are compared on the same axes.",

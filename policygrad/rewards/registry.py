@@ -39,6 +39,7 @@ import torch
 
 from policygrad.rewards.callables import awaited
 from policygrad.rewards.code import code_tests
+from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
 from policygrad.rewards.verifiers import answer_correctness, answer_format, length_penalty
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "RewardFunctionError",
     "RewardOutput",
     "apply_truncation_policy",
+    "check_reward_spec",
     "load_reward_function",
     "row_fields_from_rows",
 ]
@@ -86,6 +88,49 @@ def _spec_forms() -> str:
     )
 
 
+def _split_spec(spec: str) -> tuple[str, str, str | None]:
+    """``(target, attribute, path)`` of a ``module:function`` or ``file.py:function`` spec;
+    ``path`` is the file's absolute path (None for a module). See :func:`load_reward_function`."""
+    if ":" not in spec:
+        raise ValueError(f"unknown reward function {spec!r}; give {_spec_forms()}")
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"malformed reward function spec {spec!r}; give {_spec_forms()}")
+    if not (target.endswith(".py") or os.sep in target or "/" in target):
+        return target, attr, None
+    path = os.path.abspath(os.path.expanduser(target))
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"reward function file {target!r} (from spec {spec!r}) does not exist (looked at {path}); "
+            "check the path, which is relative to the current directory"
+        )
+    return target, attr, path
+
+
+def check_reward_spec(spec: str | Callable) -> None:
+    """The checks of :func:`load_reward_function` that run none of the user's code: a known name,
+    a well-formed spec, an existing ``.py`` file, a findable top-level module. A run makes them
+    before it reads any model; the function itself is loaded later, in the reward worker.
+    ``reward_model:PATH`` entries are left to the reward-model loader.
+
+    Raises:
+        FileNotFoundError / ValueError / TypeError: as :func:`load_reward_function`.
+    """
+    if callable(spec):
+        return
+    if not isinstance(spec, str):
+        raise TypeError(f"reward function spec must be a string or a callable, got {type(spec).__name__}")
+    spec = spec.strip()
+    if spec in BUILTIN_REWARDS or spec.startswith(REWARD_MODEL_PREFIX):
+        return
+    target, _, path = _split_spec(spec)
+    if path is None and importlib.util.find_spec(target.split(".")[0]) is None:
+        raise ValueError(
+            f"cannot import module {target!r} for reward function spec {spec!r} (not found); "
+            "install it or put it on PYTHONPATH, or use 'path/to/file.py:function'"
+        )
+
+
 def load_reward_function(spec: str | Callable) -> Callable:
     """Resolve a reward-function spec to a callable.
 
@@ -112,18 +157,8 @@ def load_reward_function(spec: str | Callable) -> Callable:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS:
         return BUILTIN_REWARDS[spec]
-    if ":" not in spec:
-        raise ValueError(f"unknown reward function {spec!r}; give {_spec_forms()}")
-    target, _, attr = spec.rpartition(":")
-    if not target or not attr:
-        raise ValueError(f"malformed reward function spec {spec!r}; give {_spec_forms()}")
-    if target.endswith(".py") or os.sep in target or "/" in target:
-        path = os.path.abspath(os.path.expanduser(target))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(
-                f"reward function file {target!r} (from spec {spec!r}) does not exist (looked at {path}); "
-                "check the path, which is relative to the current directory"
-            )
+    target, attr, path = _split_spec(spec)
+    if path is not None:
         module_name = f"policygrad_user_reward_{abs(hash(path)):x}"
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
         if loader_spec is None or loader_spec.loader is None:

@@ -245,6 +245,36 @@ def engine_context(model, wanted: int) -> int:
     return min(wanted, int(limit)) if limit else wanted
 
 
+def check_before_models(cfg: TrainConfig, functions=None) -> None:
+    """What a run checks before it reads (or converts) any model: the engine's choice and the
+    reward-function specs (``functions``: the objects given instead of ``reward.functions``).
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: naming the field.
+    """
+    from policygrad.rewards.registry import check_reward_spec
+
+    resolve_engine(cfg)
+    for spec in cfg.reward.functions if functions is None else functions:
+        check_reward_spec(spec)
+
+
+def resolve_engine(cfg: TrainConfig) -> tuple[str, str]:
+    """``(name, why)`` of the engine ``rollout.engine`` names (``auto`` resolved), checked against
+    the options only vLLM takes; needs no model, so a run refuses a bad choice before loading one.
+
+    Raises:
+        ConfigError: ``rollout.dtype`` set while ``auto`` resolved to the hf engine.
+    """
+    name, why = cfg.rollout.resolved_engine()
+    if name == "hf" and cfg.rollout.dtype != "auto":
+        raise ConfigError(
+            f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
+            "resolved to hf (vllm is not installed); install the vllm extra or set rollout.dtype=auto"
+        )
+    return name, why
+
+
 def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype, quiet: bool = False):
     """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged
     (at debug level when ``quiet``: ``policygrad eval`` reports the engine in its result).
@@ -257,12 +287,7 @@ def build_engine(cfg: TrainConfig, models: Models, *, dtype: torch.dtype, quiet:
     """
     from policygrad.rollout.hf import HFRolloutEngine
 
-    name, why = cfg.rollout.resolved_engine()
-    if name == "hf" and cfg.rollout.dtype != "auto":
-        raise ConfigError(
-            f"rollout.dtype={cfg.rollout.dtype!r} needs the vllm engine, but rollout.engine=auto "
-            "resolved to hf (vllm is not installed); install the vllm extra or set rollout.dtype=auto"
-        )
+    name, why = resolve_engine(cfg)
     log.log(logging.DEBUG if quiet else logging.INFO, "rollout engine: %s (%s)", name, why)
     if name != "vllm":
         return HFRolloutEngine(models.policy, models.tokenizer, models.eos_ids), name

@@ -30,6 +30,7 @@ from policygrad.rewards.verifiers import answer_correctness, extract_answer
 
 __all__ = [
     "decode_completions",
+    "eval_output_path",
     "evaluate",
     "evaluate_model",
     "greedy_eval",
@@ -96,10 +97,54 @@ def decode_completions(tokenizer, rollout) -> list[str]:
 
 
 def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
-    """One JSON object per line."""
-    with open(path, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
+    """One JSON object per line, written to a temporary file beside ``path`` and renamed over it,
+    so ``path`` never holds half a file."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def eval_output_path(output: str | None, dataset: str | None) -> str:
+    """Where ``policygrad eval`` writes its completions, checked before any model loads.
+
+    Args:
+        output: the ``--output`` file, or None for ``eval-<dataset stem>.jsonl`` in the working
+            folder.
+        dataset: the evaluated dataset spec (a path, a Hub id or ``builtin:NAME``).
+
+    Returns:
+        the output path.
+
+    Raises:
+        ValueError: ``output`` is a folder, its folder does not exist or is not writable, or it
+            names the dataset file being read (names ``--output`` and the fix).
+    """
+    if output is None:
+        stem = os.path.splitext(os.path.basename(dataset or "builtin"))[0].replace(":", "-")
+        output = f"eval-{stem}.jsonl"
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output} is a folder; give a file, e.g. {output}/eval.jsonl")
+    folder = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(folder):
+        raise ValueError(f"--output {output}: folder {folder} does not exist; create it or give another path")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"--output {output}: folder {folder} is not writable; give another path")
+    if dataset and os.path.exists(output) and os.path.exists(dataset):
+        inputs = [dataset] if os.path.isfile(dataset) else [
+            os.path.join(dataset, name) for name in os.listdir(dataset)
+        ]
+        if any(os.path.samefile(output, path) for path in inputs if os.path.isfile(path)):
+            raise ValueError(
+                f"--output {output} is the dataset being evaluated; give another file for the results"
+            )
+    return output
 
 
 def _complete(
@@ -279,14 +324,15 @@ def evaluate_model(
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
-    t_load = time.perf_counter()
-    rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
+    output = eval_output_path(output, data.eval_dataset)
     cfg = TrainConfig(
         seed=seed,
         model=ModelConfig(name=model, adapter=adapter),
         data=data,
         rollout=RolloutConfig(engine=engine, max_new_tokens=max_new_tokens, **(rollout or {})),
     )
+    t_load = time.perf_counter()
+    rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = build.resolve_dtype(cfg.model.dtype, device)
     models = build.load_eval_models(cfg, device=device, dtype=dtype)
@@ -306,9 +352,6 @@ def evaluate_model(
         close = getattr(gen, "close", None)
         if callable(close):
             close()
-    if output is None:
-        stem = os.path.splitext(os.path.basename(data.eval_dataset or "builtin"))[0].replace(":", "-")
-        output = f"eval-{stem}.jsonl"
     write_jsonl(output, records)
     return {
         "model": model,

@@ -151,7 +151,16 @@ class Trainer(RunLifecycle):
         else:
             ckpt, state, changes = self._check_resume(resume_from)
         self.dist.barrier()  # every rank has checked before rank 0 may write (step 3)
-        # 2. Build every part (models, engine, data, rewards, optimizers).
+        # 2. Build every part: first what needs no model (the engine's choice, reward specs, the
+        # data), so a bad option or file is refused before a model is read or converted; then the models,
+        # the engine, the rewards and the optimizers.
+        build.check_before_models(cfg, reward_objects)
+        if train_source is None:
+            train_source = build_train_source(cfg.data, seed=cfg.seed)
+        if eval_rows is not None:
+            self.eval_rows = list(eval_rows)[: cfg.data.eval_size]
+        else:
+            self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
         m = build.build_models(
             cfg,
             device=self.device,
@@ -186,13 +195,7 @@ class Trainer(RunLifecycle):
             self.engine.shares_policy_weights = False  # it samples from the copy, synced after updates
         if ckpt is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
             self.sync_engine()  # a separate engine loaded the base weights
-        if train_source is None:
-            train_source = build_train_source(cfg.data, seed=cfg.seed)
         self.stream = PromptStream(train_source)
-        if eval_rows is not None:
-            self.eval_rows = list(eval_rows)[: cfg.data.eval_size]
-        else:
-            self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
         # The rows' own verifier: code_tests (in the run's reward.code sandbox) on code rows.
         self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
         self.scorer = build.build_scorer(cfg, device=self.device, dtype=self.dtype, functions=reward_objects)

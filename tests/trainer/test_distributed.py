@@ -183,6 +183,32 @@ def close(a, b, rel: float = 1e-5, floor: float = 1e-7) -> bool:
     return abs(a - b) <= rel * max(abs(a), abs(b)) + floor
 
 
+# How far apart the two runs' metrics may be. The runs differ only in the order of float32 sums
+# (a rank's partial sums, then the all-reduce): a sum of N terms of magnitude M carries about
+# sqrt(N) * M * 6e-8 (N ~ 500 tokens here: ~1.3e-6 relative), and two AdamW steps carry that into
+# the weights and every later forward. REL = 1e-5 bounds a plain reduced quantity (a mean, a
+# norm, a loss) after those steps. A quantity computed from reduced ones gets REL times its
+# condition number (how much it magnifies relative errors of its inputs):
+REL = 1e-5
+
+
+def vf_loss_rel(row: dict) -> float:
+    """critic/vf_loss = mean(0.5 * (V - R)^2). The residual V - R of values |V| ~ values_mean
+    cancels: its relative error is REL * (|V| + |V - R|) / |V - R| with |V - R| ~
+    sqrt(2 vf_loss), and the square doubles it (step 1 of the ppo case: values ~0.031, residuals
+    ~0.078: 2.8e-5; the runs differ by 8.8e-6)."""
+    residual = math.sqrt(max(2 * float(row["critic/vf_loss"]), 1e-30))
+    return 2 * REL * (1 + abs(float(row["critic/values_mean"])) / residual)
+
+
+def explained_variance_abs(row: dict) -> float:
+    """critic/explained_variance = 1 - Var(R - V) / Var(R): the ratio q = 1 - EV carries the
+    relative error of its numerator (the residual's, as vf_loss) plus its denominator's (REL), so
+    EV may differ by |1 - EV| times their sum (1.72 x 3.8e-5 at step 1 of the ppo case, where
+    the runs differ by 7.6e-6); a plain relative tolerance on EV fails as EV nears 0."""
+    return abs(1 - float(row["critic/explained_variance"])) * (vf_loss_rel(row) + REL)
+
+
 def assert_same_metrics(rows1: list[dict], rows2: list[dict]) -> None:
     assert len(rows1) == len(rows2)
     for step, (m1, m2) in enumerate(zip(rows1, rows2)):
@@ -197,13 +223,17 @@ def assert_same_metrics(rows1: list[dict], rows2: list[dict]) -> None:
         # The extreme ratios exp(logp - old_logp) of single tokens carry the log-probs' absolute
         # float noise (~1e-5 by step 3 of a resumed run) undamped by any mean: 3e-5 relative.
         rel = {"policy/ratio_max": 3e-5, "policy/ratio_min": 3e-5}
+        if "critic/vf_loss" in m1:
+            rel["critic/vf_loss"] = vf_loss_rel(m1)
+            floors["critic/explained_variance"] = explained_variance_abs(m1)
+            rel["critic/explained_variance"] = 0.0
         differ = {
             k: (m1[k], m2[k])
             for k in m1
             if not close(
                 m1[k],
                 m2[k],
-                rel=rel.get(k, 1e-5),
+                rel=rel.get(k, REL),
                 floor=next((f for p, f in floors.items() if k.startswith(p)), 1e-7),
             )
         }

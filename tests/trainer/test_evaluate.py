@@ -8,7 +8,7 @@ import torch
 
 from policygrad.rollout.base import Rollout
 from policygrad.trainer.config import DataConfig
-from policygrad.trainer.evaluate import evaluate, majority_at_k, pass_at_k
+from policygrad.trainer.evaluate import evaluate, majority_at_k, pass_at_k, write_jsonl
 from tests.tiny import make_tiny_tokenizer
 
 pytestmark = pytest.mark.unit
@@ -75,3 +75,14 @@ def test_evaluate_reports_greedy_accuracy_pass_at_k_and_maj_at_k_in_one_call_eac
     assert [s["answer"] for s in records[0]["samples"]] == ["2", "3", "3", "2"]
     with pytest.raises(ValueError, match="each k must be in 1 .. --samples 4"):
         evaluate(engine, tok, rows, data=data, max_new_tokens=8, samples=4, ks=[5])
+
+
+def test_write_jsonl_never_leaves_half_a_file(tmp_path):
+    path = tmp_path / "eval.jsonl"
+    write_jsonl(str(path), [{"a": 1}])
+    with pytest.raises(TypeError):  # the second record cannot be written: the old file stays whole
+        write_jsonl(str(path), [{"a": 2}, {"b": object()}])
+    assert path.read_text() == '{"a": 1}\n'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl"]  # no temporary file left
+    write_jsonl(str(path), [{"a": 2}, {"b": 3}])
+    assert path.read_text() == '{"a": 2}\n{"b": 3}\n'

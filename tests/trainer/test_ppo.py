@@ -548,7 +548,7 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
 
 
 @pytest.mark.slow
-def test_policy_reference_and_critic_of_smollm2_fit_in_memory(tmp_path):
+def test_policy_reference_and_critic_of_smollm2_fit_in_memory(tmp_path, bundled_model):
     # Policy + reference + critic of SmolLM2-135M in float32: one PPO step, peak RSS well under
     # the 24 GiB machine.
     cfg = load_config(
