@@ -310,7 +310,12 @@ def _said_by_rank_0(e: Exception) -> bool:
     return isinstance(e, ConfigError) and rank > 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1
 
 
-_OOM_TEXT = ("out of memory", "not enough memory", "failed to allocate memory")
+# How torch, CUDA and the C library word a failed allocation (torch on Linux CPU: "DefaultCPUAllocator:
+# can't allocate memory ... Error code 12 (Cannot allocate memory)").
+_OOM_TEXT = (
+    "out of memory", "not enough memory", "failed to allocate memory", "can't allocate memory",
+    "cannot allocate memory",
+)
 _OOM_HINT = {
     "train": "lower rollout.prompts_per_step, rollout.group_size, rollout.max_new_tokens or "
     "optim.micro_batch_size, or use model.lora.rank > 0 or model.gradient_checkpointing=true",

@@ -30,7 +30,7 @@ from policygrad.trainer.evaluate import write_jsonl
 from policygrad.trainer.interrupts import StopSignals
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
 from policygrad.trainer.resume import TRAINING_OPTIONS, config_changes
-from policygrad.trainer.trackers import build_trackers
+from policygrad.trainer.trackers import build_trackers, read_tracker_ids
 
 __all__ = ["RunLifecycle"]
 
@@ -67,6 +67,7 @@ class RunLifecycle:
             raise ConfigError(f"--overwrite cannot be combined with --resume {resume_from}; give one of them")
         rundir.check_not_in_use(resume_from)
         changes = config_changes(resume_from, cfg)
+        read_tracker_ids(resume_from)  # a corrupt file is refused now, not after the run is taken
         state = load_trainer_state(ckpt)
         if state["step"] >= cfg.steps:
             raise ConfigError(
@@ -137,9 +138,12 @@ class RunLifecycle:
             else:
                 recover_interrupted_saves(self.run_dir)
                 if changes:
-                    rundir.write_config(self.run_dir, cfg)
+                    # config.yaml records the options of the newest checkpoint: the changed ones
+                    # go in with the first checkpoint trained with them, so a resume that fails
+                    # before it leaves the file as it was.
+                    self._config_pending = True
                     log.info(
-                        "resumed with changed options (written to config.yaml): %s",
+                        "resumed with changed options (recorded in config.yaml with the next checkpoint): %s",
                         ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in changes.items()),
                     )
             self.logger = MetricsLogger(
@@ -432,6 +436,9 @@ class RunLifecycle:
                 model_card=self.model_card(state["step"]),
                 tmp=tmp,
             )
+            if self._config_pending:
+                rundir.write_config(self.run_dir, self.config)
+                self._config_pending = False
         if self.strategy == "fsdp":
             self.dist.barrier()  # the checkpoint is complete before any rank goes on
         self._saved_step = state["step"]

@@ -30,8 +30,9 @@ import time
 from typing import Any
 
 from policygrad.trainer.metrics import tracker_metric_name
+from policygrad.trainer.rundir import atomic_write_text
 
-__all__ = ["TRACKER_EXTRAS", "Tracker", "build_trackers", "tracker_scalars"]
+__all__ = ["TRACKER_EXTRAS", "Tracker", "build_trackers", "read_tracker_ids", "tracker_scalars"]
 
 log = logging.getLogger("policygrad")
 
@@ -236,10 +237,7 @@ def build_trackers(
         ImportError: a tracker's library is missing (the message names the pip extra).
     """
     path = os.path.join(run_dir, IDS_FILE)
-    saved: dict[str, str] = {}
-    if resume and os.path.exists(path):
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
+    saved = read_tracker_ids(run_dir) if resume else {}
     opened: list[Tracker] = []
     name = run_name or os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
     flat = _flat(config)
@@ -262,6 +260,30 @@ def build_trackers(
         raise
     ids = {k: v for t in opened for k, v in t.ids().items()}
     if ids:
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(ids, f, indent=2)
+        atomic_write_text(path, json.dumps(ids, indent=2))
     return opened
+
+
+def read_tracker_ids(run_dir: str) -> dict[str, str]:
+    """The tracker run ids a run saved (``RUN_DIR/trackers.json``; ``{}`` when it has none), read
+    and checked before a resume writes anything.
+
+    Raises:
+        ValueError: the file is not a JSON object of strings (names the file and the fix).
+    """
+    path = os.path.join(run_dir, IDS_FILE)
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        saved, why = None, f"{type(e).__name__}: {e}"
+    else:
+        why = "not an object of tracker ids"
+    if not isinstance(saved, dict) or not all(isinstance(v, str) for v in saved.values()):
+        raise ValueError(
+            f"{path} cannot be read ({why}); it holds the ids that continue this run's tracker runs: "
+            "restore it, or delete it to start new tracker runs"
+        )
+    return saved

@@ -303,6 +303,13 @@ def test_the_first_stop_signal_is_noted_and_the_second_stops_at_once():
             RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB"),
             "error: out of memory (DefaultCPUAllocator: not enough memory",
         ),
+        (  # what torch raises on Linux when the allocation itself fails (torch.empty(2**46))
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 281474976710656 bytes. Error code 12 (Cannot allocate memory)"
+            ),
+            "error: out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't",
+        ),
         (
             OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"),
             "error: no space left on device writing /runs/x/metrics.jsonl; free space",

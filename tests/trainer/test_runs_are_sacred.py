@@ -520,6 +520,36 @@ def test_resume_applies_a_new_lr_and_refuses_other_changes(run_yaml, tmp_path, c
     assert [r["step"] for r in _rows(run) if "config/optim.lr" not in r] == [1, 2]
 
 
+def test_a_failed_resume_leaves_config_yaml_as_it_was(run_yaml, capsys, monkeypatch):
+    """config.yaml records the options of the newest checkpoint: a resume that fails before a
+    checkpoint of its changed options (a corrupt trackers.json, an error in its first step)
+    leaves it byte for byte, and the next successful resume records them."""
+    cfg, run = run_yaml("failed_resume", steps=1)
+    assert main(["train", cfg]) == 0
+    config_yaml = os.path.join(run, "config.yaml")
+    before = open(config_yaml).read()
+    ids = os.path.join(run, "trackers.json")
+    with open(ids, "w") as f:
+        f.write("{not json")
+    capsys.readouterr()
+    assert main(["train", "--resume", run, "--steps=2", "--optim.lr=0.5"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"{ids} cannot be read (JSONDecodeError" in line and "delete it to start new tracker runs" in line
+    assert open(config_yaml).read() == before
+    os.remove(ids)
+
+    def fails(self):
+        raise ValueError("the first resumed step fails")
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", fails)
+        assert main(["train", "--resume", run, "--steps=2", "--optim.lr=0.5"]) == 2
+    assert "the first resumed step fails" in _one_error_line(capsys.readouterr().err)
+    assert open(config_yaml).read() == before and _complete_steps(run) == [1]
+    assert main(["train", "--resume", run, "--steps=2", "--optim.lr=0.5"]) == 0
+    assert yaml.safe_load(open(config_yaml))["optim"]["lr"] == 0.5 and _complete_steps(run) == [1, 2]
+
+
 # ----------------------------------------------------------------------------- models that cannot be trained
 
 
