@@ -46,6 +46,9 @@ as a type name and a message and is re-raised in the harness as that built-in ex
 * ``AssertionError``, built-ins, ``check`` and the harness live in another process the program
   cannot see (its own PID, mount, IPC and network namespaces): replacing them in its own
   interpreter, or defining its own ``check``, changes nothing the harness runs;
+* the program runs as a real module (``__candidate__``, registered in its own interpreter's
+  ``sys.modules`` as an import registers it, so dataclasses and pickling work): replacing
+  entries there (``__main__``, ``__tests__``) is replacing built-ins in the wrong process;
 * an object with a rigged ``__eq__`` (or any object the program defined) cannot cross: only
   values of the exact built-in types arrive, so comparisons in the tests are the built-ins';
 * a program that exits, crashes, hangs, forks, floods the pipe or sends malformed replies

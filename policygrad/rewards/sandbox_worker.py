@@ -22,13 +22,18 @@ What it does, in order (every step is trusted code, before the program's first l
    ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0), hard limits equal to the soft ones;
 5. run the role:
 
-* ``script``: run the program as ``__main__``; its exit status is the process's.
-* ``candidate``: send a ready frame, execute the program (``__name__ == "__candidate__"``), then
+* ``script``: run the program as the module ``__main__``; its exit status is the process's.
+* ``candidate``: send a ready frame, execute the program as the module ``__candidate__``, then
   answer call requests ``{"call": name, "args": [...], "kwargs": [...]}`` read from ``req_fd``
   with ``{"ok": value}`` or ``{"raised": exception type name, "message": text}`` on
   ``resp_fd``. Only plain data crosses (see :func:`encode`).
-* ``tests``: wait for the candidate's ready frame, run the tests with the candidate's functions
-  replaced by proxies that make those calls, and write one JSON line per test to ``report_fd``.
+* ``tests``: wait for the candidate's ready frame, run the tests (each in its own module
+  ``__tests__``) with the candidate's functions replaced by proxies that make those calls, and
+  write one JSON line per test to ``report_fd``.
+
+Each runs its code as a real module (:func:`new_module`): registered in ``sys.modules`` under
+its name, as an import registers it, with its source in ``linecache``, so dataclasses, pickling,
+``typing.get_type_hints``, ``inspect.getsource`` and ``enum`` work as in a file one imports.
 
 Frames on the request/response pipes are a 4-byte big-endian length and a JSON body.
 """
@@ -39,6 +44,7 @@ import builtins
 import ctypes
 import ctypes.util
 import json
+import linecache
 import os
 import resource
 import select
@@ -48,6 +54,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 
 MAX_FRAME_BYTES = 16 << 20  # the largest request or response; larger answers fail the call
 
@@ -380,10 +387,34 @@ def read_frame(fd, deadline=None):
 # Roles.
 
 
+def new_module(name, filename, source):
+    """A module object named ``name``, as an import makes it: ``__file__`` is ``filename`` and
+    the source is in :mod:`linecache` under it (so ``inspect.getsource`` and tracebacks find it).
+    The caller registers it in ``sys.modules`` before running ``source`` in it: dataclasses,
+    pickle, ``typing.get_type_hints`` and ``inspect`` find a class's module there by name."""
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    module.__builtins__ = builtins
+    lines = source.splitlines(True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    # mtime None: linecache.checkcache keeps the entry (there is no file to compare with).
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    return module
+
+
+def run_module(source, module):
+    """Register ``module`` in ``sys.modules`` under its name (replacing what was there; the
+    caller keeps a reference to anything it still needs) and execute ``source`` in it."""
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+
+
 def role_script(spec):
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    # The program replaces this file as __main__; the worker's functions keep their own globals.
+    module = new_module("__main__", "program.py", spec["program"])
     try:
-        exec(compile(spec["program"], "program.py", "exec"), namespace)
+        run_module(spec["program"], module)
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - report any failure of the program as exit status 1
@@ -395,10 +426,13 @@ def role_script(spec):
 def role_candidate(spec):
     req, resp = spec["fds"]["req"], spec["fds"]["resp"]
     write_frame(resp, {"ready": True})
-    namespace = {"__name__": "__candidate__", "__builtins__": builtins}
+    # Registered for the rest of this process's life: the program's classes are looked up there
+    # whenever an instance is pickled or a hint resolved, during the calls too.
+    module = new_module("__candidate__", "solution.py", spec["program"])
+    namespace = module.__dict__
     load_error = None
     try:
-        exec(compile(spec["program"], "solution.py", "exec"), namespace)
+        run_module(spec["program"], module)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt included
         load_error = f"{type(exc).__name__}: {exc}"[:2000]
     while True:
@@ -509,11 +543,13 @@ def role_tests(spec):
     channel.deadline = time.monotonic() + float(spec["limits"]["wall_time_s"])
     report(ready=True)
     tests = spec["tests"]
-    namespace = {"__name__": "__tests__", "__builtins__": builtins}
-    if tests.get("prelude"):
+    prelude = tests.get("prelude") or ""
+    module = new_module("__tests__", "prompt.py", prelude)
+    namespace = module.__dict__
+    if prelude:
         # The prompt's own code (HumanEval's helpers): it belongs to the tests, so it runs here.
         try:
-            exec(compile(tests["prelude"], "prompt.py", "exec"), namespace)
+            run_module(prelude, module)
         except BaseException as exc:  # noqa: BLE001 - a prompt that is not a program
             report(note=f"the prompt did not run as code: {type(exc).__name__}: {exc}"[:500])
     for name in tests["names"]:
@@ -525,8 +561,11 @@ def role_tests(spec):
     cases += [(source, f"test_{i}.py") for i, source in enumerate(tests.get("asserts") or [])]
     for index, (source, filename) in enumerate(cases):
         error = None
+        case = new_module("__tests__", filename, source)  # each test in its own copy of the namespace
+        case.__dict__.update(namespace)
+        case.__file__ = filename
         try:
-            exec(compile(source, filename, "exec"), dict(namespace))
+            run_module(source, case)
         except BaseException as exc:  # noqa: BLE001 - any exception fails the test
             error = f"{type(exc).__name__}: {exc}"[:1000]
         if error is None and channel.broken is not None:

@@ -454,6 +454,23 @@ sys.exit(0)
 """,
         False,
     ),
+    # The program's module is registered in its own sys.modules: claiming the worker's names there
+    # (or the harness's) changes nothing the harness runs.
+    "claim_the_worker_module": (
+        """\
+import sys
+me = sys.modules[__name__]
+sys.modules['__main__'] = me
+sys.modules['__tests__'] = me
+def role_tests(spec):
+    pass
+def check(candidate):
+    pass
+def add(a, b):
+    return 0
+""",
+        False,
+    ),
     "patch_the_harness": (
         """\
 import sys
@@ -653,6 +670,89 @@ def test_correct_program_scores_one_in_both_forms(reward):
     # The standard library is there for the program, after its privileges are dropped.
     stdlib = "import collections, fractions, functools, itertools, math, re, string, typing\n"
     assert _score(reward, stdlib + CORRECT) == [1.0, 1.0]
+
+
+# Correct programs that need their module to be a real one (in sys.modules under its name, as
+# an import makes it): each must score 1.0 in both forms.
+MODULE_CONSTRUCTS = {
+    "dataclass": """\
+from dataclasses import dataclass
+@dataclass
+class Pair:
+    a: int
+    b: int
+def add(a, b):
+    p = Pair(a, b)
+    return p.a + p.b
+""",
+    "pickle_own_class": """\
+import pickle
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+def add(a, b):
+    p = pickle.loads(pickle.dumps(Pair(a, b)))
+    return p.a + p.b if type(p) is Pair else 0
+""",
+    "get_type_hints": """\
+from __future__ import annotations
+import typing
+class Node:
+    value: int
+    next: Node | None
+def add(a, b):
+    hints = typing.get_type_hints(Node)
+    return a + b if hints['next'] == typing.Optional[Node] and hints['value'] is int else 0
+""",
+    "inspect_getsource": """\
+import inspect
+class Pair:
+    pass
+def add(a, b):
+    ok = inspect.getsource(add).startswith('def add(a, b):')
+    return a + b if ok and inspect.getsource(Pair) == 'class Pair:\\n    pass\\n' else 0
+""",
+    "enum": """\
+import enum
+class Op(enum.Enum):
+    ADD = 1
+def add(a, b):
+    return a + b if Op(1) is Op.ADD and Op.ADD.name == 'ADD' else 0
+""",
+    "module_identity": """\
+import sys
+KEY = object()
+def add(a, b):
+    module = sys.modules[__name__]
+    return a + b if module.KEY is KEY and module.add is add and add.__module__ == __name__ else 0
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULE_CONSTRUCTS))
+def test_a_program_runs_as_a_real_module(reward, name):
+    assert _score(reward, MODULE_CONSTRUCTS[name]) == [1.0, 1.0], name
+
+
+def test_the_tests_run_as_a_real_module(reward):
+    # The harness side too: a prelude's dataclass, pickled in a test.
+    prelude = "from dataclasses import dataclass\n@dataclass\nclass Case:\n    a: int\n    b: int\n"
+    prelude += "    want: int\n"
+    check = "import pickle\nc = pickle.loads(pickle.dumps(Case(2, 3, 5)))\nassert add(c.a, c.b) == c.want\n"
+    result = reward.sandbox.run_tests(CORRECT, TestSpec(names=("add",), asserts=(check,), prelude=prelude))
+    assert (result.passed, result.total, result.errors) == (1, 1, ())
+
+
+def test_a_script_runs_as_a_real_main_module():
+    sandbox = Sandbox(DEFAULT_MODE, SandboxLimits(wall_time_s=10.0))
+    program = (
+        "import pickle, sys\nfrom dataclasses import dataclass\n"
+        "@dataclass\nclass P:\n    x: int\n"
+        "assert sys.modules['__main__'].P is P\n"
+        "print(pickle.loads(pickle.dumps(P(3))).x + 1)\n"
+    )
+    result = sandbox.run(program)
+    assert (result.returncode, result.output) == (0, "4\n"), result.output
 
 
 def test_wrong_program_scores_zero_and_partial_counts_tests(reward):
