@@ -15,7 +15,8 @@ What it does, in order (every step is trusted code, before the program's first l
    everything the program started), build a minimal read-only root (``/usr``, ``/lib*``,
    ``/bin``, the interpreter's prefix, a few ``/dev`` nodes, a fresh ``/proc``) with one
    writable tmpfs of ``max_write_bytes`` at ``/sandbox``, and ``pivot_root`` into it.
-   ``"bwrap"``: bubblewrap has done the same; ``"none"``: only a supervisor process;
+   ``"bwrap"``: bubblewrap has done the same; ``"none"``: only a supervisor process, a child
+   subreaper that kills everything the program left behind when it ends (:func:`supervise`);
 3. drop privileges: to the spec's ``uid`` (a fresh unprivileged uid when started as root), or,
    inside a user namespace, every capability; ``PR_SET_NO_NEW_PRIVS``;
 4. resource limits (``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
@@ -69,6 +70,7 @@ MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 1
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_SET_CHILD_SUBREAPER = 36
 # statvfs flags -> mount flags: a read-only remount of a bind mount must repeat the flags the
 # kernel locked on it (nosuid, nodev, noexec ... of the original) or it fails with EPERM.
 ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
@@ -114,14 +116,25 @@ def write_file(path, text):
 # Entering the sandbox.
 
 
-def supervise():
+def supervise(reap_tree=False):
     """Fork; the parent waits for the child and exits with its status, the child returns.
 
     The parent is the process the sandbox started (the session and process-group leader); the
-    child gets ``PR_SET_PDEATHSIG = SIGKILL`` so that killing the parent ends it."""
+    child gets ``PR_SET_PDEATHSIG = SIGKILL`` so that killing the parent ends it.
+
+    ``reap_tree`` (no PID namespace to end everything at once): the parent is a child subreaper
+    (``PR_SET_CHILD_SUBREAPER``), so every process the program starts and leaves behind, in a
+    session of its own or not, becomes its child instead of init's; when the program's process
+    ends (or is killed) it kills them all (:func:`kill_children`) before it exits."""
     parent = os.getpid()
+    if reap_tree:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # not inherited by the child
+    # A SIGTERM from the coordinator before the parent's handler is in place would kill it by
+    # default and orphan the program's processes: it waits, blocked, until the handler is set.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent and os.getppid() != 0:  # the parent died before prctl
             os._exit(SETUP_FAILED)
@@ -129,16 +142,66 @@ def supervise():
     # The supervisor: reap the child and pass its status on; never run untrusted code here. On
     # SIGTERM (the coordinator ending the run) it kills the child and still reaps it, so no zombie
     # is left to a PID 1 that might not reap orphans.
-    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
+    def end_child(signum, frame):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # exiting already; raised here, it would end this process unreaped
+            pass
+
+    signal.signal(signal.SIGTERM, end_child)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
+            # A subreaper reaps the orphans that end meanwhile too (they would count as processes).
+            reaped, status = os.waitpid(-1 if reap_tree else pid, 0)
         except ChildProcessError:
             os._exit(SETUP_FAILED)
         except InterruptedError:
             continue
+        if reaped == pid:
+            break
+    if reap_tree:
+        # The pid may be reused from now on: a late SIGTERM must not reach it; this is the end anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        kill_children()
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _children(pid):
+    """The pids whose parent is ``pid``, read from ``/proc/*/stat``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; read after the last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def kill_children():
+    """SIGKILL every child of this process and reap it, until it has none: as a subreaper, the
+    children of each killed process become its children and go in the next round. A process
+    with a SIGKILL pending cannot fork, so the rounds end."""
+    me = os.getpid()
+    while True:
+        for child in _children(me):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:  # none left
+            return
+        time.sleep(0.005)
 
 
 def _remount_readonly(target):
@@ -587,7 +650,7 @@ def main():
         elif isolation == "bwrap":
             os.chdir("/sandbox")  # bubblewrap's own PID 1 supervises and dies with its parent
         else:
-            supervise()
+            supervise(reap_tree=True)
         drop_privileges(spec, in_userns)
         set_limits(spec["limits"])
     except BaseException as exc:  # noqa: BLE001 - report and stop: the sandbox is not in force

@@ -659,7 +659,7 @@ if os.fork() == 0:
 def add(a, b):
     return 0
 """,
-        True,
+        False,  # every mode kills it: a PID namespace, or none mode's subreaper supervisor
     ),
 }
 
@@ -856,6 +856,64 @@ def test_each_available_mode_judges_correctly(mode):
         assert scores == [1.0] + [0.0] * len(safe)
     finally:
         fn.close()
+
+
+# Programs that leave processes in a session of their own (setsid): "{marker}" names them.
+DAEMONS = {
+    "double_fork": """\
+import os, ctypes, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)
+        time.sleep(60)
+    os._exit(0)
+""",
+    # a chain still alive at the end, the last one deaf to SIGTERM and SIGHUP
+    "chain_alive": """\
+import os, ctypes, signal, time
+if os.fork() == 0:
+    os.setsid()
+    ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)
+    if os.fork() == 0:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        time.sleep(60)
+    time.sleep(60)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAEMONS))
+def test_none_mode_kills_what_the_program_left_behind(name):
+    marker = f"pg{uuid.uuid4().hex[:12]}"
+    program = DAEMONS[name].format(marker=marker) + "def add(a, b):\n    return a + b\n"
+    fn = CodeTests(isolation="none", timeout_s=5.0)
+    try:
+        # run(): the program exits at once, its daemon would stay; run_tests(): the candidate is
+        # still serving when the call ends
+        result = fn.sandbox.run(program + "import time\ntime.sleep(0.5)\n")
+        _assert_none_left(marker)
+        # and the output pipe they held is closed with them: the run ends when the program does
+        assert (result.returncode, result.timed_out) == (0, False)
+        scores = fn(["p"], [program], tests=[ASSERTS])
+        _assert_none_left(marker)
+        assert scores == [1.0]
+    finally:
+        fn.close()
+        for pid in _processes_named(marker):  # a failed run must not leave them to the next test
+            try:
+                os.kill(int(pid), 9)
+            except OSError:
+                pass
+
+
+def _assert_none_left(marker: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _processes_named(marker):
+        time.sleep(0.1)
+    assert not _processes_named(marker), f"processes named {marker} outlived the call"
 
 
 def test_unknown_isolation_is_one_clear_error():
