@@ -166,6 +166,31 @@ def _check_inputs(
     return token_rewards, mask, group_index, values
 
 
+def _check_groups(spec: EstimatorSpec, group_index: torch.Tensor, options: dict[str, Any]) -> None:
+    """Refuse a batch whose every group is smaller than ``spec.min_group_size(options)``: such an
+    estimator compares samples of one prompt, and with none to compare its advantages are all 0
+    (or it fails inside). A batch mixing lone rows with full groups is the estimator's to judge."""
+    need = spec.min_group_size(options)
+    if need <= 1 or group_index.numel() == 0:
+        return
+    _, sizes = group_inverse(group_index)
+    largest = int(sizes.max().item())
+    if largest >= need:
+        return
+    # The options that raise the minimum (as the config reports them).
+    culprits = [
+        k for k in options if spec.min_group_size({o: v for o, v in options.items() if o != k}) < need
+    ]
+    with_options = "".join(f" with {k}={options[k]!r}" for k in culprits)
+    change = "".join(f" or change {k}" for k in culprits)
+    raise ValueError(
+        f"advantage estimator {spec.name!r}{with_options} compares samples of the same prompt and needs "
+        f"groups of at least {need} rows, but the largest group of this batch has {largest} "
+        f"row{'s' if largest != 1 else ''} ({group_index.numel()} rows, {sizes.numel()} groups); pass at "
+        f"least {need} rows per group_index id (rollout.group_size >= {need}){change}"
+    )
+
+
 def register_advantage_estimator(
     name: str,
     *,
@@ -181,7 +206,8 @@ def register_advantage_estimator(
     declared as keyword-only parameters (no ``**kwargs``). The registered (and returned) callable
     wraps it: it validates the shared arguments (types, shapes; ``response_mask`` is passed on
     as a bool tensor), rejects unknown options with a ``TypeError`` naming the option and the
-    valid ones, runs the estimator under ``torch.no_grad()``, and sets masked positions of both
+    valid ones, refuses (``ValueError``) a batch in which no group reaches ``min_group_size``
+    with the options given, runs the estimator under ``torch.no_grad()``, and sets masked positions of both
     outputs to exactly 0. The wrapper's ``spec`` attribute is the :class:`EstimatorSpec` and its
     ``options`` attribute the user option names (``spec.options``).
 
@@ -273,6 +299,7 @@ def register_advantage_estimator(
                     f"valid options: {', '.join(spec.options) if spec.options else '(none)'}{supplied}"
                 )
             rewards, mask, gidx, vals = _check_inputs(token_rewards, response_mask, group_index, values)
+            _check_groups(spec, gidx, {k: v for k, v in kwargs.items() if k in spec.options})
             with torch.no_grad():
                 advantages, returns = fn(rewards, mask, group_index=gidx, values=vals, **kwargs)
                 zero = torch.zeros((), dtype=rewards.dtype, device=rewards.device)
@@ -321,8 +348,8 @@ def check_estimator_options(name: str, options: Mapping[str, Any]) -> dict[str, 
 
     Every option must be one the estimator declares, and none may be one of its ``inputs``
     (those the trainer supplies). The values are then checked by calling the estimator once on
-    a dummy batch (2 groups x 2 rows x 3 tokens, float32 zeros, every token valid; ``values``
-    zeros when it needs values; a [B] zeros tensor for each input), so its own checks run.
+    a dummy batch (2 groups of max(2, min_group_size) rows x 3 tokens, float32 zeros, every token
+    valid; ``values`` zeros when it needs values; a [B] zeros tensor for each input), so its own checks run.
     Options are configuration values (numbers, strings, booleans); a tensor shaped for a real
     batch would not fit the dummy one.
 
@@ -358,13 +385,15 @@ def check_estimator_options(name: str, options: Mapping[str, Any]) -> dict[str, 
     if unknown:
         which = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {', '.join(map(repr, unknown))}"
         raise ValueError(f"advantage estimator {name!r} has no {which}; valid options: {valid}")
-    rewards = torch.zeros(4, 3)
-    extra = {key: torch.zeros(4) for key in spec.inputs}
+    size = max(2, spec.min_group_size(options))  # groups as large as the estimator needs
+    rows = 2 * size
+    rewards = torch.zeros(rows, 3)
+    extra = {key: torch.zeros(rows) for key in spec.inputs}
     estimator(
         rewards,
-        torch.ones(4, 3),
-        group_index=torch.tensor([0, 0, 1, 1]),
-        values=torch.zeros(4, 3) if spec.needs_values else None,
+        torch.ones(rows, 3),
+        group_index=torch.arange(2).repeat_interleave(size),
+        values=torch.zeros(rows, 3) if spec.needs_values else None,
         **extra,
         **options,
     )
@@ -386,7 +415,9 @@ def estimate_advantages(
         ``(advantages[B, T], returns[B, T])``, dtype of ``token_rewards``, 0 at masked positions.
 
     Raises:
-        ValueError: unknown ``name`` (lists the registered ones); bad shapes; estimator errors.
+        ValueError: unknown ``name`` (lists the registered ones); bad shapes; no group of
+            ``group_index`` reaches the estimator's ``min_group_size`` for these options (names
+            the estimator, the largest group's size and the fix); estimator errors.
         TypeError: unknown option, wrong argument types.
     """
     return get_advantage_estimator(name)(

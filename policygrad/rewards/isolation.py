@@ -20,6 +20,10 @@ What isolation guarantees for every call of a user function:
   for its whole batch;
 * the working directory is the same after the call (the trainer's never changes; the worker's
   is restored after each call);
+* the environment variables are the caller's as they are at the call: each request carries
+  ``os.environ`` and the worker takes it over before it loads or calls (the worker is forked
+  from a server that the process's first run started, with that run's environment, which a
+  later run in the same process, a notebook or a sweep, would otherwise inherit);
 * only plain data comes back (numbers, strings, lists; arrays as their values): nothing the
   worker sends can make the trainer import or run user code.
 
@@ -231,9 +235,19 @@ def _watch_parent() -> None:
         os._exit(1)
 
 
+def _use_environment(environ: dict[str, str]) -> None:
+    """Make this process's environment exactly ``environ`` (``os.environ`` sets the C-level
+    environment too, so subprocesses and C extensions see it)."""
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
 def _serve(conn) -> None:
-    """The worker's loop: ``("load", spec)`` and ``("call", spec, prompts, completions, fields)``
-    requests, one reply each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
+    """The worker's loop: requests ``(request, environ)`` with ``request`` one of ``("load",
+    spec)``, ``("call", spec, prompts, completions, fields)``, ``("close", "")``, and
+    ``environ`` the caller's environment (a dict, or None: keep the current one); one reply
+    each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
     # Ctrl-C, and SIGTERM sent to the trainer's whole process group (torchrun stopping its
     # workers, a job scheduler, kill -- -PGID), are the trainer's to handle: it finishes the step,
     # which may be waiting on this worker, then closes it. The worker ends with the trainer anyway.
@@ -244,13 +258,15 @@ def _serve(conn) -> None:
     functions: dict[str, Callable] = {}
     while True:
         try:
-            request = pickle.loads(conn.recv_bytes())
+            request, environ = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)  # the trainer closed the pipe
         op, spec = request[0], request[1]
         try:
             if op == "close":
                 os._exit(0)
+            if environ is not None:
+                _use_environment(environ)
             if op == "load":
                 functions[spec] = load_reward_function(spec)
                 reply: tuple = ("ok", None)
@@ -343,7 +359,8 @@ class RewardWorker:
             self._discard()
             self._start()
         try:
-            self._conn.send_bytes(pickle.dumps(request))
+            # The caller's environment now, not the forkserver's (module docstring).
+            self._conn.send_bytes(pickle.dumps((request, dict(os.environ))))
             if not self._conn.poll(timeout):
                 self._discard()
                 raise RewardCallFailed(
@@ -400,7 +417,7 @@ class RewardWorker:
         """Stop the worker process (idempotent)."""
         if self._conn is not None and self._process is not None and self._process.is_alive():
             try:
-                self._conn.send_bytes(pickle.dumps(("close", "")))
+                self._conn.send_bytes(pickle.dumps((("close", ""), None)))
                 self._process.join(2)
             except OSError:
                 pass

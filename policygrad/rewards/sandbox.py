@@ -17,9 +17,11 @@ Isolation (``isolation``; the run logs which one is in force when the sandbox is
   ``pivot_root``\\ s into it. No network device but a down loopback exists.
 * ``auto`` (the default): ``bwrap`` where the ``bwrap`` binary is found and works, else
   ``namespaces`` where they work; otherwise code rewards refuse to run (:class:`SandboxUnavailable`).
-* ``none``: a separate process with the limits below and nothing else; the program can read what
-  the trainer's user can read, reach the network and see other processes. Only when set
-  explicitly, with a warning.
+* ``none``: a separate process with the limits below and nothing else; the program runs as the
+  trainer's user, can read what that user can read, reach the network and see (and signal) other
+  processes. Its supervisor is a child subreaper: every process the program leaves behind, in a
+  session of its own or not, is reparented to it and killed when the program ends, unless the
+  program kills the supervisor first. Only when set explicitly, with a warning.
 
 In every mode: a fresh unprivileged uid when started as root (``bwrap``/``namespaces``; in a user
 namespace every capability is dropped instead), ``PR_SET_NO_NEW_PRIVS``, and resource limits
@@ -46,6 +48,9 @@ as a type name and a message and is re-raised in the harness as that built-in ex
 * ``AssertionError``, built-ins, ``check`` and the harness live in another process the program
   cannot see (its own PID, mount, IPC and network namespaces): replacing them in its own
   interpreter, or defining its own ``check``, changes nothing the harness runs;
+* the program runs as a real module (``__candidate__``, registered in its own interpreter's
+  ``sys.modules`` as an import registers it, so dataclasses and pickling work): replacing
+  entries there (``__main__``, ``__tests__``) is replacing built-ins in the wrong process;
 * an object with a rigged ``__eq__`` (or any object the program defined) cannot cross: only
   values of the exact built-in types arrive, so comparisons in the tests are the built-ins';
 * a program that exits, crashes, hangs, forks, floods the pipe or sends malformed replies
@@ -57,7 +62,8 @@ as a type name and a message and is re-raised in the harness as that built-in ex
 Out of scope: a program that special-cases the inputs it is sent (a weak-test problem, not a
 harness problem: the tests' code and expected values never enter the candidate's sandbox, so it
 can only guess them from the prompt); timing side channels; kernel exploits (namespaces are not
-a virtual machine); in ``none`` mode, everything namespaces provide. ``RLIMIT_AS`` is per process,
+a virtual machine); in ``none`` mode, everything namespaces provide (a program that kills its
+supervisor leaves its other processes running). ``RLIMIT_AS`` is per process,
 so a program can hold at most ``max_processes x memory_bytes`` in total.
 """
 
@@ -310,7 +316,8 @@ class _Drain:
 def _kill(proc: subprocess.Popen) -> None:
     """End a worker and everything it started, and reap it: SIGTERM to its supervisor (which
     SIGKILLs its child, the sandbox's PID 1, whose death takes the PID namespace down, and reaps
-    it), then SIGKILL to the whole process group for whatever is left (``none`` mode, bwrap)."""
+    it; in ``none`` mode, the program's process, then every process it left behind), then SIGKILL
+    to the whole process group for whatever is left (``none`` mode, bwrap)."""
     if proc.poll() is None:
         try:
             proc.send_signal(signal.SIGTERM)

@@ -15,20 +15,26 @@ What it does, in order (every step is trusted code, before the program's first l
    everything the program started), build a minimal read-only root (``/usr``, ``/lib*``,
    ``/bin``, the interpreter's prefix, a few ``/dev`` nodes, a fresh ``/proc``) with one
    writable tmpfs of ``max_write_bytes`` at ``/sandbox``, and ``pivot_root`` into it.
-   ``"bwrap"``: bubblewrap has done the same; ``"none"``: only a supervisor process;
+   ``"bwrap"``: bubblewrap has done the same; ``"none"``: only a supervisor process, a child
+   subreaper that kills everything the program left behind when it ends (:func:`supervise`);
 3. drop privileges: to the spec's ``uid`` (a fresh unprivileged uid when started as root), or,
    inside a user namespace, every capability; ``PR_SET_NO_NEW_PRIVS``;
 4. resource limits (``RLIMIT_AS``, ``RLIMIT_CPU``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``,
    ``RLIMIT_NOFILE``, ``RLIMIT_CORE`` = 0), hard limits equal to the soft ones;
 5. run the role:
 
-* ``script``: run the program as ``__main__``; its exit status is the process's.
-* ``candidate``: send a ready frame, execute the program (``__name__ == "__candidate__"``), then
+* ``script``: run the program as the module ``__main__``; its exit status is the process's.
+* ``candidate``: send a ready frame, execute the program as the module ``__candidate__``, then
   answer call requests ``{"call": name, "args": [...], "kwargs": [...]}`` read from ``req_fd``
   with ``{"ok": value}`` or ``{"raised": exception type name, "message": text}`` on
   ``resp_fd``. Only plain data crosses (see :func:`encode`).
-* ``tests``: wait for the candidate's ready frame, run the tests with the candidate's functions
-  replaced by proxies that make those calls, and write one JSON line per test to ``report_fd``.
+* ``tests``: wait for the candidate's ready frame, run the tests (each in its own module
+  ``__tests__``) with the candidate's functions replaced by proxies that make those calls, and
+  write one JSON line per test to ``report_fd``.
+
+Each runs its code as a real module (:func:`new_module`): registered in ``sys.modules`` under
+its name, as an import registers it, with its source in ``linecache``, so dataclasses, pickling,
+``typing.get_type_hints``, ``inspect.getsource`` and ``enum`` work as in a file one imports.
 
 Frames on the request/response pipes are a 4-byte big-endian length and a JSON body.
 """
@@ -39,6 +45,7 @@ import builtins
 import ctypes
 import ctypes.util
 import json
+import linecache
 import os
 import resource
 import select
@@ -48,6 +55,7 @@ import struct
 import sys
 import time
 import traceback
+import types
 
 MAX_FRAME_BYTES = 16 << 20  # the largest request or response; larger answers fail the call
 
@@ -62,6 +70,7 @@ MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_REC = 32, 1024, 2048, 4096, 1
 MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+PR_SET_CHILD_SUBREAPER = 36
 # statvfs flags -> mount flags: a read-only remount of a bind mount must repeat the flags the
 # kernel locked on it (nosuid, nodev, noexec ... of the original) or it fails with EPERM.
 ST_TO_MS = {1: MS_RDONLY, 2: MS_NOSUID, 4: MS_NODEV, 8: MS_NOEXEC, 1024: MS_NOATIME, 2048: MS_NODIRATIME,
@@ -107,14 +116,25 @@ def write_file(path, text):
 # Entering the sandbox.
 
 
-def supervise():
+def supervise(reap_tree=False):
     """Fork; the parent waits for the child and exits with its status, the child returns.
 
     The parent is the process the sandbox started (the session and process-group leader); the
-    child gets ``PR_SET_PDEATHSIG = SIGKILL`` so that killing the parent ends it."""
+    child gets ``PR_SET_PDEATHSIG = SIGKILL`` so that killing the parent ends it.
+
+    ``reap_tree`` (no PID namespace to end everything at once): the parent is a child subreaper
+    (``PR_SET_CHILD_SUBREAPER``), so every process the program starts and leaves behind, in a
+    session of its own or not, becomes its child instead of init's; when the program's process
+    ends (or is killed) it kills them all (:func:`kill_children`) before it exits."""
     parent = os.getpid()
+    if reap_tree:
+        prctl(PR_SET_CHILD_SUBREAPER, 1)  # not inherited by the child
+    # A SIGTERM from the coordinator before the parent's handler is in place would kill it by
+    # default and orphan the program's processes: it waits, blocked, until the handler is set.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     pid = os.fork()
     if pid == 0:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent and os.getppid() != 0:  # the parent died before prctl
             os._exit(SETUP_FAILED)
@@ -122,16 +142,66 @@ def supervise():
     # The supervisor: reap the child and pass its status on; never run untrusted code here. On
     # SIGTERM (the coordinator ending the run) it kills the child and still reaps it, so no zombie
     # is left to a PID 1 that might not reap orphans.
-    signal.signal(signal.SIGTERM, lambda signum, frame: os.kill(pid, signal.SIGKILL))
+    def end_child(signum, frame):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:  # exiting already; raised here, it would end this process unreaped
+            pass
+
+    signal.signal(signal.SIGTERM, end_child)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
     while True:
         try:
-            _, status = os.waitpid(pid, 0)
-            break
+            # A subreaper reaps the orphans that end meanwhile too (they would count as processes).
+            reaped, status = os.waitpid(-1 if reap_tree else pid, 0)
         except ChildProcessError:
             os._exit(SETUP_FAILED)
         except InterruptedError:
             continue
+        if reaped == pid:
+            break
+    if reap_tree:
+        # The pid may be reused from now on: a late SIGTERM must not reach it; this is the end anyway.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        kill_children()
     os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status))
+
+
+def _children(pid):
+    """The pids whose parent is ``pid``, read from ``/proc/*/stat``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as handle:
+                stat = handle.read()
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses; read after the last ')'
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if len(fields) > 1 and int(fields[1]) == pid:
+            found.append(int(name))
+    return found
+
+
+def kill_children():
+    """SIGKILL every child of this process and reap it, until it has none: as a subreaper, the
+    children of each killed process become its children and go in the next round. A process
+    with a SIGKILL pending cannot fork, so the rounds end."""
+    me = os.getpid()
+    while True:
+        for child in _children(me):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0] != 0:
+                pass
+        except ChildProcessError:  # none left
+            return
+        time.sleep(0.005)
 
 
 def _remount_readonly(target):
@@ -380,10 +450,34 @@ def read_frame(fd, deadline=None):
 # Roles.
 
 
+def new_module(name, filename, source):
+    """A module object named ``name``, as an import makes it: ``__file__`` is ``filename`` and
+    the source is in :mod:`linecache` under it (so ``inspect.getsource`` and tracebacks find it).
+    The caller registers it in ``sys.modules`` before running ``source`` in it: dataclasses,
+    pickle, ``typing.get_type_hints`` and ``inspect`` find a class's module there by name."""
+    module = types.ModuleType(name)
+    module.__file__ = filename
+    module.__builtins__ = builtins
+    lines = source.splitlines(True)
+    if lines and not lines[-1].endswith("\n"):
+        lines[-1] += "\n"
+    # mtime None: linecache.checkcache keeps the entry (there is no file to compare with).
+    linecache.cache[filename] = (len(source), None, lines, filename)
+    return module
+
+
+def run_module(source, module):
+    """Register ``module`` in ``sys.modules`` under its name (replacing what was there; the
+    caller keeps a reference to anything it still needs) and execute ``source`` in it."""
+    sys.modules[module.__name__] = module
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+
+
 def role_script(spec):
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    # The program replaces this file as __main__; the worker's functions keep their own globals.
+    module = new_module("__main__", "program.py", spec["program"])
     try:
-        exec(compile(spec["program"], "program.py", "exec"), namespace)
+        run_module(spec["program"], module)
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - report any failure of the program as exit status 1
@@ -395,10 +489,13 @@ def role_script(spec):
 def role_candidate(spec):
     req, resp = spec["fds"]["req"], spec["fds"]["resp"]
     write_frame(resp, {"ready": True})
-    namespace = {"__name__": "__candidate__", "__builtins__": builtins}
+    # Registered for the rest of this process's life: the program's classes are looked up there
+    # whenever an instance is pickled or a hint resolved, during the calls too.
+    module = new_module("__candidate__", "solution.py", spec["program"])
+    namespace = module.__dict__
     load_error = None
     try:
-        exec(compile(spec["program"], "solution.py", "exec"), namespace)
+        run_module(spec["program"], module)
     except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt included
         load_error = f"{type(exc).__name__}: {exc}"[:2000]
     while True:
@@ -509,11 +606,13 @@ def role_tests(spec):
     channel.deadline = time.monotonic() + float(spec["limits"]["wall_time_s"])
     report(ready=True)
     tests = spec["tests"]
-    namespace = {"__name__": "__tests__", "__builtins__": builtins}
-    if tests.get("prelude"):
+    prelude = tests.get("prelude") or ""
+    module = new_module("__tests__", "prompt.py", prelude)
+    namespace = module.__dict__
+    if prelude:
         # The prompt's own code (HumanEval's helpers): it belongs to the tests, so it runs here.
         try:
-            exec(compile(tests["prelude"], "prompt.py", "exec"), namespace)
+            run_module(prelude, module)
         except BaseException as exc:  # noqa: BLE001 - a prompt that is not a program
             report(note=f"the prompt did not run as code: {type(exc).__name__}: {exc}"[:500])
     for name in tests["names"]:
@@ -525,8 +624,11 @@ def role_tests(spec):
     cases += [(source, f"test_{i}.py") for i, source in enumerate(tests.get("asserts") or [])]
     for index, (source, filename) in enumerate(cases):
         error = None
+        case = new_module("__tests__", filename, source)  # each test in its own copy of the namespace
+        case.__dict__.update(namespace)
+        case.__file__ = filename
         try:
-            exec(compile(source, filename, "exec"), dict(namespace))
+            run_module(source, case)
         except BaseException as exc:  # noqa: BLE001 - any exception fails the test
             error = f"{type(exc).__name__}: {exc}"[:1000]
         if error is None and channel.broken is not None:
@@ -548,7 +650,7 @@ def main():
         elif isolation == "bwrap":
             os.chdir("/sandbox")  # bubblewrap's own PID 1 supervises and dies with its parent
         else:
-            supervise()
+            supervise(reap_tree=True)
         drop_privileges(spec, in_userns)
         set_limits(spec["limits"])
     except BaseException as exc:  # noqa: BLE001 - report and stop: the sandbox is not in force

@@ -123,12 +123,83 @@ def test_builtin_estimators_declare_their_capabilities():
 
 
 def test_group_baseline_with_one_sample_per_prompt_gives_zero_advantages():
-    # why reinforce_pp declares min_group_size 2 with group_baseline: every row is its own group
+    # why reinforce_pp declares min_group_size 2 with group_baseline: every row is its own group.
+    # The registered estimator refuses such a batch (test below); the bare function shows why.
     r = torch.tensor([[0.0, 1.0], [0.0, 3.0]], dtype=torch.float64)
     m = torch.ones(2, 2)
-    a, _ = estimate_advantages("reinforce_pp", r, m, group_index=torch.tensor([0, 1]), group_baseline=True)
+    with pytest.raises(ValueError, match="'reinforce_pp' with group_baseline=True"):
+        estimate_advantages("reinforce_pp", r, m, group_index=torch.tensor([0, 1]), group_baseline=True)
+    bare = get_advantage_estimator("reinforce_pp").__wrapped__
+    a, _ = bare(r, m.bool(), group_index=torch.tensor([0, 1]), values=None, group_baseline=True)
     # G_t - R: row 0 -> [0, 0]; row 1 -> [0, 0]: all equal, whitened to exactly 0
     assert torch.equal(a, torch.zeros(2, 2, dtype=torch.float64))
+
+
+# Every built-in estimator and option set whose registered min_group_size is above 1.
+_NEEDS_GROUPS = [
+    ("rloo", {}),
+    ("grpo", {}),
+    ("grpo", {"scale": "batch"}),
+    ("grpo", {"scale": "none"}),
+    ("reinforce_pp", {"group_baseline": True}),
+]
+
+
+def test_the_group_size_table_covers_every_builtin_that_needs_groups():
+    for name in BUILTIN:
+        spec = estimator_spec(name)
+        if spec.min_group_size({}) > 1:
+            assert (name, {}) in _NEEDS_GROUPS, name
+    assert all(estimator_spec(name).min_group_size(opts) == 2 for name, opts in _NEEDS_GROUPS)
+
+
+@pytest.mark.parametrize(("name", "options"), _NEEDS_GROUPS, ids=lambda x: str(x))
+def test_a_direct_call_with_groups_below_min_group_size_is_refused(name, options):
+    # Three prompts, one sample each: what the config refuses, refused at the estimator too.
+    r, m = one_token([1.0, 0.0, 3.0])
+    with pytest.raises(ValueError) as info:
+        estimate_advantages(name, r, m, group_index=torch.tensor([5, 6, 7]), **options)
+    message = str(info.value)
+    assert message.startswith(f"advantage estimator {name!r}"), message
+    assert "needs groups of at least 2 rows" in message
+    assert "the largest group of this batch has 1 row (3 rows, 3 groups)" in message
+    assert "pass at least 2 rows per group_index id (rollout.group_size >= 2)" in message
+    if name == "reinforce_pp":
+        assert "with group_baseline=True" in message and message.endswith("or change group_baseline")
+    # The same batch with two samples of each prompt passes.
+    r2, m2 = one_token([1.0, 0.0, 3.0, 3.0, 2.0, 0.0])
+    a, _ = estimate_advantages(name, r2, m2, group_index=torch.tensor([5, 5, 6, 6, 7, 7]), **options)
+    assert a.shape == (6, 1)
+    # And so does a mixed batch (a group of 2 next to a lone row) where the estimator allows it.
+    if name in ("reinforce_pp",) or options.get("scale") in ("batch", "none"):
+        estimate_advantages(name, r, m, group_index=torch.tensor([5, 5, 7]), **options)
+
+
+def test_direct_call_group_size_rule_follows_the_options():
+    # reinforce_pp without the group baseline takes one sample per prompt: A = whitened R.
+    r, m = one_token([1.0, 0.0, 3.0])
+    a, _ = estimate_advantages("reinforce_pp", r, m, group_index=torch.tensor([5, 6, 7]))
+    # mean 4/3, unbiased std sqrt(((1/3)^2 + (4/3)^2 + (5/3)^2) / 2) = sqrt(7/3)
+    expected = torch.tensor([-1 / 3, -4 / 3, 5 / 3], dtype=torch.float64) / math.sqrt(7 / 3)
+    torch.testing.assert_close(a[:, 0], expected, rtol=0, atol=1e-7)
+    # a registered rule of 3: groups of 2 are refused, groups of 3 pass, and the options check
+    # builds its dummy batch with groups that large
+    name = "test_only_triples"
+    try:
+
+        @register_advantage_estimator(name, min_group_size=lambda options: 3 if options.get("wide") else 1)
+        def triples(token_rewards, response_mask, *, group_index, values=None, wide=False):
+            return token_rewards, token_rewards
+
+        assert check_estimator_options(name, {"wide": True}) == {"wide": True}
+        r4, m4 = one_token([1.0, 2.0, 3.0, 4.0])
+        refused = r"'test_only_triples' with wide=True .*at least 3 rows.*has 2 rows"
+        with pytest.raises(ValueError, match=refused):
+            estimate_advantages(name, r4, m4, group_index=torch.tensor([0, 0, 1, 1]), wide=True)
+        estimate_advantages(name, r4, m4, group_index=torch.tensor([0, 0, 1, 1]))
+        estimate_advantages(name, r4, m4, group_index=torch.tensor([0, 0, 0, 1]), wide=True)
+    finally:
+        adv_module._ESTIMATORS.pop(name, None)
 
 
 def test_check_estimator_options_refuses_unknown_options_and_inputs():

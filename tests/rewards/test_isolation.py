@@ -87,6 +87,10 @@ def huge(prompts, completions, **fields):
 def naps(prompts, completions, **fields):
     time.sleep(1.0)
     return [float(len(c)) for c in completions]
+
+
+def env_value(prompts, completions, **fields):
+    return [float(os.environ.get("POLICYGRAD_TEST_RUN_VALUE", "-1"))] * len(completions)
 """
 
 
@@ -232,3 +236,21 @@ def test_sigterm_to_the_process_group_leaves_the_call_to_finish(user_file):
     finally:
         timer.cancel()
         worker.close()
+
+
+def test_each_run_and_call_sees_the_callers_environment(user_file, monkeypatch):
+    # Two runs in one process (a notebook, a sweep): workers come from a forkserver that the
+    # process's first run started; the second run's variables must still reach its functions.
+    spec = f"{user_file}:env_value"
+    for value in ("1.5", "2.5"):
+        monkeypatch.setenv("POLICYGRAD_TEST_RUN_VALUE", value)
+        functions, worker = isolate_reward_functions([spec], timeout_s=10.0)
+        try:
+            assert _score(functions[0]).rewards.tolist() == [float(value)] * 2, value
+            if value == "2.5":  # within one run: a change before a call reaches that call
+                monkeypatch.setenv("POLICYGRAD_TEST_RUN_VALUE", "3.5")
+                assert _score(functions[0]).rewards.tolist() == [3.5, 3.5]
+                monkeypatch.delenv("POLICYGRAD_TEST_RUN_VALUE")
+                assert _score(functions[0]).rewards.tolist() == [-1.0, -1.0]
+        finally:
+            worker.close()

@@ -454,6 +454,23 @@ sys.exit(0)
 """,
         False,
     ),
+    # The program's module is registered in its own sys.modules: claiming the worker's names there
+    # (or the harness's) changes nothing the harness runs.
+    "claim_the_worker_module": (
+        """\
+import sys
+me = sys.modules[__name__]
+sys.modules['__main__'] = me
+sys.modules['__tests__'] = me
+def role_tests(spec):
+    pass
+def check(candidate):
+    pass
+def add(a, b):
+    return 0
+""",
+        False,
+    ),
     "patch_the_harness": (
         """\
 import sys
@@ -642,7 +659,7 @@ if os.fork() == 0:
 def add(a, b):
     return 0
 """,
-        True,
+        False,  # every mode kills it: a PID namespace, or none mode's subreaper supervisor
     ),
 }
 
@@ -653,6 +670,89 @@ def test_correct_program_scores_one_in_both_forms(reward):
     # The standard library is there for the program, after its privileges are dropped.
     stdlib = "import collections, fractions, functools, itertools, math, re, string, typing\n"
     assert _score(reward, stdlib + CORRECT) == [1.0, 1.0]
+
+
+# Correct programs that need their module to be a real one (in sys.modules under its name, as
+# an import makes it): each must score 1.0 in both forms.
+MODULE_CONSTRUCTS = {
+    "dataclass": """\
+from dataclasses import dataclass
+@dataclass
+class Pair:
+    a: int
+    b: int
+def add(a, b):
+    p = Pair(a, b)
+    return p.a + p.b
+""",
+    "pickle_own_class": """\
+import pickle
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+def add(a, b):
+    p = pickle.loads(pickle.dumps(Pair(a, b)))
+    return p.a + p.b if type(p) is Pair else 0
+""",
+    "get_type_hints": """\
+from __future__ import annotations
+import typing
+class Node:
+    value: int
+    next: Node | None
+def add(a, b):
+    hints = typing.get_type_hints(Node)
+    return a + b if hints['next'] == typing.Optional[Node] and hints['value'] is int else 0
+""",
+    "inspect_getsource": """\
+import inspect
+class Pair:
+    pass
+def add(a, b):
+    ok = inspect.getsource(add).startswith('def add(a, b):')
+    return a + b if ok and inspect.getsource(Pair) == 'class Pair:\\n    pass\\n' else 0
+""",
+    "enum": """\
+import enum
+class Op(enum.Enum):
+    ADD = 1
+def add(a, b):
+    return a + b if Op(1) is Op.ADD and Op.ADD.name == 'ADD' else 0
+""",
+    "module_identity": """\
+import sys
+KEY = object()
+def add(a, b):
+    module = sys.modules[__name__]
+    return a + b if module.KEY is KEY and module.add is add and add.__module__ == __name__ else 0
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(MODULE_CONSTRUCTS))
+def test_a_program_runs_as_a_real_module(reward, name):
+    assert _score(reward, MODULE_CONSTRUCTS[name]) == [1.0, 1.0], name
+
+
+def test_the_tests_run_as_a_real_module(reward):
+    # The harness side too: a prelude's dataclass, pickled in a test.
+    prelude = "from dataclasses import dataclass\n@dataclass\nclass Case:\n    a: int\n    b: int\n"
+    prelude += "    want: int\n"
+    check = "import pickle\nc = pickle.loads(pickle.dumps(Case(2, 3, 5)))\nassert add(c.a, c.b) == c.want\n"
+    result = reward.sandbox.run_tests(CORRECT, TestSpec(names=("add",), asserts=(check,), prelude=prelude))
+    assert (result.passed, result.total, result.errors) == (1, 1, ())
+
+
+def test_a_script_runs_as_a_real_main_module():
+    sandbox = Sandbox(DEFAULT_MODE, SandboxLimits(wall_time_s=10.0))
+    program = (
+        "import pickle, sys\nfrom dataclasses import dataclass\n"
+        "@dataclass\nclass P:\n    x: int\n"
+        "assert sys.modules['__main__'].P is P\n"
+        "print(pickle.loads(pickle.dumps(P(3))).x + 1)\n"
+    )
+    result = sandbox.run(program)
+    assert (result.returncode, result.output) == (0, "4\n"), result.output
 
 
 def test_wrong_program_scores_zero_and_partial_counts_tests(reward):
@@ -756,6 +856,64 @@ def test_each_available_mode_judges_correctly(mode):
         assert scores == [1.0] + [0.0] * len(safe)
     finally:
         fn.close()
+
+
+# Programs that leave processes in a session of their own (setsid): "{marker}" names them.
+DAEMONS = {
+    "double_fork": """\
+import os, ctypes, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)
+        time.sleep(60)
+    os._exit(0)
+""",
+    # a chain still alive at the end, the last one deaf to SIGTERM and SIGHUP
+    "chain_alive": """\
+import os, ctypes, signal, time
+if os.fork() == 0:
+    os.setsid()
+    ctypes.CDLL(None).prctl(15, b'{marker}', 0, 0, 0)
+    if os.fork() == 0:
+        os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        time.sleep(60)
+    time.sleep(60)
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAEMONS))
+def test_none_mode_kills_what_the_program_left_behind(name):
+    marker = f"pg{uuid.uuid4().hex[:12]}"
+    program = DAEMONS[name].format(marker=marker) + "def add(a, b):\n    return a + b\n"
+    fn = CodeTests(isolation="none", timeout_s=5.0)
+    try:
+        # run(): the program exits at once, its daemon would stay; run_tests(): the candidate is
+        # still serving when the call ends
+        result = fn.sandbox.run(program + "import time\ntime.sleep(0.5)\n")
+        _assert_none_left(marker)
+        # and the output pipe they held is closed with them: the run ends when the program does
+        assert (result.returncode, result.timed_out) == (0, False)
+        scores = fn(["p"], [program], tests=[ASSERTS])
+        _assert_none_left(marker)
+        assert scores == [1.0]
+    finally:
+        fn.close()
+        for pid in _processes_named(marker):  # a failed run must not leave them to the next test
+            try:
+                os.kill(int(pid), 9)
+            except OSError:
+                pass
+
+
+def _assert_none_left(marker: str) -> None:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and _processes_named(marker):
+        time.sleep(0.1)
+    assert not _processes_named(marker), f"processes named {marker} outlived the call"
 
 
 def test_unknown_isolation_is_one_clear_error():
