@@ -38,6 +38,7 @@ __all__ = [
     "load_model",
     "merged_model",
     "merged_weights",
+    "tied_pairs_that_differ",
     "resolve_model_source",
 ]
 
@@ -167,17 +168,38 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     A peft LoRA model yields its base weights with every active adapter's delta added
     (``W + get_delta_weight(adapter)`` = ``W + (alpha / r) B A``, Hu et al. 2021, "LoRA", eq. 3;
     computed here, the model is not modified), under the base model's names
-    (``base_model.model.`` and ``.base_layer`` removed); ``lora_*`` tensors are skipped. A plain
-    model yields its ``state_dict``. Tensors are detached, in the model's dtype.
+    (``base_model.model.`` and ``.base_layer`` removed); ``lora_*`` tensors are skipped. A module
+    the adapter trains whole (peft's ``modules_to_save``, e.g. ``lm_head``) yields the copy its
+    forward uses, under the module's own name. A plain model yields its ``state_dict``. Tensors
+    are detached, in the model's dtype.
 
     Raises:
-        ValueError: an adapter uses DoRA (its merge is not ``W + delta``).
+        ValueError: an adapter uses DoRA (its merge is not ``W + delta``) or trains single token
+            rows (``trainable_token_indices``).
     """
     deltas: dict[str, list] = {}
     try:
         from peft.tuners.lora import LoraLayer
-    except ImportError:  # peft absent: no LoRA layers can exist
-        LoraLayer = ()  # noqa: N806
+        from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
+    except ImportError:  # peft absent: no LoRA layers or trained copies can exist
+        LoraLayer = ModulesToSaveWrapper = TrainableTokensWrapper = ()  # noqa: N806
+    # Whole modules an adapter trains (modules_to_save, e.g. lm_head): the copy the forward uses
+    # is exported under the module's own name, the frozen original and other adapters' copies not.
+    renamed: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        if TrainableTokensWrapper and isinstance(module, TrainableTokensWrapper):
+            raise ValueError(
+                f"{module_name} trains single token rows (trainable_token_indices), which cannot be "
+                "merged into plain weights here; train the whole module with modules_to_save instead"
+            )
+        if ModulesToSaveWrapper and isinstance(module, ModulesToSaveWrapper):
+            active = [a for a in module.active_adapters if a in module.modules_to_save]
+            used = "original_module"
+            if active and not module.disable_adapters:
+                used = f"modules_to_save.{active[0]}"
+            renamed[f"{module_name}.{used}."] = f"{module_name}."
+            for other in ("original_module", *(f"modules_to_save.{a}" for a in module.modules_to_save)):
+                renamed.setdefault(f"{module_name}.{other}.", "")  # skipped
     for module_name, module in model.named_modules():
         if LoraLayer and isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
             known = set(module.lora_A) | set(module.lora_embedding_A)
@@ -194,6 +216,11 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         parts = name.split(".")
         if any(p.startswith("lora_") for p in parts):
             continue
+        prefix = next((p for p in renamed if name.startswith(p)), None)
+        if prefix is not None:
+            if not renamed[prefix]:
+                continue
+            name = renamed[prefix] + name[len(prefix) :]
         tensor = tensor.detach()
         if name in deltas:
             module, adapters = deltas[name]
@@ -201,6 +228,26 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
                 tensor = tensor + module.get_delta_weight(adapter).to(tensor.dtype)
         clean = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
         yield clean, tensor
+
+
+def tied_pairs_that_differ(model, state: dict[str, torch.Tensor]) -> list[tuple[str, str]]:
+    """The weight pairs ``model``'s class ties (``_tied_weights_keys``, e.g. ``lm_head.weight`` ->
+    ``model.embed_tokens.weight``) whose values in ``state`` (from :func:`merged_weights`)
+    differ: an adapter trained one of them on its own (``modules_to_save``). A loader that ties
+    them would drop the trained one.
+
+    Args:
+        model: a transformers model or a peft model around one.
+    """
+    base = model.get_base_model() if is_peft_model(model) else model
+    config = getattr(base, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = getattr(base, "_tied_weights_keys", None)
+    if not getattr(text, "tie_word_embeddings", False) or not isinstance(tied, dict):
+        return []
+    return [
+        (a, b) for a, b in tied.items() if a in state and b in state and not torch.equal(state[a], state[b])
+    ]
 
 
 def merged_model(model):

@@ -54,7 +54,7 @@ import weakref
 
 import torch
 
-from policygrad.models.adapters import merged_weights
+from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
@@ -558,6 +558,13 @@ class VLLMRolloutEngine(RolloutEngine):
         with torch.no_grad():
             weights = list(merged_weights(model))
             self._check_weight_names(weights)
+            differ = tied_pairs_that_differ(model, dict(weights))
+            if differ:  # vLLM built the model tied: it would go on sampling with the other weight
+                raise ValueError(
+                    f"the adapter trains {differ[0][0]} apart from {differ[0][1]}, which this model ties and "
+                    "vLLM loaded as one weight; use rollout.engine=hf, or export the merged model (its "
+                    "config is untied) and train from that folder"
+                )
             cast = [(name, tensor.to(target)) for name, tensor in weights]
             del weights
             executor = getattr(self.llm.llm_engine, "model_executor", None)

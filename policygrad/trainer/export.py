@@ -16,7 +16,10 @@ import os
 import shutil
 from typing import Any
 
+import torch
 import yaml
+
+from policygrad.models.adapters import tied_pairs_that_differ
 
 __all__ = ["export_merged", "final_metrics", "model_card", "write_model_card"]
 
@@ -161,6 +164,27 @@ def write_model_card(folder: str, card: str) -> None:
         f.write(card)
 
 
+def untie_trained_copies(folder: str, model, state: dict[str, torch.Tensor]) -> bool:
+    """Mark the saved ``folder/config.json`` untied when ``state`` holds a tied pair with
+    different values (:func:`~policygrad.models.adapters.tied_pairs_that_differ`): loaders that
+    tie them (vLLM ignores a tied model's ``lm_head.weight``) would drop the trained weights.
+
+    Returns:
+        True when the config was changed.
+    """
+    if not tied_pairs_that_differ(model, state):
+        return False
+    path = os.path.join(folder, "config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    for section in (config, config.get("text_config") or {}):
+        if section.get("tie_word_embeddings"):
+            section["tie_word_embeddings"] = False
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2)
+    return True
+
+
 def export_merged(policy, tokenizer, folder: str, *, card: str | None = None) -> str:
     """Write ``policy`` with every LoRA adapter merged in (``W + (alpha / r) B A``; the policy
     itself is not modified) as a plain Hugging Face model folder, with the tokenizer and ``card``.
@@ -179,6 +203,7 @@ def export_merged(policy, tokenizer, folder: str, *, card: str | None = None) ->
     shutil.rmtree(tmp, ignore_errors=True)
     state = {name: tensor.contiguous() for name, tensor in merged_weights(policy)}
     base.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+    untie_trained_copies(tmp, policy, state)
     tokenizer.save_pretrained(tmp)
     if card is not None:
         write_model_card(tmp, card)

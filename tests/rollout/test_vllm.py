@@ -517,3 +517,25 @@ def test_missing_vllm_names_the_install_route(setup, monkeypatch):
     monkeypatch.setattr(module, "vllm_available", lambda: False)
     with pytest.raises(ImportError, match="install the vllm extra: see README 'vLLM rollouts'"):
         VLLMRolloutEngine(setup["path"], setup["tok"], MANY_EOS, max_model_len=64)
+
+
+@pytest.mark.parametrize("trained", [["lm_head"], ["embed_tokens"], ["lm_head", "embed_tokens"]])
+def test_sync_weights_refuses_a_trained_copy_of_a_tied_weight_before_copying(setup, trained):
+    """vLLM built this tied model with one weight for the embedding and the head: pushed an
+    adapter's separately trained copy, it went on sampling with the other (logits off by up to
+    29.7 with lm_head trained), so the sync is refused before anything is copied."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok, engine = setup["model"], setup["tok"], setup["engine"]
+    lora = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], modules_to_save=trained)
+    peft_model = get_peft_model(copy.deepcopy(model), lora)
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(5)
+        for name, p in peft_model.named_parameters():
+            if "modules_to_save" in name:
+                p.add_(torch.randn_like(p) * 0.5)
+    with pytest.raises(ValueError, match=r"which this model ties and vLLM loaded as one weight"):
+        engine.sync_weights(peft_model)
+    prompts = _prompts(tok, TEXTS)
+    r = engine.generate(prompts, group_size=2, temperature=0.7, max_new_tokens=8, generator_seed=6)
+    assert _abs_diff(model, r).max() < 1e-3  # still the engine's own weights

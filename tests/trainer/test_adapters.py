@@ -143,3 +143,35 @@ def test_adapter_mistakes_are_one_line_errors(make_config, eos_model_dir, traine
         resolve_model_source(eos_model_dir, str(tmp_path))
     with pytest.raises(ValueError, match="is an adapter folder and model.adapter"):
         resolve_model_source(trained_adapter, trained_adapter)
+
+
+@pytest.mark.parametrize("trained", [[], ["lm_head"], ["embed_tokens"], ["lm_head", "embed_tokens"]])
+def test_a_merged_export_keeps_modules_the_adapter_trains_whole(eos_model_dir, tmp_path, trained):
+    """A LoRA adapter that also trains whole modules (peft's modules_to_save) exports them: the
+    merged folder computes the live policy's logits (before, lm_head.weight was missing and the
+    tied model loaded its embedding as the head: logits off by up to 15.6 on the bundled model)."""
+    from peft import LoraConfig, get_peft_model
+
+    from policygrad.trainer.export import export_merged
+    from tests.tiny import make_tiny_tokenizer
+
+    base = load_causal_lm(eos_model_dir)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], modules_to_save=trained or None)
+    policy = get_peft_model(base, lora)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a "trained" adapter and trained copies of the whole modules
+        for name, p in policy.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+    ids = torch.tensor([[1, 5, 9, 3, 7, 2]])
+    with torch.no_grad():
+        live = policy(ids).logits
+    folder = export_merged(policy, make_tiny_tokenizer(), str(tmp_path / "merged"))
+    with torch.no_grad():
+        exported = AutoModelForCausalLM.from_pretrained(folder)(ids).logits
+    # Float rounding only: W + (alpha/r) B A in one matrix rounds apart from W x + (alpha/r) B (A x)
+    # by ~1e-6 relative per product, ~1e-5 of the largest logit over these sums.
+    assert (exported - live).abs().max() <= 1e-5 * live.abs().max()
+    # Loaders that tie a tied model's head to its embedding (vLLM) see a separate head.
+    config = json.load(open(os.path.join(folder, "config.json")))
+    assert config["tie_word_embeddings"] is (not trained)
