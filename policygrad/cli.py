@@ -56,7 +56,7 @@ def _user_errors():
 def cmd_train(argv: list[str]) -> int:
     from policygrad.trainer.config import ConfigError, load_config, parse_overrides
     from policygrad.trainer.distributed import init_from_env, shutdown
-    from policygrad.trainer.interrupts import EXIT_STATUS
+    from policygrad.trainer.interrupts import EXIT_STATUS, Stopped, StopSignals
     from policygrad.trainer.loop import Trainer
 
     if argv and argv[0] in ("-h", "--help"):
@@ -98,12 +98,23 @@ def cmd_train(argv: list[str]) -> int:
             raise FileNotFoundError(f"config file {config_path} not found")
         config = load_config(config_path, rest)
     dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
+    trainer = None
     try:
-        trainer = Trainer(config, resume_from=resume)
-        try:
-            summary = trainer.train()
-        finally:
-            trainer.close()
+        # A signal while the run is built (models, trackers) stops it cleanly: the Trainer
+        # releases the folder and removes what it wrote; train() handles its own from there.
+        with StopSignals(at_once=True):
+            trainer = Trainer(config, resume_from=resume)
+            try:
+                summary = trainer.train()
+            finally:
+                trainer.close()
+    except Stopped as stop:
+        if trainer is None:
+            what = "while the run was starting, before its first step; run the same command again to start it"
+        else:
+            what = f"while the run was shutting down; what it saved in {config.output_dir} stands"
+        logging.getLogger("policygrad").warning("stopped by %s %s", stop.signal, what)
+        return EXIT_STATUS[stop.signal]
     finally:
         shutdown()
     if dist.is_main:
@@ -334,7 +345,7 @@ def _error_message(command: str, e: Exception) -> str | None:
         return f"out of memory ({first[:200]}); {hint}"
     if isinstance(e, OSError) and e.errno == errno.ENOSPC:
         where = f" writing {e.filename}" if e.filename else ""
-        return f"no space left on device{where}; free space, then continue a run with --resume RUN_DIR"
+        return f"no space left on device{where}; free space, then run the same command again"
     if isinstance(e, _user_errors()):
         return first
     return None

@@ -227,10 +227,19 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         if os.path.exists(old) and not os.path.exists(path):
             os.rename(old, path)  # the replaced checkpoint comes back
+        run_dir = os.path.dirname(parent)
+        if find_checkpoints(run_dir)[0] is not None:
+            then = (
+                "the checkpoints written before are intact; free space (or fix the folder) and continue "
+                f"with --resume {run_dir}"
+            )
+        else:  # nothing to resume: the folder of a start without a checkpoint is taken as new
+            then = (
+                "no checkpoint was written before; free space (or fix the folder) and run the same command "
+                "again: the run starts over"
+            )
         raise CheckpointSaveError(
-            f"could not write checkpoint {path}: {_write_reason(exc)}; nothing of it was kept and the "
-            "checkpoints written before are intact; free space (or fix the folder) and continue with "
-            f"--resume {os.path.dirname(parent)}"
+            f"could not write checkpoint {path}: {_write_reason(exc)}; nothing of it was kept and {then}"
         ) from exc
     except BaseException:  # a second Ctrl-C: leave no half folder behind
         shutil.rmtree(tmp, ignore_errors=True)

@@ -105,9 +105,11 @@ def write_jsonl(path: str, records: list[dict[str, Any]]) -> None:
             for rec in records:
                 f.write(json.dumps(rec) + "\n")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         if os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file (a full disk)
+            raise OSError(e.errno, e.strerror, path) from e
         raise
 
 

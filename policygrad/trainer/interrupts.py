@@ -1,5 +1,7 @@
 """Ctrl-C and SIGTERM as routine: the first asks the run to stop at its next safe point (after
-the current step, with a checkpoint), the second stops it at once."""
+the current step, with a checkpoint), the second stops it at once. Where waiting saves nothing
+(a run starting or evaluating before its first step, or after its final checkpoint) the first
+one stops the run at once (:class:`Stopped`)."""
 
 from __future__ import annotations
 
@@ -7,12 +9,26 @@ import logging
 import signal
 import threading
 
-__all__ = ["EXIT_STATUS", "StopSignals"]
+__all__ = ["EXIT_STATUS", "StopSignals", "Stopped"]
 
 log = logging.getLogger("policygrad")
 
 # The exit status of a run stopped by a signal (128 + the signal's number, as a shell reports it).
 EXIT_STATUS = {"SIGINT": 130, "SIGTERM": 143}
+
+
+class Stopped(KeyboardInterrupt):
+    """A stop signal received where waiting would save nothing (a run starting, evaluating before
+    its first step, or after its final checkpoint): it ends the run at once. A ``KeyboardInterrupt``, so no
+    ``except Exception`` on the way swallows it and every ``finally`` runs.
+
+    Attributes:
+        signal: ``"SIGINT"`` or ``"SIGTERM"``.
+    """
+
+    def __init__(self, name: str):
+        super().__init__(f"stopped by {name}")
+        self.signal = name
 
 
 class StopSignals:
@@ -21,11 +37,15 @@ class StopSignals:
     point; a second one raises ``KeyboardInterrupt`` at once. Outside the context (and in any
     thread but the main one, where handlers cannot be installed) the previous handlers apply.
 
+    ``at_once`` (settable while inside): the first signal raises :class:`Stopped` instead, for
+    the stretches where nothing would be saved by waiting.
+
     Attributes:
         received: the name of the first signal received, or None.
     """
 
-    def __init__(self):
+    def __init__(self, *, at_once: bool = False):
+        self.at_once = at_once
         self.received: str | None = None
         self._previous: dict[int, object] = {}
 
@@ -42,6 +62,9 @@ class StopSignals:
 
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
+        if self.at_once and self.received is None:
+            self.received = name
+            raise Stopped(name)
         if self.received is not None:
             raise KeyboardInterrupt(f"second stop signal ({name})")
         self.received = name

@@ -5,6 +5,7 @@ inherits these methods; the RL step itself lives in ``loop.py``."""
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from policygrad.trainer.distributed import NullLogger
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.trainer.evaluate import evaluate as evaluate_rows
 from policygrad.trainer.evaluate import write_jsonl
-from policygrad.trainer.interrupts import StopSignals
+from policygrad.trainer.interrupts import Stopped, StopSignals
 from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
 from policygrad.trainer.resume import TRAINING_OPTIONS, config_changes
 from policygrad.trainer.trackers import build_trackers, read_tracker_ids
@@ -52,6 +53,14 @@ class RunLifecycle:
         ckpt = latest_checkpoint(resume_from)
         if ckpt is None:
             _, skipped = find_checkpoints(resume_from)
+            saved = os.path.join(resume_from, "config.yaml")
+            if not skipped and os.path.isfile(saved) and not rundir.holds_run(resume_from):
+                # A start that failed before its first checkpoint: starting again is what works.
+                raise TrainingError(
+                    f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints: the run "
+                    "saved no checkpoint before it stopped, so there is nothing to continue; start it again "
+                    f"instead (its folder is taken as new): policygrad train {saved} [--key=value ...]"
+                )
             why = "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in skipped)
             raise TrainingError(
                 f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
@@ -101,9 +110,10 @@ class RunLifecycle:
 
     def _take_run_dir(self, resume_from: str | None, changes: dict[str, tuple[Any, Any]]) -> None:
         """Lock the run directory and write the run's files: a new run deletes what an old run
-        wrote there (``overwrite``) and writes ``config.yaml``; a resumed one tidies interrupted
-        saves, records changed options and drops metrics logged after its checkpoint. Data-parallel:
-        rank 0 alone; the other ranks write nothing."""
+        wrote there (``overwrite``, or what a start that saved no checkpoint left: see
+        :func:`~policygrad.trainer.rundir.holds_run`) and writes ``config.yaml``; a resumed one
+        tidies interrupted saves, records changed options and drops metrics logged after its
+        checkpoint. Data-parallel: rank 0 alone; the other ranks write nothing."""
         cfg = self.config
         if not self.dist.is_main:
             self.logger = NullLogger()
@@ -127,12 +137,22 @@ class RunLifecycle:
             raise
         try:
             if resume_from is None:
+                a_run = rundir.holds_run(self.run_dir, keep=ours)
                 removed = rundir.remove_run_files(self.run_dir, keep=ours)
-                if removed:
+                if removed and a_run:
                     log.info(
                         "--overwrite: deleted %d files and folders of the previous run in %s",
                         len(removed),
                         self.run_dir,
+                    )
+                elif removed:
+                    names = [os.path.relpath(p, self.run_dir) for p in removed]
+                    more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+                    log.info(
+                        "%s holds what a start that saved no checkpoint left (%s%s): replaced by this run",
+                        self.run_dir,
+                        ", ".join(names[:5]),
+                        more,
                     )
                 rundir.write_config(self.run_dir, cfg)
             else:
@@ -211,32 +231,86 @@ class RunLifecycle:
         current step on the first Ctrl-C or SIGTERM (the run then stops without the final
         evaluation, ``summary["interrupted"]`` names the signal); on an error after the first
         completed step (the last completed step is saved, then the error propagates); and at the
-        end, before the final evaluation. The run directory's lock is released on return.
+        end, before the final evaluation. Where waiting would save nothing (the evaluation
+        before the first step, and after the final checkpoint) the first signal stops the run at
+        once, with the same summary. The run directory's lock is released on return.
 
         Raises:
             TrainingError: ``max_skipped_updates`` steps in a row applied no update, or the run
-                ended without applying any (after its checkpoint and summary are written).
-            KeyboardInterrupt: a second Ctrl-C (stops at once), or Ctrl-C during an evaluation.
+                ended without applying any (after its checkpoint and summary are written); the
+                disk is full (naming the file, and whether ``--resume`` or a new start goes on).
+            KeyboardInterrupt: a second Ctrl-C (stops at once).
             Any error of a step, after the checkpoint above.
         """
         try:
-            return self._train()
-        except KeyboardInterrupt:  # a second Ctrl-C, or one during an evaluation
+            with StopSignals(at_once=True) as signals:  # from the first line: a signal is a clean stop
+                return self._train(signals)
+        except Stopped as stop:
+            return self._stopped_at_once(stop.signal)
+        except KeyboardInterrupt:  # a second Ctrl-C
             saved = self._saved_step
             newest = checkpoint_path(self.run_dir, saved) if saved else None
             log.warning("stopped at once; the newest checkpoint is %s", newest or "none (nothing was saved)")
             raise
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            where = exc.filename or f"the run's files in {self.run_dir}"
+            raise TrainingError(
+                f"no space left on device writing {where}; free space, then {self._go_on()}"
+            ) from exc
         finally:
             self.logger.close()
             if self._lock is not None:
                 self._lock.release()
 
-    def _train(self) -> dict[str, Any]:
+    def _go_on(self) -> str:
+        """How to go on after this run stopped: resume its newest checkpoint, or, with none
+        saved, start it again (the folder of a start that saved no checkpoint is taken as new)."""
+        if self._saved_step:
+            return f"continue with: policygrad train --resume {self.run_dir}"
+        return (
+            f"run the same command again: no checkpoint was saved, so the run starts over in {self.run_dir}"
+        )
+
+    def _stopped_at_once(self, signal_name: str) -> dict[str, Any]:
+        """The summary (also written) and the one message of a run a signal stopped where there
+        was nothing to wait for: before its first step, or after its final checkpoint."""
+        summary = {**self._summary, "steps": self.step_idx, "interrupted": signal_name}
+        self._write_summary(summary)
+        if self._saved_step is None:
+            log.warning(
+                "stopped by %s before the first step; nothing was trained or saved; %s",
+                signal_name,
+                self._go_on(),
+            )
+        elif not self._steps_done:  # a resumed run, before its first step
+            log.warning(
+                "stopped by %s before step %d; checkpoint %s is saved; %s",
+                signal_name,
+                self.step_idx + 1,
+                checkpoint_path(self.run_dir, self._saved_step),
+                self._go_on(),
+            )
+        else:
+            log.warning(
+                "stopped by %s after the final checkpoint %s (step %d), before the run's end; the trained "
+                "model is %s",
+                signal_name,
+                checkpoint_path(self.run_dir, self._saved_step),
+                self._saved_step,
+                os.path.join(checkpoint_path(self.run_dir, self._saved_step), "model"),
+            )
+        return summary
+
+    def _train(self, signals: StopSignals) -> dict[str, Any]:
         from tqdm import tqdm
 
         cfg = self.config
+        self._steps_done = False
         start = time.perf_counter()
         summary: dict[str, Any] = {"run_dir": self.run_dir, "rollout_engine": self.engine_name}
+        self._summary = summary  # so far: what a stop at once reports
         if cfg.eval_before and self.eval_rows and self.step_idx == 0:
             scores, _ = self.evaluate(tag="eval_before")
             summary["accuracy_before"] = acc = scores["eval/accuracy"]
@@ -252,45 +326,53 @@ class RunLifecycle:
         stopped_early = False
         last_save = time.perf_counter()
         interrupted = None
-        with StopSignals() as signals:  # Ctrl-C / SIGTERM: stop after the current step
-            while self.step_idx < cfg.steps:
-                # Data-parallel, every rank takes the same decisions: a signal on any rank stops
-                # them all (torchrun forwards one to each), and rank 0's clock decides the time.
-                interrupted = self._agreed_signal(signals.received)
-                if interrupted:
-                    break
-                minutes = (time.perf_counter() - start) / 60
-                if self.dist.first(cfg.max_minutes is not None and minutes > cfg.max_minutes):
-                    stopped_early = True
-                    break
-                safe = self._safe_point()
-                try:
-                    self._train_step(bar)
-                    if self.dist.first(self._checkpoint_due(last_save)):
-                        self.save_checkpoint()
-                        last_save = time.perf_counter()
-                except Exception as exc:
-                    self._save_after_error(safe, exc)
-                    raise
-            bar.close()
-            summary["steps"] = self.step_idx
-            summary["updates_applied"] = self.watch.applied
-            summary["stopped_by_max_minutes"] = stopped_early
-            summary["train_minutes"] = (time.perf_counter() - start) / 60
-            if self.step_idx and self._saved_step != self.step_idx:
-                self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
+        signals.at_once = False  # Ctrl-C / SIGTERM: stop after the current step
+        while self.step_idx < cfg.steps:
+            # Data-parallel, every rank takes the same decisions: a signal on any rank stops
+            # them all (torchrun forwards one to each), and rank 0's clock decides the time.
+            interrupted = self._agreed_signal(signals.received)
+            if interrupted:
+                break
+            minutes = (time.perf_counter() - start) / 60
+            if self.dist.first(cfg.max_minutes is not None and minutes > cfg.max_minutes):
+                stopped_early = True
+                break
+            safe = self._safe_point()
+            try:
+                self._train_step(bar)
+                if self.dist.first(self._checkpoint_due(last_save)):
+                    self.save_checkpoint()
+                    last_save = time.perf_counter()
+            except Exception as exc:
+                self._save_after_error(safe, exc)
+                raise
+        bar.close()
+        summary["steps"] = self.step_idx
+        summary["updates_applied"] = self.watch.applied
+        summary["stopped_by_max_minutes"] = stopped_early
+        summary["train_minutes"] = (time.perf_counter() - start) / 60
+        if self.step_idx and self._saved_step != self.step_idx:
+            self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
         if interrupted:
             summary["interrupted"] = interrupted
             self._write_summary(summary)
-            log.warning(
-                "stopped by %s after step %d; checkpoint %s is saved; continue with: "
-                "policygrad train --resume %s",
-                interrupted,
-                self.step_idx,
-                checkpoint_path(self.run_dir, self._saved_step or 0),
-                self.run_dir,
-            )
+            if self._saved_step is None:
+                log.warning(
+                    "stopped by %s before the first step; nothing was trained or saved; %s",
+                    interrupted,
+                    self._go_on(),
+                )
+            else:
+                log.warning(
+                    "stopped by %s after step %d; checkpoint %s is saved; %s",
+                    interrupted,
+                    self.step_idx,
+                    checkpoint_path(self.run_dir, self._saved_step),
+                    self._go_on(),
+                )
             return summary
+        self._steps_done = True
+        signals.at_once = True  # the final checkpoint is saved: nothing is left to wait for
         try:
             self.watch.check_trained()
         except TrainingError:

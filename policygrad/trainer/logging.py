@@ -119,6 +119,8 @@ class MetricsLogger:
             written = os.write(fd, line)  # the whole line in one write: never interleaved or half
             while written < len(line):  # a short write (a signal, a nearly full disk): finish it
                 written += os.write(fd, line[written:])
+        except OSError as e:  # a write's error names no file (a full disk): the message must
+            raise OSError(e.errno, e.strerror, self.path) from e
         finally:
             os.close(fd)
         for tracker in self.trackers:

@@ -224,6 +224,8 @@ class Trainer(RunLifecycle):
         self.watch = UpdateWatch(cfg)
         self.step_idx = 0
         self._saved_step: int | None = None  # the step of the newest checkpoint on disk
+        self._steps_done = False  # train() finished its steps (a signal then has nothing to wait for)
+        self._summary: dict[str, Any] = {"run_dir": self.run_dir}  # train()'s summary so far
         self._config_pending = False  # options changed on resume, for config.yaml at the next checkpoint
         self.last_samples: list[dict[str, Any]] = []  # the last step's completions, for display
         if ckpt is not None:

@@ -14,6 +14,10 @@ crash never leaves half of it.
 * **Checks before anything is written** (:func:`check_new_run_dir`): a new run refuses a folder
   that holds a run (unless ``overwrite``), a ``config.yaml`` that policygrad did not write, a
   file in place of the folder and a folder in use; all read-only.
+* **A folder holds a run** once a step of it is worth keeping (:func:`holds_run`): a checkpoint,
+  an export, or a summary of finished steps. What a start that failed before its first
+  checkpoint left (``config.yaml``, metrics, evaluations) holds nothing to resume: the next new
+  run in the folder replaces it, so the corrected command works as it is.
 """
 
 from __future__ import annotations
@@ -99,11 +103,13 @@ def atomic_write_text(path: str, text: str) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:
             os.remove(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file (a full disk)
+            raise OSError(e.errno, e.strerror, path) from e
         raise
     fsync_dir(folder)
 
@@ -149,9 +155,29 @@ def run_files(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
 
 
 def holds_run(run_dir: str, keep: tuple[str, ...] = ()) -> bool:
-    """Whether ``run_dir`` holds files of a run (a lock file alone does not count: a run that
-    failed before writing anything leaves nothing to protect; nor do the names in ``keep``)."""
-    return bool(run_files(run_dir, keep))
+    """Whether ``run_dir`` holds a run worth keeping: a ``checkpoints/step_N`` folder (complete or
+    not: a half-written one is never deleted unasked), ``merged_model/``, or a ``summary.json``
+    of a run that finished steps (its checkpoints may have been deleted by hand). What else a run
+    writes (:func:`run_files`: ``config.yaml``, metrics, evaluations, the lock) is what a start
+    that failed before its first checkpoint leaves, and does not count; nor do the names in
+    ``keep``."""
+    for path in run_files(run_dir, keep):
+        name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+        if (parent == "checkpoints" and name.startswith("step_")) or name == "merged_model":
+            return True
+        if name == "summary.json" and _summary_steps(path) != 0:
+            return True
+    return False
+
+
+def _summary_steps(path: str) -> int | None:
+    """The steps a ``summary.json`` records; None when it cannot be read (then it counts as a run's)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            steps = json.load(f).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def _is_policygrad_config(path: str) -> bool:

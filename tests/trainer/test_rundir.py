@@ -37,6 +37,7 @@ from policygrad.trainer.rundir import (
     LOCK_FILE,
     RunLock,
     check_new_run_dir,
+    holds_run,
     lock_owner,
     remove_run_files,
     run_files,
@@ -172,6 +173,30 @@ def test_a_new_run_refuses_a_run_and_a_foreign_config_and_overwrite_deletes_only
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         check_new_run_dir(str(tmp_path / "file"), overwrite=True)
+
+
+def test_what_a_start_without_a_checkpoint_left_is_no_run_but_a_step_or_export_is(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(str(run), load_config(None, {}))
+    for name in ("metrics.jsonl", "eval_before.jsonl", "notes.txt"):
+        (run / name).write_text("x")
+    (run / "summary.json").write_text(json.dumps({"steps": 0, "interrupted": "SIGTERM"}))
+    (run / "checkpoints" / ".step_1.tmp-7").mkdir(parents=True)  # a save that never completed
+    assert not holds_run(str(run))
+    check_new_run_dir(str(run), overwrite=False)  # the corrected command may start here
+    for kept in ("summary", "merged_model", "checkpoint"):
+        if kept == "summary":
+            (run / "summary.json").write_text(json.dumps({"steps": 3}))
+        elif kept == "merged_model":
+            (run / "summary.json").unlink()
+            (run / "merged_model").mkdir()
+        else:
+            (run / "merged_model").rmdir()
+            (run / "checkpoints" / "step_1").mkdir()  # complete or not, never deleted unasked
+        assert holds_run(str(run)), kept
+        with pytest.raises(ConfigError, match="already holds a run"):
+            check_new_run_dir(str(run), overwrite=False)
 
 
 HOLDER = textwrap.dedent(

@@ -592,3 +592,223 @@ def test_a_model_with_nan_weights_is_refused_before_anything_is_written(
     assert not os.path.exists(run)
     assert main(["train", cfg, "--rollout.temperature=1e-45"]) == 2
     assert "rollout.temperature=1e-45 is below 0.001" in _one_error_line(capsys.readouterr().err)
+
+
+# ----------------------------------------------------------------------------- failed starts
+
+
+def test_a_start_that_fails_in_step_1_leaves_the_folder_to_the_corrected_command(
+    run_yaml, tmp_path, rewards_file, capsys
+):
+    data = write_jsonl(tmp_path / "first_bad.jsonl", [{"prompt": "What is 7-4?", "answer": "3", "bad": True}])
+    cfg, run = run_yaml(
+        "fails_first", reward_fn="flaky", steps=1, data={"dataset": data}, rollout={"prompts_per_step": 1}
+    )
+    assert main(["train", cfg]) == 2
+    assert "raised RuntimeError: cannot score this row" in _one_error_line(capsys.readouterr().err)
+    assert os.path.exists(os.path.join(run, "config.yaml")) and _complete_steps(run) == []
+    (tmp_path / "fails_first" / "notes.txt").write_text("mine")
+    # --resume has nothing to continue, and says what does work.
+    assert main(["train", "--resume", run]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "saved no checkpoint" in line and f"policygrad train {run}/config.yaml" in line
+    fixed = f"--reward.functions=[{rewards_file}:slow_digits]"
+    assert main(["train", cfg, fixed]) == 0
+    out = capsys.readouterr().out
+    assert f"{run} holds what a start that saved no checkpoint left (config.yaml): replaced" in out
+    assert _complete_steps(run) == [1] and (tmp_path / "fails_first" / "notes.txt").read_text() == "mine"
+    assert yaml.safe_load(open(os.path.join(run, "config.yaml")))["reward"]["functions"] == [
+        f"{rewards_file}:slow_digits"
+    ]
+    # Once a checkpoint exists the folder holds a run: the same command is refused.
+    assert main(["train", cfg, fixed]) == 2
+    assert "already holds a run" in _one_error_line(capsys.readouterr().err)
+
+
+def test_steps_0_saves_nothing_and_leaves_the_folder_to_the_next_start(run_yaml, capsys):
+    cfg, run = run_yaml("zero", steps=1)
+    assert main(["train", cfg, "--steps=0"]) == 0
+    assert _complete_steps(run) == []
+    assert main(["train", cfg]) == 0
+    assert _complete_steps(run) == [1]
+
+
+def test_a_full_disk_at_the_first_checkpoint_names_the_file_and_advises_what_works(
+    run_yaml, monkeypatch, capsys
+):
+    import errno
+
+    from policygrad.trainer import checkpoint
+
+    cfg, run = run_yaml("full_first", steps=1)
+    real_save = torch.save
+
+    def full(obj, f, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint.torch, "save", full)
+        assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"could not write checkpoint {run}/checkpoints/step_1: No space left on device" in line
+    assert "--resume" not in line and "run the same command again" in line
+    assert main(["train", cfg]) == 0
+    assert _complete_steps(run) == [1]
+
+
+def test_a_full_disk_writing_metrics_names_the_file(tmp_path):
+    import errno
+    import types
+
+    from policygrad.trainer import logging as metrics_logging
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    fake_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
+    fake_os.write = full
+    logger = metrics_logging.MetricsLogger(str(tmp_path), tensorboard=False)
+    original = metrics_logging.os
+    metrics_logging.os = fake_os
+    try:
+        with pytest.raises(OSError) as info:
+            logger.log(1, {"x": 1.0})
+    finally:
+        metrics_logging.os = original
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "metrics.jsonl")
+
+
+SLOW_EVAL_DRIVER = '''
+import sys
+import time
+
+import policygrad.trainer.lifecycle as lifecycle
+
+
+def slow_evaluate(*args, **kwargs):
+    open({mark!r}, "w").close()
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    lifecycle.evaluate_rows = slow_evaluate
+    from policygrad.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_command_works(
+    sig, run_yaml, tmp_path, capsys
+):
+    from policygrad.trainer.interrupts import EXIT_STATUS
+
+    cfg, run = run_yaml(f"eval_{sig}", steps=1, eval_before=True, data={"eval_size": 2})
+    mark = tmp_path / f"evaluating_{sig}"
+    driver = tmp_path / "slow_eval.py"
+    driver.write_text(SLOW_EVAL_DRIVER.format(mark=str(mark)))
+    proc = _cli("train", cfg, driver=str(driver))
+    try:
+        _wait_for(mark.exists, proc, "the initial evaluation began")
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_STATUS[sig], out + err
+    stops = [line for line in (out + err).splitlines() if f"stopped by {sig}" in line]
+    assert len(stops) == 1 and "Traceback" not in err, out + err
+    assert "nothing was trained or saved" in stops[0] and "--resume" not in stops[0]
+    assert not os.path.exists(os.path.join(run, ".policygrad.lock"))
+    assert main(["train", cfg]) == 0
+    assert _complete_steps(run) == [1]
+
+
+SLOW_TRACKERS_DRIVER = '''
+import sys
+import time
+
+import policygrad.trainer.lifecycle as lifecycle
+
+
+def slow_trackers(*args, **kwargs):
+    open({mark!r}, "w").close()
+    time.sleep(600)
+
+
+if __name__ == "__main__":
+    lifecycle.build_trackers = slow_trackers
+    from policygrad.cli import main
+
+    sys.exit(main(sys.argv[1:]))
+'''
+
+
+def test_sigterm_during_tracker_set_up_stops_cleanly_and_leaves_the_folder_as_it_was(run_yaml, tmp_path):
+    cfg, run = run_yaml("trackers_sigterm", steps=1)
+    mark = tmp_path / "setting_up_trackers"
+    driver = tmp_path / "slow_trackers.py"
+    driver.write_text(SLOW_TRACKERS_DRIVER.format(mark=str(mark)))
+    proc = _cli("train", cfg, driver=str(driver))
+    try:
+        _wait_for(mark.exists, proc, "the trackers were being set up")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    stops = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
+    assert stops == [
+        "stopped by SIGTERM while the run was starting, before its first step; run the same "
+        "command again to start it"
+    ], out + err
+    assert "Traceback" not in err and not os.path.exists(run)  # the folder it created is gone again
+
+
+def test_sigterm_during_the_final_evaluation_stops_at_once_with_the_final_checkpoint(run_yaml, tmp_path):
+    cfg, run = run_yaml("final_sigterm", steps=1, eval_after=True, data={"eval_size": 2})
+    mark = tmp_path / "evaluating_after"
+    driver = tmp_path / "slow_eval.py"
+    driver.write_text(SLOW_EVAL_DRIVER.format(mark=str(mark)))
+    proc = _cli("train", cfg, driver=str(driver))
+    try:
+        _wait_for(mark.exists, proc, "the final evaluation began")
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, out + err
+    stops = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
+    assert len(stops) == 1 and "Traceback" not in err, out + err
+    assert f"after the final checkpoint {run}/checkpoints/step_1 (step 1)" in stops[0]
+    assert _complete_steps(run) == [1] and not os.path.exists(os.path.join(run, ".policygrad.lock"))
+    summary = json.load(open(os.path.join(run, "summary.json")))
+    assert summary["interrupted"] == "SIGTERM" and summary["updates_applied"] == 1
+
+
+def test_a_full_disk_before_any_checkpoint_advises_a_new_start_not_resume(run_yaml, monkeypatch, capsys):
+    import errno
+
+    from policygrad.trainer.logging import MetricsLogger
+
+    cfg, run = run_yaml("full_before", steps=1, eval_before=True, data={"eval_size": 2})
+    log = MetricsLogger.log
+
+    def full(self, step, metrics):
+        if step == 0:  # the evaluation before training: no checkpoint exists yet
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        return log(self, step, metrics)
+
+    with monkeypatch.context() as m:
+        m.setattr(MetricsLogger, "log", full)
+        assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"no space left on device writing {run}/metrics.jsonl; free space, then run the same" in line
+    assert "--resume" not in line
+    assert main(["train", cfg]) == 0
+    assert _complete_steps(run) == [1]
