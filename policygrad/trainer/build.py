@@ -91,8 +91,11 @@ def build_models(
 ) -> Models:
     """Load the policy (a trained adapter to start from, LoRA, memory-efficient MLPs, checkpoint
     weights, gradient checkpointing) and, when the KL placement needs one, the reference: the
-    starting policy, frozen. The policy's parameters are ``policy_dtype`` (the precision's:
-    float32 unless bf16-pure; None: ``dtype``), the frozen reference's ``dtype``.
+    starting policy, frozen. The policy's parameters and the reference's are ``policy_dtype``
+    (the precision's: float32 unless bf16-pure; None: ``dtype``): the reference runs under the
+    policy's autocast, so two copies of the starting weights compute the same log-probs and
+    the KL is exactly 0 before the first update (a bf16 reference next to float32 master
+    weights gave a KL of ~6e-3 at step 0).
 
     Args:
         cfg: the run's config (``model`` section).
@@ -150,12 +153,12 @@ def build_models(
     if isinstance(start, FrozenStart):
         as_reference = start.active
     elif isinstance(start, torch.nn.Module):
-        reference = start.eval().requires_grad_(False).to(dtype)
+        reference = start.eval().requires_grad_(False)
     elif needs_reference and lora.rank > 0:
         as_reference = policy.disable_adapter  # LoRA: the base weights are the starting policy
     elif needs_reference:
         reference = load_model(
-            source, dtype=dtype, trainable=False, trust_remote_code=cfg.model.trust_remote_code
+            source, dtype=trained, trainable=False, trust_remote_code=cfg.model.trust_remote_code
         ).to(device)
     differ = from_adapter or model is not None
     return Models(

@@ -128,10 +128,11 @@ class ModelConfig:
 
     ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
     AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
-    of the frozen networks (reference, reward models, vLLM's weights); the trained ones follow
-    ``precision``: ``fp32``, ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute
-    under autocast), ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away;
-    an explicit opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
+    of the frozen networks (reward models, vLLM's weights); the trained ones, and the reference
+    (a copy of the starting policy, computing as it does), follow ``precision``: ``fp32``,
+    ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
+    ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
+    opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
     fp32); see :mod:`policygrad.trainer.precision`.
 
     ``trust_remote_code``: run the Python code a model folder or hub repository ships with its

@@ -406,8 +406,8 @@ class Trainer(RunLifecycle):
             self.full_policy = self.full_policy.to("cpu")
         compute = self.precision.autocast_dtype
         shard_model(m.policy, compute_dtype=compute)
-        if m.reference is not None:
-            shard_model(m.reference)
+        if m.reference is not None:  # computes as the policy does, or the first KL is not 0
+            shard_model(m.reference, compute_dtype=compute)
         return dataclasses.replace(m, policy=self.full_policy)
 
     def _shard_critic(self, critic) -> None:
