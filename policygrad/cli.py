@@ -115,7 +115,7 @@ def cmd_train(argv: list[str]) -> int:
 def cmd_eval(argv: list[str]) -> int:
     from policygrad.data.sources import is_code_dataset
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import DataConfig, TrainConfig
+    from policygrad.trainer.config import DataConfig, RewardConfig, TrainConfig
     from policygrad.trainer.evaluate import evaluate_model
 
     p = argparse.ArgumentParser(
@@ -189,7 +189,7 @@ def cmd_eval(argv: list[str]) -> int:
         dataset_config=args.dataset_config,
         eval_split=args.split,
     )
-    TrainConfig(data=data)  # validates
+    TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     result = evaluate_model(
         args.model,
         data,
