@@ -718,7 +718,8 @@ class TrainConfig:
     evaluation. ``overwrite``: replace the run in ``output_dir`` (only the files a run writes are
     deleted, after the whole new config is validated); it is never saved in ``config.yaml``.
     ``max_skipped_updates``: end the run with an error after this many consecutive steps that
-    applied no update (every optimizer step skipped as non-finite, or no token carried loss);
+    applied no update (every optimizer step skipped as non-finite, no token carried loss, or every
+    gradient exactly 0: every advantage 0 and no other loss term);
     0 never stops. A run that ends with no update applied is an error however short it was.
 
     ``report_to``: the trackers that receive every step's metrics besides ``metrics.jsonl``:
