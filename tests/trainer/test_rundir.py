@@ -37,6 +37,7 @@ from policygrad.trainer.rundir import (
     LOCK_FILE,
     RunLock,
     check_new_run_dir,
+    holds_run,
     lock_owner,
     remove_run_files,
     run_files,
@@ -172,6 +173,23 @@ def test_a_new_run_refuses_a_run_and_a_foreign_config_and_overwrite_deletes_only
     (tmp_path / "file").write_text("x")
     with pytest.raises(ConfigError, match="is a file"):
         check_new_run_dir(str(tmp_path / "file"), overwrite=True)
+
+
+def test_overwrite_deletes_the_trackers_stores_of_the_old_run(tmp_path):
+    # W&B's offline runs, MLflow's file store and the tracker ids a resume continues: kept, they
+    # would put the old run's tracker data beside the new run's.
+    run = tmp_path / "run"
+    (run / "wandb" / "offline-run-20260101_000000-abc").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20260101_000000-abc" / "run-abc.wandb").write_text("x")
+    (run / "mlruns" / "1" / "0123").mkdir(parents=True)
+    (run / "trackers.json").write_text('{"wandb_run_id": "abc"}')
+    (run / "notes.txt").write_text("mine")
+    assert holds_run(str(run))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_new_run_dir(str(run), overwrite=False)
+    removed = remove_run_files(str(run))
+    assert sorted(os.path.basename(p) for p in removed) == ["mlruns", "trackers.json", "wandb"]
+    assert os.listdir(run) == ["notes.txt"]
 
 
 HOLDER = textwrap.dedent(
