@@ -96,14 +96,6 @@ def _describe_dataset(obj) -> str:
     return f"<dataset {kind} ({size}in memory)>"
 
 
-def _describe_model(model) -> str:
-    from policygrad.models.adapters import is_peft_model
-
-    base = model.get_base_model() if is_peft_model(model) else model
-    folder = getattr(base, "name_or_path", "") or ""
-    return folder or f"<model {type(base).__name__} (in memory)>"
-
-
 def train(
     model: Any = _DEFAULT,
     reward_funcs: str | Callable | Sequence[str | Callable] | None = None,
@@ -161,8 +153,7 @@ def train(
         if isinstance(model, (str, os.PathLike)):
             tree = _merge(tree, {"model": {"name": os.fspath(model)}})
         else:
-            model_object = model
-            tree = _merge(tree, {"model": {"name": _describe_model(model)}})
+            model_object = model  # the trainer records it as model.name (or refuses another name)
     reward_objects = None
     if reward_funcs is not None:
         one = isinstance(reward_funcs, str) or callable(reward_funcs)

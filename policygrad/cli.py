@@ -126,7 +126,7 @@ def cmd_eval(argv: list[str]) -> int:
     from policygrad.data.sources import is_code_dataset
     from policygrad.lab.common import OneLineArgumentParser, check_temperature
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import DataConfig, TrainConfig
+    from policygrad.trainer.config import DataConfig, RewardConfig, TrainConfig
     from policygrad.trainer.evaluate import eval_output_path, evaluate_model
 
     p = OneLineArgumentParser(
@@ -199,7 +199,7 @@ def cmd_eval(argv: list[str]) -> int:
         dataset_config=args.dataset_config,
         eval_split=args.split,
     )
-    TrainConfig(data=data)  # validates
+    TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     # Every argument is checked before the dataset is read or a model is loaded (or converted).
     output = eval_output_path(args.output, args.dataset)
     result = evaluate_model(

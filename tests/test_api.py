@@ -134,3 +134,41 @@ def test_a_model_object_without_a_folder_trains_and_keeps_its_start_model(tiny_d
         summary = policygrad.train(model, digit_reward, ROWS, tokenizer=tokenizer, config=config)
         assert summary["steps"] == 1
         assert os.path.isfile(tmp_path / "object" / "start_model" / "config.json")
+
+
+def test_a_model_object_is_recorded_as_model_name_and_another_name_is_refused(tiny_dir, tmp_path):
+    # The run trains the object: config.yaml must name it, or a --resume would load another model.
+    from transformers import AutoModelForCausalLM
+
+    from policygrad.trainer.config import ConfigError
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    other = tmp_path / "other_model"
+    make_tiny_llama(other, seed=1)
+    with pytest.raises(ConfigError) as info:
+        policygrad.train(model, digit_reward, ROWS, **_small(tmp_path, "other"), **{"model.name": str(other)})
+    assert str(info.value) == (
+        f"model.name={str(other)!r} names another model than the model object the run trains ({tiny_dir}); "
+        "config.yaml would record the wrong model for --resume: leave model.name unset, or set it to "
+        f"{tiny_dir!r}"
+    )
+    assert not (tmp_path / "other").exists()  # refused before anything was written
+    summary = policygrad.train(model, digit_reward, ROWS, **_small(tmp_path, "default_name"))
+    saved = yaml.safe_load(open(os.path.join(summary["run_dir"], "config.yaml")))
+    assert saved["model"]["name"] == tiny_dir
+
+
+def test_a_trainer_given_a_model_object_records_it_in_config_yaml(tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from policygrad.trainer import Trainer
+    from policygrad.trainer.config import load_config
+
+    cfg = load_config(None, _small(tmp_path, "direct"))
+    assert cfg.model.name == "bundled:smollm2-135m-instruct"  # the default: not the trained model
+    trainer = Trainer(cfg, model=AutoModelForCausalLM.from_pretrained(tiny_dir))
+    try:
+        saved = yaml.safe_load(open(tmp_path / "direct" / "config.yaml"))
+        assert trainer.config.model.name == saved["model"]["name"] == tiny_dir
+    finally:
+        trainer.close()

@@ -8,7 +8,9 @@ model of RLHF-PPO as in Ziegler et al. 2019 and Ouyang et al. 2022):
   master weights (4), fp32 gradients (4) and two fp32 Adam moments (4 + 4), bf16 copies of the
   weights made only for compute (ZeRO's count, bf16 weights and gradients plus an fp32 master
   copy, also comes to 16);
-- a frozen parameter costs 2 bytes (bf16 weights only);
+- a frozen parameter costs 2 bytes (bf16 weights only), except the reference's: 4 (float32, like
+  the policy's master weights, so that it computes the policy's own log-probs under the same
+  autocast and the KL is 0 before the first update);
 - the models: the policy (trainable); a reference (frozen, when a KL to it is used); a reward
   model (frozen, only when the reward comes from a model: a verifier needs none); a critic the
   size of the policy (trainable, PPO only); an inference engine's copy of the policy (frozen bf16
@@ -571,7 +573,16 @@ def plan_memory(
                 )
             )
         else:
-            items += _model_items("reference", p, False, 0, "frozen copy of the initial policy, bf16")
+            items.append(
+                MemoryItem(
+                    "reference",
+                    "frozen",
+                    p,
+                    BYTES_FP32,
+                    p * BYTES_FP32,
+                    "frozen copy of the initial policy, float32 like the master weights",
+                )
+            )
     if reward_model:
         items += _model_items("reward model", reward_params or p, False, 0, "frozen, bf16")
     if needs.critic:
@@ -771,7 +782,8 @@ def plot_plans(plans: list[MemoryPlan], path: str) -> str:
     ax.set_yticks(range(len(plans)), labels)
     ax.invert_yaxis()
     ax.set_xlabel(
-        "GB (1e9 bytes); solid: trainable 16 B/param, dotted: frozen 2 B/param, hatched: activations"
+        "GB (1e9 bytes); solid: trainable 16 B/param, dotted: frozen 2 (reference 4) B/param, "
+        "hatched: activations"
     )
     ax.set_title(f"Memory bill, {_count(plans[0].shape.params)}-parameter policy")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -815,7 +827,8 @@ def run_memory(
 
 
 MEMORY_DESCRIPTION = """The memory bill of an RL job: 16 bytes per trainable parameter (fp32 master weights
-and gradients, two fp32 Adam moments), 2 per frozen one; reference, reward model, critic and
+and gradients, two fp32 Adam moments), 2 per frozen one (4 for the reference: float32 like the
+policy's master weights); reward model, critic and
 inference engine as the algorithm needs; KV cache and the B x T x V logits tensor; per rank with
 --world-size and --strategy.
 Parameter counts come from the model's config.json (no weights are read); --params and the shape

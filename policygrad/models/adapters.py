@@ -33,6 +33,7 @@ __all__ = [
     "ADAPTER_CONFIG",
     "FrozenStart",
     "ModelSource",
+    "describe_model",
     "is_adapter_folder",
     "is_peft_model",
     "load_model",
@@ -72,6 +73,14 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
 def is_peft_model(model) -> bool:
     """True for a peft ``PeftModel`` (a model with adapters that ``get_base_model`` unwraps)."""
     return callable(getattr(model, "get_base_model", None)) and hasattr(model, "peft_config")
+
+
+def describe_model(model) -> str:
+    """How a config records a loaded model (or peft model): its base model's folder
+    (``name_or_path``), or ``<model CLASS (in memory)>`` when it has none."""
+    base = model.get_base_model() if is_peft_model(model) else model
+    folder = getattr(base, "name_or_path", "") or ""
+    return folder or f"<model {type(base).__name__} (in memory)>"
 
 
 def _adapter_base(adapter: str, field: str) -> str:

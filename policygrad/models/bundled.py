@@ -171,7 +171,8 @@ def ensure_bundled_model(name: str, *, home: str | os.PathLike | None = None) ->
 
     The conversion (about 25 s on a 2-core CPU for SmolLM2-135M) runs once: into a temporary folder
     beside the target, renamed into place when complete, under an exclusive lock file
-    (``<home>/models/.<name>.lock``) so concurrent processes convert only once.
+    (``<home>/models/.<name>.lock``) so concurrent processes convert only once; the temporary
+    folders of conversions that were killed are deleted first.
 
     Args:
         name: bundled model name without the ``bundled:`` prefix.
@@ -192,6 +193,10 @@ def ensure_bundled_model(name: str, *, home: str | os.PathLike | None = None) ->
     with _file_lock(target.parent / f".{name}.lock"):
         if _is_complete(target):  # another process finished while we waited for the lock
             return str(target)
+        # A conversion killed outright (SIGKILL, out of memory) never ran its cleanup: its folder
+        # (~0.5 GB) would stay forever. Every converter holds this lock, so none is live.
+        for stale in target.parent.glob(f".{name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
         logger.warning("Converting bundled model %s from %s once (takes about 25 s)", name, gguf_path)
         started = time.perf_counter()
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=target.parent))

@@ -169,11 +169,22 @@ def _field(row_fields: dict, key: str, i: int):
     return None if values is None else values[i]
 
 
+def _test_list(tests) -> list:
+    """A row's ``tests`` as a list: one string is one test, None or blank is none."""
+    if tests is None:
+        return []
+    if isinstance(tests, str):
+        return [tests] if tests.strip() else []
+    return list(tests)
+
+
 def is_code_row(row: dict) -> bool:
-    """Whether a dataset row carries code tests: a non-empty ``tests`` list, or ``test`` and
-    ``entry_point`` (HumanEval)."""
-    tests = row.get("tests")
-    return bool(tests) and not isinstance(tests, str) or bool(row.get("test") and row.get("entry_point"))
+    """Whether a dataset row carries code tests: a non-empty ``tests`` (a list of assert
+    statements, or one string: one test) or a non-empty ``test`` (HumanEval's check code, or
+    assert code). The fields :func:`spec_for_row` reads tests from, so a row that ``code_tests``
+    trains on is also evaluated by its tests, never by an ``answer`` it may carry."""
+    test = row.get("test")
+    return bool(_test_list(row.get("tests"))) or (isinstance(test, str) and bool(test.strip()))
 
 
 def spec_for_row(
@@ -197,9 +208,9 @@ def spec_for_row(
         ValueError: no tests in the row, a non-string test, ``check`` code without an entry point,
             or a test that is not valid Python; the message names the field.
     """
-    if isinstance(tests, str):
-        tests = [tests]
-    asserts = list(tests or [])
+    asserts = _test_list(tests)
+    if isinstance(test, str) and not test.strip():
+        test = None  # blank, as is_code_row reads it
     if any(not isinstance(t, str) for t in asserts):
         raise ValueError("row field 'tests' must be a list of strings (assert statements)")
     entries = [entry_point] if isinstance(entry_point, str) else list(entry_point or [])
@@ -359,6 +370,9 @@ class TaskReward:
         code_options: keyword arguments of :class:`CodeTests` (the run's ``reward.code``); the
             sandbox is built on the first code row, so evaluating arithmetic needs none.
     """
+
+    functions = ("code_tests", "answer_correctness")
+    """The built-in rewards it applies, as ``reward.functions`` names them."""
 
     def __init__(self, code_options: dict | None = None):
         self.code_options = dict(code_options or {})

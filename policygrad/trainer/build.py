@@ -6,6 +6,7 @@ streams a run consumes at start)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import os
 import random
@@ -30,6 +31,7 @@ __all__ = [
     "build_scorer",
     "load_eval_models",
     "policy_optimizer",
+    "record_model_object",
     "resolve_dtype",
     "seed_everything",
 ]
@@ -91,8 +93,11 @@ def build_models(
 ) -> Models:
     """Load the policy (a trained adapter to start from, LoRA, memory-efficient MLPs, checkpoint
     weights, gradient checkpointing) and, when the KL placement needs one, the reference: the
-    starting policy, frozen. The policy's parameters are ``policy_dtype`` (the precision's:
-    float32 unless bf16-pure; None: ``dtype``), the frozen reference's ``dtype``.
+    starting policy, frozen. The policy's parameters and the reference's are ``policy_dtype``
+    (the precision's: float32 unless bf16-pure; None: ``dtype``): the reference runs under the
+    policy's autocast, so two copies of the starting weights compute the same log-probs and
+    the KL is exactly 0 before the first update (a bf16 reference next to float32 master
+    weights gave a KL of ~6e-3 at step 0).
 
     Args:
         cfg: the run's config (``model`` section).
@@ -150,12 +155,12 @@ def build_models(
     if isinstance(start, FrozenStart):
         as_reference = start.active
     elif isinstance(start, torch.nn.Module):
-        reference = start.eval().requires_grad_(False).to(dtype)
+        reference = start.eval().requires_grad_(False)
     elif needs_reference and lora.rank > 0:
         as_reference = policy.disable_adapter  # LoRA: the base weights are the starting policy
     elif needs_reference:
         reference = load_model(
-            source, dtype=dtype, trainable=False, trust_remote_code=cfg.model.trust_remote_code
+            source, dtype=trained, trainable=False, trust_remote_code=cfg.model.trust_remote_code
         ).to(device)
     differ = from_adapter or model is not None
     return Models(
@@ -183,6 +188,33 @@ def load_eval_models(cfg: TrainConfig, *, device: torch.device, dtype: torch.dty
         source.base, tokenizer, policy, None, eos_token_ids(tokenizer, policy),
         weights_differ_from_path=source.adapter is not None,
     )
+
+
+def record_model_object(cfg: TrainConfig, model) -> TrainConfig:
+    """``cfg`` with ``model.name`` naming ``model``, a loaded model the run trains instead of
+    loading one (:func:`~policygrad.models.adapters.describe_model`), so ``config.yaml`` records
+    what was trained. The default ``model.name`` is replaced; the same folder is kept.
+
+    Raises:
+        ConfigError: ``model.name`` names another model (a resume from this config would load it).
+    """
+    from policygrad.models.adapters import describe_model
+    from policygrad.trainer.config import ModelConfig
+
+    named = describe_model(model)
+    name = cfg.model.name
+    same = name == named or (
+        not named.startswith("<") and os.path.realpath(os.path.expanduser(name)) == os.path.realpath(named)
+    )
+    if same:
+        return cfg
+    if name != ModelConfig().name:
+        raise ConfigError(
+            f"model.name={name!r} names another model than the model object the run trains ({named}); "
+            "config.yaml would record the wrong model for --resume: leave model.name unset, or set it to "
+            f"{named!r}"
+        )
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=named))
 
 
 def adopt_model(model, tokenizer, *, dtype: torch.dtype, run_dir: str | None):

@@ -100,17 +100,19 @@ def _check_choice(path: str, value: Any, choices) -> None:
         raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
 
 
-def _check_positive(path: str, value, *, allow_zero: bool = False) -> None:
+def _check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
+    """``why``: appended to the message (what the field means, what a bad value would do)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{path} must be {bound}, got {value!r}")
+        raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (peft). ``rank: 0`` means a full fine-tune."""
+    """LoRA adapters (peft). ``rank: 0`` means a full fine-tune, and then the other options,
+    which only shape adapters, must keep their defaults. ``dropout`` is in [0, 1)."""
 
     rank: int = 0
     alpha: float = 32.0
@@ -120,6 +122,22 @@ class LoraConfig:
     def validate(self, path: str) -> None:
         _check_positive(f"{path}.rank", self.rank, allow_zero=True)
         _check_positive(f"{path}.alpha", self.alpha)
+        _check_positive(f"{path}.dropout", self.dropout, allow_zero=True)
+        if self.dropout >= 1:  # 1 would zero every adapter input: the adapters could not train
+            raise ConfigError(
+                f"{path}.dropout must be in [0, 1) (the probability of zeroing an adapter input), "
+                f"got {self.dropout!r}"
+            )
+        if self.rank == 0:
+            defaults = LoraConfig(rank=0)
+            names = ("alpha", "dropout", "target_modules")
+            changed = [n for n in names if getattr(self, n) != getattr(defaults, n)]
+            if changed:
+                name = f"{path}.{changed[0]}"
+                raise ConfigError(
+                    f"{name}={getattr(self, changed[0])!r} has no effect with {path}.rank=0 (a full "
+                    f"fine-tune, no adapters); set {path}.rank >= 1 for LoRA or unset {name}"
+                )
 
 
 @dataclass
@@ -128,10 +146,11 @@ class ModelConfig:
 
     ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
     AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
-    of the frozen networks (reference, reward models, vLLM's weights); the trained ones follow
-    ``precision``: ``fp32``, ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute
-    under autocast), ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away;
-    an explicit opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
+    of the frozen networks (reward models, vLLM's weights); the trained ones, and the reference
+    (a copy of the starting policy, computing as it does), follow ``precision``: ``fp32``,
+    ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
+    ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
+    opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
     fp32); see :mod:`policygrad.trainer.precision`.
 
     ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
@@ -420,6 +439,12 @@ class KLConfig:
         _check_choice(f"{path}.controller", self.controller, {"fixed", "adaptive"})
         _check_positive(f"{path}.target", self.target)
         _check_positive(f"{path}.horizon", self.horizon)
+        if self.controller == "adaptive" and not get_kl_placement(self.placement).needs_reference:
+            raise ConfigError(
+                f"{path}.controller=adaptive with {path}.placement={self.placement!r}: there is no KL for "
+                f"the controller to steer; set {path}.placement=reward or loss (with {path}.beta), or "
+                f"{path}.controller=fixed"
+            )
         if get_kl_placement(self.placement).needs_reference and self.beta == 0 and self.controller == "fixed":
             raise ConfigError(
                 f"{path}.placement={self.placement!r} with {path}.beta=0 computes a KL that has no "
@@ -464,7 +489,8 @@ class LossConfig:
       here is passed as None (cispo ``clip_high: null`` = no upper bound).
 
     Setting an option in both places is an error; an option the loss does not declare, or a bad
-    value, is refused when the config is built. ``entropy_coef`` adds -coef x entropy."""
+    value, is refused when the config is built. ``entropy_coef`` (>= 0) adds -coef x entropy to
+    the loss: a bonus for keeping the policy's entropy up."""
 
     policy_loss: str | None = None
     agg_mode: str | None = None
@@ -477,6 +503,15 @@ class LossConfig:
     def validate(self, path: str) -> None:
         if self.agg_mode is not None:
             _check_choice(f"{path}.agg_mode", self.agg_mode, set(AGGREGATION_MODES))
+        # Negative would reward low entropy: the loss would drive the policy toward collapse onto
+        # its likeliest tokens, the failure the bonus exists to prevent.
+        _check_positive(
+            f"{path}.entropy_coef",
+            self.entropy_coef,
+            allow_zero=True,
+            why=": it weights an entropy bonus (the loss subtracts coef x entropy), and a negative one "
+            "would push the policy toward collapse; use 0 (no bonus) or a small positive value such as 0.01",
+        )
         for key in self.options:
             if not isinstance(key, str):
                 raise ConfigError(
@@ -683,7 +718,8 @@ class TrainConfig:
     evaluation. ``overwrite``: replace the run in ``output_dir`` (only the files a run writes are
     deleted, after the whole new config is validated); it is never saved in ``config.yaml``.
     ``max_skipped_updates``: end the run with an error after this many consecutive steps that
-    applied no update (every optimizer step skipped as non-finite, or no token carried loss);
+    applied no update (every optimizer step skipped as non-finite, no token carried loss, or every
+    gradient exactly 0: every advantage 0 and no other loss term);
     0 never stops. A run that ends with no update applied is an error however short it was.
 
     ``report_to``: the trackers that receive every step's metrics besides ``metrics.jsonl``:
@@ -761,6 +797,12 @@ class TrainConfig:
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
         for name in (*sections, "dynamic_sampling", "distributed"):
             getattr(self, name).validate(name)
+        if self.eval_every and self.data.eval_size == 0:
+            raise ConfigError(
+                f"eval_every={self.eval_every} with data.eval_size=0 would evaluate no problem; set "
+                "data.eval_size > 0 (held-out problems per evaluation) or eval_every=0"
+            )
+        self._validate_code_rewards()
         if self.kl_placement.needs_reference and (self.rollout.top_k or self.rollout.top_p < 1.0):
             raise ConfigError(
                 f"kl.placement={self.kl.placement!r} with rollout.top_k/top_p truncation is not supported: "
@@ -812,6 +854,22 @@ class TrainConfig:
                 raise ConfigError(
                     f"eval_k contains {k}; each k must be in 1 .. eval_samples={self.eval_samples}"
                 )
+
+    def _validate_code_rewards(self) -> None:
+        """A code dataset needs a reward that can score a program: its rows carry tests, and the
+        built-in answer and length rewards would give every sample of a group the same score
+        (every advantage 0, nothing learned)."""
+        from policygrad.data.sources import is_code_dataset
+
+        if not is_code_dataset(self.data.dataset):
+            return
+        blind = {"answer_correctness", "answer_format", "length_penalty"}
+        if all(isinstance(f, str) and f.strip() in blind for f in self.reward.functions):
+            raise ConfigError(
+                f"data.dataset={self.data.dataset!r} holds code rows (tests, no final answer), but "
+                f"reward.functions={self.reward.functions} cannot score a program: every sample would get "
+                "the same score and nothing would be learned; set reward.functions=[code_tests]"
+            )
 
     @property
     def trackers(self) -> list[str]:

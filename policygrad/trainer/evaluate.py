@@ -321,8 +321,9 @@ def evaluate_model(
             a bad model, adapter or dataset, named.
     """
     from policygrad.data.sources import build_eval_rows
+    from policygrad.rewards.code import TaskReward
     from policygrad.trainer import build
-    from policygrad.trainer.config import ModelConfig, RolloutConfig, TrainConfig
+    from policygrad.trainer.config import ModelConfig, RewardConfig, RolloutConfig, TrainConfig
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
@@ -332,6 +333,7 @@ def evaluate_model(
         model=ModelConfig(name=model, adapter=adapter),
         data=data,
         rollout=RolloutConfig(engine=engine, max_new_tokens=max_new_tokens, **(rollout or {})),
+        reward=RewardConfig(functions=list(TaskReward.functions)),  # what judges rows of any kind
     )
     t_load = time.perf_counter()
     rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]

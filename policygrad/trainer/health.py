@@ -2,9 +2,12 @@
 
 :class:`UpdateWatch` counts, step by step, the updates the optimizer applied. A step that
 applied none (every optimizer step skipped as non-finite, no token carrying loss, the update
-stopped by ``optim.target_kl`` before its first step) is *empty*; ``max_skipped_updates`` empty
-steps in a row end the run with a :class:`~policygrad.trainer.errors.TrainingError` that names
-the cause, and so does a run that ends having applied no update at all.
+stopped by ``optim.target_kl`` before its first step) is *empty*; so is a step whose optimizer
+steps all had a gradient of exactly 0 (every advantage 0 and no other loss term, e.g. a reward
+that gives every sample of a group the same score): AdamW's moments stay 0 and the weights do not
+move (weight decay aside, which learns nothing). ``max_skipped_updates`` empty steps in a row end
+the run with a :class:`~policygrad.trainer.errors.TrainingError` that names the cause, and so does
+a run that ends having applied no update at all.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
             f"{extra}: check optim.lr (lr={config.optim.lr:g}), the scale of the rewards, and the model's "
             "weights for NaN or infinity"
         )
+    if metrics.get("optim/steps"):  # steps were taken: their gradient was exactly 0
+        return _why_zero_gradient(metrics, config)
     if metrics.get("optim/early_stopped"):
         return (
             f"optim.target_kl={config.optim.target_kl:g} stopped every update before its first step "
@@ -75,6 +80,24 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
             "reward.truncation=exclude leaves them out of the loss; raise rollout.max_new_tokens"
         )
     return "no token carried loss (every row was left out of the loss)"
+
+
+def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
+    functions = config.reward.functions
+    if metrics.get("reward/zero_variance_group_frac") == 1:
+        mean = metrics.get("reward/mean", float("nan"))
+        code = "" if "code_tests" in functions else " (code rows: code_tests)"
+        return (
+            f"every advantage was 0 at every step: the rewards gave each group's samples the same score "
+            f"(reward/mean {mean:g}), so the gradient was exactly 0 and the weights did not move; make "
+            f"reward.functions={functions} tell the completions apart{code}, or set "
+            "drop_zero_variance_groups=true to skip such groups"
+        )
+    return (
+        "the policy's gradient was exactly 0 at every optimizer step (every advantage 0 and no other loss "
+        f"term), so the weights did not move; check that reward.functions={functions} tell the completions "
+        "apart and how the advantage estimator and reward normalisation treat their scores"
+    )
 
 
 class UpdateWatch:
@@ -102,7 +125,15 @@ class UpdateWatch:
         Raises:
             TrainingError: this was the ``max_skipped_updates``-th empty step in a row.
         """
-        applied = int(metrics.get("optim/steps", 0)) + int(_number(metrics.get("critic/steps", 0)))
+        policy = int(metrics.get("optim/steps", 0))
+        critic = int(_number(metrics.get("critic/steps", 0)))
+        # A step with a gradient of exactly 0 (in every optimizer step: the mean of norms is 0)
+        # moved nothing; absent norms (older metrics) count as moving.
+        if metrics.get("optim/grad_norm") == 0:
+            policy = 0
+        if metrics.get("critic/grad_norm") == 0:
+            critic = 0
+        applied = policy + critic
         self.steps += 1
         self.applied += applied
         if applied:

@@ -81,7 +81,8 @@ class Trainer(RunLifecycle):
             it must be ``config.output_dir``.
         engine: a rollout engine to use instead of the one ``rollout.engine`` names.
         model, tokenizer: a loaded transformers model (or peft model: its adapter trains) to
-            train in place instead of ``model.name`` (see :func:`policygrad.trainer.build.adopt_model`).
+            train in place instead of ``model.name`` (see :func:`policygrad.trainer.build.adopt_model`);
+            the config records it as ``model.name`` (:func:`~policygrad.trainer.build.record_model_object`).
         reward_functions: reward functions as objects (callables, sync or async, or specs)
             instead of ``reward.functions``; the config records each by its import path
             (``module:qualname``) or ``<callable NAME (not importable)>``.
@@ -118,6 +119,8 @@ class Trainer(RunLifecycle):
         train_source=None,
         eval_rows: list[dict[str, Any]] | None = None,
     ):
+        if model is not None:
+            config = build.record_model_object(config, model)
         reward_objects = None
         if reward_functions is not None:  # the config records them; importable ones by their path
             recorded = [describe_object(f) for f in reward_functions]
@@ -412,8 +415,8 @@ class Trainer(RunLifecycle):
             self.full_policy = self.full_policy.to("cpu")
         compute = self.precision.autocast_dtype
         shard_model(m.policy, compute_dtype=compute)
-        if m.reference is not None:
-            shard_model(m.reference)
+        if m.reference is not None:  # computes as the policy does, or the first KL is not 0
+            shard_model(m.reference, compute_dtype=compute)
         return dataclasses.replace(m, policy=self.full_policy)
 
     def _shard_critic(self, critic) -> None:

@@ -19,8 +19,11 @@ Modes (``model.precision``):
   was asked for explicitly; ``fp32`` otherwise (bf16 matmuls are several times slower on CPUs
   without AMX/AVX512-BF16).
 
-Frozen networks (the reference, reward models, a vLLM engine) keep ``model.dtype``: they are never
-stepped, so bf16 weights lose nothing there.
+The reference is a second copy of the starting policy, so it takes the policy's parameter dtype
+and runs under the same autocast: any other precision gives it different log-probs than the
+policy's own, and the KL to it is not 0 before the first update. The other frozen networks
+(reward models, a vLLM engine) keep ``model.dtype``: they are never stepped, so bf16 weights lose
+nothing there.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ crash never leaves half of it.
   sharing a network folder are not kept apart.
 * **What a run writes** (:data:`RUN_FILES`): ``config.yaml``, ``metrics.jsonl``,
   ``summary.json``, the ``eval_*.jsonl`` files, ``checkpoints/step_N`` (and the hidden folders
-  of a checkpoint being written), TensorBoard event files, ``merged_model/`` and
-  ``start_model/`` and the lock. ``--overwrite`` deletes
+  of a checkpoint being written), TensorBoard event files, ``merged_model/``,
+  ``start_model/``, the trackers' ``wandb/``, ``mlruns/`` and ``trackers.json``, and the lock.
+  ``--overwrite`` deletes
   exactly these, nothing else in the folder.
 * **Checks before anything is written** (:func:`check_new_run_dir`): a new run refuses a folder
   that holds a run (unless ``overwrite``), a ``config.yaml`` that policygrad did not write, a
@@ -58,13 +59,18 @@ log = logging.getLogger("policygrad")
 LOCK_FILE = ".policygrad.lock"
 
 # Entries of RUN_DIR a run writes: top-level files, and folders whose matching entries are its own.
-_TOP_FILES = re.compile(r"^(config\.yaml|metrics\.jsonl|summary\.json|eval_(before|after|step\d+)\.jsonl)$")
+_TOP_FILES = re.compile(
+    r"^(config\.yaml|metrics\.jsonl|summary\.json|trackers\.json|eval_(before|after|step\d+)\.jsonl)$"
+)
 _CHECKPOINT_ENTRIES = re.compile(r"^(step_\d+|\.step_\d+\.(tmp|old)-\d+)$")
 _TENSORBOARD_ENTRIES = re.compile(r"^events\.out\.tfevents\..+$")
-_TOP_FOLDERS = ("merged_model", "start_model")  # an export, and the folder of a caller's model object
+# An export, the folder of a caller's model object, and the W&B and MLflow stores of report_to:
+# left behind by --overwrite, the old run's tracker data would sit beside the new run's.
+_TOP_FOLDERS = ("merged_model", "start_model", "wandb", "mlruns")
 RUN_FILES = (
-    "config.yaml, metrics.jsonl, summary.json, eval_before/eval_after/eval_stepN.jsonl, "
-    "checkpoints/step_N, tensorboard/events.out.tfevents.*, merged_model/, start_model/, " + LOCK_FILE
+    "config.yaml, metrics.jsonl, summary.json, trackers.json, eval_before/eval_after/eval_stepN.jsonl, "
+    "checkpoints/step_N, tensorboard/events.out.tfevents.*, merged_model/, start_model/, wandb/, mlruns/, "
+    + LOCK_FILE
 )
 
 

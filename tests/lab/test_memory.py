@@ -39,15 +39,16 @@ def test_logits_tensor_is_268_gb():
 
 
 def test_sixteen_and_two_bytes_per_parameter():
-    # fp32 weights 4 + fp32 grads 4 + Adam m 4 + Adam v 4 = 16; frozen bf16 = 2.
+    # fp32 weights 4 + fp32 grads 4 + Adam m 4 + Adam v 4 = 16; frozen bf16 = 2; the reference
+    # float32 (4), like the master weights it must compute as.
     assert BYTES_TRAINABLE == 2 + 2 + 4 + 4 + 4 == 16
     assert BYTES_FROZEN == 2
     plan = plan_memory(seven_b(), "grpo")
     assert plan.item("policy").bytes == 112_000_000_000  # 7e9 x 16
     assert plan.item("policy").state == "trainable"
-    assert plan.item("reference").bytes == 14_000_000_000  # 7e9 x 2
+    assert plan.item("reference").bytes == 28_000_000_000  # 7e9 x 4
     assert plan.item("reference").state == "frozen"
-    assert plan.state_bytes == 126_000_000_000
+    assert plan.state_bytes == 140_000_000_000
     assert plan.sft_state_bytes == 112_000_000_000
 
 
@@ -56,10 +57,10 @@ def test_ppo_needs_more_than_twice_sft():
     assert [it.component for it in sft.items] == ["policy"]
     assert sft.state_bytes == 112_000_000_000
     ppo = plan_memory(seven_b(), "ppo")
-    # policy 112 + critic 112 + reference 14 = 238 GB = 2.125 x SFT
+    # policy 112 + critic 112 + reference 28 = 252 GB = 2.25 x SFT
     assert ppo.item("critic").bytes == 112_000_000_000
-    assert ppo.state_bytes == 238_000_000_000
-    assert ppo.ratio_to_sft == pytest.approx(2.125, abs=1e-12)
+    assert ppo.state_bytes == 252_000_000_000
+    assert ppo.ratio_to_sft == pytest.approx(2.25, abs=1e-12)
     assert ppo.state_bytes > 2 * sft.state_bytes
     # Without the reference exactly twice: the critic alone doubles the trainable footprint.
     assert plan_memory(seven_b(), "ppo", reference=False).state_bytes == 2 * sft.state_bytes
@@ -75,8 +76,8 @@ def test_reward_model_only_when_asked_and_inference_engine_with_kv_cache():
     assert plan.item("reward model").bytes == 14_000_000_000
     assert plan.item("inference engine").bytes == 14_000_000_000
     assert plan.item("KV cache").bytes == 2 * 32 * 8 * 128 * 16 * 1024 * 2 == 2_147_483_648
-    # state: policy 112 + reference 14 + reward model 14 + engine 14 = 154 GB
-    assert plan.state_bytes == 154_000_000_000
+    # state: policy 112 + reference 28 + reward model 14 + engine 14 = 168 GB
+    assert plan.state_bytes == 168_000_000_000
     assert plan.total_bytes == plan.state_bytes + 2_147_483_648 + 16 * 1024 * 128_000 * 2
 
 
@@ -155,7 +156,7 @@ def test_run_memory_writes_json_and_png(tmp_path):
     plan = run_memory(seven_b(vocab=128_000), "ppo", output_dir=str(tmp_path), batch=256, seq_len=4096)
     with open(plan.json_path) as f:
         data = json.load(f)
-    assert data["plan"]["state_bytes"] == 238_000_000_000
+    assert data["plan"]["state_bytes"] == 252_000_000_000
     assert [p["algorithm"] for p in data["compared"]] == ["sft", "grpo"]
     with open(plan.png_path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
@@ -181,7 +182,7 @@ def test_cli_memory(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "268.4" in out  # the logits row
     assert "112.0" in out  # policy and critic rows
-    assert "2.12x SFT" in out
+    assert "2.25x SFT" in out
     assert str(tmp_path / "memory.png") in out
 
 
@@ -196,7 +197,7 @@ def test_cli_memory_errors(capsys):
 def test_fsdp_prices_one_rank_of_the_sharded_models():
     # Two parameters of shapes [3, 2] and [4] (10 elements) over 2 ranks: fully_shard splits the
     # first dimension padded to a multiple of 2, so a rank holds ceil(3/2) * 2 + ceil(4/2) * 1 =
-    # 4 + 2 = 6 elements: policy 6 x 16 B = 96, reference 6 x 2 B = 12. vLLM's copy stays whole
+    # 4 + 2 = 6 elements: policy 6 x 16 B = 96, reference 6 x 4 B = 24. vLLM's copy stays whole
     # (10 x 2 B = 20); the KV cache and logits are of B/N = 3 of the 5 sequences (ceil):
     # 2 x 1 layer x 1 x 1 x 3 x 4 x 2 B = 48 and 3 x 4 x 8 x 2 B.
     rows = [(3, 6), (4, 4)]
@@ -205,17 +206,17 @@ def test_fsdp_prices_one_rank_of_the_sharded_models():
         shape, "grpo", world_size=2, strategy="fsdp", inference_engine=True, batch=5, seq_len=4
     )
     assert plan.item("policy").bytes == 96
-    assert plan.item("reference").bytes == 12
+    assert plan.item("reference").bytes == 24
     assert plan.item("inference engine").bytes == 20
     assert plan.item("logits B x T x V").bytes == 3 * 4 * 8 * 2
     assert plan.item("KV cache").bytes == 48
     assert plan.item("unsharded copy").bytes == 0  # with vLLM it lives in CPU memory
-    assert plan.state_bytes == 96 + 12 + 20
+    assert plan.state_bytes == 96 + 24 + 20
     # Without a vLLM engine the hf engine samples from the unsharded float32 copy: 10 x 4 B.
     hf = plan_memory(shape, "grpo", world_size=2, strategy="fsdp")
-    assert hf.item("unsharded copy").bytes == 40 and hf.state_bytes == 96 + 12 + 40
+    assert hf.item("unsharded copy").bytes == 40 and hf.state_bytes == 96 + 24 + 40
     ddp = plan_memory(shape, "grpo", world_size=2, strategy="ddp")
-    assert ddp.item("policy").bytes == 160 and ddp.item("reference").bytes == 20  # whole on every rank
+    assert ddp.item("policy").bytes == 160 and ddp.item("reference").bytes == 40  # whole on every rank
     with pytest.raises(ValueError, match="--strategy must be ddp or fsdp"):
         plan_memory(shape, "grpo", world_size=2, strategy="zero")
     with pytest.raises(ValueError, match="--world-size must be an int >= 1"):

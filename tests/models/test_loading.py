@@ -167,6 +167,27 @@ def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
     assert os.listdir(home / "models") == [".smollm2-135m-instruct.lock"]
 
 
+def test_a_killed_conversions_folder_is_deleted_by_the_next_one(monkeypatch, tmp_path):
+    # SIGKILL skips every cleanup: the half-written folder stays until the next conversion.
+    home = tmp_path / "home"
+    _fake_gguf(monkeypatch, tmp_path)
+    stale = home / "models" / ".smollm2-135m-instruct.tmp-killed"
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("{}")
+    other = home / "models" / ".other-model.tmp-killed"  # another model's: not this conversion's
+    other.mkdir()
+
+    def fake_convert(gguf_path, out_dir):
+        (out_dir / "config.json").write_text("{}")
+        (out_dir / "model.safetensors").write_bytes(b"0")
+
+    monkeypatch.setattr(bundled, "convert_gguf_to_folder", fake_convert)
+    ensure_bundled_model("smollm2-135m-instruct", home=home)
+    assert sorted(os.listdir(home / "models")) == [
+        ".other-model.tmp-killed", ".smollm2-135m-instruct.lock", "smollm2-135m-instruct"
+    ]
+
+
 @pytest.mark.slow
 def test_real_bundled_conversion(bundled_model):
     # The session fixture converted the GGUF file into the session's own empty POLICYGRAD_HOME.

@@ -127,6 +127,38 @@ def test_configure_code_rewards_leaves_other_entries_alone():
     assert configure_code_rewards(specs, {"isolation": "docker"}) == specs  # no code_tests: nothing built
 
 
+ROWS_AND_TESTS = [
+    ({"tests": ["assert f() == 1"]}, 1),
+    ({"tests": "assert f() == 1"}, 1),  # one string: one test
+    ({"tests": "   "}, 0),
+    ({"tests": []}, 0),
+    ({"test": "assert f() == 1"}, 1),  # assert code without HumanEval's check
+    ({"test": "def check(candidate):\n    assert candidate() == 1\n", "entry_point": "f"}, 1),
+    ({"test": "", "entry_point": "f"}, 0),
+    ({"answer": "42"}, 0),
+]
+
+
+@pytest.mark.parametrize(("row", "count"), ROWS_AND_TESTS)
+def test_one_rule_decides_a_code_row_for_training_and_evaluation(row, count):
+    """is_code_row (evaluation's choice of verifier) says yes exactly when spec_for_row (what
+    code_tests trains on) finds tests in the row."""
+    fields = {key: row.get(key) for key in ("test", "entry_point", "tests")}
+    if count:
+        assert spec_for_row(**fields).total == count
+    else:
+        with pytest.raises(ValueError, match="the row has no tests"):
+            spec_for_row(**fields)
+    assert is_code_row(row) == bool(count)
+
+
+def test_task_reward_judges_a_one_string_tests_row_by_its_tests_not_its_answer():
+    reward = TaskReward({"isolation": "docker"})
+    reward._code = lambda prompts, completions, **fields: [0.25] * len(completions)  # the sandbox's verdict
+    # answer_correctness would give 1.0: the completion matches the row's answer.
+    assert reward(["Write f."], ["4"], tests=["assert f() == 1"], answer=["4"]) == [0.25]
+
+
 def test_task_reward_scores_answer_rows_without_a_sandbox():
     reward = TaskReward({"isolation": "docker"})  # a sandbox would fail to build: none is built
     assert reward(["What is 2 + 2?", "What is 3 + 3?"], ["4", "7"], answer=["4", "6"]) == [1.0, 0.0]

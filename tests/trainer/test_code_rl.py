@@ -24,7 +24,9 @@ def _config(eos_model_dir, tmp_path, **sections):
         eos_model_dir, "code_tests", tmp_path / "run",
         data={"dataset": "builtin:code", "difficulty": "easy", "eval_size": 3},
         reward={"functions": ["code_tests"], "code": {"isolation": ISOLATION, "timeout_s": 5, "workers": 2}},
-        steps=1, eval_before=True, **sections,
+        # The tiny model passes no test, so every advantage is 0: the entropy bonus keeps the run
+        # training (a run that moves no weight ends with an error).
+        steps=1, eval_before=True, loss={"entropy_coef": 0.01}, **sections,
     )
     return load_config(None, tree)
 

@@ -86,7 +86,8 @@ def test_list_and_mapping_overrides_are_the_same():
     ],
 )
 def test_values_are_coerced_to_the_annotated_type(override, path, expected, kind):
-    cfg = load_config(None, [override])
+    adapters = ["--model.lora.rank=4"] if override.startswith("--model.lora.") else []  # options need a rank
+    cfg = load_config(None, [override, *adapters])
     value = cfg
     for name in path:
         value = getattr(value, name)
@@ -538,3 +539,72 @@ def test_dynamic_sampling_validation(overrides, fragment):
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert fragment in str(info.value)
+
+
+# ------------------------------------------------------------- settings without a check or an effect
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--loss.entropy_coef=-5"], "loss.entropy_coef must be >= 0, got -5.0: it weights an entropy bonus"),
+        (["--model.lora.rank=4", "--model.lora.dropout=1.5"], "model.lora.dropout must be in [0, 1)"),
+        (["--model.lora.rank=4", "--model.lora.dropout=1"], "model.lora.dropout must be in [0, 1)"),
+        (["--model.lora.rank=4", "--model.lora.dropout=-0.1"], "model.lora.dropout must be >= 0, got -0.1"),
+        (["--model.lora.alpha=16"], "model.lora.alpha=16.0 has no effect with model.lora.rank=0"),
+        (["--model.lora.dropout=0.05"], "model.lora.dropout=0.05 has no effect with model.lora.rank=0"),
+        (
+            ["--model.lora.target_modules=[q_proj]"],
+            "model.lora.target_modules=['q_proj'] has no effect with model.lora.rank=0",
+        ),
+        (
+            ["--algorithm=ppo", "--critic.lora.alpha=8"],
+            "critic.lora.alpha=8.0 has no effect with critic.lora.rank=0",
+        ),
+        (
+            ["--kl.controller=adaptive", "--kl.placement=none"],
+            "kl.controller=adaptive with kl.placement='none': there is no KL for the controller to steer",
+        ),
+        (
+            ["--eval_every=5", "--data.eval_size=0"],
+            "eval_every=5 with data.eval_size=0 would evaluate no problem; set data.eval_size > 0",
+        ),
+        (
+            ["--data.dataset=builtin:code"],
+            "data.dataset='builtin:code' holds code rows (tests, no final answer), but "
+            "reward.functions=['answer_correctness'] cannot score a program",
+        ),
+        (
+            ["--data.dataset=builtin:code", "--reward.functions=[answer_format, length_penalty]"],
+            "set reward.functions=[code_tests]",
+        ),
+    ],
+)
+def test_settings_that_would_have_no_effect_are_refused(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_the_same_settings_are_accepted_where_they_act():
+    cfg = load_config(
+        None,
+        [
+            "--loss.entropy_coef=0.01",
+            "--model.lora.rank=4",
+            "--model.lora.alpha=16",
+            "--model.lora.dropout=0.05",
+            "--kl.controller=adaptive",
+            "--kl.placement=reward",
+            "--eval_every=5",
+            "--data.eval_size=3",
+        ],
+    )
+    assert (cfg.loss.entropy_coef, cfg.model.lora.dropout, cfg.kl.controller) == (0.01, 0.05, "adaptive")
+    assert load_config(None, ["--loss.entropy_coef=0"]).loss.entropy_coef == 0.0
+    code = ["--data.dataset=builtin:code"]
+    assert load_config(None, [*code, "--reward.functions=[code_tests]"]).reward.functions == ["code_tests"]
+    # A function of the user's own may score programs: only the built-in answer/length rewards are refused.
+    mine = load_config(None, [*code, "--reward.functions=[answer_correctness, my_rewards:passes]"])
+    assert mine.reward.functions == ["answer_correctness", "my_rewards:passes"]

@@ -94,3 +94,38 @@ def test_bf16_pure_loses_small_updates(make_config, eos_model_dir):
     changed = sum(int((after[k] != before[k]).sum()) for k in before)
     total = sum(p.numel() for p in before.values())
     assert changed / total < 0.05
+
+
+@pytest.mark.parametrize("placement", ["loss", "reward"])
+@pytest.mark.parametrize(
+    ("precision", "dtype"),
+    [("fp32", "bfloat16"), ("bf16-mixed", "bfloat16"), ("bf16-pure", "float32"), ("bf16-pure", "bfloat16")],
+)
+def test_reference_computes_like_the_policy_so_the_first_kl_is_zero(make_config, precision, dtype, placement):
+    """Before any update the reference is the policy: the KL between them must be exactly 0 in
+    every precision, whatever ``model.dtype`` (the frozen networks' dtype) says. A bf16 reference
+    next to float32 master weights under the same autocast gave a k3 loss term of ~6e-3 at step 0.
+
+    The reward placement trains on 2 minibatches, so the behaviour log-probs (those the KL in the
+    reward is taken from) come from the policy's own forward, not the sampler's."""
+    minibatches = 2 if placement == "reward" else 1
+    cfg = make_config(
+        f"{precision}-{dtype}-{placement}",
+        steps=1,
+        model={"precision": precision, "dtype": dtype},
+        kl={"placement": placement, "beta": 0.1, "kind": "k3" if placement == "loss" else "k1"},
+        optim={"lr": 1e-2, "micro_batch_size": 8, "num_minibatches": minibatches},
+    )
+    trainer = Trainer(cfg)
+    try:
+        reference = next(trainer.reference.parameters())
+        assert reference.dtype == next(trainer.policy.parameters()).dtype
+        metrics = trainer.step()
+    finally:
+        trainer.close()
+    assert metrics["kl/coef"] == 0.1
+    if placement == "loss":
+        assert metrics["kl/loss_term"] == 0.0
+    else:
+        assert metrics["kl/ref"] == 0.0
+        assert metrics["reward/non_score"] == 0.0

@@ -199,6 +199,24 @@ def test_what_a_start_without_a_checkpoint_left_is_no_run_but_a_step_or_export_i
             check_new_run_dir(str(run), overwrite=False)
 
 
+def test_overwrite_deletes_the_trackers_stores_of_the_old_run(tmp_path):
+    # W&B's offline runs, MLflow's file store and the tracker ids a resume continues: kept, they
+    # would put the old run's tracker data beside the new run's.
+    run = tmp_path / "run"
+    (run / "wandb" / "offline-run-20260101_000000-abc").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20260101_000000-abc" / "run-abc.wandb").write_text("x")
+    (run / "mlruns" / "1" / "0123").mkdir(parents=True)
+    (run / "trackers.json").write_text('{"wandb_run_id": "abc"}')
+    (run / "notes.txt").write_text("mine")
+    (run / "checkpoints" / "step_1").mkdir(parents=True)  # what makes the folder hold a run
+    assert holds_run(str(run))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_new_run_dir(str(run), overwrite=False)
+    removed = remove_run_files(str(run))
+    assert {"mlruns", "trackers.json", "wandb"} <= {os.path.basename(p) for p in removed}
+    assert os.listdir(run) == ["notes.txt"]
+
+
 HOLDER = textwrap.dedent(
     """
     import fcntl, json, os, socket, sys, time
@@ -300,6 +318,35 @@ def test_the_update_watch_names_the_cause_and_the_limit():
     watch.observe({"optim/steps": 2})
     watch.check_trained()
     assert watch.state_dict() == {"applied": 2, "steps": 2, "empty_in_a_row": 0}
+
+
+def test_steps_with_an_exactly_zero_gradient_are_not_updates():
+    cfg = load_config(None, {"max_skipped_updates": 2})
+    flat = {"optim/steps": 1, "optim/grad_norm": 0.0, "reward/mean": 1.0}
+    flat["reward/zero_variance_group_frac"] = 1.0
+    watch = UpdateWatch(cfg)
+    watch.observe(flat)
+    with pytest.raises(TrainingError) as info:
+        watch.observe(flat)
+    assert str(info.value) == (
+        "2 steps in a row applied no update: every advantage was 0 at every step: the rewards gave each "
+        "group's samples the same score (reward/mean 1), so the gradient was exactly 0 and the weights did "
+        "not move; make reward.functions=['answer_correctness'] tell the completions apart (code rows: "
+        "code_tests), or set drop_zero_variance_groups=true to skip such groups (max_skipped_updates=2)"
+    )
+    # Groups that vary but whose advantages still vanish: the cause is the gradient, named so.
+    watch = UpdateWatch(cfg)
+    watch.observe({**flat, "reward/zero_variance_group_frac": 0.5})
+    with pytest.raises(TrainingError, match="in 1 steps: the policy's gradient was exactly 0 at every"):
+        watch.check_trained()
+    # A critic that learned, or a policy gradient that is not 0, is an update.
+    watch = UpdateWatch(cfg)
+    watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.5})
+    watch.observe({**flat, "optim/grad_norm": 1e-12})
+    watch.check_trained()
+    assert watch.state_dict() == {"applied": 2, "steps": 2, "empty_in_a_row": 0}
+    watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.0})
+    assert watch.empty_in_a_row == 1
 
 
 # ----------------------------------------------------------------------------- signals and errors

@@ -429,6 +429,7 @@ def test_rewards_that_exit_chdir_or_mutate_their_inputs_leave_the_run_alive(
         data={"dataset": data, "shuffle": False},
         rollout={"prompts_per_step": 1, "group_size": 4},
         reward={"functions": [f"{rewards_file}:misbehaves"], "on_error": "skip"},
+        loss={"entropy_coef": 0.01},  # every score is 3.0: the bonus gives the updates a gradient
     )
     cwd = os.getcwd()
     trainer = Trainer(cfg)
@@ -461,6 +462,41 @@ def test_all_skipped_updates_end_the_run_non_zero(run_yaml, capsys):
     line = _one_error_line(capsys.readouterr().err)
     assert "the run applied no update in 1 steps" in line
     assert json.load(open(os.path.join(run, "summary.json")))["updates_applied"] == 0
+
+
+def test_a_run_whose_advantages_are_all_zero_says_it_trained_nothing(make_config):
+    """GRPO on a constant reward: each group's samples score the same, every advantage is 0, the
+    gradient is exactly 0 and the weights do not move; the run must say so, not "applied 2
+    updates". An entropy bonus on the same reward is another loss term: that run trains."""
+    from policygrad.trainer.errors import TrainingError
+
+    trainer = Trainer(make_config("constant", reward_fn="zero", steps=2))
+    before = {k: p.detach().clone() for k, p in trainer.policy.named_parameters()}
+    try:
+        with pytest.raises(TrainingError) as info:
+            trainer.train()
+        assert all(torch.equal(p, before[k]) for k, p in trainer.policy.named_parameters())
+    finally:
+        trainer.close()
+    message = str(info.value)
+    assert message.startswith(
+        "the run applied no update in 2 steps: every advantage was 0 at every step: the rewards gave each "
+        "group's samples the same score (reward/mean 0)"
+    )
+    assert "make reward.functions=" in message and "\n" not in message
+    rows = _rows(trainer.run_dir)
+    assert [(r["optim/steps"], r["optim/grad_norm"], r["reward/zero_variance_group_frac"]) for r in rows] == [
+        (1, 0.0, 1.0),
+        (1, 0.0, 1.0),
+    ]
+    assert json.load(open(os.path.join(trainer.run_dir, "summary.json")))["updates_applied"] == 0
+
+    bonus_cfg = make_config("constant_with_bonus", reward_fn="zero", steps=2, loss={"entropy_coef": 0.01})
+    bonus = Trainer(bonus_cfg)
+    try:
+        assert bonus.train()["updates_applied"] == 2
+    finally:
+        bonus.close()
 
 
 # ----------------------------------------------------------------------------- errors keep the finished steps
