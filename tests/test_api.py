@@ -134,3 +134,16 @@ def test_a_model_object_without_a_folder_trains_and_keeps_its_start_model(tiny_d
         summary = policygrad.train(model, digit_reward, ROWS, tokenizer=tokenizer, config=config)
         assert summary["steps"] == 1
         assert os.path.isfile(tmp_path / "object" / "start_model" / "config.json")
+
+
+def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tmp_path):
+    import sys
+
+    from policygrad.rewards.registry import RewardFunctionError
+
+    def exits(prompts, completions, **_):
+        sys.exit(0)
+
+    config = {**_small(tmp_path, "contained"), "reward": {"on_error": "raise", "timeout_s": 5}}
+    with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
+        policygrad.train(tiny_dir, [exits], ROWS, **config)
