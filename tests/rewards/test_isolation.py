@@ -423,3 +423,14 @@ def test_an_unpicklable_closure_runs_in_process_contained_and_is_named(caplog):
     shared = [1, 2]
     out = _score(functions[0], tests=[shared, shared])  # the batch exits; each row alone scores
     assert out.valid.all() and shared == [1, 2] and set(seen) == {os.getpid()}
+
+
+def test_without_isolation_the_timeout_still_holds(user_file, callables):
+    functions, worker = isolate_reward_functions(
+        [f"{user_file}:naps", callables.exits], isolation=False, timeout_s=0.2
+    )
+    assert worker is None
+    with pytest.raises(RewardFunctionError, match=r"'.*naps' did not return within reward.timeout_s=0.2 s"):
+        _score(functions[0], on_error="raise")
+    with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
+        _score(functions[1], on_error="raise")
