@@ -10,7 +10,7 @@ A reward function given as a Python object (``policygrad.train(reward_funcs=[fn]
 ``Trainer(reward_functions=[fn])``) is user code too. It runs in the worker when it can be sent
 there: it is pickled with the standard :mod:`pickle` (a module-level function or class by its
 ``module:qualname``, a ``functools.partial`` or an instance with its state) and the worker can
-unpickle it (it gets the trainer's ``sys.path`` for that). The worker then holds its own copy:
+unpickle it (see ``sys.path`` above). The worker then holds its own copy:
 state an object keeps between calls stays in the worker. A callable that cannot be sent (a
 lambda, a closure, anything defined in ``__main__`` such as a script's or a notebook's
 functions, an object holding torch tensors or modules, which stay on the trainer's device) runs
@@ -37,7 +37,9 @@ What isolation guarantees for every call of a user function:
 * the environment variables are the caller's as they are at the call: each request carries
   ``os.environ`` and the worker takes it over before it loads or calls (the worker is forked
   from a server that the process's first run started, with that run's environment, which a
-  later run in the same process, a notebook or a sweep, would otherwise inherit);
+  later run in the same process, a notebook or a sweep, would otherwise inherit); so is
+  ``sys.path``: entries the worker lacks are appended before it loads, so a module the trainer
+  can import (one its checks found) loads there too;
 * only plain data comes back (numbers, strings, lists; arrays as their values): nothing the
   worker sends can make the trainer import or run user code.
 
@@ -265,11 +267,11 @@ def _use_environment(environ: dict[str, str]) -> None:
 
 
 def _serve(conn) -> None:
-    """The worker's loop: requests ``(request, environ)`` with ``request`` one of ``("load",
-    spec)``, ``("object", key, payload, path)`` (a pickled callable, stored under ``key``, with
-    the caller's ``sys.path``), ``("call", spec_or_key, prompts, completions, fields)``,
-    ``("close", "")``, and ``environ`` the caller's environment (a dict, or None: keep the
-    current one); one reply each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
+    """The worker's loop: requests ``(request, environ, path)`` with ``request`` one of
+    ``("load", spec)``, ``("object", key, payload)`` (a pickled callable, stored under ``key``),
+    ``("call", spec_or_key, prompts, completions, fields)``, ``("close", "")``, ``environ`` the
+    caller's environment and ``path`` its ``sys.path`` (or None: keep the current ones); one
+    reply each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
     # Ctrl-C, and SIGTERM sent to the trainer's whole process group (torchrun stopping its
     # workers, a job scheduler, kill -- -PGID), are the trainer's to handle: it finishes the step,
     # which may be waiting on this worker, then closes it. The worker ends with the trainer anyway.
@@ -280,7 +282,7 @@ def _serve(conn) -> None:
     functions: dict[str, Callable] = {}
     while True:
         try:
-            request, environ = pickle.loads(conn.recv_bytes())
+            request, environ, path = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)  # the trainer closed the pipe
         op, spec = request[0], request[1]
@@ -289,13 +291,13 @@ def _serve(conn) -> None:
                 os._exit(0)
             if environ is not None:
                 _use_environment(environ)
+            if path is not None:  # where the caller's modules live
+                sys.path.extend(p for p in path if p not in sys.path)
             if op == "load":
                 functions[spec] = load_reward_function(spec)
                 reply: tuple = ("ok", None)
             elif op == "object":
-                _, _, payload, path = request
-                sys.path.extend(p for p in path if p not in sys.path)  # where its module lives
-                functions[spec] = awaited(pickle.loads(payload))  # bytes: a failure is this reply's
+                functions[spec] = awaited(pickle.loads(request[2]))  # bytes: a failure is this reply's
                 reply = ("ok", None)
             else:
                 _, _, prompts, completions, fields = request
@@ -390,7 +392,7 @@ class RewardWorker:
             self._start()
         try:
             # The caller's environment now, not the forkserver's (module docstring).
-            self._conn.send_bytes(pickle.dumps((request, dict(os.environ))))
+            self._conn.send_bytes(pickle.dumps((request, dict(os.environ), list(sys.path))))
             if not self._conn.poll(timeout):
                 self._discard()
                 raise RewardCallFailed(
@@ -447,7 +449,7 @@ class RewardWorker:
         return key
 
     def _send_object(self, key: str) -> None:
-        request = ("object", key, self._objects[key], list(sys.path))
+        request = ("object", key, self._objects[key])
         try:
             reply = self._request(request, timeout=self.timeout_s, what="while loading")
         except RewardCallFailed as exc:
@@ -484,7 +486,7 @@ class RewardWorker:
         """Stop the worker process (idempotent)."""
         if self._conn is not None and self._process is not None and self._process.is_alive():
             try:
-                self._conn.send_bytes(pickle.dumps((("close", ""), None)))
+                self._conn.send_bytes(pickle.dumps((("close", ""), None, None)))
                 self._process.join(2)
             except OSError:
                 pass

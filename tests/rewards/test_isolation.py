@@ -289,6 +289,12 @@ def sleeps(prompts, completions, **fields):
     return [1.0] * len(completions)
 
 
+class Group:
+    @staticmethod
+    def length(prompts, completions, **fields):
+        return [float(len(c)) for c in completions]
+
+
 class Scaled:
     def __init__(self, factor):
         self.factor = factor
@@ -434,3 +440,16 @@ def test_without_isolation_the_timeout_still_holds(user_file, callables):
         _score(functions[0], on_error="raise")
     with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
         _score(functions[1], on_error="raise")
+
+
+def test_a_callable_recorded_by_its_qualified_name_loads_in_the_worker(callables):
+    # Trainer(reward_functions=[Group.length]) records and runs it as "module:Group.length".
+    from policygrad.rewards.callables import describe_object
+
+    spec = describe_object(callables.Group.length)
+    assert spec == "pg_callable_rewards:Group.length"
+    functions, worker = isolate_reward_functions([spec], timeout_s=30.0)
+    try:
+        assert _score(functions[0]).rewards.tolist() == [2.0, 1.0]
+    finally:
+        worker.close()
