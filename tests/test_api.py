@@ -172,3 +172,16 @@ def test_a_trainer_given_a_model_object_records_it_in_config_yaml(tiny_dir, tmp_
         assert trainer.config.model.name == saved["model"]["name"] == tiny_dir
     finally:
         trainer.close()
+
+
+def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tmp_path):
+    import sys
+
+    from policygrad.rewards.registry import RewardFunctionError
+
+    def exits(prompts, completions, **_):
+        sys.exit(0)
+
+    config = {**_small(tmp_path, "contained"), "reward": {"on_error": "raise", "timeout_s": 5}}
+    with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
+        policygrad.train(tiny_dir, [exits], ROWS, **config)

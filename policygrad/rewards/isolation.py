@@ -6,6 +6,20 @@ a worker process (:class:`RewardWorker`, one per run, shared by the run's user f
 Built-in rewards (``BUILTIN_REWARDS``) and reward models (``reward_model:``, GPU/torch objects)
 are the library's code and run in the trainer's process.
 
+A reward function given as a Python object (``policygrad.train(reward_funcs=[fn])``,
+``Trainer(reward_functions=[fn])``) is user code too. It runs in the worker when it can be sent
+there: it is pickled with the standard :mod:`pickle` (a module-level function or class by its
+``module:qualname``, a ``functools.partial`` or an instance with its state) and the worker can
+unpickle it (see ``sys.path`` above). The worker then holds its own copy:
+state an object keeps between calls stays in the worker. A callable that cannot be sent (a
+lambda, a closure, anything defined in ``__main__`` such as a script's or a notebook's
+functions, an object holding torch tensors or modules, which stay on the trainer's device) runs
+in the trainer's process as :class:`GuardedRewardFunction`, and the run logs one warning line
+naming it and why: its inputs are still copies, ``SystemExit`` and other ``BaseException``s
+still end only the call, ``reward.timeout_s`` is still enforced (by a watchdog, see there), but
+``os._exit`` or a crash ends the run. Define the function at the top level of an importable
+module (or name it as ``file.py:function``) to have it contained in full.
+
 What isolation guarantees for every call of a user function:
 
 * it gets its own copies of the prompts, the completions and every row field (each row's
@@ -23,20 +37,25 @@ What isolation guarantees for every call of a user function:
 * the environment variables are the caller's as they are at the call: each request carries
   ``os.environ`` and the worker takes it over before it loads or calls (the worker is forked
   from a server that the process's first run started, with that run's environment, which a
-  later run in the same process, a notebook or a sweep, would otherwise inherit);
+  later run in the same process, a notebook or a sweep, would otherwise inherit); so is
+  ``sys.path``: entries the worker lacks are appended before it loads, so a module the trainer
+  can import (one its checks found) loads there too;
 * only plain data comes back (numbers, strings, lists; arrays as their values): nothing the
   worker sends can make the trainer import or run user code.
 
-With ``reward.isolation: false`` the functions run in the trainer's process on copies of their
-inputs, with the working directory restored and ``SystemExit`` / other ``BaseException``s turned
-into the row's error; ``os._exit`` and hangs are then not contained and ``timeout_s`` does not
-apply.
+With ``reward.isolation: false`` the functions (specs and objects) run in the trainer's process
+on copies of their inputs, with the working directory restored, ``SystemExit`` / other
+``BaseException``s turned into the row's error and ``reward.timeout_s`` enforced by a watchdog;
+``os._exit`` and crashes are then not contained.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
+import inspect
+import logging
 import multiprocessing
 import numbers
 import os
@@ -49,10 +68,12 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from policygrad.rewards.callables import awaited
 from policygrad.rewards.registry import (
     BUILTIN_REWARDS,
     RewardCallFailed,
     RewardFunctionError,
+    _fn_name,
     load_reward_function,
 )
 
@@ -65,6 +86,8 @@ __all__ = [
     "is_user_reward",
 ]
 
+log = logging.getLogger("policygrad")
+
 # Errors of load_reward_function the worker reports by name; re-raised as the same class here so
 # a bad spec reads exactly as it would in-process. Anything else becomes a RewardFunctionError.
 _LOAD_ERRORS: dict[str, type[Exception]] = {
@@ -76,7 +99,7 @@ _LOAD_ERRORS: dict[str, type[Exception]] = {
 def is_user_reward(spec: Any) -> bool:
     """True for a ``module:function`` or ``file.py:function`` spec: code the user wrote, which
     isolation runs in the worker. Built-in names and ``reward_model:`` entries are False, and so
-    are callables (already loaded in this process)."""
+    are callables (:func:`isolate_reward_functions` contains those by what can be sent)."""
     if not isinstance(spec, str):
         return False
     spec = spec.strip()
@@ -244,10 +267,11 @@ def _use_environment(environ: dict[str, str]) -> None:
 
 
 def _serve(conn) -> None:
-    """The worker's loop: requests ``(request, environ)`` with ``request`` one of ``("load",
-    spec)``, ``("call", spec, prompts, completions, fields)``, ``("close", "")``, and
-    ``environ`` the caller's environment (a dict, or None: keep the current one); one reply
-    each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
+    """The worker's loop: requests ``(request, environ, path)`` with ``request`` one of
+    ``("load", spec)``, ``("object", key, payload)`` (a pickled callable, stored under ``key``),
+    ``("call", spec_or_key, prompts, completions, fields)``, ``("close", "")``, ``environ`` the
+    caller's environment and ``path`` its ``sys.path`` (or None: keep the current ones); one
+    reply each: ``("ok", value)`` or ``("error", type, message, traceback)``."""
     # Ctrl-C, and SIGTERM sent to the trainer's whole process group (torchrun stopping its
     # workers, a job scheduler, kill -- -PGID), are the trainer's to handle: it finishes the step,
     # which may be waiting on this worker, then closes it. The worker ends with the trainer anyway.
@@ -258,7 +282,7 @@ def _serve(conn) -> None:
     functions: dict[str, Callable] = {}
     while True:
         try:
-            request, environ = pickle.loads(conn.recv_bytes())
+            request, environ, path = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             os._exit(0)  # the trainer closed the pipe
         op, spec = request[0], request[1]
@@ -267,9 +291,14 @@ def _serve(conn) -> None:
                 os._exit(0)
             if environ is not None:
                 _use_environment(environ)
+            if path is not None:  # where the caller's modules live
+                sys.path.extend(p for p in path if p not in sys.path)
             if op == "load":
                 functions[spec] = load_reward_function(spec)
                 reply: tuple = ("ok", None)
+            elif op == "object":
+                functions[spec] = awaited(pickle.loads(request[2]))  # bytes: a failure is this reply's
+                reply = ("ok", None)
             else:
                 _, _, prompts, completions, fields = request
                 if spec not in functions:  # a restarted worker
@@ -336,8 +365,11 @@ class RewardWorker:
         self._process = None
         self._conn = None
         self._finalizer = None
+        self._objects: dict[str, bytes] = {}  # key -> pickled callable, sent again to a new worker
+        self._sent: set[str] = set()  # the keys the current worker process holds
 
     def _start(self) -> None:
+        self._sent = set()
         ctx = _context()
         parent, child = ctx.Pipe(duplex=True)
         process = ctx.Process(target=_serve, args=(child,), name="policygrad-reward-worker", daemon=True)
@@ -360,7 +392,7 @@ class RewardWorker:
             self._start()
         try:
             # The caller's environment now, not the forkserver's (module docstring).
-            self._conn.send_bytes(pickle.dumps((request, dict(os.environ))))
+            self._conn.send_bytes(pickle.dumps((request, dict(os.environ), list(sys.path))))
             if not self._conn.poll(timeout):
                 self._discard()
                 raise RewardCallFailed(
@@ -396,10 +428,41 @@ class RewardWorker:
             _, name, message, _ = reply
             raise _LOAD_ERRORS.get(name, RewardFunctionError)(message)
 
+    def load_object(self, fn: Callable, name: str) -> str:
+        """Send the callable ``fn`` to the worker (pickled, see the module docstring) and return
+        the key that :meth:`call` takes for it; a restarted worker gets it again before its
+        next call.
+
+        Raises:
+            pickle.PicklingError, TypeError, AttributeError, ...: ``fn`` cannot be pickled here.
+            RewardFunctionError: the worker cannot unpickle it (e.g. its module is not importable
+                there), or the load timed out or ended the worker; the message says why.
+        """
+        payload = _pickle_callable(fn)
+        key = f"<object {len(self._objects)}: {name}>"
+        self._objects[key] = payload
+        try:
+            self._send_object(key)
+        except BaseException:
+            del self._objects[key]
+            raise
+        return key
+
+    def _send_object(self, key: str) -> None:
+        request = ("object", key, self._objects[key])
+        try:
+            reply = self._request(request, timeout=self.timeout_s, what="while loading")
+        except RewardCallFailed as exc:
+            raise RewardFunctionError(str(exc)) from None
+        if reply[0] == "error":
+            raise RewardFunctionError(f"the reward worker cannot unpickle it ({reply[1]}: {reply[2]})")
+        self._sent.add(key)
+
     def call(self, spec: str, prompts: list, completions: list, fields: dict) -> Any:
-        """Call the function ``spec`` on one batch in the worker (``fields``: the row fields and
-        bound options); returns what it returned as plain data: a list, a tensor of an array's
-        values, or a stand-in that the protocol refuses.
+        """Call the function ``spec`` (or the key :meth:`load_object` returned) on one batch in
+        the worker (``fields``: the row fields and bound options); returns what it returned as
+        plain data: a list, a tensor of an array's values, or a stand-in that the protocol
+        refuses.
 
         Raises:
             RemoteRewardError: the function raised (any ``BaseException``); the class is named
@@ -407,6 +470,12 @@ class RewardWorker:
             RewardCallFailed: the call timed out or the worker died.
         """
         what = f"on a batch of {len(completions)} rows"
+        alive = self._process is not None and self._process.is_alive()
+        if spec in self._objects and not (alive and spec in self._sent):
+            try:  # a restarted worker: it loaded once, so it loads again
+                self._send_object(spec)
+            except RewardFunctionError as exc:
+                raise RewardCallFailed(f"could not be loaded in a restarted reward worker: {exc}") from None
         reply = self._request(("call", spec, prompts, completions, fields), timeout=self.timeout_s, what=what)
         if reply[0] == "error":
             _, name, message, tb = reply
@@ -417,20 +486,62 @@ class RewardWorker:
         """Stop the worker process (idempotent)."""
         if self._conn is not None and self._process is not None and self._process.is_alive():
             try:
-                self._conn.send_bytes(pickle.dumps((("close", ""), None)))
+                self._conn.send_bytes(pickle.dumps((("close", ""), None, None)))
                 self._process.join(2)
             except OSError:
                 pass
         self._discard()
 
 
+class _Unsendable(Exception):
+    """A callable that stays in the trainer's process; the message says why."""
+
+
+class _CallablePickler(pickle.Pickler):
+    """The standard pickler, refusing torch tensors and modules: a callable holding a model
+    keeps it on the trainer's device instead of a second copy in the worker."""
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, (torch.Tensor, torch.nn.Module)):
+            raise _Unsendable(f"it holds a torch {type(obj).__name__}, which stays on the trainer's device")
+        return NotImplemented
+
+
+def _pickle_callable(fn: Callable) -> bytes:
+    import io
+
+    buffer = io.BytesIO()
+    _CallablePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(fn)
+    return buffer.getvalue()
+
+
+def _defined_in_main(fn: Any) -> bool:
+    """True when ``fn`` (a function, a partial of one, or an object's class) comes from
+    ``__main__``, which the worker cannot import: pickle would name it, and unpickling would
+    look in the worker's own ``__main__``."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    owner = fn if inspect.isroutine(fn) or inspect.isclass(fn) else type(fn)
+    return getattr(owner, "__module__", None) == "__main__"
+
+
+def _is_library_object(fn: Any) -> bool:
+    """The library's own reward objects (a reward model, the code-test reward): run in the
+    trainer's process like the built-ins they stand for."""
+    module = type(fn).__module__ or ""
+    return module == "policygrad" or module.startswith("policygrad.")
+
+
 class IsolatedRewardFunction:
     """A user reward function, called in a :class:`RewardWorker` with the reward protocol
-    ``fn(prompts, completions, **row_fields) -> scores``. Its ``__name__`` is the spec, so the
-    reward component keeps the name it has in-process."""
+    ``fn(prompts, completions, **row_fields) -> scores``. Its ``__name__`` is the spec (or, for
+    a callable sent as an object, ``name``: the callable's own), so the reward component keeps
+    the name it has in-process."""
 
-    def __init__(self, spec: str, worker: RewardWorker):
-        self.spec = self.__name__ = spec.strip()
+    def __init__(self, spec: str, worker: RewardWorker, *, name: str | None = None):
+        self.spec = spec.strip()
+        self.__name__ = self.spec if name is None else name
         self.worker = worker
 
     def __call__(self, prompts, completions, **fields):
@@ -444,19 +555,31 @@ class IsolatedRewardFunction:
 
 
 class GuardedRewardFunction:
-    """A reward function run in the trainer's process (``reward.isolation: false``), on copies of
-    its inputs, with the working directory restored after each call and ``SystemExit`` (or any
-    other ``BaseException`` but ``KeyboardInterrupt``) turned into an error of the call."""
+    """A reward function run in the trainer's process (``reward.isolation: false``, or a callable
+    that cannot be sent to the worker), on copies of its inputs, with the working directory
+    restored after each call and ``SystemExit`` (or any other ``BaseException`` but
+    ``KeyboardInterrupt``) turned into an error of the call.
 
-    def __init__(self, fn: Callable, name: str):
+    With ``timeout_s``, each call runs in a thread of its own that the caller waits for at most
+    ``timeout_s`` seconds (a watchdog); a call that overruns raises
+    :class:`~policygrad.rewards.registry.RewardCallFailed` (an error for its whole batch, which
+    ``reward.on_error`` handles). Python cannot stop a thread: the overrunning call goes on in
+    the background (a daemon thread, on its own copies of the inputs; it does not keep the
+    process from exiting) and its result is dropped. ``os._exit`` and crashes are not contained.
+    """
+
+    def __init__(self, fn: Callable, name: str, *, timeout_s: float | None = None):
         self.fn = fn
         self.__name__ = name
+        self.timeout_s = timeout_s
 
     def __call__(self, prompts, completions, **fields):
         home = os.getcwd()
         prompts, completions, fields = copy_inputs(prompts, completions, fields)
         try:
-            return self.fn(prompts, completions, **fields)
+            if self.timeout_s is None:
+                return self.fn(prompts, completions, **fields)
+            return self._watched(prompts, completions, fields)
         except (KeyboardInterrupt, Exception):
             raise
         except BaseException as exc:  # SystemExit and friends: the call failed, the run goes on
@@ -465,16 +588,49 @@ class GuardedRewardFunction:
             if os.getcwd() != home:
                 os.chdir(home)
 
+    def _watched(self, prompts, completions, fields):
+        box: dict[str, Any] = {}
+        torch = sys.modules.get("torch")
+        grad = torch.is_grad_enabled() if torch is not None else None  # thread-local in torch
+
+        def target():
+            try:
+                if grad is None:
+                    box["value"] = self.fn(prompts, completions, **fields)
+                else:
+                    with torch.set_grad_enabled(grad):
+                        box["value"] = self.fn(prompts, completions, **fields)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"policygrad-reward {self.__name__}", daemon=True)
+        thread.start()
+        thread.join(self.timeout_s)
+        if thread.is_alive():
+            raise RewardCallFailed(
+                f"did not return within reward.timeout_s={self.timeout_s:g} s on a batch of "
+                f"{len(completions)} rows; it runs in the trainer's process, where it cannot be stopped "
+                "and goes on in the background"
+            )
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
 
 def isolate_reward_functions(
     specs: Sequence, *, isolation: bool = True, timeout_s: float | None = None
 ) -> tuple[list, RewardWorker | None]:
-    """Replace the user reward functions of ``specs`` (``module:function``, ``file.py:function``)
-    by isolated callables; built-ins, ``reward_model:`` entries and objects pass unchanged.
+    """Replace the user reward functions of ``specs`` (``module:function``, ``file.py:function``,
+    and callables given as objects) by contained callables; built-in names, ``reward_model:``
+    entries and the library's reward objects pass unchanged.
 
-    With ``isolation`` the functions are loaded in one new :class:`RewardWorker` (so a missing
-    file or a broken module is reported here, before the run writes anything); without it they
-    are loaded in this process and wrapped in :class:`GuardedRewardFunction`.
+    With ``isolation`` the specs are loaded in one new :class:`RewardWorker` (so a missing file or
+    a broken module is reported here, before the run writes anything), and so are the callables
+    that can be sent there (see the module docstring); a callable that cannot be sent becomes a
+    :class:`GuardedRewardFunction` with ``timeout_s``, and one warning line names it and says
+    why. Without ``isolation`` every user function is loaded in this process and becomes a
+    :class:`GuardedRewardFunction` with ``timeout_s``. Either way a callable keeps its name as a
+    reward component.
 
     Returns:
         ``(functions, worker)``; ``worker`` is None when no function is isolated. Close it
@@ -485,19 +641,60 @@ def isolate_reward_functions(
             a spec that does not load (as :func:`load_reward_function` raises them).
     """
     user = [s for s in specs if is_user_reward(s)]
-    if not user:
+    objects = [s for s in specs if callable(s) and not isinstance(s, str) and not _is_library_object(s)]
+    if not user and not objects:
         return list(specs), None
     if not isolation:
-        out = [
-            GuardedRewardFunction(load_reward_function(s), s.strip()) if is_user_reward(s) else s
-            for s in specs
-        ]
+        out = []
+        for s in specs:
+            if is_user_reward(s):
+                out.append(GuardedRewardFunction(load_reward_function(s), s.strip(), timeout_s=timeout_s))
+            elif any(s is o for o in objects):
+                fn = awaited(s)
+                out.append(GuardedRewardFunction(fn, _fn_name(fn), timeout_s=timeout_s))
+            else:
+                out.append(s)
         return out, None
     worker = RewardWorker(timeout_s=timeout_s)
+    out = []
     try:
         for spec in dict.fromkeys(s.strip() for s in user):
             worker.load(spec)
+        for s in specs:
+            if is_user_reward(s):
+                out.append(IsolatedRewardFunction(s, worker))
+            elif any(s is o for o in objects):
+                out.append(_contain_object(s, worker, timeout_s))
+            else:
+                out.append(s)
     except BaseException:
         worker.close()
         raise
-    return [IsolatedRewardFunction(s, worker) if is_user_reward(s) else s for s in specs], worker
+    if not any(isinstance(f, IsolatedRewardFunction) for f in out):
+        worker.close()
+        return out, None
+    return out, worker
+
+
+def _contain_object(fn: Callable, worker: RewardWorker, timeout_s: float | None):
+    """``fn`` in the worker when it can be sent there, else guarded in this process (logged)."""
+    name = _fn_name(awaited(fn))  # the component name it has in-process
+    if _defined_in_main(fn):
+        why = "it is defined in __main__ (a script or a notebook), which the reward worker cannot import"
+    else:
+        try:
+            return IsolatedRewardFunction(worker.load_object(fn, name), worker, name=name)
+        except _Unsendable as exc:
+            why = str(exc)
+        except RewardFunctionError as exc:
+            why = str(exc)
+        except Exception as exc:  # noqa: BLE001 - whatever pickle raises: it cannot be sent
+            why = f"it cannot be pickled ({type(exc).__name__}: {exc})"
+    log.warning(
+        "reward function %r runs in the trainer's process: %s; its inputs are copies, sys.exit and "
+        "reward.timeout_s are contained, os._exit and crashes are not; define it at the top level of "
+        "an importable module to run it in the reward worker",
+        name,
+        why,
+    )
+    return GuardedRewardFunction(awaited(fn), name, timeout_s=timeout_s)

@@ -136,7 +136,8 @@ def load_reward_function(spec: str | Callable) -> Callable:
 
     Args:
         spec: a callable (returned unchanged); a built-in name from ``BUILTIN_REWARDS``;
-            ``"package.module:function"`` (imported with ``importlib``); or
+            ``"package.module:function"`` (imported with ``importlib``; ``function`` may be a
+            qualified name such as ``Class.method``, as config.yaml records a callable); or
             ``"path/to/file.py:function"`` (the file is executed as a fresh module; a relative path
             is relative to the current directory).
 
@@ -183,15 +184,17 @@ def load_reward_function(spec: str | Callable) -> Callable:
                 "install it or put it on PYTHONPATH, or use 'path/to/file.py:function'"
             ) from exc
         where = f"module {target!r}"
-    if not hasattr(module, attr):
-        available = sorted(
-            name for name, value in vars(module).items() if callable(value) and not name.startswith("_")
-        )
-        raise ValueError(
-            f"{where} has no attribute {attr!r} (spec {spec!r}); its public callables are: "
-            f"{', '.join(available) or '(none)'}"
-        )
-    fn = getattr(module, attr)
+    fn: Any = module
+    for part in attr.split("."):  # a qualname: the records of import_path, e.g. Class.method
+        if not hasattr(fn, part):
+            available = sorted(
+                name for name, value in vars(module).items() if callable(value) and not name.startswith("_")
+            )
+            raise ValueError(
+                f"{where} has no attribute {attr!r} (spec {spec!r}); its public callables are: "
+                f"{', '.join(available) or '(none)'}"
+            )
+        fn = getattr(fn, part)
     if not callable(fn):
         raise TypeError(f"{attr!r} in {where} is a {type(fn).__name__}, not a function (spec {spec!r})")
     return awaited(fn)

@@ -365,7 +365,7 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, 
     )
     # code_tests gets the run's sandbox (reward.code); building it checks and logs the isolation.
     functions = configure_code_rewards(functions, asdict(rw.code))
-    # User code (module:function, file.py:function) runs in a worker process; see rewards.isolation.
+    # User code (module:function, file.py:function, callables) is contained; see rewards.isolation.
     functions, worker = isolate_reward_functions(functions, isolation=rw.isolation, timeout_s=rw.timeout_s)
     try:
         return Scorer(

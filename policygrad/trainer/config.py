@@ -367,12 +367,17 @@ class RewardConfig:
     penalty) over the batch's valid tokens, scale only (N+ reward whitening).
 
     ``isolation`` (default on): reward functions given as ``module:function`` or
-    ``file.py:function`` run in a worker process (``policygrad.rewards.isolation``), on copies of
-    the completions and row fields; ``sys.exit``, ``os._exit``, ``os.chdir`` or a crash there
-    cannot stop or disturb the run, they make the call an error that ``on_error`` handles.
-    ``timeout_s``: the most seconds one call of such a function may take (``null``: no limit);
-    a call over it is stopped and is an error for its whole batch. Built-in rewards and reward
-    models are the library's code and run in the trainer's process.
+    ``file.py:function``, and callables given as objects that can be pickled, run in a worker
+    process (``policygrad.rewards.isolation``), on copies of the completions and row fields;
+    ``sys.exit``, ``os._exit``, ``os.chdir`` or a crash there cannot stop or disturb the run,
+    they make the call an error that ``on_error`` handles. A callable that cannot be pickled (a
+    lambda, a closure, a function of ``__main__``) runs in the trainer's process on copies, with
+    ``sys.exit`` and ``timeout_s`` contained but not ``os._exit`` (logged when the run starts);
+    so does every function with ``isolation: false``. ``timeout_s``: the most seconds one call
+    of a user function may take (``null``: no limit); a call over it is an error for its whole
+    batch (in the worker it is stopped; in the trainer's process it goes on in a thread, which
+    cannot be stopped). Built-in rewards and reward models are the library's code and run in the
+    trainer's process.
     """
 
     functions: list[str] = field(default_factory=lambda: ["answer_correctness"])

@@ -254,3 +254,202 @@ def test_each_run_and_call_sees_the_callers_environment(user_file, monkeypatch):
                 assert _score(functions[0]).rewards.tolist() == [-1.0, -1.0]
         finally:
             worker.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Callables given as objects (policygrad.train(reward_funcs=[fn]), Trainer(reward_functions=...)).
+
+CALLABLE_REWARDS = """
+import os
+import sys
+import time
+
+
+def pid(prompts, completions, **fields):
+    return [float(os.getpid())] * len(completions)
+
+
+def exits(prompts, completions, **fields):
+    sys.exit(0)
+
+
+def hard_exit(prompts, completions, **fields):
+    os._exit(0)
+
+
+def rewrites(prompts, completions, tests=None, **fields):
+    for t in tests:
+        t.append("rewritten")
+    completions[:] = ["rewritten"] * len(completions)
+    return [1.0] * len(completions)
+
+
+def sleeps(prompts, completions, **fields):
+    time.sleep(20)
+    return [1.0] * len(completions)
+
+
+class Group:
+    @staticmethod
+    def length(prompts, completions, **fields):
+        return [float(len(c)) for c in completions]
+
+
+class Scaled:
+    def __init__(self, factor):
+        self.factor = factor
+
+    def __call__(self, prompts, completions, **fields):
+        return [self.factor * len(c) for c in completions]
+"""
+
+
+@pytest.fixture(scope="module")
+def callables(tmp_path_factory):
+    """An importable module of reward callables (its folder on sys.path only in this process)."""
+    import importlib
+    import sys
+
+    folder = tmp_path_factory.mktemp("callable_rewards")
+    (folder / "pg_callable_rewards.py").write_text(CALLABLE_REWARDS)
+    sys.path.insert(0, str(folder))
+    try:
+        yield importlib.import_module("pg_callable_rewards")
+    finally:
+        sys.path.remove(str(folder))
+        sys.modules.pop("pg_callable_rewards", None)
+
+
+def test_an_importable_callable_runs_in_the_worker(callables):
+    import functools
+
+    objects = [callables.pid, callables.Scaled(0.5), functools.partial(callables.Scaled(2.0))]
+    functions, worker = isolate_reward_functions(objects, timeout_s=10.0)
+    try:
+        out = CompositeReward(functions, on_error="raise")(["p", "p"], ["ab", "c"])
+        assert out.components["pid"].tolist()[0] != float(os.getpid())  # another process
+        assert list(out.components) == CompositeReward(objects).names  # the names they had in-process
+        assert out.components["Scaled"].tolist() == [1.0, 0.5]
+        assert out.components["partial"].tolist() == [4.0, 2.0]
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def test_a_callable_that_exits_ends_the_call_not_the_run(callables):
+    import sys
+
+    def closure_exits(prompts, completions, **fields):
+        sys.exit(0)
+
+    specs = [callables.exits, callables.hard_exit, closure_exits, callables.pid]
+    functions, worker = isolate_reward_functions(specs, timeout_s=10.0)
+    try:
+        for fn in functions[:3]:
+            assert not _score(fn).valid.any(), fn
+        with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
+            _score(functions[0], on_error="raise")
+        with pytest.raises(RewardFunctionError, match=r"'hard_exit' ended its worker process \(exit status"):
+            _score(functions[1], on_error="raise")
+        with pytest.raises(RewardFunctionError, match=r"'closure_exits' raised SystemExit: 0 for row 0"):
+            _score(functions[2], on_error="raise")
+        assert _score(functions[3]).valid.all()  # sent again to the fresh worker
+    finally:
+        if worker is not None:
+            worker.close()
+
+
+def test_callables_get_their_own_copies_of_the_completions_and_the_users_rows(callables):
+    from policygrad.rewards.registry import row_fields_from_rows
+
+    def closure_rewrites(prompts, completions, tests=None, **fields):
+        return callables.rewrites(prompts, completions, tests=tests)
+
+    def checks(prompts, completions, tests=None, **fields):
+        return [float(c in ("ab", "c") and t == [1, 2]) for c, t in zip(completions, tests)]
+
+    rows = [{"prompt": "p", "tests": [1, 2]}]  # the user's dataset row, repeated for 2 samples
+    completions = ["ab", "c"]
+    for first in (callables.rewrites, closure_rewrites):  # in the worker, then in-process
+        functions, worker = isolate_reward_functions([first, checks], timeout_s=10.0)
+        try:
+            out = CompositeReward(functions)(["p", "p"], completions, **row_fields_from_rows(rows, repeat=2))
+            assert out.components["checks"].tolist() == [1.0, 1.0], first
+        finally:
+            if worker is not None:
+                worker.close()
+    assert rows == [{"prompt": "p", "tests": [1, 2]}] and completions == ["ab", "c"]
+
+
+def test_a_callable_over_its_timeout_fails_its_batch(callables):
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def closure_hangs(prompts, completions, **fields):
+        release.wait(20)
+        return [1.0] * len(completions)
+
+    # Loaded with time to start a cold worker; then each call gets 1 s.
+    functions, worker = isolate_reward_functions([closure_hangs, callables.sleeps], timeout_s=30.0)
+    try:
+        assert [type(f).__name__ for f in functions] == ["GuardedRewardFunction", "IsolatedRewardFunction"]
+        functions[0].timeout_s = worker.timeout_s = 1.0
+        for fn, name in zip(functions, ("closure_hangs", "sleeps")):
+            start = time.monotonic()
+            timed_out = rf"'{name}' did not return within reward.timeout_s=1 s on a batch of 2"
+            with pytest.raises(RewardFunctionError, match=timed_out):
+                _score(fn, on_error="raise")
+            assert time.monotonic() - start < 10
+            assert not _score(fn).valid.any()
+    finally:
+        release.set()
+        if worker is not None:
+            worker.close()
+
+
+def test_an_unpicklable_closure_runs_in_process_contained_and_is_named(caplog):
+    import logging
+    import sys
+
+    seen = []
+
+    def closure(prompts, completions, tests=None, **fields):
+        seen.append(os.getpid())
+        tests[0].append(3)
+        if len(completions) > 1:
+            sys.exit(0)
+        return [1.0]
+
+    with caplog.at_level(logging.WARNING, logger="policygrad"):
+        functions, worker = isolate_reward_functions([closure], timeout_s=10.0)
+    assert worker is None
+    assert "reward function 'closure' runs in the trainer's process: it cannot be pickled" in caplog.text
+    shared = [1, 2]
+    out = _score(functions[0], tests=[shared, shared])  # the batch exits; each row alone scores
+    assert out.valid.all() and shared == [1, 2] and set(seen) == {os.getpid()}
+
+
+def test_without_isolation_the_timeout_still_holds(user_file, callables):
+    functions, worker = isolate_reward_functions(
+        [f"{user_file}:naps", callables.exits], isolation=False, timeout_s=0.2
+    )
+    assert worker is None
+    with pytest.raises(RewardFunctionError, match=r"'.*naps' did not return within reward.timeout_s=0.2 s"):
+        _score(functions[0], on_error="raise")
+    with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
+        _score(functions[1], on_error="raise")
+
+
+def test_a_callable_recorded_by_its_qualified_name_loads_in_the_worker(callables):
+    # Trainer(reward_functions=[Group.length]) records and runs it as "module:Group.length".
+    from policygrad.rewards.callables import describe_object
+
+    spec = describe_object(callables.Group.length)
+    assert spec == "pg_callable_rewards:Group.length"
+    functions, worker = isolate_reward_functions([spec], timeout_s=30.0)
+    try:
+        assert _score(functions[0]).rewards.tolist() == [2.0, 1.0]
+    finally:
+        worker.close()
