@@ -185,6 +185,30 @@ def untie_trained_copies(folder: str, model, state: dict[str, torch.Tensor]) -> 
     return True
 
 
+def remove_dead_exports(folder: str) -> list[str]:
+    """Delete ``FOLDER.tmp-PID`` folders that an export killed part-way left (its process ``PID``
+    no longer runs; a live one's is left alone). Returns the paths deleted."""
+    parent, name = os.path.split(os.path.abspath(folder))
+    removed = []
+    for entry in os.listdir(parent) if os.path.isdir(parent) else ():
+        pid = entry[len(name) + 5 :] if entry.startswith(f"{name}.tmp-") else ""
+        if not pid.isdigit() or int(pid) == os.getpid() or _alive(int(pid)):
+            continue
+        shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        removed.append(os.path.join(parent, entry))
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def export_merged(policy, tokenizer, folder: str, *, card: str | None = None) -> str:
     """Write ``policy`` with every LoRA adapter merged in (``W + (alpha / r) B A``; the policy
     itself is not modified) as a plain Hugging Face model folder, with the tokenizer and ``card``.
@@ -199,6 +223,7 @@ def export_merged(policy, tokenizer, folder: str, *, card: str | None = None) ->
 
     base = policy.get_base_model() if is_peft_model(policy) else policy
     folder = os.path.abspath(folder)
+    remove_dead_exports(folder)
     tmp = folder + f".tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     state = {name: tensor.contiguous() for name, tensor in merged_weights(policy)}

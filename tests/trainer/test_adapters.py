@@ -175,3 +175,22 @@ def test_a_merged_export_keeps_modules_the_adapter_trains_whole(eos_model_dir, t
     # Loaders that tie a tied model's head to its embedding (vLLM) see a separate head.
     config = json.load(open(os.path.join(folder, "config.json")))
     assert config["tie_word_embeddings"] is (not trained)
+
+
+def test_an_export_deletes_what_a_killed_export_left(eos_model_dir, tmp_path):
+    import subprocess
+
+    from policygrad.trainer.export import export_merged
+    from tests.tiny import make_tiny_tokenizer
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid that no longer runs
+    stale = tmp_path / f"merged_model.tmp-{dead.pid}"
+    (stale / "model.safetensors").parent.mkdir()
+    (stale / "model.safetensors").write_text("half")
+    live = tmp_path / f"merged_model.tmp-{os.getppid()}"  # a running process's: not ours to delete
+    live.mkdir()
+    (tmp_path / "merged_model.tmp-notes").mkdir()  # not an export's name
+    export_merged(load_causal_lm(eos_model_dir), make_tiny_tokenizer(), str(tmp_path / "merged_model"))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted(["merged_model", live.name, "merged_model.tmp-notes"])
