@@ -29,6 +29,7 @@ import os
 import time
 from typing import Any
 
+from policygrad.trainer.errors import TrainingError
 from policygrad.trainer.metrics import tracker_metric_name
 from policygrad.trainer.rundir import atomic_write_text
 
@@ -39,6 +40,12 @@ log = logging.getLogger("policygrad")
 # The pip extra (``pip install policygrad[NAME]``) that brings each tracker's library.
 TRACKER_EXTRAS = {"tensorboard": None, "wandb": "wandb", "mlflow": "mlflow", "trackio": "trackio"}
 IDS_FILE = "trackers.json"
+# What to check when a tracker cannot start.
+TRACKER_HINTS = {
+    "wandb": "online W&B needs WANDB_API_KEY or `wandb login`; WANDB_MODE=offline logs under the run",
+    "mlflow": "MLFLOW_TRACKING_URI must reach a running server; unset it to log under the run",
+    "trackio": "TRACKIO_DIR must be writable",
+}
 
 
 def tracker_scalars(tracker: str, metrics: dict[str, Any]) -> dict[str, float]:
@@ -130,6 +137,12 @@ class MLflowTracker(Tracker):
             # MLflow 3 keeps its file store behind an opt-in; a run directory is exactly its use.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
             uri = "file://" + os.path.abspath(os.path.join(run_dir, "mlruns"))
+        if uri.startswith(("http://", "https://")):
+            # MLflow's defaults retry a server it cannot reach for minutes in silence (7 retries,
+            # backoff factor 2): a run that cannot log says so within seconds. The user's own
+            # settings win.
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+            os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 
@@ -253,6 +266,13 @@ def build_trackers(
                     f"report_to: {tracker} needs its library ({e.name or e}); install it with "
                     f"pip install 'policygrad[{extra}]', or remove {tracker} from report_to"
                 ) from None
+            except Exception as e:  # a tracker's own failure (no API key, no server): one line
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                hint = TRACKER_HINTS.get(tracker, "see its documentation")
+                raise TrainingError(
+                    f"report_to: {tracker} could not start ({type(e).__name__}: {first}); fix its set-up "
+                    f"({hint}) or remove {tracker} from report_to"
+                ) from e
     except BaseException:
         for t in opened:
             with contextlib.suppress(Exception):

@@ -167,3 +167,39 @@ def test_report_to_mistakes_are_one_line_errors(make_config):
         make_config("x", report_to=["none", "wandb"])
     assert make_config("x", report_to=["none"]).trackers == []
     assert make_config("x", report_to=["tensorboard", "wandb"], tensorboard=False).trackers == ["wandb"]
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_tracker_that_cannot_start_is_one_error_line_and_the_folder_stays_free(
+    tracker, make_config, tmp_path, monkeypatch, capsys
+):
+    """W&B online without an API key, and an MLflow server nobody runs (port 9 on this machine:
+    refused at once; MLflow's own defaults retried it for about 260 s): one line naming the
+    tracker and what to check, within seconds."""
+    import time
+
+    import yaml
+
+    from policygrad.cli import main
+
+    if not _installed(tracker):
+        pytest.skip(f"{tracker} is not installed")
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "")
+    for var in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc with a W&B key
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:9")
+    for var in ("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "MLFLOW_HTTP_REQUEST_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    cfg = make_config("run", steps=1, report_to=[tracker])
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    start = time.perf_counter()
+    assert main(["train", str(path)]) == 2
+    elapsed = time.perf_counter() - start
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+    assert len(err) == 1 and err[0].startswith(f"error: report_to: {tracker} could not start ("), err
+    assert {"wandb": "WANDB_API_KEY", "mlflow": "MLFLOW_TRACKING_URI"}[tracker] in err[0]
+    assert elapsed < 120  # bounded, where MLflow's defaults spent ~260 s retrying
+    assert not (tmp_path / "run" / "config.yaml").exists()  # the failed start left the folder free
