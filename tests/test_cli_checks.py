@@ -28,6 +28,9 @@ CASES = {
         (["--data.eval_dataset=missing.jsonl"], "missing.jsonl"),
         (["--rollout.engine=hf", "--rollout.dtype=bfloat16"], "rollout.dtype"),
         (["--reward.functions=[missing.py:score]"], "missing.py"),
+        (["--reward.functions=[broken.py:score]"], "SyntaxError"),  # parsed, never run
+        (["--reward.functions=[rewards.py:nope]"], "has no attribute 'nope'"),
+        (["--model.adapter=no-adapter"], "model.adapter='no-adapter' has no adapter_config.json"),
     ],
     "eval": [
         (["--samples", "0"], "--samples"),
@@ -36,6 +39,7 @@ CASES = {
         (["--k", "9"], "--k"),
         (["--limit", "0"], "--limit"),
         (["--engine", "nope"], "--engine"),
+        (["--adapter", "no-adapter"], "has no adapter_config.json"),
         (["--dataset", "missing.jsonl"], "missing.jsonl"),
         (["--output", "no/such/folder/out.jsonl"], "--output"),
         (["--output", "."], "--output"),
@@ -55,6 +59,9 @@ CASES = {
         (["gradient-snr", "--estimators", "nope"], "--estimators"),
         (["gradient-snr", "--output-dir", A_FILE], "--output-dir"),
         (["gradient-snr", "--samples-per-prompt", "x"], "--samples-per-prompt"),
+        (["gradient-snr", "--params", "([unclosed"], "not a valid regular expression"),
+        (["gradient-snr", "--dataset", "missing.jsonl"], "missing.jsonl"),
+        (["mismatch", "--model", "/no-such-model"], "/no-such-model"),
         (["mismatch", "--cap", "0"], "--cap"),
         (["mismatch", "--temperature", "nan"], "--temperature"),
         (["mismatch", "--output-dir", A_FILE], "--output-dir"),
@@ -81,6 +88,9 @@ def test_bad_argument_is_one_error_line_before_any_model(
 ):
     monkeypatch.chdir(tmp_path)
     (tmp_path / A_FILE).write_text("not a folder\n")
+    (tmp_path / "broken.py").write_text("def score(:\n")
+    # A reward file whose import would end the process: the checks parse it, never run it.
+    (tmp_path / "rewards.py").write_text("import sys\nsys.exit(1)\ndef score(p, c):\n    return [1]\n")
     assert main([command, *args]) == 2
     captured = capsys.readouterr()
     err = captured.err.strip().splitlines()
@@ -88,7 +98,8 @@ def test_bad_argument_is_one_error_line_before_any_model(
     assert named in err[0]
     assert os.listdir(cold_cache) == []  # no model converted (nor anything else cached)
     # No run folder, no output file, nothing else written where the command ran.
-    assert sorted(os.listdir(tmp_path)) == sorted([A_FILE, os.path.basename(cold_cache)])
+    written = [A_FILE, os.path.basename(cold_cache), "broken.py", "rewards.py"]
+    assert sorted(os.listdir(tmp_path)) == sorted(written)  # nor a lab-results/ folder
 
 
 def test_eval_refuses_to_write_over_the_dataset_it_reads(cold_cache, tmp_path, monkeypatch, capsys):

@@ -26,6 +26,22 @@ class OneLineArgumentParser(argparse.ArgumentParser):
         raise ValueError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
+def check_output_dir(path: str | os.PathLike) -> str:
+    """The checks of :func:`ensure_output_dir` without creating anything, for a command to make
+    before any model or dataset work (the folder is made when the results are written).
+
+    Raises:
+        ValueError: ``path`` or one of its parents exists and is not a folder (names ``--output-dir``).
+    """
+    path = os.fspath(path)
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if os.path.exists(probe) and not os.path.isdir(probe):
+        raise ValueError(f"--output-dir {path!r} is a file; give a folder for the lab's JSON and PNG files")
+    return path
+
+
 def ensure_output_dir(path: str | os.PathLike) -> str:
     """Create ``path`` (and its parents) when missing and return it as a string.
 

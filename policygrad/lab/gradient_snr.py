@@ -71,6 +71,7 @@ from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
     add_run_args,
+    check_output_dir,
     check_positive_int,
     check_temperature,
     ensure_output_dir,
@@ -193,6 +194,21 @@ def estimator_advantages(
 # ---------------------------------------------------------------------------------------------- parameters
 
 
+def parameter_pattern(subset: str) -> re.Pattern | None:
+    """``--params`` checked without a model: None for ``all``, ``lm-head``, ``last-layer``, else
+    the compiled regular expression.
+
+    Raises:
+        ValueError: not a valid regular expression (names ``--params``).
+    """
+    if subset in ("all", "lm-head", "last-layer"):
+        return None
+    try:
+        return re.compile(subset)
+    except re.error as e:
+        raise ValueError(f"--params {subset!r} is not a valid regular expression ({e})") from None
+
+
 def select_parameters(model: torch.nn.Module, subset: str) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters whose gradient is measured.
 
@@ -222,10 +238,7 @@ def select_parameters(model: torch.nn.Module, subset: str) -> list[tuple[str, to
             raise ValueError("--params last-layer: no 'layers.N.' parameters in this model; give a regex")
         last = f"layers.{max(layer_ids)}."
         return [(n, p) for n, p in named if last in n]
-    try:
-        pattern = re.compile(subset)
-    except re.error as e:
-        raise ValueError(f"--params {subset!r} is not a valid regular expression ({e})") from None
+    pattern = parameter_pattern(subset)
     chosen = [(n, p) for n, p in named if pattern.search(n)]
     if not chosen:
         examples = ", ".join(n for n, _ in named[:4])
@@ -915,6 +928,7 @@ def main(argv: list[str]) -> str:
     set_threads(args.threads)
     check_positive_int(args.prompts, "--prompts")
     check_temperature(args.temperature)
+    parameter_pattern(args.params)
     if not math.isfinite(args.reward_offset):
         raise ValueError(f"--reward-offset must be finite, got {args.reward_offset}")
     _check_settings(
@@ -925,7 +939,7 @@ def main(argv: list[str]) -> str:
         args.critic_draws,
         args.max_new_tokens,
     )
-    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before any model work
+    output_dir = check_output_dir(args.output_dir)  # a file there is refused before any model work
     source = resolve_dataset(args.dataset, difficulty=args.difficulty, seed=args.seed, split="train")
     rows = [source.train_row(i) for i in range(args.prompts)]
     model, tokenizer = load_lab_model(args.model)

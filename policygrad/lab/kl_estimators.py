@@ -48,6 +48,7 @@ from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
     add_run_args,
+    check_output_dir,
     check_positive_int,
     ensure_output_dir,
     format_table,
@@ -693,7 +694,7 @@ def main(argv: list[str]) -> str:
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
     if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
         raise ValueError(f"--prompts must be in 1..{len(DEFAULT_PROMPTS)}, got {args.prompts}")
-    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before the model loads
+    output_dir = check_output_dir(args.output_dir)  # a file there is refused before the model loads
     model = tokenizer = None
     name = None
     if args.model.lower() != "none":

@@ -44,6 +44,7 @@ from typing import Any
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
+    check_output_dir,
     ensure_output_dir,
     fmt,
     format_table,
@@ -901,7 +902,7 @@ def main(argv: list[str]) -> str:
     # Every option is checked, and the output folder made, before a model's config is read: the
     # bundled model's first read converts it (tens of seconds).
     check_options(args.algorithm, **options)
-    output_dir = ensure_output_dir(args.output_dir)
+    output_dir = check_output_dir(args.output_dir)
     shape = resolve_shape(
         args.model,
         params=counts["params"],

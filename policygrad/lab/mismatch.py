@@ -40,6 +40,7 @@ from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
     add_run_args,
+    check_output_dir,
     check_positive_int,
     check_temperature,
     ensure_output_dir,
@@ -463,7 +464,7 @@ def main(argv: list[str]) -> str:
     check_positive_int(args.samples_per_prompt, "--samples-per-prompt")
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
     check_temperature(args.temperature)
-    output_dir = ensure_output_dir(args.output_dir)  # a file there is refused before the model loads
+    output_dir = check_output_dir(args.output_dir)  # a file there is refused before the model loads
     model, tokenizer = load_lab_model(args.model)
     result = run_mismatch(
         model,

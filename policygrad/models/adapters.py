@@ -122,15 +122,16 @@ def resolve_model_source(name: str, adapter: str | None = None) -> ModelSource:
                 f"set model.name to the base model folder and model.adapter={name}"
             ) from None
         return ModelSource(base_path, local, local if _has_tokenizer(local) else base_path)
+    if adapter:  # checked before the base model is resolved: a bundled one is converted first
+        adapter = os.path.expanduser(os.fspath(adapter))
+        if not os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG)):
+            raise ValueError(
+                f"model.adapter={adapter!r} has no {ADAPTER_CONFIG}; give a folder written by a PEFT "
+                "model's save_pretrained (e.g. a LoRA run's checkpoints/step_N/model)"
+            )
     base_path = resolve_model_path(name)
     if not adapter:
         return ModelSource(base_path, None, base_path)
-    adapter = os.path.expanduser(os.fspath(adapter))
-    if not os.path.isfile(os.path.join(adapter, ADAPTER_CONFIG)):
-        raise ValueError(
-            f"model.adapter={adapter!r} has no {ADAPTER_CONFIG}; give a folder written by a PEFT "
-            "model's save_pretrained (e.g. a LoRA run's checkpoints/step_N/model)"
-        )
     return ModelSource(base_path, adapter, adapter if _has_tokenizer(adapter) else base_path)
 
 

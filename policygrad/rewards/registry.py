@@ -26,6 +26,7 @@ whatever ``on_error`` says, because no row can be blamed and skipping would hide
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import math
@@ -123,12 +124,52 @@ def check_reward_spec(spec: str | Callable) -> None:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS or spec.startswith(REWARD_MODEL_PREFIX):
         return
-    target, _, path = _split_spec(spec)
-    if path is None and importlib.util.find_spec(target.split(".")[0]) is None:
+    target, attr, path = _split_spec(spec)
+    if path is None:
+        if importlib.util.find_spec(target.split(".")[0]) is None:
+            raise ValueError(
+                f"cannot import module {target!r} for reward function spec {spec!r} (not found); "
+                "install it or put it on PYTHONPATH, or use 'path/to/file.py:function'"
+            )
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        source = f.read()
+    try:  # parsed, not run
+        tree = ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise RewardFunctionError(
+            f"reward function file {path!r} failed to load: SyntaxError: {e.msg} (line {e.lineno}); fix the "
+            "file (reward.functions)"
+        ) from None
+    bound = _top_level_names(tree)
+    if attr.split(".")[0] not in bound and not bound & {"*", "__getattr__"}:
         raise ValueError(
-            f"cannot import module {target!r} for reward function spec {spec!r} (not found); "
-            "install it or put it on PYTHONPATH, or use 'path/to/file.py:function'"
+            f"file {target!r} has no attribute {attr.split('.')[0]!r} (spec {spec!r}); it defines: "
+            f"{', '.join(sorted(n for n in bound if not n.startswith('_'))) or '(nothing)'}"
         )
+
+
+def _top_level_names(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level (in conditional and try blocks too); ``*`` for a
+    star import, whose names cannot be known without running it."""
+    names: set[str] = set()
+    todo = list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
+            targets = node.targets if isinstance(node, ast.Assign) else [
+                getattr(node, "target", None), *[i.optional_vars for i in getattr(node, "items", [])]
+            ]
+            found = (n for t in targets if t is not None for n in ast.walk(t))
+            names.update(n.id for n in found if isinstance(n, ast.Name))
+        if isinstance(node, (ast.If, ast.Try, ast.For, ast.While, ast.With)):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
+            todo += [n for h in getattr(node, "handlers", []) for n in h.body]
+    return names
 
 
 def load_reward_function(spec: str | Callable) -> Callable:
