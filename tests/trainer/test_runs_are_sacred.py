@@ -716,24 +716,26 @@ def test_a_full_disk_writing_metrics_names_the_file(tmp_path):
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "metrics.jsonl")
 
 
-SLOW_EVAL_DRIVER = '''
+SLOW_DRIVER = '''
 import sys
 import time
 
 import policygrad.trainer.lifecycle as lifecycle
 
 
-def slow_evaluate(*args, **kwargs):
+def slow(*args, **kwargs):
     open({mark!r}, "w").close()
     time.sleep(600)
 
 
 if __name__ == "__main__":
-    lifecycle.evaluate_rows = slow_evaluate
+    lifecycle.{attr} = slow
     from policygrad.cli import main
 
     sys.exit(main(sys.argv[1:]))
 '''
+"""``python driver.py train ...`` with ``lifecycle.{attr}`` replaced by a call that marks ``{mark}``
+and sleeps: a signal can be sent while the run is inside that call."""
 
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
@@ -745,7 +747,7 @@ def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_comma
     cfg, run = run_yaml(f"eval_{sig}", steps=1, eval_before=True, data={"eval_size": 2})
     mark = tmp_path / f"evaluating_{sig}"
     driver = tmp_path / "slow_eval.py"
-    driver.write_text(SLOW_EVAL_DRIVER.format(mark=str(mark)))
+    driver.write_text(SLOW_DRIVER.format(attr="evaluate_rows", mark=str(mark)))
     proc = _cli("train", cfg, driver=str(driver))
     try:
         _wait_for(mark.exists, proc, "the initial evaluation began")
@@ -763,31 +765,13 @@ def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_comma
     assert _complete_steps(run) == [1]
 
 
-SLOW_TRACKERS_DRIVER = '''
-import sys
-import time
-
-import policygrad.trainer.lifecycle as lifecycle
-
-
-def slow_trackers(*args, **kwargs):
-    open({mark!r}, "w").close()
-    time.sleep(600)
-
-
-if __name__ == "__main__":
-    lifecycle.build_trackers = slow_trackers
-    from policygrad.cli import main
-
-    sys.exit(main(sys.argv[1:]))
-'''
 
 
 def test_sigterm_during_tracker_set_up_stops_cleanly_and_leaves_the_folder_as_it_was(run_yaml, tmp_path):
     cfg, run = run_yaml("trackers_sigterm", steps=1)
     mark = tmp_path / "setting_up_trackers"
     driver = tmp_path / "slow_trackers.py"
-    driver.write_text(SLOW_TRACKERS_DRIVER.format(mark=str(mark)))
+    driver.write_text(SLOW_DRIVER.format(attr="build_trackers", mark=str(mark)))
     proc = _cli("train", cfg, driver=str(driver))
     try:
         _wait_for(mark.exists, proc, "the trackers were being set up")
@@ -809,7 +793,7 @@ def test_sigterm_during_the_final_evaluation_stops_at_once_with_the_final_checkp
     cfg, run = run_yaml("final_sigterm", steps=1, eval_after=True, data={"eval_size": 2})
     mark = tmp_path / "evaluating_after"
     driver = tmp_path / "slow_eval.py"
-    driver.write_text(SLOW_EVAL_DRIVER.format(mark=str(mark)))
+    driver.write_text(SLOW_DRIVER.format(attr="evaluate_rows", mark=str(mark)))
     proc = _cli("train", cfg, driver=str(driver))
     try:
         _wait_for(mark.exists, proc, "the final evaluation began")
