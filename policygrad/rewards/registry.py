@@ -110,8 +110,8 @@ def _split_spec(spec: str) -> tuple[str, str, str | None]:
 
 def check_reward_spec(spec: str | Callable) -> None:
     """The checks of :func:`load_reward_function` that run none of the user's code: a known name,
-    a well-formed spec, an existing ``.py`` file, a findable top-level module. A run makes them
-    before it reads any model; the function itself is loaded later, in the reward worker.
+    a well-formed spec, an existing ``.py`` file that parses, a findable top-level module. A run
+    makes them before it reads any model; the function itself is loaded later, in the worker.
     ``reward_model:PATH`` entries are left to the reward-model loader.
 
     Raises:
@@ -124,7 +124,7 @@ def check_reward_spec(spec: str | Callable) -> None:
     spec = spec.strip()
     if spec in BUILTIN_REWARDS or spec.startswith(REWARD_MODEL_PREFIX):
         return
-    target, attr, path = _split_spec(spec)
+    target, _, path = _split_spec(spec)
     if path is None:
         if importlib.util.find_spec(target.split(".")[0]) is None:
             raise ValueError(
@@ -134,42 +134,13 @@ def check_reward_spec(spec: str | Callable) -> None:
         return
     with open(path, encoding="utf-8", errors="replace") as f:
         source = f.read()
-    try:  # parsed, not run
-        tree = ast.parse(source, filename=path)
+    try:  # parsed, never run: whether it imports and defines the function shows when it loads
+        ast.parse(source, filename=path)
     except SyntaxError as e:
         raise RewardFunctionError(
             f"reward function file {path!r} failed to load: SyntaxError: {e.msg} (line {e.lineno}); fix the "
             "file (reward.functions)"
         ) from None
-    bound = _top_level_names(tree)
-    if attr.split(".")[0] not in bound and not bound & {"*", "__getattr__"}:
-        raise ValueError(
-            f"file {target!r} has no attribute {attr.split('.')[0]!r} (spec {spec!r}); it defines: "
-            f"{', '.join(sorted(n for n in bound if not n.startswith('_'))) or '(nothing)'}"
-        )
-
-
-def _top_level_names(tree: ast.Module) -> set[str]:
-    """Names a module binds at its top level (in conditional and try blocks too); ``*`` for a
-    star import, whose names cannot be known without running it."""
-    names: set[str] = set()
-    todo = list(tree.body)
-    while todo:
-        node = todo.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            names.add(node.name)
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            names.update((a.asname or a.name).split(".")[0] for a in node.names)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For, ast.With)):
-            targets = node.targets if isinstance(node, ast.Assign) else [
-                getattr(node, "target", None), *[i.optional_vars for i in getattr(node, "items", [])]
-            ]
-            found = (n for t in targets if t is not None for n in ast.walk(t))
-            names.update(n.id for n in found if isinstance(n, ast.Name))
-        if isinstance(node, (ast.If, ast.Try, ast.For, ast.While, ast.With)):
-            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", [])]
-            todo += [n for h in getattr(node, "handlers", []) for n in h.body]
-    return names
 
 
 def load_reward_function(spec: str | Callable) -> Callable:
