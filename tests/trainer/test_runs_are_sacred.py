@@ -738,6 +738,23 @@ if __name__ == "__main__":
 and sleeps: a signal can be sent while the run is inside that call."""
 
 
+def _signal_inside(cfg, attr: str, sig: str, tmp_path) -> tuple[int, str, str]:
+    """``policygrad train cfg`` with ``lifecycle.<attr>`` slowed by :data:`SLOW_DRIVER`, sent
+    ``sig`` once the run is inside it. Returns (exit status, stdout, stderr)."""
+    mark = tmp_path / f"inside_{attr}_{sig}"
+    driver = tmp_path / f"slow_{attr}.py"
+    driver.write_text(SLOW_DRIVER.format(attr=attr, mark=str(mark)))
+    proc = _cli("train", cfg, driver=str(driver))
+    try:
+        _wait_for(mark.exists, proc, f"the run entered {attr}")
+        proc.send_signal(getattr(signal, sig))
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, out, err
+
+
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_command_works(
     sig, run_yaml, tmp_path, capsys
@@ -745,18 +762,8 @@ def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_comma
     from policygrad.trainer.interrupts import EXIT_STATUS
 
     cfg, run = run_yaml(f"eval_{sig}", steps=1, eval_before=True, data={"eval_size": 2})
-    mark = tmp_path / f"evaluating_{sig}"
-    driver = tmp_path / "slow_eval.py"
-    driver.write_text(SLOW_DRIVER.format(attr="evaluate_rows", mark=str(mark)))
-    proc = _cli("train", cfg, driver=str(driver))
-    try:
-        _wait_for(mark.exists, proc, "the initial evaluation began")
-        proc.send_signal(getattr(signal, sig))
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == EXIT_STATUS[sig], out + err
+    returncode, out, err = _signal_inside(cfg, "evaluate_rows", sig, tmp_path)
+    assert returncode == EXIT_STATUS[sig], out + err
     stops = [line for line in (out + err).splitlines() if f"stopped by {sig}" in line]
     assert len(stops) == 1 and "Traceback" not in err, out + err
     assert "nothing was trained or saved" in stops[0] and "--resume" not in stops[0]
@@ -765,22 +772,10 @@ def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_comma
     assert _complete_steps(run) == [1]
 
 
-
-
 def test_sigterm_during_tracker_set_up_stops_cleanly_and_leaves_the_folder_as_it_was(run_yaml, tmp_path):
     cfg, run = run_yaml("trackers_sigterm", steps=1)
-    mark = tmp_path / "setting_up_trackers"
-    driver = tmp_path / "slow_trackers.py"
-    driver.write_text(SLOW_DRIVER.format(attr="build_trackers", mark=str(mark)))
-    proc = _cli("train", cfg, driver=str(driver))
-    try:
-        _wait_for(mark.exists, proc, "the trackers were being set up")
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, out + err
+    returncode, out, err = _signal_inside(cfg, "build_trackers", "SIGTERM", tmp_path)
+    assert returncode == 143, out + err
     stops = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
     assert stops == [
         "stopped by SIGTERM while the run was starting, before its first step; run the same "
@@ -791,18 +786,8 @@ def test_sigterm_during_tracker_set_up_stops_cleanly_and_leaves_the_folder_as_it
 
 def test_sigterm_during_the_final_evaluation_stops_at_once_with_the_final_checkpoint(run_yaml, tmp_path):
     cfg, run = run_yaml("final_sigterm", steps=1, eval_after=True, data={"eval_size": 2})
-    mark = tmp_path / "evaluating_after"
-    driver = tmp_path / "slow_eval.py"
-    driver.write_text(SLOW_DRIVER.format(attr="evaluate_rows", mark=str(mark)))
-    proc = _cli("train", cfg, driver=str(driver))
-    try:
-        _wait_for(mark.exists, proc, "the final evaluation began")
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, out + err
+    returncode, out, err = _signal_inside(cfg, "evaluate_rows", "SIGTERM", tmp_path)
+    assert returncode == 143, out + err
     stops = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
     assert len(stops) == 1 and "Traceback" not in err, out + err
     assert f"after the final checkpoint {run}/checkpoints/step_1 (step 1)" in stops[0]
