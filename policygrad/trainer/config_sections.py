@@ -1,0 +1,462 @@
+"""The base of the configuration tree, and the sections that make and score a batch.
+
+The base: :class:`ConfigError`, ``MIN_TEMPERATURE``, the checks every section validates with
+(:func:`check_choice`, :func:`check_positive`) and :func:`build_dataclass`, which builds a
+section (or the whole tree) from a YAML mapping, coercing each value to its annotated type. The
+sections: the policy (:class:`ModelConfig` with its :class:`LoraConfig`), the prompts
+(:class:`DataConfig`), sampling (:class:`RolloutConfig`) and the rewards (:class:`RewardConfig`
+with the sandbox of :class:`CodeRewardConfig`, and :func:`reward_component_names`).
+
+The training sections and the algorithm presets are in :mod:`policygrad.trainer.config_training`;
+the whole tree (``TrainConfig``) and its loading in :mod:`policygrad.trainer.config`, which
+re-exports every public name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the field."""
+
+
+# The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
+# the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
+MIN_TEMPERATURE = 1e-3
+
+
+def check_choice(path: str, value: Any, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
+
+
+def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
+    """``why``: appended to the message (what the field means, what a bad value would do)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft). ``rank: 0`` means a full fine-tune, and then the other options,
+    which only shape adapters, must keep their defaults. ``dropout`` is in [0, 1)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def validate(self, path: str) -> None:
+        check_positive(f"{path}.rank", self.rank, allow_zero=True)
+        check_positive(f"{path}.alpha", self.alpha)
+        check_positive(f"{path}.dropout", self.dropout, allow_zero=True)
+        if self.dropout >= 1:  # 1 would zero every adapter input: the adapters could not train
+            raise ConfigError(
+                f"{path}.dropout must be in [0, 1) (the probability of zeroing an adapter input), "
+                f"got {self.dropout!r}"
+            )
+        if self.rank == 0:
+            defaults = LoraConfig(rank=0)
+            names = ("alpha", "dropout", "target_modules")
+            changed = [n for n in names if getattr(self, n) != getattr(defaults, n)]
+            if changed:
+                name = f"{path}.{changed[0]}"
+                raise ConfigError(
+                    f"{name}={getattr(self, changed[0])!r} has no effect with {path}.rank=0 (a full "
+                    f"fine-tune, no adapters); set {path}.rank >= 1 for LoRA or unset {name}"
+                )
+
+
+@dataclass
+class ModelConfig:
+    """The policy. ``name``: ``bundled:smollm2-135m-instruct``, a local HF folder, or a hub id.
+
+    ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
+    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
+    of the frozen networks (reward models, vLLM's weights); the trained ones, and the reference
+    (a copy of the starting policy, computing as it does), follow ``precision``: ``fp32``,
+    ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
+    ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
+    opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
+    fp32); see :mod:`policygrad.trainer.precision`.
+
+    ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
+    weights (transformers' ``trust_remote_code``). Off by default, and never asked interactively:
+    a model that needs it is refused with an error naming this option.
+
+    ``adapter``: a trained PEFT adapter folder to start from (``name`` is then its base model);
+    ``name`` may also be an adapter folder itself (a LoRA run's ``checkpoints/step_N/model``),
+    whose ``base_model_name_or_path`` is the base. The run trains that adapter, and the reference
+    is the starting policy (base plus the starting adapter, frozen). See
+    :mod:`policygrad.models.adapters`.
+    """
+
+    name: str = "bundled:smollm2-135m-instruct"
+    dtype: str = "auto"
+    precision: str = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool = False
+    trust_remote_code: bool = False
+    adapter: str | None = None
+
+    def validate(self, path: str) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
+        check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        check_choice(f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure"})
+        self.lora.validate(f"{path}.lora")
+        if self.adapter is not None and self.lora.rank > 0:
+            raise ConfigError(
+                f"{path}.adapter with {path}.lora.rank={self.lora.rank}: the run trains the adapter it "
+                f"starts from (its own rank and targets); unset {path}.lora.rank"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out prompts.
+
+    ``dataset``: ``builtin:arithmetic`` (procedurally generated, the default), a local file or
+    folder (JSONL, JSON, Parquet, CSV, ``save_to_disk``; GSM8K's ``question``/``answer`` format
+    works without a field mapping) or a Hugging Face Hub dataset id such as ``openai/gsm8k``
+    (``datasets.load_dataset`` with ``dataset_config`` and ``split``; from the local cache when
+    ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set, see :mod:`policygrad.data.hub`).
+    ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
+    empty means the built-in task's held-out split, or a Hub dataset's ``eval_split``.
+    ``eval_size``: held-out problems per evaluation.
+    """
+
+    dataset: str = "builtin:arithmetic"
+    difficulty: str = "medium"
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    max_prompt_length: int = 512
+    eval_dataset: str | None = None
+    eval_size: int = 200
+    shuffle: bool = True
+    dataset_config: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+
+    def validate(self, path: str) -> None:
+        check_positive(f"{path}.max_prompt_length", self.max_prompt_length)
+        check_positive(f"{path}.eval_size", self.eval_size, allow_zero=True)
+        for name in ("split", "eval_split"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"{path}.{name} must name a split, e.g. train or test")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling. B = ``prompts_per_step`` x ``group_size`` sequences per step.
+
+    ``top_k: 0`` and ``top_p: 1.0`` sample the full softmax at ``temperature``; training
+    log-probs always use the same temperature and truncation as the sampler.
+
+    ``engine``: ``hf`` (transformers ``generate`` on the live policy), ``vllm`` (a vLLM engine
+    in the same process, weights pushed to it after every update) or ``auto`` (``vllm`` when the
+    ``vllm`` package is installed, else ``hf``; the choice is printed at start). ``dtype``: the
+    vLLM engine's weights and compute (``auto`` = the policy's); ``bfloat16`` on an fp32 policy
+    is a faster but mismatched sampler. ``vllm_kv_cache_gb`` (CPU) / ``vllm_gpu_memory_utilization``
+    (GPU): the engine's KV-cache budget. ``vllm_prefix_caching``: reuse the prompt's KV across the
+    G samples (the cache is reset after every weight push).
+
+    ``is_correction``: truncated importance sampling against the train/inference mismatch (Yao et
+    al. 2025, truncated importance sampling): ``none``, ``token`` or ``sequence`` weights
+    ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
+    the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
+    of every token is multiplied by its weight.
+
+    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
+    so its samples do not depend on the batch or rank it is in; always on with more than one
+    process. Off (the default) in one process keeps the earlier sampling stream.
+
+    ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
+    id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
+    counts as truncated. For measuring equal work (benchmarks), not for training a model to stop."""
+
+    engine: str = "auto"
+    per_prompt_seeds: bool = False
+    ignore_eos: bool = False
+    prompts_per_step: int = 4
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    dtype: str = "auto"
+    vllm_kv_cache_gb: float = 1.0
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_prefix_caching: bool = True
+    is_correction: str = "none"
+    is_cap: float = 2.0
+    is_mode: str = "truncate"
+
+    def validate(self, path: str) -> None:
+        check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
+        check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
+        check_positive(f"{path}.group_size", self.group_size)
+        check_positive(f"{path}.temperature", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"{path}.temperature={self.temperature!r} is below {MIN_TEMPERATURE}: logits / temperature "
+                "overflows float32 (or keeps no precision in the log-probs the update needs); use "
+                f"{path}.temperature >= {MIN_TEMPERATURE} (0.1 samples almost greedily)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p!r}")
+        check_positive(f"{path}.top_k", self.top_k, allow_zero=True)
+        check_positive(f"{path}.max_new_tokens", self.max_new_tokens)
+        check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16", "float16"})
+        check_positive(f"{path}.vllm_kv_cache_gb", self.vllm_kv_cache_gb)
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"{path}.vllm_gpu_memory_utilization must be in (0, 1], "
+                f"got {self.vllm_gpu_memory_utilization!r}"
+            )
+        check_choice(f"{path}.is_correction", self.is_correction, {"none", "token", "sequence"})
+        check_positive(f"{path}.is_cap", self.is_cap)
+        check_choice(f"{path}.is_mode", self.is_mode, {"truncate", "mask"})
+
+    def resolved_engine(self) -> tuple[str, str]:
+        """``(engine, why)``: ``auto`` becomes ``vllm`` when the vllm package is installed *and*
+        imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
+        if self.engine != "auto":
+            return self.engine, "configured"
+        from policygrad.rollout.vllm import vllm_available
+
+        if not vllm_available():
+            return "hf", "auto: vllm not installed"
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # any import failure means: not usable here
+            return "hf", f"auto: vllm is installed but does not import ({type(e).__name__}: {e})"
+        return "vllm", "auto: vllm installed"
+
+
+@dataclass
+class CodeRewardConfig:
+    """The sandbox of the ``code_tests`` reward (and of evaluation on code rows); see
+    :mod:`policygrad.rewards.sandbox` for what each isolation mode isolates and the threat model.
+
+    ``isolation``: ``auto`` (bubblewrap if installed, else Linux namespaces; the run refuses to
+    start when neither works), ``bwrap``, ``namespaces`` or ``none`` (separate processes with
+    resource limits only: unsafe, with a warning). ``partial``: score the fraction of passing
+    tests instead of 1/0. Per program: ``timeout_s`` wall (and CPU) seconds, ``memory_mb`` per
+    process, ``max_processes``, ``max_write_mb`` written, ``max_output_kb`` of output read (the
+    rest is discarded). ``workers``: programs tested at once (0: twice the CPU count, at most 16)."""
+
+    isolation: str = "auto"
+    partial: bool = False
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    max_processes: int = 64
+    max_write_mb: int = 256
+    max_output_kb: int = 1024
+    workers: int = 0
+
+    def validate(self, path: str) -> None:
+        check_choice(f"{path}.isolation", self.isolation, {"auto", "bwrap", "namespaces", "none"})
+        check_positive(f"{path}.timeout_s", self.timeout_s)
+        if self.memory_mb < 64:
+            raise ConfigError(
+                f"{path}.memory_mb must be >= 64 (an interpreter needs it), got {self.memory_mb}"
+            )
+        for name in ("max_processes", "max_write_mb", "max_output_kb"):
+            check_positive(f"{path}.{name}", getattr(self, name))
+        check_positive(f"{path}.workers", self.workers, allow_zero=True)
+
+
+@dataclass
+class RewardConfig:
+    """Reward functions, summed with weights.
+
+    ``functions``: built-in names (``answer_correctness``, ``answer_format``, ``length_penalty``,
+    ``code_tests``: the row's tests run against the completion's program in the sandbox that
+    ``code`` configures, :class:`CodeRewardConfig`), ``module:function`` or ``path.py:function``.
+    ``weights``: one per function (default 1 each).
+    ``on_error``: ``raise`` stops the run naming the row and the function; ``skip`` excludes the
+    row from the loss and counts it in ``reward/invalid_frac``. ``truncation``: what a completion
+    without EOS gets: ``none`` (scored as is), ``penalty`` (the N+ EOS trick: the score is
+    replaced by ``truncation_penalty``) or ``exclude`` (no loss on it).
+
+    A learned reward model is an entry ``reward_model:/path/to/folder`` (a local
+    ``AutoModelForSequenceClassification`` with one label, read at the last real token; see
+    ``policygrad.rewards.reward_model``), batched by ``model_batch_size``, at most
+    ``model_max_length`` tokens per row, in its chat template when ``model_chat_template``.
+
+    ``normalize`` (applied to the summed score before the truncation penalty): ``none``;
+    ``fixed_offset`` (subtract the mean score of the first batch, samples of the initial policy,
+    so they average 0: N+ detail 15); ``running`` (running mean/std, "Secrets of RLHF"), clamped
+    to +-``normalize_clip`` when set. ``whiten``: whiten the per-token rewards (score plus KL
+    penalty) over the batch's valid tokens, scale only (N+ reward whitening).
+
+    ``isolation`` (default on): reward functions given as ``module:function`` or
+    ``file.py:function``, and callables given as objects that can be pickled, run in a worker
+    process (``policygrad.rewards.isolation``), on copies of the completions and row fields;
+    ``sys.exit``, ``os._exit``, ``os.chdir`` or a crash there cannot stop or disturb the run,
+    they make the call an error that ``on_error`` handles. A callable that cannot be pickled (a
+    lambda, a closure, a function of ``__main__``) runs in the trainer's process on copies, with
+    ``sys.exit`` and ``timeout_s`` contained but not ``os._exit`` (logged when the run starts);
+    so does every function with ``isolation: false``. ``timeout_s``: the most seconds one call
+    of a user function may take (``null``: no limit); a call over it is an error for its whole
+    batch (in the worker it is stopped; in the trainer's process it goes on in a thread, which
+    cannot be stopped). Built-in rewards and reward models are the library's code and run in the
+    trainer's process.
+    """
+
+    functions: list[str] = field(default_factory=lambda: ["answer_correctness"])
+    weights: list[float] | None = None
+    on_error: str = "raise"
+    truncation: str = "none"
+    truncation_penalty: float = -1.0
+    normalize: str = "none"
+    normalize_clip: float | None = None
+    whiten: bool = False
+    model_batch_size: int = 16
+    model_max_length: int = 1024
+    model_chat_template: bool = True
+    isolation: bool = True
+    timeout_s: float | None = 300.0
+    code: CodeRewardConfig = field(default_factory=CodeRewardConfig)
+
+    def validate(self, path: str) -> None:
+        self.code.validate(f"{path}.code")
+        if self.timeout_s is not None:
+            check_positive(f"{path}.timeout_s", self.timeout_s)
+        if not self.functions:
+            raise ConfigError(f"{path}.functions is empty; give at least one reward function")
+        if self.weights is not None and len(self.weights) != len(self.functions):
+            raise ConfigError(
+                f"{path}.weights has {len(self.weights)} entries for {len(self.functions)} functions; "
+                "give one weight per function or leave it unset"
+            )
+        check_choice(f"{path}.on_error", self.on_error, {"raise", "skip"})
+        check_choice(f"{path}.truncation", self.truncation, {"none", "penalty", "exclude"})
+        check_choice(f"{path}.normalize", self.normalize, {"none", "fixed_offset", "running"})
+        if self.normalize_clip is not None:
+            check_positive(f"{path}.normalize_clip", self.normalize_clip)
+        check_positive(f"{path}.model_batch_size", self.model_batch_size)
+        if self.model_max_length < 2:
+            raise ConfigError(f"{path}.model_max_length must be >= 2, got {self.model_max_length}")
+
+
+def reward_component_names(functions: list[str]) -> list[str]:
+    """The component names of ``reward.functions``, in order: each entry (``reward_model`` for a
+    ``reward_model:/folder`` entry), and ``name#k`` for the k-th occurrence (k >= 2) of a repeated
+    name (``policygrad.rewards.registry`` names them so)."""
+    seen: dict[str, int] = {}
+    names = []
+    for entry in functions:
+        entry = "reward_model" if entry.startswith("reward_model:") else entry
+        seen[entry] = seen.get(entry, 0) + 1
+        names.append(entry if seen[entry] == 1 else f"{entry}#{seen[entry]}")
+    return names
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a section, or the whole tree, from a YAML mapping.
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML value to the annotated type, or raise a ConfigError naming ``path``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping of its fields, got {value!r}")
+        return build_dataclass(annotation, value, path)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(path, value, arg)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path} must be true or false, got {value!r}")
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise ConfigError(f"{path} must be an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, str):
+            # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{path} must be a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{path} must be a finite number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path} must be a string, got {value!r}")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path} must be a list, got {value!r}")
+        if origin is tuple:
+            return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping, got {value!r}")
+        return {key: _yaml_number(item) for key, item in value.items()}
+    return value
+
+
+# A number in exponent form without a dot in its mantissa (3e-4), which YAML 1.1 reads as a string.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_number(value: Any) -> Any:
+    """``"3e-4"`` -> 3e-4 inside option mappings (``loss.options``, ``advantage.options``), whose
+    values have no annotated type to coerce to; every other value is returned unchanged."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def build_dataclass(cls, data: dict[str, Any], prefix: str = ""):
+    """``cls`` (a config dataclass) from a mapping of its fields, each value coerced to its annotated
+    type; ``prefix``: the dotted path of ``cls`` in the tree, named in every error."""
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        kwargs[name] = _coerce(path, value, types[name])
+    return cls(**kwargs)
