@@ -32,12 +32,14 @@ MIN_TEMPERATURE = 1e-3
 
 
 def check_choice(path: str, value: Any, choices) -> None:
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
 
 
 def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
-    """``why``: appended to the message (what the field means, what a bad value would do)."""
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is a number > 0 (>= 0 with
+    ``allow_zero``). ``why``: appended to the message (what the field means, what a bad value would do)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{path} must be a number, got {value!r}")
     if value < 0 or (value == 0 and not allow_zero):
