@@ -29,6 +29,65 @@ def prompt_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
+def _normalise_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
+    """``(temperature, top_k, top_p)`` checked, with the "off" values normalised: ``top_k`` None
+    when off (None or 0), ``top_p`` None when off (None or 1.0)."""
+    temperature = float(temperature)
+    if not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
+        top_k = int(top_k) or None
+    if top_p is not None:
+        top_p = float(top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
+        if top_p == 1.0:
+            top_p = None
+    return temperature, top_k, top_p
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """The distribution a batch was sampled from: ``softmax(logits / temperature)`` restricted to
+    the ``top_k`` most likely tokens, then to the smallest set of mass >= ``top_p``, renormalised
+    (or the argmax with ``greedy``).
+
+    The "off" values are normalised on construction, so equal distributions compare equal:
+    ``top_k`` 0 -> None, ``top_p`` 1.0 -> None; ``temperature`` becomes a float.
+
+    Raises (on construction):
+        TypeError: ``top_k`` not an int or None.
+        ValueError: ``temperature`` <= 0 or infinite; ``top_k`` < 0; ``top_p`` outside (0, 1].
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        temperature, top_k, top_p = _normalise_sampling(self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "greedy", bool(self.greedy))
+
+    @property
+    def truncated(self) -> bool:
+        """True when top-k or top-p cuts the tempered softmax."""
+        return self.top_k is not None or self.top_p is not None
+
+    def tempered(self) -> SamplingParams:
+        """The full tempered softmax at this temperature (no top-k/top-p, not greedy): the
+        distribution of a reference model, which is never sampled from (truncated to its own
+        top-k/top-p set it would give -inf to tokens the updated policy samples outside it)."""
+        return SamplingParams(self.temperature)
+
+
 @dataclasses.dataclass
 class Rollout:
     """One batch of sampled responses (B sequences, P prompt columns, T response columns).
@@ -48,10 +107,8 @@ class Rollout:
         group_index: LongTensor [B], index (within this batch) of the prompt each row answers;
             rows of one prompt are contiguous, so ``group_index = arange(n).repeat_interleave(G)``.
         group_size: G, samples per prompt.
-        temperature: sampling temperature the log-probs refer to.
-        top_k: top-k truncation used (None = off).
-        top_p: nucleus mass used (None = off).
-        greedy: True when tokens were chosen by argmax instead of sampling.
+        sampling: the :class:`SamplingParams` the responses were drawn with (the distribution
+            ``sampler_logprobs`` refer to, and the default of the training forwards).
 
     Raises (on construction):
         ValueError: tensors whose shapes disagree (names the fields).
@@ -65,10 +122,7 @@ class Rollout:
     sampler_logprobs: torch.Tensor
     group_index: torch.Tensor
     group_size: int = 1
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    greedy: bool = False
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     def __post_init__(self) -> None:
         B, P = self.prompt_ids.shape
@@ -203,21 +257,7 @@ def check_sampling_args(prompt_token_ids, group_size, temperature, top_p, top_k,
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    temperature = float(temperature)
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
-        top_k = int(top_k) or None
-    if top_p is not None:
-        top_p = float(top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
-        if top_p == 1.0:
-            top_p = None
+    temperature, top_k, top_p = _normalise_sampling(temperature, top_k, top_p)
     return prompts, temperature, top_k, top_p
 
 
