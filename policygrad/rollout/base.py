@@ -88,6 +88,27 @@ class SamplingParams:
         return SamplingParams(self.temperature)
 
 
+# How a Rollout field is laid out along the batch, declared once per field (``layout`` metadata)
+# and read by every operation that rebuilds a batch (select, trim, concat, gather), so a new
+# field cannot be forgotten by one of them. A field without a layout is batch-wide metadata.
+PROMPT = "prompt"  # [B, P]: left-padded prompt columns
+RESPONSE = "response"  # [B, T]: right-padded response columns
+ROW = "row"  # [B]: one value per row
+GROUP = "group"  # [B]: a group id, renumbered when batches are joined
+_PAD_LEFT = {PROMPT: True, RESPONSE: False}
+
+
+def _rows(layout: str, **kwargs):
+    """A dataclass field laid out along the batch as ``layout``."""
+    return dataclasses.field(metadata={"layout": layout}, **kwargs)
+
+
+def field_layouts(cls) -> dict[str, str | None]:
+    """``{field name: layout}`` of a dataclass whose fields declare ``layout`` metadata (None:
+    batch-wide metadata)."""
+    return {f.name: f.metadata.get("layout") for f in dataclasses.fields(cls)}
+
+
 @dataclasses.dataclass
 class Rollout:
     """One batch of sampled responses (B sequences, P prompt columns, T response columns).
@@ -114,13 +135,13 @@ class Rollout:
         ValueError: tensors whose shapes disagree (names the fields).
     """
 
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    truncated: torch.Tensor
-    sampler_logprobs: torch.Tensor
-    group_index: torch.Tensor
+    prompt_ids: torch.Tensor = _rows(PROMPT)
+    prompt_mask: torch.Tensor = _rows(PROMPT)
+    response_ids: torch.Tensor = _rows(RESPONSE)
+    response_mask: torch.Tensor = _rows(RESPONSE)
+    truncated: torch.Tensor = _rows(ROW)
+    sampler_logprobs: torch.Tensor = _rows(RESPONSE)
+    group_index: torch.Tensor = _rows(GROUP)
     group_size: int = 1
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
@@ -194,26 +215,126 @@ class Rollout:
         real_cols = self.prompt_mask.any(0).nonzero()
         first = int(real_cols[0]) if real_cols.numel() else P
         T = int(self.response_lengths.max()) if self.batch_size else 0
-        return dataclasses.replace(
-            self,
-            prompt_ids=self.prompt_ids[:, first:],
-            prompt_mask=self.prompt_mask[:, first:],
-            response_ids=self.response_ids[:, :T],
-            response_mask=self.response_mask[:, :T],
-            sampler_logprobs=self.sampler_logprobs[:, :T],
-        )
+        cut = {PROMPT: lambda t: t[:, first:], RESPONSE: lambda t: t[:, :T]}
+        return self._map(lambda t: t, per_layout=cut)
 
     def to(self, device: torch.device | str) -> Rollout:
         """All tensors moved to ``device`` (a no-op copy-free view where already there)."""
         return self._map(lambda t: t.to(device))
 
-    def _map(self, fn) -> Rollout:
-        changes = {
-            f.name: fn(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+    @property
+    def num_groups(self) -> int:
+        """``max(group_index) + 1`` (0 for an empty batch): the group ids this batch uses, the
+        offset of the next batch's groups when batches are joined."""
+        return int(self.group_index.max()) + 1 if self.batch_size else 0
+
+    @classmethod
+    def concat(cls, rollouts: Sequence[Rollout]) -> Rollout:
+        """One batch of several: rows in order, prompts left-padded (with 0) to the widest P,
+        response fields right-padded (with 0) to the widest T, groups renumbered in order (each
+        batch's ids offset by the :attr:`num_groups` of the batches before it). A single rollout
+        is returned as it is. An optional field that is None in some batches and not in others
+        is zeros in their rows.
+
+        Raises:
+            ValueError: no rollouts, or batch-wide metadata (``group_size``, ``sampling``) that
+                differs between them.
+        """
+        if not rollouts:
+            raise ValueError("Rollout.concat needs at least one rollout")
+        if len(rollouts) == 1:
+            return rollouts[0]
+        first = rollouts[0]
+        widths = {
+            PROMPT: max(r.prompt_ids.shape[1] for r in rollouts),
+            RESPONSE: max(r.response_ids.shape[1] for r in rollouts),
         }
+        offsets, total = [], 0
+        for r in rollouts:
+            offsets.append(total)
+            total += r.num_groups
+        changes = {}
+        for name, layout in field_layouts(cls).items():
+            values = [getattr(r, name) for r in rollouts]
+            if layout is None:
+                _check_tensor_free(name, values[0])
+                if any(v != values[0] for v in values[1:]):
+                    raise ValueError(f"Rollout.concat: {name} differs between the rollouts: {values}")
+                continue
+            if all(v is None for v in values):
+                continue
+            parts = []
+            for r, v, offset in zip(rollouts, values, offsets):
+                if v is None:
+                    like = next(u for u in values if u is not None)
+                    v = like.new_zeros(r._shape(layout))
+                if layout in _PAD_LEFT:
+                    v = _pad(v, widths[layout], left=_PAD_LEFT[layout])
+                elif layout == GROUP:
+                    v = v + offset
+                parts.append(v)
+            changes[name] = torch.cat(parts)
+        return dataclasses.replace(first, **changes)
+
+    def gather(self, gather_rows, group_offset: int) -> Rollout:
+        """Every process's rows as one batch, from a collective row gather.
+
+        Args:
+            gather_rows: ``gather_rows(tensor, left=bool) -> tensor``, the rows of every process's
+                ``tensor`` [B_r, ...] concatenated in rank order, a second dimension padded to
+                the widest (on the left with ``left``), e.g.
+                ``policygrad.trainer.distributed.Dist.gather_rows``. Called once per tensor field,
+                in field order, on every process (an optional field must be None on every
+                process or on none).
+            group_offset: the :attr:`num_groups` of the processes before this one (an exclusive
+                prefix sum), added to this process's ``group_index`` so groups stay distinct.
+
+        Returns:
+            The gathered rollout; batch-wide metadata (``group_size``, ``sampling``) is this
+            process's.
+        """
+        changes = {}
+        for name, layout in field_layouts(type(self)).items():
+            value = getattr(self, name)
+            if layout is None:
+                _check_tensor_free(name, value)
+            elif value is not None:
+                if layout == GROUP:
+                    value = value + group_offset
+                changes[name] = gather_rows(value, left=_PAD_LEFT.get(layout, False))
         return dataclasses.replace(self, **changes)
+
+    def _shape(self, layout: str) -> tuple[int, ...]:
+        """The shape of a field of ``layout`` in this batch."""
+        if layout == PROMPT:
+            return tuple(self.prompt_ids.shape)
+        if layout == RESPONSE:
+            return tuple(self.response_ids.shape)
+        return (self.batch_size,)
+
+    def _map(self, fn, per_layout: dict | None = None) -> Rollout:
+        """Every tensor field through ``fn`` (and first through ``per_layout[layout]`` when the
+        field's layout has an entry); None fields stay None."""
+        per_layout = per_layout or {}
+        changes = {}
+        for name, layout in field_layouts(type(self)).items():
+            value = getattr(self, name)
+            if layout is None:
+                _check_tensor_free(name, value)
+            elif value is not None:
+                changes[name] = fn(per_layout[layout](value) if layout in per_layout else value)
+        return dataclasses.replace(self, **changes)
+
+
+def _pad(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
+    """``t`` [B, w] zero-padded to [B, width], on the left with ``left``."""
+    extra = width - t.shape[1]
+    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+
+def _check_tensor_free(name: str, value) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"Rollout field {name!r} is a tensor without a layout: declare it with _rows(...)")
 
 
 def _check_prompts(prompt_token_ids) -> list[list[int]]:
