@@ -180,15 +180,17 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
 
     Args:
         decoder: the model's decoder stack (``plain_output_head(model)[0]``) with sdpa attention.
-        rollout: left-padded prompts, right-padded responses whose ``response_mask`` is 1 on a
-            prefix of each row (the rollout invariant).
+        rollout: left-padded prompts, right-padded responses whose seen tokens
+            (:meth:`~policygrad.rollout.base.Rollout.seen_mask`: chosen, and observed where there
+            is an ``observation_mask``) are a prefix of each row (the rollout invariant).
 
     Returns:
-        [N, H] hidden states in the model's dtype, N = ``(response_mask > 0).sum()``, in the
-        row-major order of ``rollout.response_mask > 0`` (row b, token t is predicted by the
-        hidden state before it); None when packing does not apply (another attention kernel, a
-        mask that is not a prefix, a model without a transformers cache), so the caller falls
-        back to the padded forward (also for a sliding-window model and for T = 0).
+        [N, H] hidden states in the model's dtype, N = ``rollout.seen_mask().sum()``, in the
+        row-major order of ``rollout.seen_mask()`` (row b, token t is predicted by the hidden
+        state before it; without an ``observation_mask`` these are the ``response_mask``
+        positions); None when packing does not apply (another attention kernel, a mask that is
+        not a prefix, a model without a transformers cache), so the caller falls back to the
+        padded forward (also for a sliding-window model and for T = 0).
     """
     config = getattr(decoder, "config", None)
     attn = getattr(config, "_attn_implementation", None)
@@ -202,7 +204,7 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
         return None
     if rollout.response_ids.shape[1] == 0:
         return None
-    mask = rollout.response_mask > 0
+    mask = rollout.seen_mask()
     lengths = mask.sum(-1)
     B, T = mask.shape
     steps = torch.arange(T, device=mask.device)
@@ -356,6 +358,10 @@ def policy_logprobs(
     that hooks the lm_head module), the [B, T, V] logits are computed at the response positions
     (every position, masked or not, gets its value).
 
+    Observed tokens (``rollout.observation_mask``: tool output, environment text) are inputs of
+    the forward (:meth:`~policygrad.rollout.base.Rollout.attention_mask`) but are not scored:
+    log-prob and entropy are read at the ``response_mask`` positions only.
+
     An FSDP2-sharded ``model`` runs this as its own forward (:func:`call_as_forward`), with one
     decoder call per batch (no prompt sharing): each call all-gathers every layer, so the number
     of calls must not depend on the data, or the ranks' collectives would not pair up."""
@@ -372,13 +378,15 @@ def policy_logprobs(
             fused_head=fused_head,
         )
     temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
-    head = plain_output_head(model) if fused_head and not sampling.truncated else None
+    head = plain_output_head(model) if fused_head and not sampling.truncates else None
     if head is not None:
         decoder, lm_head = head
         valid = rollout.response_mask > 0
         hidden_valid = None
         if share_prompts and not getattr(model, "is_gradient_checkpointing", False):
             hidden_valid = packed_response_hidden(decoder, rollout)
+            if hidden_valid is not None and rollout.observation_mask is not None:
+                hidden_valid = hidden_valid[valid[rollout.seen_mask()]]  # the chosen of the seen tokens
         if hidden_valid is None:
             hidden = _response_outputs(model, rollout, share_prompts=share_prompts, decoder=decoder)
             hidden_valid = hidden[valid]

@@ -77,7 +77,7 @@ class SamplingParams:
         object.__setattr__(self, "greedy", bool(self.greedy))
 
     @property
-    def truncated(self) -> bool:
+    def truncates(self) -> bool:
         """True when top-k or top-p cuts the tempered softmax."""
         return self.top_k is not None or self.top_p is not None
 
@@ -130,6 +130,13 @@ class Rollout:
         group_size: G, samples per prompt.
         sampling: the :class:`SamplingParams` the responses were drawn with (the distribution
             ``sampler_logprobs`` refer to, and the default of the training forwards).
+        observation_mask: None, or FloatTensor [B, T] (float32), 1.0 on response-region tokens
+            the model sees but did not choose (tool output, environment text between turns),
+            never where ``response_mask`` is 1. The model's inputs (:meth:`attention_mask`,
+            :meth:`position_ids`, :meth:`trim`, the training forwards) cover both masks
+            (:meth:`seen_mask`); everything learned from or measured on the policy's choices
+            (loss, KL, entropy, advantages, lengths) reads ``response_mask`` only, and
+            ``sampler_logprobs`` is 0.0 on observation tokens.
 
     Raises (on construction):
         ValueError: tensors whose shapes disagree (names the fields).
@@ -144,6 +151,7 @@ class Rollout:
     group_index: torch.Tensor = _rows(GROUP)
     group_size: int = 1
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    observation_mask: torch.Tensor | None = _rows(RESPONSE, default=None)
 
     def __post_init__(self) -> None:
         B, P = self.prompt_ids.shape
@@ -162,6 +170,15 @@ class Rollout:
         for name in ("truncated", "group_index"):
             if getattr(self, name).shape != (B,):
                 raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != (B,) = ({B},)")
+        if self.observation_mask is not None:
+            shape = tuple(self.observation_mask.shape)
+            if shape != (B, T):
+                raise ValueError(f"observation_mask shape {shape} != response_ids shape {(B, T)}")
+            if bool(((self.observation_mask > 0) & (self.response_mask > 0)).any()):
+                raise ValueError(
+                    "observation_mask overlaps response_mask: a token is either chosen by the policy "
+                    "or observed, not both"
+                )
 
     @property
     def batch_size(self) -> int:
@@ -182,9 +199,16 @@ class Rollout:
         """LongTensor [B, P+T]: ``cat(prompt_ids, response_ids)``, the full sequences."""
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
+    def seen_mask(self) -> torch.Tensor:
+        """BoolTensor [B, T]: the response-region tokens the model sees, chosen
+        (``response_mask``) or observed (``observation_mask``)."""
+        seen = self.response_mask > 0
+        return seen if self.observation_mask is None else seen | (self.observation_mask > 0)
+
     def attention_mask(self) -> torch.Tensor:
-        """LongTensor [B, P+T]: 1 on real prompt tokens and on response tokens up to the first EOS."""
-        return torch.cat([self.prompt_mask.long(), (self.response_mask > 0).long()], dim=1)
+        """LongTensor [B, P+T]: 1 on real prompt tokens and on the response tokens the model sees
+        (:meth:`seen_mask`: chosen up to the first EOS, and observed)."""
+        return torch.cat([self.prompt_mask.long(), self.seen_mask().long()], dim=1)
 
     def position_ids(self) -> torch.Tensor:
         """LongTensor [B, P+T]: ``cumsum(attention_mask) - 1``, 0 on padding.
@@ -210,11 +234,13 @@ class Rollout:
 
     def trim(self) -> Rollout:
         """The same rows with prompt columns that are padding in every row and response columns
-        masked in every row removed (the result has the smallest P and T that hold the batch)."""
+        after the last one any row sees (:meth:`seen_mask`) removed (the result has the smallest P
+        and T that hold the batch)."""
         P = self.prompt_ids.shape[1]
         real_cols = self.prompt_mask.any(0).nonzero()
         first = int(real_cols[0]) if real_cols.numel() else P
-        T = int(self.response_lengths.max()) if self.batch_size else 0
+        seen_cols = self.seen_mask().any(0).nonzero()
+        T = int(seen_cols[-1]) + 1 if seen_cols.numel() else 0
         cut = {PROMPT: lambda t: t[:, first:], RESPONSE: lambda t: t[:, :T]}
         return self._map(lambda t: t, per_layout=cut)
 

@@ -17,7 +17,7 @@ def test_sampling_params_normalise_the_off_values():
     assert SamplingParams(1, 0, 1.0) == SamplingParams(1.0, None, None) == SamplingParams()
     p = SamplingParams(0.7, 5, 0.9, greedy=1)
     assert (p.temperature, p.top_k, p.top_p, p.greedy) == (0.7, 5, 0.9, True)
-    assert type(p.temperature) is float and p.truncated and not SamplingParams(0.7).truncated
+    assert type(p.temperature) is float and p.truncates and not SamplingParams(0.7).truncates
     assert p.tempered() == SamplingParams(0.7)  # the reference's distribution: no truncation
     assert hash(p) == hash(SamplingParams(0.7, 5, 0.9, True))
     with pytest.raises(AttributeError):
@@ -205,3 +205,42 @@ def test_every_tensor_field_declares_its_layout_and_trim_select_follow_it():
     sub = rollout.select([0, 1]).trim()  # 2 all-pad prompt columns go
     assert sub.prompt_ids.shape == (2, 3) and sub.response_ids.shape == (2, 4)
     assert torch.equal(sub.input_ids()[:, 3:], rollout.response_ids[:2])
+
+
+def _observing(rollout: Rollout) -> Rollout:
+    """``rollout`` with its chosen tokens 1 .. 2 of each row turned into observed ones."""
+    observed = torch.zeros_like(rollout.response_mask)
+    observed[:, 1:3] = rollout.response_mask[:, 1:3]
+    return dataclasses.replace(
+        rollout,
+        response_mask=rollout.response_mask - observed,
+        sampler_logprobs=rollout.sampler_logprobs * (1 - observed),
+        observation_mask=observed,
+    )
+
+
+def test_concat_and_gather_carry_the_observation_mask():
+    plain = [_hand_rollout(p, r, first_token=100 * i) for i, (p, r) in enumerate(BATCHES)]
+    rollouts = [_observing(r) for r in plain]
+    T = max(r.response_ids.shape[1] for r in rollouts)
+    # The hand-listed concat knows no observation_mask (it would keep the first batch's: a shape
+    # error); listed by hand here too.
+    by_hand = dataclasses.replace(
+        _concat_by_hand([dataclasses.replace(r, observation_mask=None) for r in rollouts]),
+        observation_mask=torch.cat([_pad(r.observation_mask, T, left=False) for r in rollouts]),
+    )
+    joined = Rollout.concat(rollouts)
+    _assert_same(joined, by_hand)
+    assert joined.observation_mask.sum() == sum(r.observation_mask.sum() for r in rollouts) > 0
+    assert torch.equal(joined.seen_mask(), Rollout.concat(plain).response_mask > 0)
+    offsets = [0, rollouts[0].num_groups, rollouts[0].num_groups + rollouts[1].num_groups]
+    collective = _Collective(3)
+    for gathered in collective.run(
+        lambda rank, r: r.gather(collective.gather_rows(rank), offsets[rank]), rollouts
+    ):
+        _assert_same(gathered, by_hand)
+    # A batch without observations joins one with: zeros in its rows.
+    mixed = Rollout.concat([plain[0], rollouts[1]])
+    assert mixed.observation_mask.dtype == torch.float32
+    assert mixed.observation_mask[: plain[0].batch_size].sum() == 0
+    assert Rollout.concat(plain[:2]).observation_mask is None
