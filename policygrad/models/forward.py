@@ -31,8 +31,8 @@ __all__ = [
     "packed_response_hidden",
     "plain_output_head",
     "policy_logprobs",
-    "response_hidden",
     "resolve_sampling",
+    "response_hidden",
     "response_logits",
 ]
 

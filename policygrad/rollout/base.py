@@ -139,7 +139,8 @@ class Rollout:
             ``sampler_logprobs`` is 0.0 on observation tokens.
 
     Raises (on construction):
-        ValueError: tensors whose shapes disagree (names the fields).
+        ValueError: tensors whose shapes disagree (names the fields); an ``observation_mask``
+            that overlaps ``response_mask``.
     """
 
     prompt_ids: torch.Tensor = _rows(PROMPT)
