@@ -18,7 +18,7 @@ import torch
 from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from policygrad.core.losses import entropy_from_logits
 from policygrad.core.masking import masked_mean
-from policygrad.rollout.base import Rollout
+from policygrad.rollout.base import Rollout, SamplingParams
 
 __all__ = [
     "PACK_ROW_TOKENS",
@@ -31,6 +31,7 @@ __all__ = [
     "packed_response_hidden",
     "plain_output_head",
     "policy_logprobs",
+    "resolve_sampling",
     "response_hidden",
     "response_logits",
 ]
@@ -179,15 +180,17 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
 
     Args:
         decoder: the model's decoder stack (``plain_output_head(model)[0]``) with sdpa attention.
-        rollout: left-padded prompts, right-padded responses whose ``response_mask`` is 1 on a
-            prefix of each row (the rollout invariant).
+        rollout: left-padded prompts, right-padded responses whose seen tokens
+            (:meth:`~policygrad.rollout.base.Rollout.seen_mask`: chosen, and observed where there
+            is an ``observation_mask``) are a prefix of each row (the rollout invariant).
 
     Returns:
-        [N, H] hidden states in the model's dtype, N = ``(response_mask > 0).sum()``, in the
-        row-major order of ``rollout.response_mask > 0`` (row b, token t is predicted by the
-        hidden state before it); None when packing does not apply (another attention kernel, a
-        mask that is not a prefix, a model without a transformers cache), so the caller falls
-        back to the padded forward (also for a sliding-window model and for T = 0).
+        [N, H] hidden states in the model's dtype, N = ``rollout.seen_mask().sum()``, in the
+        row-major order of ``rollout.seen_mask()`` (row b, token t is predicted by the hidden
+        state before it; without an ``observation_mask`` these are the ``response_mask``
+        positions); None when packing does not apply (another attention kernel, a mask that is
+        not a prefix, a model without a transformers cache), so the caller falls back to the
+        padded forward (also for a sliding-window model and for T = 0).
     """
     config = getattr(decoder, "config", None)
     attn = getattr(config, "_attn_implementation", None)
@@ -201,7 +204,7 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
         return None
     if rollout.response_ids.shape[1] == 0:
         return None
-    mask = rollout.response_mask > 0
+    mask = rollout.seen_mask()
     lengths = mask.sum(-1)
     B, T = mask.shape
     steps = torch.arange(T, device=mask.device)
@@ -294,19 +297,55 @@ def call_as_forward(model, fn, *args, **kwargs):
         model.__dict__["_running_as_forward"] = False
 
 
+_UNSET = object()
+
+
+def resolve_sampling(
+    rollout: Rollout,
+    sampling: SamplingParams | None = None,
+    *,
+    temperature=_UNSET,
+    top_k=_UNSET,
+    top_p=_UNSET,
+) -> SamplingParams:
+    """The distribution a forward scores the tokens under: ``sampling`` when given; else, when any
+    of the loose ``temperature`` / ``top_k`` / ``top_p`` keywords is given, those (an omitted
+    ``top_k`` / ``top_p`` is off, an omitted ``temperature`` is the rollout's); else the rollout's
+    own ``rollout.sampling``. ``top_k`` 0 and None, ``top_p`` 1.0 and None mean the same (off).
+
+    Raises:
+        TypeError: ``sampling`` given together with a loose keyword.
+    """
+    loose = {
+        k: v for k, v in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p)) if v is not _UNSET
+    }
+    if sampling is not None:
+        if loose:
+            raise TypeError(f"give either sampling= or {'/'.join(loose)}=, not both")
+        return sampling
+    if not loose:
+        return rollout.sampling
+    return SamplingParams(
+        loose.get("temperature", rollout.sampling.temperature), loose.get("top_k"), loose.get("top_p")
+    )
+
+
 def policy_logprobs(
     model,
     rollout: Rollout,
     *,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    sampling: SamplingParams | None = None,
+    temperature: float = _UNSET,
+    top_k: int | None = _UNSET,
+    top_p: float | None = _UNSET,
     with_entropy: bool | str = False,
     share_prompts: bool = True,
     fused_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Float32 log-probs [B, T] of the response tokens under the sampled distribution
-    (``logits / temperature`` with the sampler's top-k/top-p truncation), and the entropy [B, T]
+    (``logits / temperature`` with the sampler's top-k/top-p truncation; by default the rollout's
+    ``rollout.sampling``, or ``sampling`` / the loose keywords, see :func:`resolve_sampling`:
+    ``sampling=rollout.sampling.tempered()`` scores under the full tempered softmax), and the entropy [B, T]
     of the full tempered distribution when ``with_entropy`` is True (detached, a diagnostic) or
     ``"grad"`` (differentiable, for an entropy bonus); None otherwise. ``share_prompts``: run each
     distinct prompt once (:func:`response_logits`).
@@ -319,29 +358,35 @@ def policy_logprobs(
     that hooks the lm_head module), the [B, T, V] logits are computed at the response positions
     (every position, masked or not, gets its value).
 
+    Observed tokens (``rollout.observation_mask``: tool output, environment text) are inputs of
+    the forward (:meth:`~policygrad.rollout.base.Rollout.attention_mask`) but are not scored:
+    log-prob and entropy are read at the ``response_mask`` positions only.
+
     An FSDP2-sharded ``model`` runs this as its own forward (:func:`call_as_forward`), with one
     decoder call per batch (no prompt sharing): each call all-gathers every layer, so the number
     of calls must not depend on the data, or the ranks' collectives would not pair up."""
+    sampling = resolve_sampling(rollout, sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     if is_sharded_root(model):
         return call_as_forward(
             model,
             policy_logprobs,
             model,
             rollout,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
+            sampling=sampling,
             with_entropy=with_entropy,
             share_prompts=False,
             fused_head=fused_head,
         )
-    head = plain_output_head(model) if fused_head and not top_k and top_p >= 1.0 else None
+    temperature, top_k, top_p = sampling.temperature, sampling.top_k, sampling.top_p
+    head = plain_output_head(model) if fused_head and not sampling.truncates else None
     if head is not None:
         decoder, lm_head = head
         valid = rollout.response_mask > 0
         hidden_valid = None
         if share_prompts and not getattr(model, "is_gradient_checkpointing", False):
             hidden_valid = packed_response_hidden(decoder, rollout)
+            if hidden_valid is not None and rollout.observation_mask is not None:
+                hidden_valid = hidden_valid[valid[rollout.seen_mask()]]  # the chosen of the seen tokens
         if hidden_valid is None:
             hidden = _response_outputs(model, rollout, share_prompts=share_prompts, decoder=decoder)
             hidden_valid = hidden[valid]
@@ -361,9 +406,9 @@ def policy_logprobs(
         return logprobs, entropy
     logits = response_logits(model, rollout, share_prompts=share_prompts)
     kwargs = {}
-    if top_k:
+    if top_k is not None:
         kwargs["top_k"] = top_k
-    if top_p < 1.0:
+    if top_p is not None:
         kwargs["top_p"] = top_p
     logprobs = logprobs_from_logits(logits, rollout.response_ids, temperature=temperature, **kwargs)
     entropy = None
@@ -388,14 +433,17 @@ def inference_logprobs(
     model,
     rollout: Rollout,
     *,
-    temperature: float,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingParams | None = None,
+    temperature: float = _UNSET,
+    top_k: int | None = _UNSET,
+    top_p: float | None = _UNSET,
     micro_batch_size: int,
 ) -> torch.Tensor:
     """:func:`policy_logprobs` without autograd, ``micro_batch_size`` rows at a time: the old
-    log-probs of the sampling policy, or the reference's (pass ``top_k=0, top_p=1.0``: a reference
-    is never sampled from, so its log-probs are of the full tempered softmax).
+    log-probs of the sampling policy (the default: ``rollout.sampling``), or the reference's (pass
+    ``sampling=rollout.sampling.tempered()``: a reference is never sampled from, so its log-probs
+    are of the full tempered softmax). The distribution is chosen as in :func:`resolve_sampling`;
+    the loose keywords are the older form (``temperature=`` alone is the full tempered softmax).
 
     Each micro-batch is trimmed to its own longest response and prompt (no work on columns that
     are padding in all of its rows); the rest of its rows stays 0.
@@ -403,12 +451,13 @@ def inference_logprobs(
     Returns:
         float32 [B, T], a normal tensor (not an inference tensor), usable next to autograd tensors.
     """
+    sampling = resolve_sampling(rollout, sampling, temperature=temperature, top_k=top_k, top_p=top_p)
     with no_grad_context(model):
         out = torch.zeros(rollout.response_ids.shape, dtype=torch.float32, device=rollout.response_ids.device)
         for start in range(0, rollout.batch_size, micro_batch_size):
             rows = torch.arange(start, min(start + micro_batch_size, rollout.batch_size))
             sub = rollout.select(rows).trim()
-            lp, _ = policy_logprobs(model, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+            lp, _ = policy_logprobs(model, sub, sampling=sampling)
             out[start : start + sub.batch_size, : lp.shape[1]] = lp
         return out
 

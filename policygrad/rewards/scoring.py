@@ -14,17 +14,29 @@ estimator reads, in this order:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from policygrad.core.groups import fill_with_group_mean
 from policygrad.rewards.normalize import RewardNormalizer
-from policygrad.rewards.registry import CompositeReward, apply_truncation_policy, row_fields_from_rows
+from policygrad.rewards.registry import (
+    CompositeReward,
+    RewardOutput,
+    apply_truncation_policy,
+    row_fields_from_rows,
+)
 
 __all__ = ["Scorer", "Scores"]
+
+
+# How a Scores field is laid out, declared once per field and read by select, concat and gather.
+_ROW = "row"  # a tensor [B]
+_ROW_DICT = "row_dict"  # name -> tensor [B]
+_DERIVED = "derived"  # computed from the row fields (the reward metrics)
 
 
 @dataclass(frozen=True)
@@ -42,23 +54,70 @@ class Scores:
         metrics: ``reward/invalid_frac`` and the per-function ``reward_fn/<name>/...`` metrics.
     """
 
-    scores: torch.Tensor
-    raw: torch.Tensor
-    valid: torch.Tensor
-    failed: torch.Tensor
-    components: dict[str, torch.Tensor]
-    metrics: dict[str, float]
+    scores: torch.Tensor = field(metadata={"layout": _ROW})
+    raw: torch.Tensor = field(metadata={"layout": _ROW})
+    valid: torch.Tensor = field(metadata={"layout": _ROW})
+    failed: torch.Tensor = field(metadata={"layout": _ROW})
+    components: dict[str, torch.Tensor] = field(metadata={"layout": _ROW_DICT})
+    metrics: dict[str, float] = field(metadata={"layout": _DERIVED})
 
     def select(self, rows: torch.Tensor) -> Scores:
-        """The scores of the rows ``rows`` (LongTensor of row ids), in that order."""
-        return Scores(
-            self.scores[rows],
-            self.raw[rows],
-            self.valid[rows],
-            self.failed[rows],
-            {k: v[rows] for k, v in self.components.items()},
-            self.metrics,
-        )
+        """The scores of the rows ``rows`` (LongTensor of row ids), in that order (``metrics``
+        kept as they are)."""
+        return Scores._build(self, lambda name, key: _entry(self, name, key)[rows], keep_derived=True)
+
+    @classmethod
+    def concat(cls, scores: Sequence[Scores]) -> Scores:
+        """One batch of several, rows in order; ``metrics`` recomputed from the joined ``raw``,
+        ``components`` and ``failed`` (the reward metrics of every row). A single batch is
+        returned as it is.
+
+        Raises:
+            ValueError: no batches.
+        """
+        if not scores:
+            raise ValueError("Scores.concat needs at least one batch")
+        if len(scores) == 1:
+            return scores[0]
+        return cls._build(scores[0], lambda name, key: torch.cat([_entry(s, name, key) for s in scores]))
+
+    def gather(self, gather_rows: Callable[[torch.Tensor], torch.Tensor]) -> Scores:
+        """Every process's rows as one batch, from a collective row gather ``gather_rows(tensor)``
+        (the rows of every process's tensor in rank order, e.g.
+        ``policygrad.trainer.distributed.Dist.gather_rows``; called once per tensor, fields in
+        declaration order and components in their order, on every process); ``metrics``
+        recomputed from the gathered rows as in :meth:`concat`."""
+        return Scores._build(self, lambda name, key: gather_rows(_entry(self, name, key)))
+
+    @classmethod
+    def _build(cls, template: Scores, row, *, keep_derived: bool = False) -> Scores:
+        """A Scores whose row field ``name`` is ``row(name, None)`` and whose dict-of-rows entry
+        ``name[key]`` is ``row(name, key)`` (keys of ``template``), fields in declaration order;
+        derived fields are ``template``'s with ``keep_derived``, else recomputed."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            layout = f.metadata["layout"]
+            if layout == _ROW:
+                values[f.name] = row(f.name, None)
+            elif layout == _ROW_DICT:
+                values[f.name] = {k: row(f.name, k) for k in getattr(template, f.name)}
+        for f in dataclasses.fields(cls):
+            if f.metadata["layout"] == _DERIVED:
+                values[f.name] = (
+                    getattr(template, f.name) if keep_derived else _DERIVED_FIELDS[f.name](values)
+                )
+        return cls(**values)
+
+
+def _entry(scores: Scores, name: str, key: str | None) -> torch.Tensor:
+    value = getattr(scores, name)
+    return value if key is None else value[key]
+
+
+# How each derived field is computed from the row fields.
+_DERIVED_FIELDS = {
+    "metrics": lambda v: RewardOutput(v["raw"], v["components"], ~v["failed"]).metrics(),
+}
 
 
 class Scorer:

@@ -1,7 +1,14 @@
 """Generation engines that sample responses and return a :class:`Rollout` batch."""
 
-from policygrad.rollout.base import Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout, RolloutEngine, SamplingParams
 from policygrad.rollout.hf import HFRolloutEngine
 from policygrad.rollout.vllm import VLLMRolloutEngine, vllm_available
 
-__all__ = ["HFRolloutEngine", "Rollout", "RolloutEngine", "VLLMRolloutEngine", "vllm_available"]
+__all__ = [
+    "HFRolloutEngine",
+    "Rollout",
+    "RolloutEngine",
+    "SamplingParams",
+    "VLLMRolloutEngine",
+    "vllm_available",
+]

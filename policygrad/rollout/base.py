@@ -29,6 +29,86 @@ def prompt_seed(*parts: int) -> int:
     return int.from_bytes(digest[:8], "little") >> 2
 
 
+def _normalise_sampling(temperature, top_k, top_p) -> tuple[float, int | None, float | None]:
+    """``(temperature, top_k, top_p)`` checked, with the "off" values normalised: ``top_k`` None
+    when off (None or 0), ``top_p`` None when off (None or 1.0)."""
+    temperature = float(temperature)
+    if not temperature > 0 or temperature == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
+            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
+        if top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
+        top_k = int(top_k) or None
+    if top_p is not None:
+        top_p = float(top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
+        if top_p == 1.0:
+            top_p = None
+    return temperature, top_k, top_p
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """The distribution a batch was sampled from: ``softmax(logits / temperature)`` restricted to
+    the ``top_k`` most likely tokens, then to the smallest set of mass >= ``top_p``, renormalised
+    (or the argmax with ``greedy``).
+
+    The "off" values are normalised on construction, so equal distributions compare equal:
+    ``top_k`` 0 -> None, ``top_p`` 1.0 -> None; ``temperature`` becomes a float.
+
+    Raises (on construction):
+        TypeError: ``top_k`` not an int or None.
+        ValueError: ``temperature`` <= 0 or infinite; ``top_k`` < 0; ``top_p`` outside (0, 1].
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    greedy: bool = False
+
+    def __post_init__(self) -> None:
+        temperature, top_k, top_p = _normalise_sampling(self.temperature, self.top_k, self.top_p)
+        object.__setattr__(self, "temperature", temperature)
+        object.__setattr__(self, "top_k", top_k)
+        object.__setattr__(self, "top_p", top_p)
+        object.__setattr__(self, "greedy", bool(self.greedy))
+
+    @property
+    def truncates(self) -> bool:
+        """True when top-k or top-p cuts the tempered softmax."""
+        return self.top_k is not None or self.top_p is not None
+
+    def tempered(self) -> SamplingParams:
+        """The full tempered softmax at this temperature (no top-k/top-p, not greedy): the
+        distribution of a reference model, which is never sampled from (truncated to its own
+        top-k/top-p set it would give -inf to tokens the updated policy samples outside it)."""
+        return SamplingParams(self.temperature)
+
+
+# How a Rollout field is laid out along the batch, declared once per field (``layout`` metadata)
+# and read by every operation that rebuilds a batch (select, trim, concat, gather), so a new
+# field cannot be forgotten by one of them. A field without a layout is batch-wide metadata.
+PROMPT = "prompt"  # [B, P]: left-padded prompt columns
+RESPONSE = "response"  # [B, T]: right-padded response columns
+ROW = "row"  # [B]: one value per row
+GROUP = "group"  # [B]: a group id, renumbered when batches are joined
+_PAD_LEFT = {PROMPT: True, RESPONSE: False}
+
+
+def _rows(layout: str, **kwargs):
+    """A dataclass field laid out along the batch as ``layout``."""
+    return dataclasses.field(metadata={"layout": layout}, **kwargs)
+
+
+def field_layouts(cls) -> dict[str, str | None]:
+    """``{field name: layout}`` of a dataclass whose fields declare ``layout`` metadata (None:
+    batch-wide metadata)."""
+    return {f.name: f.metadata.get("layout") for f in dataclasses.fields(cls)}
+
+
 @dataclasses.dataclass
 class Rollout:
     """One batch of sampled responses (B sequences, P prompt columns, T response columns).
@@ -48,27 +128,31 @@ class Rollout:
         group_index: LongTensor [B], index (within this batch) of the prompt each row answers;
             rows of one prompt are contiguous, so ``group_index = arange(n).repeat_interleave(G)``.
         group_size: G, samples per prompt.
-        temperature: sampling temperature the log-probs refer to.
-        top_k: top-k truncation used (None = off).
-        top_p: nucleus mass used (None = off).
-        greedy: True when tokens were chosen by argmax instead of sampling.
+        sampling: the :class:`SamplingParams` the responses were drawn with (the distribution
+            ``sampler_logprobs`` refer to, and the default of the training forwards).
+        observation_mask: None, or FloatTensor [B, T] (float32), 1.0 on response-region tokens
+            the model sees but did not choose (tool output, environment text between turns),
+            never where ``response_mask`` is 1. The model's inputs (:meth:`attention_mask`,
+            :meth:`position_ids`, :meth:`trim`, the training forwards) cover both masks
+            (:meth:`seen_mask`); everything learned from or measured on the policy's choices
+            (loss, KL, entropy, advantages, lengths) reads ``response_mask`` only, and
+            ``sampler_logprobs`` is 0.0 on observation tokens.
 
     Raises (on construction):
-        ValueError: tensors whose shapes disagree (names the fields).
+        ValueError: tensors whose shapes disagree (names the fields); an ``observation_mask``
+            that overlaps ``response_mask``.
     """
 
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    truncated: torch.Tensor
-    sampler_logprobs: torch.Tensor
-    group_index: torch.Tensor
+    prompt_ids: torch.Tensor = _rows(PROMPT)
+    prompt_mask: torch.Tensor = _rows(PROMPT)
+    response_ids: torch.Tensor = _rows(RESPONSE)
+    response_mask: torch.Tensor = _rows(RESPONSE)
+    truncated: torch.Tensor = _rows(ROW)
+    sampler_logprobs: torch.Tensor = _rows(RESPONSE)
+    group_index: torch.Tensor = _rows(GROUP)
     group_size: int = 1
-    temperature: float = 1.0
-    top_k: int | None = None
-    top_p: float | None = None
-    greedy: bool = False
+    sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    observation_mask: torch.Tensor | None = _rows(RESPONSE, default=None)
 
     def __post_init__(self) -> None:
         B, P = self.prompt_ids.shape
@@ -87,6 +171,15 @@ class Rollout:
         for name in ("truncated", "group_index"):
             if getattr(self, name).shape != (B,):
                 raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != (B,) = ({B},)")
+        if self.observation_mask is not None:
+            shape = tuple(self.observation_mask.shape)
+            if shape != (B, T):
+                raise ValueError(f"observation_mask shape {shape} != response_ids shape {(B, T)}")
+            if bool(((self.observation_mask > 0) & (self.response_mask > 0)).any()):
+                raise ValueError(
+                    "observation_mask overlaps response_mask: a token is either chosen by the policy "
+                    "or observed, not both"
+                )
 
     @property
     def batch_size(self) -> int:
@@ -107,9 +200,16 @@ class Rollout:
         """LongTensor [B, P+T]: ``cat(prompt_ids, response_ids)``, the full sequences."""
         return torch.cat([self.prompt_ids, self.response_ids], dim=1)
 
+    def seen_mask(self) -> torch.Tensor:
+        """BoolTensor [B, T]: the response-region tokens the model sees, chosen
+        (``response_mask``) or observed (``observation_mask``)."""
+        seen = self.response_mask > 0
+        return seen if self.observation_mask is None else seen | (self.observation_mask > 0)
+
     def attention_mask(self) -> torch.Tensor:
-        """LongTensor [B, P+T]: 1 on real prompt tokens and on response tokens up to the first EOS."""
-        return torch.cat([self.prompt_mask.long(), (self.response_mask > 0).long()], dim=1)
+        """LongTensor [B, P+T]: 1 on real prompt tokens and on the response tokens the model sees
+        (:meth:`seen_mask`: chosen up to the first EOS, and observed)."""
+        return torch.cat([self.prompt_mask.long(), self.seen_mask().long()], dim=1)
 
     def position_ids(self) -> torch.Tensor:
         """LongTensor [B, P+T]: ``cumsum(attention_mask) - 1``, 0 on padding.
@@ -135,31 +235,133 @@ class Rollout:
 
     def trim(self) -> Rollout:
         """The same rows with prompt columns that are padding in every row and response columns
-        masked in every row removed (the result has the smallest P and T that hold the batch)."""
+        after the last one any row sees (:meth:`seen_mask`) removed (the result has the smallest P
+        and T that hold the batch)."""
         P = self.prompt_ids.shape[1]
         real_cols = self.prompt_mask.any(0).nonzero()
         first = int(real_cols[0]) if real_cols.numel() else P
-        T = int(self.response_lengths.max()) if self.batch_size else 0
-        return dataclasses.replace(
-            self,
-            prompt_ids=self.prompt_ids[:, first:],
-            prompt_mask=self.prompt_mask[:, first:],
-            response_ids=self.response_ids[:, :T],
-            response_mask=self.response_mask[:, :T],
-            sampler_logprobs=self.sampler_logprobs[:, :T],
-        )
+        seen_cols = self.seen_mask().any(0).nonzero()
+        T = int(seen_cols[-1]) + 1 if seen_cols.numel() else 0
+        cut = {PROMPT: lambda t: t[:, first:], RESPONSE: lambda t: t[:, :T]}
+        return self._map(lambda t: t, per_layout=cut)
 
     def to(self, device: torch.device | str) -> Rollout:
         """All tensors moved to ``device`` (a no-op copy-free view where already there)."""
         return self._map(lambda t: t.to(device))
 
-    def _map(self, fn) -> Rollout:
-        changes = {
-            f.name: fn(getattr(self, f.name))
-            for f in dataclasses.fields(self)
-            if isinstance(getattr(self, f.name), torch.Tensor)
+    @property
+    def num_groups(self) -> int:
+        """``max(group_index) + 1`` (0 for an empty batch): the group ids this batch uses, the
+        offset of the next batch's groups when batches are joined."""
+        return int(self.group_index.max()) + 1 if self.batch_size else 0
+
+    @classmethod
+    def concat(cls, rollouts: Sequence[Rollout]) -> Rollout:
+        """One batch of several: rows in order, prompts left-padded (with 0) to the widest P,
+        response fields right-padded (with 0) to the widest T, groups renumbered in order (each
+        batch's ids offset by the :attr:`num_groups` of the batches before it). A single rollout
+        is returned as it is. An optional field that is None in some batches and not in others
+        is zeros in their rows.
+
+        Raises:
+            ValueError: no rollouts, or batch-wide metadata (``group_size``, ``sampling``) that
+                differs between them.
+        """
+        if not rollouts:
+            raise ValueError("Rollout.concat needs at least one rollout")
+        if len(rollouts) == 1:
+            return rollouts[0]
+        first = rollouts[0]
+        widths = {
+            PROMPT: max(r.prompt_ids.shape[1] for r in rollouts),
+            RESPONSE: max(r.response_ids.shape[1] for r in rollouts),
         }
+        offsets, total = [], 0
+        for r in rollouts:
+            offsets.append(total)
+            total += r.num_groups
+        changes = {}
+        for name, layout in field_layouts(cls).items():
+            values = [getattr(r, name) for r in rollouts]
+            if layout is None:
+                _check_tensor_free(name, values[0])
+                if any(v != values[0] for v in values[1:]):
+                    raise ValueError(f"Rollout.concat: {name} differs between the rollouts: {values}")
+                continue
+            if all(v is None for v in values):
+                continue
+            parts = []
+            for r, v, offset in zip(rollouts, values, offsets):
+                if v is None:
+                    like = next(u for u in values if u is not None)
+                    v = like.new_zeros(r._shape(layout))
+                if layout in _PAD_LEFT:
+                    v = _pad(v, widths[layout], left=_PAD_LEFT[layout])
+                elif layout == GROUP:
+                    v = v + offset
+                parts.append(v)
+            changes[name] = torch.cat(parts)
+        return dataclasses.replace(first, **changes)
+
+    def gather(self, gather_rows, group_offset: int) -> Rollout:
+        """Every process's rows as one batch, from a collective row gather.
+
+        Args:
+            gather_rows: ``gather_rows(tensor, left=bool) -> tensor``, the rows of every process's
+                ``tensor`` [B_r, ...] concatenated in rank order, a second dimension padded to
+                the widest (on the left with ``left``), e.g.
+                ``policygrad.trainer.distributed.Dist.gather_rows``. Called once per tensor field,
+                in field order, on every process (an optional field must be None on every
+                process or on none).
+            group_offset: the :attr:`num_groups` of the processes before this one (an exclusive
+                prefix sum), added to this process's ``group_index`` so groups stay distinct.
+
+        Returns:
+            The gathered rollout; batch-wide metadata (``group_size``, ``sampling``) is this
+            process's.
+        """
+        changes = {}
+        for name, layout in field_layouts(type(self)).items():
+            value = getattr(self, name)
+            if layout is None:
+                _check_tensor_free(name, value)
+            elif value is not None:
+                if layout == GROUP:
+                    value = value + group_offset
+                changes[name] = gather_rows(value, left=_PAD_LEFT.get(layout, False))
         return dataclasses.replace(self, **changes)
+
+    def _shape(self, layout: str) -> tuple[int, ...]:
+        """The shape of a field of ``layout`` in this batch."""
+        if layout == PROMPT:
+            return tuple(self.prompt_ids.shape)
+        if layout == RESPONSE:
+            return tuple(self.response_ids.shape)
+        return (self.batch_size,)
+
+    def _map(self, fn, per_layout: dict | None = None) -> Rollout:
+        """Every tensor field through ``fn`` (and first through ``per_layout[layout]`` when the
+        field's layout has an entry); None fields stay None."""
+        per_layout = per_layout or {}
+        changes = {}
+        for name, layout in field_layouts(type(self)).items():
+            value = getattr(self, name)
+            if layout is None:
+                _check_tensor_free(name, value)
+            elif value is not None:
+                changes[name] = fn(per_layout[layout](value) if layout in per_layout else value)
+        return dataclasses.replace(self, **changes)
+
+
+def _pad(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
+    """``t`` [B, w] zero-padded to [B, width], on the left with ``left``."""
+    extra = width - t.shape[1]
+    return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
+
+
+def _check_tensor_free(name: str, value) -> None:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"Rollout field {name!r} is a tensor without a layout: declare it with _rows(...)")
 
 
 def _check_prompts(prompt_token_ids) -> list[list[int]]:
@@ -203,21 +405,7 @@ def check_sampling_args(prompt_token_ids, group_size, temperature, top_p, top_k,
             raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    temperature = float(temperature)
-    if not temperature > 0 or temperature == float("inf"):
-        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral):
-            raise TypeError(f"top_k must be an int or None, got {type(top_k).__name__}")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 or None = off), got {top_k}")
-        top_k = int(top_k) or None
-    if top_p is not None:
-        top_p = float(top_p)
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1] (1.0 or None = off), got {top_p}")
-        if top_p == 1.0:
-            top_p = None
+    temperature, top_k, top_p = _normalise_sampling(temperature, top_k, top_p)
     return prompts, temperature, top_k, top_p
 
 

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
+from policygrad.rollout.base import Rollout, RolloutEngine, SamplingParams, check_sampling_args
 
 
 class _WarpAndRecord:
@@ -265,10 +265,7 @@ class HFRolloutEngine(RolloutEngine):
             sampler_logprobs=sampler_logprobs,
             group_index=group_index,
             group_size=G,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=bool(greedy),
+            sampling=SamplingParams(temperature, top_k, top_p, greedy=bool(greedy)),
         )
 
     def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,

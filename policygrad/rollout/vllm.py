@@ -56,6 +56,7 @@ import torch
 
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
+from policygrad.rollout.base import SamplingParams as RolloutSampling
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
 
@@ -499,10 +500,7 @@ class VLLMRolloutEngine(RolloutEngine):
             sampler_logprobs=torch.where(keep, logprobs[:, :T], torch.zeros(())),
             group_index=torch.arange(n).repeat_interleave(G),
             group_size=G,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            greedy=bool(greedy),
+            sampling=RolloutSampling(temperature, top_k, top_p, greedy=bool(greedy)),
         )
 
     def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos):

@@ -10,6 +10,8 @@ rounds each of them (measured: 1.9e-7 relative; a wrong row, position or mask gi
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -206,3 +208,41 @@ def test_sliding_window_models_and_empty_responses_take_the_padded_path():
     empty.response_mask = empty.response_mask[:, :0]
     empty.sampler_logprobs = empty.sampler_logprobs[:, :0]
     assert packed_response_hidden(plain_output_head(llama)[0], empty) is None
+
+
+@pytest.mark.parametrize("truncation", [(None, None), (5, None), (None, 0.9), (5, 0.9)])
+def test_forwards_default_to_the_rollouts_sampling_params_bit_for_bit(truncation):
+    # The trainer passes temperature/top_k/top_p from its config (top_k=0 and top_p=1.0 when off);
+    # the rollout carries them normalised (None when off). Both spellings give the same bits, so
+    # the trainer may switch to the rollout's own params.
+    from policygrad.models.forward import inference_logprobs
+    from policygrad.rollout.base import SamplingParams
+
+    model, _ = make_tiny_llama(seed=4, initializer_range=0.3)
+    model = model.eval()
+    top_k, top_p = truncation
+    sampling = SamplingParams(0.7, top_k, top_p)
+    rollout = dataclasses.replace(_varied_rollout(), sampling=sampling)
+    config_style = {"temperature": 0.7, "top_k": top_k or 0, "top_p": 1.0 if top_p is None else top_p}
+    with torch.no_grad():
+        default, _ = policy_logprobs(model, rollout, with_entropy=True)
+        for kwargs in (
+            config_style,
+            {"temperature": 0.7, "top_k": top_k, "top_p": top_p},
+            {"sampling": sampling},
+        ):
+            lp, _ = policy_logprobs(model, rollout, with_entropy=True, **kwargs)
+            assert torch.equal(lp, default), kwargs
+        old = inference_logprobs(model, rollout, micro_batch_size=2)
+        assert torch.equal(old, inference_logprobs(model, rollout, micro_batch_size=2, **config_style))
+        ref = inference_logprobs(model, rollout, sampling=sampling.tempered(), micro_batch_size=2)
+        assert torch.equal(ref, inference_logprobs(model, rollout, temperature=0.7, micro_batch_size=2))
+        assert torch.equal(
+            ref, inference_logprobs(model, rollout, temperature=0.7, top_k=0, top_p=1.0, micro_batch_size=2)
+        )
+        if top_k is None and top_p is None:
+            assert torch.equal(ref, old)
+        else:
+            assert not torch.equal(ref, old)  # truncation changed the numbers
+    with pytest.raises(TypeError, match="either sampling= or temperature="):
+        policy_logprobs(model, rollout, sampling=sampling, temperature=0.7)

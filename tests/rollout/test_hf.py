@@ -189,7 +189,7 @@ def test_greedy_picks_the_argmax_and_reports_tempered_logprobs(tiny):
     expected = _gather((logits / 0.5).log_softmax(-1), r.response_ids)
     assert (expected[mask] - r.sampler_logprobs[mask]).abs().max() < 1e-4
     assert torch.equal(r.response_ids[0], r.response_ids[1])  # greedy: the group's samples agree
-    assert r.greedy and r.temperature == 0.5
+    assert r.sampling.greedy and r.sampling.temperature == 0.5
 
 
 def test_left_padding_does_not_change_the_continuation(tiny):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from policygrad.rollout import HFRolloutEngine, VLLMRolloutEngine, vllm_available
+from policygrad.rollout import HFRolloutEngine, SamplingParams, VLLMRolloutEngine, vllm_available
 from tests.tiny import PAD_ID, make_tiny_llama
 
 pytestmark = pytest.mark.integration
@@ -165,7 +165,7 @@ def test_both_engines_same_layout_and_logprobs_match_a_fp32_forward(setup):
     for name, r in rollouts.items():
         _check_layout(r, prompts, 4, 6)
         assert any(r.truncated) and not all(r.truncated), name  # both stop cases occur
-        assert (r.group_size, r.temperature, r.top_k, r.top_p, r.greedy) == (4, 0.7, None, None, False)
+        assert r.group_size == 4 and r.sampling == SamplingParams(0.7, None, None, greedy=False)
         # Acceptance bound: < 1e-3 per token at T = 0.7; fp32 engines agree to ~1e-5.
         assert _abs_diff(model, r).max() < 1e-4, name
     hf, vl = rollouts["hf"], rollouts["vllm"]
@@ -221,7 +221,7 @@ def test_truncated_sampling_logprobs_match(setup, temperature, top_k, top_p):
         max_new_tokens=8,
         generator_seed=1,
     )
-    assert (r.top_k, r.top_p) == (top_k, top_p)
+    assert (r.sampling.top_k, r.sampling.top_p) == (top_k, top_p)
     assert _abs_diff(model, r, temperature, top_k=top_k, top_p=top_p).max() < 1e-4
     # Truncation changed the numbers: the untruncated log-probs are lower (less than 1 in mass).
     mask = r.response_mask.bool()
@@ -241,7 +241,7 @@ def test_greedy_matches_hf_greedy_and_reports_raw_logprobs(setup):
     # vLLM at temperature 0 reports log-softmax of the raw logits (T = 1), not of logits / 0.5.
     raw = logits.log_softmax(-1).gather(-1, vl.response_ids[..., None]).squeeze(-1)
     assert (raw[mask] - vl.sampler_logprobs[mask]).abs().max() < 1e-4
-    assert vl.greedy and vl.temperature == 0.5
+    assert vl.sampling.greedy and vl.sampling.temperature == 0.5
 
 
 # ----------------------------------------------------------------------------- weight sync
