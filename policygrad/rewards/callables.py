@@ -17,7 +17,14 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["NOT_IMPORTABLE", "awaited", "describe_object", "import_path", "is_async_callable"]
+__all__ = [
+    "NOT_IMPORTABLE",
+    "awaited",
+    "callable_name",
+    "describe_object",
+    "import_path",
+    "is_async_callable",
+]
 
 # How config.yaml records an object that cannot be named by an import path.
 NOT_IMPORTABLE = "<{kind} {name} (not importable)>"
@@ -53,6 +60,14 @@ def _run(coroutine):
     return box["value"]
 
 
+def callable_name(fn: Callable) -> str:
+    """The name a reward function is known by: its ``__name__``, a ``functools.partial``'s
+    function's (through nested partials), else its class name (a callable object)."""
+    while getattr(fn, "__name__", None) is None and isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__name__", None) or type(fn).__name__
+
+
 def awaited(fn: Callable) -> Callable:
     """``fn`` itself when it is synchronous; for an async callable, a synchronous wrapper with
     its name (``functools.wraps``) that runs each call's coroutine to completion."""
@@ -63,7 +78,7 @@ def awaited(fn: Callable) -> Callable:
     def call(*args, **kwargs):
         return _run(fn(*args, **kwargs))
 
-    call.__name__ = getattr(fn, "__name__", type(fn).__name__)  # an object's: its class name
+    call.__name__ = callable_name(fn)
     call.__policygrad_async__ = True
     return call
 

@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from policygrad.rewards.callables import awaited
+from policygrad.rewards.callables import awaited, callable_name
 from policygrad.rewards.code import code_tests
 from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
 from policygrad.rewards.verifiers import answer_correctness, answer_format, length_penalty
@@ -212,11 +212,6 @@ def load_reward_function(spec: str | Callable) -> Callable:
     return awaited(fn)
 
 
-def _fn_name(fn: Callable) -> str:
-    name = getattr(fn, "__name__", None)
-    if name is None and hasattr(fn, "func"):  # functools.partial
-        name = getattr(fn.func, "__name__", None)
-    return name or type(fn).__name__
 
 
 class RewardOutput(NamedTuple):
@@ -329,7 +324,7 @@ class CompositeReward:
         for position, entry in enumerate(functions):
             spec, weight, kwargs = self._parse_entry(position, entry)
             fn = load_reward_function(spec)
-            base = spec if isinstance(spec, str) else _fn_name(fn)
+            base = spec if isinstance(spec, str) else callable_name(fn)
             seen[base] = seen.get(base, 0) + 1
             name = base if seen[base] == 1 else f"{base}#{seen[base]}"
             self.entries.append((name, fn, weight, kwargs))

@@ -574,9 +574,11 @@ class Channel:
             error = _BUILTIN_ERRORS.get(reply["raised"], None)
             if error is not None:
                 try:
-                    raise error(reply["message"])
+                    exc = error(reply["message"])
                 except TypeError:  # an exception class whose constructor wants other arguments
-                    pass
+                    exc = None
+                if exc is not None:  # raised outside the try: a TypeError of the program is itself
+                    raise exc
             raise CandidateError(f"{name}() raised {reply['raised'][:80]}: {reply['message'][:500]}")
         self.broken = "malformed reply"
         raise CandidateError(self.broken)

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 import yaml
 
-from policygrad.models.adapters import tied_pairs_that_differ
+from policygrad import __version__
+from policygrad.models.adapters import is_peft_model, merged_weights, tied_pairs_that_differ
 
 __all__ = ["export_merged", "final_metrics", "model_card", "write_model_card"]
 
@@ -57,9 +58,12 @@ def final_metrics(run_dir: str, *, up_to_step: int | None = None) -> dict[str, f
     return found
 
 
-def _library_version() -> str:
-    from policygrad import __version__
+def _folder_name(output_dir) -> str:
+    """The run's folder name (``runs/x/`` -> ``x``), or "policygrad run" without one."""
+    return os.path.basename(os.path.normpath(str(output_dir))) if output_dir else "policygrad run"
 
+
+def _library_version() -> str:
     return __version__
 
 
@@ -97,7 +101,7 @@ def model_card(
         f"- {config.get('algorithm', 'rl')}",
         "---",
         "",
-        f"# {config.get('run_name') or os.path.basename(str(config.get('output_dir', 'policygrad run')))}",
+        f"# {config.get('run_name') or _folder_name(config.get('output_dir'))}",
         "",
         f"A {kind} trained with policygrad {version} (reinforcement learning from verifiable rewards).",
         "",
@@ -219,8 +223,6 @@ def export_merged(policy, tokenizer, folder: str, *, card: str | None = None) ->
     Raises:
         ValueError: an adapter uses DoRA. OSError: the folder cannot be written.
     """
-    from policygrad.models.adapters import is_peft_model, merged_weights
-
     base = policy.get_base_model() if is_peft_model(policy) else policy
     folder = os.path.abspath(folder)
     remove_dead_exports(folder)

@@ -145,12 +145,6 @@ def test_describe_object():
     assert NOT_IMPORTABLE.format(kind="dataset", name="rows") == "<dataset rows (not importable)>"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="awaited() names its wrapper getattr(fn, '__name__', type(fn).__name__), and a partial has "
-    "no __name__: the wrapper is called 'partial', so CompositeReward names an async partial's component "
-    "'partial' (reward_fn/partial/...) where it names the same partial of a sync function after the function",
-)
 def test_an_async_partial_is_named_after_its_function():
     fn = awaited(functools.partial(async_lengths, scale=2))
     assert fn.__name__ == "async_lengths"

@@ -198,11 +198,6 @@ def test_a_builtin_exception_is_raised_as_itself(pipes):
     assert channel.broken is None  # a raised exception is an answer: the channel lives on
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the `except TypeError` around `raise error(message)` (for constructors that want other "
-    "arguments) catches the raised TypeError itself: it arrives as a CandidateError",
-)
 def test_a_type_error_is_raised_as_itself(pipes):
     channel = pipes.channel()
     pipes.reply({"raised": "TypeError", "message": "unsupported operand"})
@@ -351,12 +346,6 @@ def test_the_tests_role_reports_each_assert(pipes, fresh_modules):
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Channel.call raises the built-in error inside `try: ... except TypeError: pass`, meant for "
-    "constructors that want other arguments, so a candidate's TypeError is caught there and becomes a "
-    "CandidateError: a test expecting TypeError fails a correct program",
-)
 def test_a_test_expecting_the_candidates_type_error_passes(pipes, fresh_modules):
     asserts = [
         "try:\n    add('x', 1)\nexcept TypeError:\n    pass\nelse:\n    raise AssertionError('no error')"

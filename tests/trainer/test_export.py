@@ -154,11 +154,6 @@ def test_the_card_names_the_dataset_config_and_the_eval_set():
 
 
 @pytest.mark.unit
-@pytest.mark.xfail(
-    strict=True,
-    reason="model_card titles the card os.path.basename(output_dir), which is '' for a folder given with a "
-    "trailing slash (as shell completion writes it): the card's heading is an empty '# '",
-)
 def test_the_title_of_an_output_dir_given_with_a_trailing_slash():
     lines = model_card(run_config(output_dir="/runs/gsm8k-grpo/"), steps=1, metrics={}, kind="full model")
     assert "# gsm8k-grpo" in lines.splitlines()
