@@ -473,8 +473,9 @@ POLICYGRAD_TIME_KEYS = (
 
 
 def serve_policygrad(spec: dict[str, Any]) -> None:
-    """Worker main loop for the policygrad side: build a ``Trainer`` from ``spec["config"]`` and
-    ``spec["overrides"]``, reply ``ready``, then run one ``Trainer.step()`` per ``step`` command.
+    """Worker main loop for the policygrad side: build a ``Run`` (and so its ``Trainer``) from
+    ``spec["config"]`` and ``spec["overrides"]``, reply ``ready``, then run one
+    ``Trainer.step()`` per ``step`` command.
 
     A step reply holds the wall time around ``Trainer.step()``, every numeric metric the step
     returned, the token counts of the sampled batch (non-padding prompt tokens, response tokens,
@@ -485,10 +486,10 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
         threads = set_threads(int(spec["threads"]))
         import torch
 
-        from policygrad.trainer.loop import Trainer
+        from policygrad.run import Run
 
         cfg = policygrad_config(spec["config"], spec.get("overrides", []))
-        trainer = Trainer(cfg)
+        trainer = Run(cfg).trainer
         rollouts: list[Any] = []
         generate = trainer.engine.generate
 
@@ -508,7 +509,7 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
                 "ok": True,
                 "event": "ready",
                 "load_s": time.perf_counter() - t0,
-                "engine": getattr(trainer, "engine_name", type(trainer.engine).__name__),
+                "engine": trainer.engine_name,
                 "engine_class": type(trainer.engine).__name__,
                 "dtype": str(trainer.dtype),
                 "n_params": sum(p.numel() for p in policy.parameters()),

@@ -179,7 +179,7 @@ def run(args) -> dict:
 
 
 def _run(args, device, name, peak, shape, work) -> dict:
-    from policygrad.trainer import Trainer
+    from policygrad.run import Run
     from policygrad.trainer.config import load_config
     from policygrad.trainer.resume import set_base_lr
 
@@ -215,7 +215,8 @@ def _run(args, device, name, peak, shape, work) -> dict:
         "optim": {"lr": 1e-5, "micro_batch_size": args.micro_batch_size},
     }
     cfg = load_config(None, tree)
-    trainer = Trainer(cfg, model=model, tokenizer=tokenizer, reward_functions=[even_share])
+    run = Run(cfg, model=model, tokenizer=tokenizer, reward_functions=[even_share])
+    trainer = run.trainer
     del model
     setup_s = time.perf_counter() - start
     n_mult = multiplying_params(trainer.policy)
@@ -280,7 +281,7 @@ def _run(args, device, name, peak, shape, work) -> dict:
     report["lr_1e-6_master_changed_frac"] = round(changed / total, 4)
     report["lr_1e-6_bf16_rounding_changed_frac"] = round(changed_bf16 / total, 4)
     report["wall_s"] = round(time.perf_counter() - start, 1)
-    trainer.close()
+    run.close()
     return report
 
 

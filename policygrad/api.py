@@ -7,7 +7,7 @@ from a YAML file.
 
 Everything :func:`train` accepts maps onto the same validated
 :class:`~policygrad.trainer.config.TrainConfig` and the same
-:class:`~policygrad.trainer.loop.Trainer` the CLI uses; objects reach the trainer through its
+:class:`~policygrad.run.Run` the CLI uses; objects reach the trainer through its
 injection points (``model=``, ``reward_functions=``, ``train_source=``, ``eval_rows=``), and
 ``RUN_DIR/config.yaml`` records each object by its import path (``module:qualname``) when it has
 one, else by a placeholder such as ``<callable <lambda> (not importable)>``.
@@ -18,6 +18,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
+
+from policygrad.data.sources import PromptDataset, load_prompt_records
+from policygrad.rewards.callables import describe_object
+from policygrad.run import Run
+from policygrad.trainer.config import TrainConfig, load_config
 
 __all__ = ["train"]
 
@@ -49,8 +54,6 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 def _config_tree(config) -> tuple[str | None, dict[str, Any]]:
     """(YAML path or None, a config tree) of ``config``: a TrainConfig, a mapping, a path, None."""
-    from policygrad.trainer.config import TrainConfig
-
     if config is None:
         return None, {}
     if isinstance(config, TrainConfig):
@@ -71,8 +74,6 @@ def _is_dataset_dict(obj) -> bool:
 
 def _rows(obj, *, name: str, data, split: str, require_answer: bool) -> list[dict[str, Any]]:
     """Prompt rows (field mapping applied) of an in-memory dataset."""
-    from policygrad.data.sources import load_prompt_records
-
     if _is_dataset_dict(obj):
         if split not in obj:
             splits = sorted(obj)
@@ -140,10 +141,6 @@ def train(
         TypeError: a missing file, bad data or a wrong argument type, named. TrainingError: the
         run cannot continue.
     """
-    from policygrad.data.sources import PromptDataset
-    from policygrad.trainer.config import load_config
-    from policygrad.trainer.loop import Trainer
-
     path, tree = _config_tree(config)
     tree = _merge(tree, _dotted(overrides))
     model_object = None
@@ -172,8 +169,6 @@ def train(
             in_memory[key] = obj
             tree = _merge(tree, {"data": {key: _describe_dataset(obj)}})
     if reward_objects is not None:  # validated with the records the trainer will write
-        from policygrad.rewards.callables import describe_object
-
         tree = _merge(tree, {"reward": {"functions": [describe_object(f) for f in reward_objects]}})
     cfg = load_config(path, tree)
 
@@ -194,7 +189,7 @@ def train(
             in_memory["eval_dataset"], name="eval_dataset", data=cfg.data, split=cfg.data.eval_split,
             require_answer=True,
         )
-    trainer = Trainer(
+    run = Run(
         cfg,
         resume_from=os.fspath(resume_from) if resume_from is not None else None,
         model=model_object,
@@ -204,6 +199,6 @@ def train(
         eval_rows=eval_rows,
     )
     try:
-        return trainer.train()
+        return run.train()
     finally:
-        trainer.close()
+        run.close()

@@ -36,6 +36,7 @@ once. Checkpoints are also written every save_every_minutes (10) minutes and on 
 
 
 def _user_errors():
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.trainer.config import ConfigError
     from policygrad.trainer.errors import TrainingError
 
@@ -44,7 +45,7 @@ def _user_errors():
     errors: tuple[type[BaseException], ...] = (
         ConfigError, OSError, ValueError, TypeError, TrainingError, ImportError, SyntaxError, yaml.YAMLError,
     )
-    try:
+    try:  # the reward registry loads user code machinery: only when an error is being classified
         from policygrad.rewards.registry import RewardFunctionError
 
         errors += (RewardFunctionError,)
@@ -54,10 +55,11 @@ def _user_errors():
 
 
 def cmd_train(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
+    from policygrad.run import Run
     from policygrad.trainer.config import ConfigError, load_config, parse_overrides
     from policygrad.trainer.distributed import init_from_env, shutdown
     from policygrad.trainer.interrupts import EXIT_STATUS, Stopped, StopSignals
-    from policygrad.trainer.loop import Trainer
 
     if argv and argv[0] in ("-h", "--help"):
         print(TRAIN_USAGE)
@@ -98,18 +100,18 @@ def cmd_train(argv: list[str]) -> int:
             raise FileNotFoundError(f"config file {config_path} not found")
         config = load_config(config_path, rest)
     dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
-    trainer = None
+    run = None
     try:
-        # A signal while the run is built (models, trackers) stops it cleanly: the Trainer
+        # A signal while the run is built (models, trackers) stops it cleanly: the Run
         # releases the folder and removes what it wrote; train() handles its own from there.
         with StopSignals(at_once=True):
-            trainer = Trainer(config, resume_from=resume)
+            run = Run(config, resume_from=resume)
             try:
-                summary = trainer.train()
+                summary = run.train()
             finally:
-                trainer.close()
+                run.close()
     except Stopped as stop:
-        if trainer is None:
+        if run is None:
             what = "while the run was starting, before its first step; run the same command again to start it"
         else:
             what = f"while the run was shutting down; what it saved in {config.output_dir} stands"
@@ -123,6 +125,7 @@ def cmd_train(argv: list[str]) -> int:
 
 
 def cmd_eval(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.data.sources import is_code_dataset
     from policygrad.lab.common import OneLineArgumentParser, check_temperature
     from policygrad.rewards.code import TaskReward
@@ -234,6 +237,7 @@ Each prints a table and writes a JSON result and a PNG plot under --output-dir (
 
 
 def cmd_memory(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.lab import memory
 
     print(memory.main(argv))
@@ -241,6 +245,7 @@ def cmd_memory(argv: list[str]) -> int:
 
 
 def cmd_lab(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     import importlib
 
     from policygrad.lab import LAB_COMMANDS
@@ -256,6 +261,7 @@ def cmd_lab(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.lab import report
 
     print(report.main(argv))
@@ -315,7 +321,7 @@ def _said_by_rank_0(e: Exception) -> bool:
     """Under torchrun every rank reads the same config, so a config error is raised by all of
     them: rank 0 alone prints it. Errors of one rank's work (a reward, a row) print where they
     happen."""
-    from policygrad.trainer.config import ConfigError
+    from policygrad.trainer.config import ConfigError  # imported here: only on an error
 
     rank = int(os.environ.get("RANK", "0") or 0)
     return isinstance(e, ConfigError) and rank > 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1

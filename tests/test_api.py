@@ -161,17 +161,17 @@ def test_a_model_object_is_recorded_as_model_name_and_another_name_is_refused(ti
 def test_a_trainer_given_a_model_object_records_it_in_config_yaml(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from policygrad.trainer import Trainer
+    from policygrad.run import Run
     from policygrad.trainer.config import load_config
 
     cfg = load_config(None, _small(tmp_path, "direct"))
     assert cfg.model.name == "bundled:smollm2-135m-instruct"  # the default: not the trained model
-    trainer = Trainer(cfg, model=AutoModelForCausalLM.from_pretrained(tiny_dir))
+    run = Run(cfg, model=AutoModelForCausalLM.from_pretrained(tiny_dir))
     try:
         saved = yaml.safe_load(open(tmp_path / "direct" / "config.yaml"))
-        assert trainer.config.model.name == saved["model"]["name"] == tiny_dir
+        assert run.config.model.name == saved["model"]["name"] == tiny_dir
     finally:
-        trainer.close()
+        run.close()
 
 
 def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tmp_path):

@@ -29,21 +29,6 @@ TEST_FILE_OF = {
     "policygrad/rewards/code.py": "tests/rewards/test_code_reward.py",
 }
 
-# ------------------------------------------------------------------------------------------------
-# Being rewritten: these modules get their test files in the same change that rewrites them. Until
-# then the structure test skips them, and fails once one has a test file at the rule's path or is
-# gone, so that this set cannot go stale (remove the entry then).
-PENDING = {
-    "policygrad/rollout/base.py",
-    "policygrad/trainer/build.py",
-    "policygrad/trainer/checkpoint.py",
-    "policygrad/trainer/experience.py",
-    "policygrad/trainer/lifecycle.py",
-    "policygrad/trainer/optim.py",
-    "policygrad/trainer/update.py",
-}
-# ------------------------------------------------------------------------------------------------
-
 
 def modules() -> list[str]:
     """Every module of the package as a path from the repository root (``policygrad/core/kl.py``)."""
@@ -100,11 +85,17 @@ def test_the_walk_finds_every_module_and_no_package_file():
 def test_every_module_has_its_test_file():
     missing = []
     for module in modules():
-        if module in PENDING or module in TEST_FILE_OF:
+        if module in TEST_FILE_OF:
             continue
         if not (ROOT / rule_path(module)).is_file():
             missing.append(f"{module} has no test file: create {rule_path(module)}")
     assert not missing, "\n".join(missing)
+
+
+def test_the_table_of_modules_and_their_test_files():
+    """Every module with the test file that tests it (the rule's path, or its mapping)."""
+    table = {m: TEST_FILE_OF.get(m, rule_path(m)) for m in modules()}
+    assert len(table) == len(modules()) and all((ROOT / t).is_file() for t in table.values()), table
 
 
 @pytest.mark.parametrize("module", sorted(TEST_FILE_OF))
@@ -116,15 +107,6 @@ def test_each_mapped_test_file_exists_and_names_its_module(module):
     assert not (ROOT / rule_path(module)).is_file(), (
         f"{module} has its own test file {rule_path(module)} now; drop its TEST_FILE_OF entry ({test_file})"
     )
-
-
-@pytest.mark.parametrize("module", sorted(PENDING))
-def test_each_pending_module_still_waits_for_its_test_file(module):
-    assert (ROOT / module).is_file(), f"{module} is PENDING but no longer exists; remove it from PENDING"
-    assert not (ROOT / rule_path(module)).is_file(), (
-        f"{module} has its test file {rule_path(module)} now; remove it from PENDING"
-    )
-    assert module not in TEST_FILE_OF, f"{module} is both PENDING and in TEST_FILE_OF"
 
 
 def test_mentions_tells_a_module_from_its_neighbours(tmp_path, monkeypatch):

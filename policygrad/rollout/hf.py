@@ -13,6 +13,8 @@ log-probs fill a [B, T] tensor column by column.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 
@@ -129,14 +131,25 @@ class HFRolloutEngine(RolloutEngine):
         tokenizer: its tokenizer; supplies the pad id (falls back to the first EOS id).
         eos_token_ids: every id that ends a response; None -> ``eos_token_ids(tokenizer, model)``
             from :mod:`policygrad.models.loading`.
+        shares_policy_weights: ``model`` is the trainer's live policy (True), or a copy it
+            receives through :meth:`sync_weights` after every update (an FSDP run's unsharded copy).
+        autocast: a context the model's forwards run in (the run's ``bf16-mixed`` autocast), or None.
 
     Raises:
         ValueError: an empty ``eos_token_ids``.
     """
 
-    shares_policy_weights = True
-
-    def __init__(self, model, tokenizer, eos_token_ids: list[int] | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        eos_token_ids: list[int] | None = None,
+        *,
+        shares_policy_weights: bool = True,
+        autocast: Callable[[], AbstractContextManager] | None = None,
+    ):
+        self.shares_policy_weights = shares_policy_weights
+        self.autocast = autocast or contextlib.nullcontext  # e.g. the run's bf16 autocast
         if eos_token_ids is None:
             from policygrad.models.loading import eos_token_ids as find_eos
 
@@ -239,12 +252,13 @@ class HFRolloutEngine(RolloutEngine):
         prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)
         group_index = torch.arange(n, device=device).repeat_interleave(G)
 
-        sequences, logprobs = self._run_generate(
-            prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
-            max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
-            row_keys=None if greedy or prompt_seeds is None else sample_keys(prompt_seeds, G, device),
-            ignore_eos=ignore_eos,
-        )
+        with self.autocast():
+            sequences, logprobs = self._run_generate(
+                prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
+                max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
+                row_keys=None if greedy or prompt_seeds is None else sample_keys(prompt_seeds, G, device),
+                ignore_eos=ignore_eos,
+            )
         responses = sequences[:, longest:]
         steps = responses.shape[1]
         eos = torch.tensor(self.eos_token_ids if not ignore_eos else [], dtype=torch.long, device=device)

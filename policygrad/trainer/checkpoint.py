@@ -24,16 +24,24 @@ import json
 import logging
 import os
 import pickle
-import random
 import shutil
 import time
 import warnings
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
 
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError
 from policygrad.trainer.rundir import atomic_write_text, fsync_dir
+from policygrad.trainer.sharding import is_sharded
 
 __all__ = [
     "CheckpointError",
@@ -43,13 +51,14 @@ __all__ = [
     "checkpoint_step",
     "find_checkpoints",
     "latest_checkpoint",
+    "load_full_optimizer",
     "load_policy_weights",
+    "load_sharded_state",
     "load_trainer_state",
     "recover_interrupted_saves",
-    "restore_trainer_state",
     "save_checkpoint",
     "save_sharded_state",
-    "trainer_state",
+    "temp_folder",
 ]
 
 log = logging.getLogger("policygrad")
@@ -109,9 +118,7 @@ def find_checkpoints(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
     root = os.path.join(run_dir, "checkpoints")
     if not os.path.isdir(root):
         return None, []
-    steps = sorted(
-        (n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True
-    )
+    steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
     skipped = []
     for step in steps:
         path = os.path.join(root, f"step_{step}")
@@ -145,7 +152,12 @@ def recover_interrupted_saves(run_dir: str) -> None:
             continue
         path = os.path.join(root, name)
         final = os.path.join(root, name[1:].split(".", 1)[0])
-        if ".old-" in name and not os.path.exists(final):
+        replaced = ".old-" in name and checkpoint_problem(path) is None
+        if replaced and os.path.exists(final) and checkpoint_problem(final) is not None:
+            # the replacement was renamed into place but killed before its marker: it is the
+            # half-written one, and the checkpoint it was to replace comes back
+            shutil.rmtree(final, ignore_errors=True)
+        if replaced and not os.path.exists(final):
             os.rename(path, final)
             log.warning("note: restored checkpoint %s (a save replacing it was interrupted)", final)
         else:
@@ -254,34 +266,20 @@ def temp_folder(path: str) -> str:
     return os.path.join(parent, f".{name}.tmp-{os.getpid()}")
 
 
-def _sharded_models(trainer) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-    models = {"policy": (trainer.policy, trainer.optimizer)}
-    if trainer.critic_trainer is not None:
-        models["critic"] = (trainer.critic, trainer.critic_trainer.optimizer)
-    return models
-
-
-def save_sharded_state(folder: str, trainer) -> None:
-    """Write the policy's (and critic's) weights and optimizer state with
-    ``torch.distributed.checkpoint``: every rank writes its own shards into ``folder`` (a
-    collective; every rank calls it with the same folder)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def save_sharded_state(folder: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+    """Write the weights and optimizer state of ``models`` (``{"policy": (module, optimizer),
+    ...}``) with ``torch.distributed.checkpoint``: every rank writes its own shards into
+    ``folder`` (a collective; every rank calls it with the same folder)."""
     state = {}
-    for name, (model, optimizer) in _sharded_models(trainer).items():
+    for name, (model, optimizer) in models.items():
         weights, optim = get_state_dict(model, optimizer)
         state[name], state[f"{name}_optimizer"] = weights, optim
     dcp.save(state, checkpoint_id=folder)
 
 
-def _load_sharded_state(folder: str, trainer) -> None:
-    """Load :func:`save_sharded_state`'s folder into the trainer's networks and optimizers,
+def load_sharded_state(folder: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
+    """Load :func:`save_sharded_state`'s folder into ``models``' networks and optimizers,
     resharded to this run's ranks (or into whole networks in one process)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    models = _sharded_models(trainer)
     state = {}
     for name, (model, optimizer) in models.items():
         state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
@@ -294,85 +292,18 @@ def _load_sharded_state(folder: str, trainer) -> None:
         )
 
 
-def _load_full_optimizer(model, optimizer, saved: dict[str, Any]) -> None:
+def load_full_optimizer(model, optimizer, saved: dict[str, Any]) -> None:
     """A whole-network optimizer state (``optimizer.state_dict()``: parameters by position) into
     ``optimizer``, whose parameters may be FSDP shards (each rank keeps its shard)."""
-    from policygrad.trainer.sharding import is_sharded
-
     if not is_sharded(model):
         optimizer.load_state_dict(saved)
-        return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    names = [n for n, p in model.named_parameters() if p.requires_grad]  # the order optimizers see
-    by_name = {
-        "state": {names[i]: value for i, value in saved["state"].items()},
-        "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
-    }
-    set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
-
-def trainer_state(trainer) -> dict[str, Any]:
-    """What a :class:`~policygrad.trainer.loop.Trainer` needs to continue exactly where it is:
-    step, data position, optimizer, schedule, KL controller, reward normaliser, RNG states; with
-    a critic its optimizer and schedule; with PPO-ptx the text position; the counts of applied
-    and skipped updates (:class:`~policygrad.trainer.health.UpdateWatch`)."""
-    sharded = getattr(trainer, "strategy", None) == "fsdp"  # optimizer tensors go to sharded/
-    state = {
-        "step": trainer.step_idx,
-        "data_position": trainer.stream.position,
-        "optimizer": None if sharded else trainer.optimizer.state_dict(),
-        "scheduler": trainer.scheduler.state_dict(),
-        "kl_controller": trainer.kl_ctl.state_dict(),
-        "reward_normalizer": trainer.scorer.normalizer.state_dict(),
-        "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-        "updates": trainer.watch.state_dict(),
-    }
-    if trainer.critic_trainer is not None:
-        state["critic"] = trainer.critic_trainer.state_dict()
-        if sharded:
-            state["critic"]["optimizer"] = None
-    if trainer.ptx_data is not None:
-        state["ptx_position"] = trainer.ptx_data.position
-    if sharded:
-        state["sharded"] = SHARDED_DIR
-    return state
-
-
-def restore_trainer_state(trainer, state: dict[str, Any], path: str) -> None:
-    """Put :func:`trainer_state`'s output (read from checkpoint ``path``) back into ``trainer``.
-
-    Raises:
-        CheckpointError: the run has a critic but the checkpoint has no critic state.
-    """
-    trainer.step_idx = state["step"]
-    trainer.stream.position = state["data_position"]
-    if trainer.critic_trainer is not None and "critic" not in state:
-        raise CheckpointError(
-            f"checkpoint {path} has no critic state; it was written by a run without a critic"
-        )
-    if state.get("sharded"):  # an FSDP run's checkpoint: resharded to this run's ranks
-        _load_sharded_state(os.path.join(path, state["sharded"]), trainer)
     else:
-        _load_full_optimizer(trainer.policy, trainer.optimizer, state["optimizer"])
-        critic = trainer.critic_trainer
-        if critic is not None:
-            _load_full_optimizer(trainer.critic, critic.optimizer, state["critic"]["optimizer"])
-    fused = trainer.optimizer.defaults.get("fused")
-    for group in trainer.optimizer.param_groups:  # a checkpoint may carry another implementation
-        group["fused"] = fused
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    trainer.kl_ctl.load_state_dict(state["kl_controller"])
-    if "reward_normalizer" in state:
-        trainer.scorer.normalizer.load_state_dict(state["reward_normalizer"])
-    if trainer.critic_trainer is not None:
-        trainer.critic_trainer.scheduler.load_state_dict(state["critic"]["scheduler"])
-    if trainer.ptx_data is not None:
-        trainer.ptx_data.position = state.get("ptx_position", 0)
-    if "updates" in state:
-        trainer.watch.load_state_dict(state["updates"])
-    random.setstate(state["rng"]["python"])
-    torch.set_rng_state(state["rng"]["torch"])
+        names = [n for n, p in model.named_parameters() if p.requires_grad]  # the order optimizers see
+        by_name = {
+            "state": {names[i]: value for i, value in saved["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
+        }
+        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
 
 def load_trainer_state(path: str) -> dict[str, Any]:
@@ -412,8 +343,6 @@ def load_policy_weights(model, folder: str) -> None:
     Raises:
         CheckpointError: the saved tensors do not match the model's.
     """
-    from safetensors.torch import load_file
-
     adapter = os.path.join(folder, "adapter_model.safetensors")
     if os.path.exists(adapter):
         from peft import set_peft_model_state_dict
@@ -430,7 +359,13 @@ def load_policy_weights(model, folder: str) -> None:
                     f"checkpoint weights {os.path.join(folder, name)} cannot be read ({str(e)[:200]}); "
                     "the file is corrupt"
                 ) from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(state, strict=False)
+    except RuntimeError as e:  # a tensor of another shape: another model's checkpoint
+        first = str(e).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint {folder} does not match the model: {' '.join(first[1:2] or first[:1])[:300]}"
+        ) from None
     missing = [k for k in missing if "lm_head" not in k]  # tied embeddings are saved once
     if missing or unexpected:
         raise CheckpointError(

@@ -15,8 +15,11 @@ import torch
 from policygrad.core.losses import value_loss
 from policygrad.core.masking import aggregate
 from policygrad.models.forward import no_grad_context
+from policygrad.trainer.distributed import Dist
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.optim import OptimizerStep, make_adamw
+from policygrad.trainer.precision import Precision
+from policygrad.trainer.strategy import Single
 
 __all__ = ["CriticTrainer"]
 
@@ -32,6 +35,9 @@ class CriticTrainer:
         micro_batch_size: sequences per forward.
         lr_lambda: a ``LambdaLR`` factor of the optimizer step (None: constant).
         device: where the critic runs (for timing only).
+        strategy: the run's strategy (default one process): the token count and the metrics
+            are summed over ranks, the optimizer step agrees over ranks, FSDP pairs idle passes.
+        precision: the value forwards run under its autocast (default float32).
     """
 
     def __init__(
@@ -47,25 +53,32 @@ class CriticTrainer:
         micro_batch_size: int = 32,
         lr_lambda: Callable[[int], float] | None = None,
         device: torch.device | None = None,
+        strategy=None,
+        precision: Precision | None = None,
     ):
         self.critic = critic
         self.params = [p for p in critic.parameters() if p.requires_grad]
         self.optimizer = make_adamw(
             self.params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda step: 1.0))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda or (lambda _: 1.0))
         self.clip_range = clip_range
         self.micro_batch_size = micro_batch_size
-        self.reduce = None  # data-parallel: sums over ranks (the step's sync is set on ``step``)
-        self.equal_passes = None  # FSDP: as PolicyStep.equal_passes, with ``idle_batch``
-        self.idle_batch = None
+        device = device or torch.device("cpu")
+        self.strategy = strategy or Single(Dist(device=device))
+        self.precision = precision or Precision("fp32", torch.float32, None, device.type)
         self.step = OptimizerStep(
             self.optimizer,
             self.scheduler,
             self.params,
             max_grad_norm=max_grad_norm,
-            device=device or torch.device("cpu"),
+            device=device,
+            strategy=self.strategy,
         )
+
+    def _values(self, rollout) -> torch.Tensor:
+        with self.precision.autocast():
+            return self.critic.response_values(rollout)
 
     def values(self, rollout) -> torch.Tensor:
         """float32 [B, T] ``V(s_t)`` of a rollout at rollout time (no gradient), in micro-batches."""
@@ -73,11 +86,12 @@ class CriticTrainer:
         with no_grad_context(self.critic):
             for start in range(0, rollout.batch_size, self.micro_batch_size):
                 rows = torch.arange(start, min(start + self.micro_batch_size, rollout.batch_size))
-                chunks.append(self.critic.response_values(rollout.select(rows)))
+                chunks.append(self._values(rollout.select(rows)))
         return torch.cat(chunks).clone()  # cloned outside inference mode: a normal tensor
 
-    def fit(self, batch: Experience) -> dict[str, float]:
-        """One optimizer step of the value loss on a minibatch.
+    def fit(self, batch: Experience, *, idle: Experience | None = None) -> dict[str, float]:
+        """One optimizer step of the value loss on a minibatch (``idle``: a batch for the
+        zero-weight passes of a rank with fewer micro-batches, FSDP).
 
         The loss is ``value_loss`` (``0.5 (V - G)^2``, clipped around ``batch.values`` when
         ``clip_range`` is set) averaged over the minibatch's ``critic_mask`` tokens (``token-mean``
@@ -90,38 +104,36 @@ class CriticTrainer:
             untouched.
         """
         num_tokens = batch.critic_mask.sum()
-        if self.reduce is not None:  # data-parallel: the count (and below the metrics) of all ranks
-            num_tokens = self.reduce(num_tokens)
+        reduce = self.strategy.reduce
+        if reduce is not None:  # data-parallel: the count (and below the metrics) of all ranks
+            num_tokens = reduce(num_tokens)
         if num_tokens.item() == 0:
             return {}
         self.critic.train()
-        clipped = [0.0]
-
+        clipped = 0.0
         micros = list(batch.micro_batches(self.micro_batch_size))
-        idle = self.equal_passes(len(micros)) - len(micros) if self.equal_passes is not None else 0
-
-        def losses():
-            for _ in range(idle):  # FSDP: this rank's share of the minibatch is smaller
-                yield self.critic.response_values(self.idle_batch.rollout).sum() * 0.0
-            for micro in micros:
-                values = self.critic.response_values(micro.rollout)
-                loss_mat, metrics = value_loss(
-                    values, micro.values, micro.returns, micro.critic_mask, clip_range=self.clip_range
-                )
-                yield aggregate(loss_mat, micro.critic_mask, "token-mean", num_tokens=num_tokens)
-                clipped[0] += float(metrics["vf_clipfrac"]) * float(micro.critic_mask.sum())
-
-        out = self.step(losses())
+        self.step.zero()
+        for _ in range(self.strategy.idle_passes(len(micros))):
+            self.step.backward(self._values(idle.rollout).sum() * 0.0)
+        for micro in micros:
+            values = self._values(micro.rollout)
+            loss_mat, metrics = value_loss(
+                values, micro.values, micro.returns, micro.critic_mask, clip_range=self.clip_range
+            )
+            loss = aggregate(loss_mat, micro.critic_mask, "token-mean", num_tokens=num_tokens)
+            if not self.step.backward(loss):
+                break
+            clipped += float(metrics["vf_clipfrac"]) * float(micro.critic_mask.sum())
+        out = self.step.apply()
         grad_norm = out.grad_norm if out.grad_norm is not None else float("nan")
         if not out.applied:
             return {"skipped": 1.0, "num_tokens": float(num_tokens), "grad_norm": grad_norm}
         n = float(num_tokens)
-        if self.reduce is not None:
-            summed = self.reduce(torch.tensor([out.loss, clipped[0]], dtype=torch.float64))
-            out.loss, clipped[0] = summed.tolist()
+        if reduce is not None:
+            out.loss, clipped = reduce(torch.tensor([out.loss, clipped], dtype=torch.float64)).tolist()
         return {
             "vf_loss": out.loss,
-            "vf_clipfrac": clipped[0] / n,
+            "vf_clipfrac": clipped / n,
             "grad_norm": grad_norm,
             "skipped": 0.0,
             "num_tokens": n,

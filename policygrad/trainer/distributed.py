@@ -40,8 +40,11 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as td
 
 from policygrad.rollout.base import Rollout
+from policygrad.trainer.config import ConfigError
+from policygrad.trainer.experience import PER_ROW_FIELDS, PER_TOKEN_FIELDS
 from policygrad.trainer.stages import SampledBatch
 
 __all__ = ["Dist", "NullLogger", "init_from_env", "shutdown"]
@@ -74,8 +77,6 @@ class Dist:
     @classmethod
     def current(cls) -> Dist:
         """The context of the initialised default process group (single process when none)."""
-        import torch.distributed as td
-
         if not (td.is_available() and td.is_initialized()) or td.get_world_size() == 1:
             return cls(device=torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return cls(td.get_rank(), td.get_world_size(), _default_device())
@@ -85,11 +86,9 @@ class Dist:
 
         Raises:
             ConfigError: ``rollout.prompts_per_step`` not divisible by the world size (a group
-                never spans ranks); ``fsdp`` with LoRA; ``drop_zero_variance_groups`` with more
-                than one rank (its refill is not yet split over ranks).
+                never spans ranks); ``drop_zero_variance_groups`` with more than one rank (its
+                refill is not yet split over ranks). (``fsdp`` with LoRA: :func:`make_strategy`.)
         """
-        from policygrad.trainer.config import ConfigError
-
         if not self.active:
             return
         n = cfg.rollout.prompts_per_step
@@ -97,12 +96,6 @@ class Dist:
             raise ConfigError(
                 f"rollout.prompts_per_step={n} must be divisible by the world size {self.world_size}: "
                 "each rank samples whole groups of an equal share of the prompts"
-            )
-        lora = cfg.model.lora.rank or cfg.model.adapter
-        if cfg.distributed.resolved(self.device.type) == "fsdp" and lora:
-            raise ConfigError(
-                "distributed.strategy=fsdp shards full fine-tuning; a LoRA run (model.lora.rank or "
-                "model.adapter) trains a small adapter that every rank can hold: set distributed.strategy=ddp"
             )
         if cfg.drop_zero_variance_groups:
             raise ConfigError(
@@ -120,8 +113,6 @@ class Dist:
         """Rank 0's ``value`` (any picklable object) on every rank (``value`` in one process)."""
         if not self.active:
             return value
-        import torch.distributed as td
-
         box = [value]
         td.broadcast_object_list(box, src=0)
         return box[0]
@@ -131,8 +122,6 @@ class Dist:
         a clock, so every rank takes the same branch."""
         if not self.active:
             return bool(flag)
-        import torch.distributed as td
-
         value = torch.tensor([float(bool(flag))], device=self.device)
         td.broadcast(value, src=0)
         return bool(value.item() > 0)
@@ -140,33 +129,7 @@ class Dist:
     def barrier(self) -> None:
         """Wait for every rank (a no-op in one process)."""
         if self.active:
-            import torch.distributed as td
-
             td.barrier()
-
-    def attach(self, trainer, strategy: str = "ddp") -> None:
-        """Wire a :class:`~policygrad.trainer.loop.Trainer`'s parts to the process group: the
-        policy step's counts and approx-KL, the critic's token count and the reward normaliser's
-        statistics are global; the optimizer steps agree on finiteness and, with ``ddp``, sum
-        the gradients over ranks (``fsdp`` reduce-scatters them in the backward, so every rank
-        then runs the same number of sharded passes: :meth:`equal_passes`). A no-op in one
-        process."""
-        if not self.active:
-            return
-        sharded = strategy == "fsdp"
-        trainer.policy_step.reduce = self.reduce
-        trainer.scorer.normalizer.reduce = self.reduce
-        steps = [trainer.policy_step.step]
-        if trainer.critic_trainer is not None:
-            trainer.critic_trainer.reduce = self.reduce
-            steps.append(trainer.critic_trainer.step)
-        for step in steps:
-            step.sync = self.agree_finite if sharded else self.sync_gradients
-            step.collective = sharded
-        if sharded:
-            trainer.policy_step.equal_passes = self.equal_passes
-            if trainer.critic_trainer is not None:
-                trainer.critic_trainer.equal_passes = self.equal_passes
 
     def equal_passes(self, count: int) -> int:
         """The largest ``count`` over ranks: how many sharded forward/backward passes every rank
@@ -184,8 +147,6 @@ class Dist:
         ``max`` or ``min``); a new tensor on ``value``'s device and dtype."""
         if not self.active:
             return value
-        import torch.distributed as td
-
         out = value.detach().clone().to(self.device)
         td.all_reduce(out, op=getattr(td.ReduceOp, _OPS[op]))
         return out.to(value.device)
@@ -208,8 +169,6 @@ class Dist:
         ``left``, as prompts are). Rows per rank may differ."""
         if value is None or not self.active:
             return value
-        import torch.distributed as td
-
         shape = torch.tensor(list(value.shape), dtype=torch.long, device=self.device)
         shapes = [torch.zeros_like(shape) for _ in range(self.world_size)]
         td.all_gather(shapes, shape)
@@ -238,8 +197,6 @@ class Dist:
             return finite
         if not self.agree_finite(params, finite):
             return False
-        import torch.distributed as td
-
         grads = []
         for p in params:
             if p.grad is None:
@@ -266,18 +223,7 @@ class Dist:
         """Every rank's rollout as one, groups renumbered in rank order."""
         if not self.active:
             return rollout
-        groups = int(rollout.group_index.max()) + 1 if rollout.batch_size else 0
-        offset = self.rank_offsets(groups)
-        return dataclasses.replace(
-            rollout,
-            prompt_ids=self.gather_rows(rollout.prompt_ids, left=True),
-            prompt_mask=self.gather_rows(rollout.prompt_mask, left=True),
-            response_ids=self.gather_rows(rollout.response_ids),
-            response_mask=self.gather_rows(rollout.response_mask),
-            sampler_logprobs=self.gather_rows(rollout.sampler_logprobs),
-            truncated=self.gather_rows(rollout.truncated),
-            group_index=self.gather_rows(rollout.group_index + offset),
-        )
+        return rollout.gather(self.gather_rows, self.rank_offsets(rollout.num_groups))
 
     def rank_offsets(self, count: int) -> int:
         """The sum of ``count`` over the ranks before this one (an exclusive prefix sum)."""
@@ -291,29 +237,15 @@ class Dist:
         only the tensors)."""
         if not self.active:
             return batch
-        from policygrad.rewards.registry import RewardOutput
-        from policygrad.rewards.scoring import Scores
-
-        s = batch.scores
-        raw, failed = self.gather_rows(s.raw), self.gather_rows(s.failed)
-        components = {k: self.gather_rows(v) for k, v in s.components.items()}
-        scores = Scores(
-            self.gather_rows(s.scores),
-            raw,
-            self.gather_rows(s.valid),
-            failed,
-            components,
-            RewardOutput(raw, components, ~failed).metrics(),
-        )
+        scores = batch.scores.gather(self.gather_rows)
         return SampledBatch(batch.rows, batch.prompt_ids, self.gather_rollout(batch.rollout), [], scores)
 
     def gather_experience(self, exp):
         """Every rank's :class:`~policygrad.trainer.experience.Experience` as one (for metrics)."""
         if not self.active:
             return exp
-        from policygrad.trainer.experience import PER_TOKEN_FIELDS
-
-        changes = {name: self.gather_rows(getattr(exp, name)) for name in PER_TOKEN_FIELDS}
+        names = PER_TOKEN_FIELDS + PER_ROW_FIELDS
+        changes = {name: self.gather_rows(getattr(exp, name)) for name in names}
         rollout = self.gather_rollout(exp.rollout)
         return dataclasses.replace(exp, rows=torch.arange(rollout.batch_size), rollout=rollout, **changes)
 
@@ -380,8 +312,6 @@ def init_from_env() -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return Dist.current()
-    import torch.distributed as td
-
     if not td.is_initialized():
         if torch.cuda.is_available():
             local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -402,7 +332,5 @@ def init_from_env() -> Dist:
 
 def shutdown() -> None:
     """Leave the process group (a no-op when none was joined)."""
-    import torch.distributed as td
-
     if td.is_available() and td.is_initialized():
         td.destroy_process_group()

@@ -25,8 +25,13 @@ from typing import Any
 import torch
 
 from policygrad.data.chat import encode_prompts
+from policygrad.data.sources import build_eval_rows
+from policygrad.rewards.code import TaskReward
 from policygrad.rewards.registry import row_fields_from_rows
 from policygrad.rewards.verifiers import answer_correctness, extract_answer
+from policygrad.trainer import build
+from policygrad.trainer.config import ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+from policygrad.trainer.models import load_eval_models
 
 __all__ = [
     "decode_completions",
@@ -320,11 +325,6 @@ def evaluate_model(
         ConfigError: a bad engine or rollout field. ValueError / OSError / FileNotFoundError:
             a bad model, adapter or dataset, named.
     """
-    from policygrad.data.sources import build_eval_rows
-    from policygrad.rewards.code import TaskReward
-    from policygrad.trainer import build
-    from policygrad.trainer.config import ModelConfig, RewardConfig, RolloutConfig, TrainConfig
-
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
     output = eval_output_path(output, data.eval_dataset)
@@ -339,7 +339,7 @@ def evaluate_model(
     rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = build.resolve_dtype(cfg.model.dtype, device)
-    models = build.load_eval_models(cfg, device=device, dtype=dtype)
+    models = load_eval_models(cfg, device=device, dtype=dtype)
     gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
     try:
         if models.weights_differ_from_path:

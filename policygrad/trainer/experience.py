@@ -16,10 +16,19 @@ import torch
 
 from policygrad.rollout.base import Rollout
 
-__all__ = ["PER_TOKEN_FIELDS", "Experience"]
+__all__ = ["PER_ROW_FIELDS", "PER_TOKEN_FIELDS", "Experience"]
 
-_PER_TOKEN = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs", "values", "returns", "critic_mask")
-PER_TOKEN_FIELDS = _PER_TOKEN  # the [B, T] fields (or None), e.g. for gathering over ranks
+PER_TOKEN_FIELDS = (  # the [B, T] fields (or None), e.g. for gathering over ranks
+    "loss_mask",
+    "advantages",
+    "old_logprobs",
+    "ref_logprobs",
+    "values",
+    "returns",
+    "critic_mask",
+    "behaviour_logprobs",
+)
+PER_ROW_FIELDS = ("non_score_rewards",)  # the [B] fields (or None)
 
 
 @dataclass(frozen=True)
@@ -37,8 +46,13 @@ class Experience:
             None when the update is exactly on-policy (the ratio is then exactly 1).
         ref_logprobs: [B, T] the reference's log-probs, or None without a KL.
         values: [B, T] the critic's values at rollout time, or None without a critic.
-        returns: [B, T] the critic's targets, or None without a critic.
+        returns: [B, T] the estimator's returns (the critic's targets; Monte-Carlo returns while
+            the critic is pretrained).
         critic_mask: [B, T] tokens that train the critic.
+        behaviour_logprobs: [B, T] the log-probs the KL placement shaped the rewards with (the
+            old ones, or the sampler's when the update is on-policy), or None.
+        non_score_rewards: [B] the KL part of each sequence's reward (its token rewards' sum
+            minus the score), or None.
         kl_coef: beta of this step (the KL controller's value when it was sampled).
         train_policy: False in the critic-pretraining steps (the policy is frozen).
     """
@@ -52,6 +66,8 @@ class Experience:
     values: torch.Tensor | None = None
     returns: torch.Tensor | None = None
     critic_mask: torch.Tensor | None = None
+    behaviour_logprobs: torch.Tensor | None = None
+    non_score_rewards: torch.Tensor | None = None
     kl_coef: float = 0.0
     train_policy: bool = True
 
@@ -62,7 +78,7 @@ class Experience:
 
     def select(self, index: torch.Tensor) -> Experience:
         """A view of the rows ``index`` (LongTensor of positions in this record), in that order."""
-        changes = {name: _rows(getattr(self, name), index) for name in _PER_TOKEN}
+        changes = {name: _rows(getattr(self, name), index) for name in PER_TOKEN_FIELDS + PER_ROW_FIELDS}
         return dataclasses.replace(self, rows=self.rows[index], rollout=self.rollout.select(index), **changes)
 
     def trim(self) -> Experience:
@@ -70,7 +86,7 @@ class Experience:
         masked in every row carry no loss and need no forward."""
         rollout = self.rollout.trim()
         T = rollout.response_ids.shape[1]
-        changes = {name: _columns(getattr(self, name), T) for name in _PER_TOKEN}
+        changes = {name: _columns(getattr(self, name), T) for name in PER_TOKEN_FIELDS}
         return dataclasses.replace(self, rollout=rollout, **changes)
 
     def minibatches(

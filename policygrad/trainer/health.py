@@ -15,6 +15,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
+from policygrad.trainer.config import ConfigError
 from policygrad.trainer.errors import TrainingError
 
 __all__ = ["UpdateWatch", "check_finite_weights", "why_nothing_trained"]
@@ -31,10 +34,6 @@ def check_finite_weights(model, what: str) -> None:
     Raises:
         ConfigError: the first parameter that holds a non-finite value, with how many.
     """
-    import torch
-
-    from policygrad.trainer.config import ConfigError
-
     with torch.no_grad():
         for name, param in model.named_parameters():
             param = param.to_local() if hasattr(param, "to_local") else param  # FSDP: this rank's shard

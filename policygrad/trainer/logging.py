@@ -17,6 +17,8 @@ from typing import Any
 import torch
 
 from policygrad.trainer.errors import TrainingError
+from policygrad.trainer.rundir import atomic_write_text
+from policygrad.trainer.trackers import TensorBoardTracker
 
 log = logging.getLogger("policygrad")
 
@@ -98,14 +100,10 @@ class MetricsLogger:
     ):
         self.path = os.path.join(run_dir, "metrics.jsonl")
         if truncate_after_step is not None and os.path.exists(self.path):
-            from policygrad.trainer.rundir import atomic_write_text
-
             rows = [r for r in read_metrics_rows(self.path) if r.get("step", 0) <= truncate_after_step]
             atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in rows))
         self.trackers = list(trackers or [])
         if tensorboard:
-            from policygrad.trainer.trackers import TensorBoardTracker
-
             try:
                 self.trackers.insert(0, TensorBoardTracker(run_dir))
             except ImportError:  # tensorboard is a dependency; tolerate a minimal install

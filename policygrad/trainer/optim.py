@@ -94,11 +94,17 @@ class StepOutcome:
 
 
 class OptimizerStep:
-    """One optimizer step over accumulated micro-batch losses, shared by the policy and the critic:
-    zero the gradients, backpropagate each loss (stopping at the first non-finite one), optionally
-    stop on the caller's check, add extra losses, clip the gradient norm, then step the optimizer
-    and the schedule, or, when anything was non-finite, leave weights, optimizer state and schedule
-    untouched.
+    """One optimizer step over accumulated micro-batch losses, shared by the policy and the critic,
+    driven by its caller's loop::
+
+        step.zero()
+        for micro in micro_batches:
+            if not step.backward(loss_of(micro)):
+                break                      # a non-finite loss: the step will be skipped
+        outcome = step.apply()             # or step.cancel() (e.g. the target-KL check)
+
+    :meth:`apply` clips the gradient norm and steps the optimizer and the schedule, or, when any
+    loss or the norm was non-finite, leaves weights, optimizer state and schedule untouched.
 
     Args:
         optimizer: the network's optimizer.
@@ -106,65 +112,64 @@ class OptimizerStep:
         params: the trainable parameters (clipped together).
         max_grad_norm: the clip threshold (> 0).
         device: where the work runs (for timing).
-        sync: None, or ``sync(params, finite) -> finite`` run by every data-parallel rank after
-            the backward passes: sums the gradients over ranks and returns whether every rank's
-            losses were finite (see :meth:`policygrad.trainer.distributed.Dist.sync_gradients`).
-
-    ``collective`` (set by FSDP): every loss is backpropagated even after a non-finite one, since
-    each backward is a collective every rank must join; the step is then skipped on all ranks.
+        strategy: the run's :mod:`~policygrad.trainer.strategy` (default one process): it sums
+            the gradients over ranks and agrees on finiteness before clipping; with a
+            ``collective`` strategy (FSDP) every loss is backpropagated even after a non-finite
+            one, since each backward is a collective every rank must join, and the step is then
+            skipped on all ranks.
     """
 
-    def __init__(
-        self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device, sync=None
-    ):
+    def __init__(self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device, strategy):
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = list(params)
         self.max_grad_norm = max_grad_norm
         self.device = device
-        self.sync = sync
-        self.collective = False
+        self.strategy = strategy
+        self.outcome = StepOutcome()
+        self.finite = True
 
-    def _backward(self, losses: Iterable[torch.Tensor], out: StepOutcome, *, count: bool) -> bool:
-        finite = True
-        for loss in losses:
-            if not torch.isfinite(loss):
-                finite = False
-                if not self.collective:
-                    return False
-            start = synced_clock(self.device)
-            loss.backward()
-            out.backward_s += synced_clock(self.device) - start
-            if count and finite:
-                out.loss = out.loss + loss.item()
-        return finite
+    def zero(self) -> None:
+        """Start a step: gradients set to None, a fresh :class:`StepOutcome`."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.outcome = StepOutcome()
+        self.finite = True
 
-    def __call__(
-        self,
-        losses: Iterable[torch.Tensor],
-        *,
-        stop: Callable[[], bool] | None = None,
-        extra_losses: Callable[[], Iterable[torch.Tensor]] | None = None,
-    ) -> StepOutcome:
-        """Accumulate ``losses`` (an iterable, typically a generator that runs each micro-batch's
-        forward when asked for its loss; it is not resumed after a non-finite loss), then
-        ``stop()`` (True: zero the gradients and take no step), then the losses of
-        ``extra_losses()`` (e.g. PPO-ptx), then clip and step.
+    @property
+    def proceeding(self) -> bool:
+        """More losses are wanted: every loss so far was finite, or the strategy is collective."""
+        return self.finite or self.strategy.collective
+
+    def backward(self, loss: torch.Tensor, *, count: bool = True) -> bool:
+        """Backpropagate ``loss`` (a 0-d tensor) into the accumulated gradients; its value joins
+        ``outcome.loss`` when ``count`` and every loss so far was finite. A non-finite loss marks
+        the step to be skipped and is not backpropagated unless the strategy is collective.
 
         Returns:
-            :class:`StepOutcome`; gradients are zeroed (set to None) on return.
+            :attr:`proceeding`: False when the caller should stop computing losses.
         """
-        out = StepOutcome()
+        if not torch.isfinite(loss):
+            self.finite = False
+            if not self.strategy.collective:
+                return False
+        start = synced_clock(self.device)
+        loss.backward()
+        self.outcome.backward_s += synced_clock(self.device) - start
+        if count and self.finite:
+            self.outcome.loss = self.outcome.loss + loss.item()
+        return self.proceeding
+
+    def cancel(self) -> StepOutcome:
+        """Take no step (the caller's check stopped it): gradients zeroed, ``stopped`` set."""
         self.optimizer.zero_grad(set_to_none=True)
-        finite = self._backward(losses, out, count=True)
-        if stop is not None and stop():
-            self.optimizer.zero_grad(set_to_none=True)
-            out.stopped = True
-            return out
-        if extra_losses is not None and (finite or self.collective):
-            finite = self._backward(extra_losses(), out, count=False) and finite
-        if self.sync is not None:
-            finite = self.sync(self.params, finite)
+        self.outcome.stopped = True
+        return self.outcome
+
+    def apply(self) -> StepOutcome:
+        """Agree on the gradients over ranks, clip, then step the optimizer and the schedule
+        unless anything was non-finite. Gradients are zeroed (set to None) on return."""
+        out = self.outcome
+        finite = self.strategy.sync_gradients(self.params, self.finite)
         start = time.perf_counter()
         if finite:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)

@@ -29,12 +29,11 @@ nothing there.
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["PRECISIONS", "Precision", "apply_precision", "resolve_precision"]
+__all__ = ["PRECISIONS", "Precision", "resolve_precision"]
 
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "bf16-pure")
 
@@ -65,18 +64,6 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.autocast_dtype)
 
-    def wrap(self, fn):
-        """``fn`` run under :meth:`autocast` (``fn`` itself when there is no autocast)."""
-        if self.autocast_dtype is None:
-            return fn
-
-        @functools.wraps(fn)
-        def wrapped(*args, **kwargs):
-            with self.autocast():
-                return fn(*args, **kwargs)
-
-        return wrapped
-
 
 def resolve_precision(name: str, device: torch.device, *, model_dtype: str = "auto") -> Precision:
     """The :class:`Precision` of ``model.precision`` on ``device``.
@@ -99,27 +86,3 @@ def resolve_precision(name: str, device: torch.device, *, model_dtype: str = "au
     if name == "bf16-pure":
         return Precision(name, torch.bfloat16, None, device.type)
     return Precision(name, torch.float32, torch.bfloat16, device.type)
-
-
-def apply_precision(trainer, precision: Precision) -> None:
-    """Run the trainer's forwards under ``precision``'s autocast, through its seams: the policy's
-    training forward (``policy_step.forward``), the old and reference log-prob passes, the critic's
-    value forward and, when it samples with the live policy (or, with FSDP, the hf engine with
-    the policy's unsharded copy), the rollout engine's ``generate``.
-    Optimizer steps stay outside autocast. A no-op without autocast."""
-    if precision.autocast_dtype is None:
-        return
-    trainer.policy_step.forward = precision.wrap(trainer.policy_step.forward)
-    trainer.old_logprobs = precision.wrap(trainer.old_logprobs)
-    trainer.reference_logprobs = precision.wrap(trainer.reference_logprobs)
-    if trainer.critic is not None:
-        trainer.critic.response_values = precision.wrap(trainer.critic.response_values)
-    copy = getattr(trainer, "full_policy", None) is not None and _runs_torch(trainer.engine)
-    if trainer.engine.shares_policy_weights or copy:
-        trainer.engine.generate = precision.wrap(trainer.engine.generate)  # the live policy or its copy
-
-
-def _runs_torch(engine) -> bool:
-    from policygrad.rollout.hf import HFRolloutEngine
-
-    return isinstance(engine, HFRolloutEngine)

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
-from policygrad.rewards.registry import RewardOutput
 from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout
 
@@ -66,48 +65,16 @@ class SampledBatch:
 
 def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
     """One batch of several (same G): prompts left-padded and responses right-padded to the
-    widest, groups renumbered in order. A single batch is returned as it is."""
+    widest, groups renumbered in order (:meth:`Rollout.concat`, :meth:`Scores.concat`). A single
+    batch is returned as it is."""
     if len(batches) == 1:
         return batches[0]
-    rollouts = [b.rollout for b in batches]
-    P = max(r.prompt_ids.shape[1] for r in rollouts)
-    T = max(r.response_ids.shape[1] for r in rollouts)
-
-    def pad(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
-        extra = width - t.shape[1]
-        return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
-
-    offsets, total = [], 0
-    for r in rollouts:
-        offsets.append(total)
-        total += int(r.group_index.max()) + 1 if r.batch_size else 0
-    rollout = dataclasses.replace(
-        rollouts[0],
-        prompt_ids=torch.cat([pad(r.prompt_ids, P, left=True) for r in rollouts]),
-        prompt_mask=torch.cat([pad(r.prompt_mask, P, left=True) for r in rollouts]),
-        response_ids=torch.cat([pad(r.response_ids, T, left=False) for r in rollouts]),
-        response_mask=torch.cat([pad(r.response_mask, T, left=False) for r in rollouts]),
-        sampler_logprobs=torch.cat([pad(r.sampler_logprobs, T, left=False) for r in rollouts]),
-        truncated=torch.cat([r.truncated for r in rollouts]),
-        group_index=torch.cat([r.group_index + o for r, o in zip(rollouts, offsets)]),
-    )
-    scores = [b.scores for b in batches]
-    raw, failed = torch.cat([s.raw for s in scores]), torch.cat([s.failed for s in scores])
-    components = {k: torch.cat([s.components[k] for s in scores]) for k in scores[0].components}
-    merged = Scores(
-        torch.cat([s.scores for s in scores]),
-        raw,
-        torch.cat([s.valid for s in scores]),
-        failed,
-        components,
-        RewardOutput(raw, components, ~failed).metrics(),  # the reward metrics of every row
-    )
     return SampledBatch(
         [row for b in batches for row in b.rows],
         [ids for b in batches for ids in b.prompt_ids],
-        rollout,
+        Rollout.concat([b.rollout for b in batches]),
         [c for b in batches for c in b.completions],
-        merged,
+        Scores.concat([b.scores for b in batches]),
     )
 
 

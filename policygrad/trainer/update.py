@@ -20,10 +20,11 @@ import torch
 from policygrad.models.forward import lm_loss, policy_logprobs
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.objective import MinibatchCounts, PolicyObjective
-from policygrad.trainer.optim import OptimizerStep
+from policygrad.trainer.optim import OptimizerStep, StepOutcome
+from policygrad.trainer.precision import Precision
 from policygrad.trainer.runtime import synced_clock
 
-__all__ = ["PolicyStep", "UpdateStats"]
+__all__ = ["KLMeter", "PolicyStep", "UpdateStats"]
 
 # Loss metrics -> logged names (anything else becomes ``policy/<key>``).
 _METRIC_NAMES = {
@@ -95,6 +96,30 @@ class UpdateStats:
             for key in ("vf_loss", "vf_clipfrac"):
                 self.critic_sums[key] = self.critic_sums.get(key, 0.0) + out[key] * n
 
+    def record(self, out: StepOutcome) -> None:
+        """What one policy optimizer step did (:class:`~policygrad.trainer.optim.StepOutcome`)."""
+        self.timers["backward"] += out.backward_s
+        self.timers["optimizer"] += out.optimizer_s
+        if out.stopped:
+            self.early_stopped = True
+            return
+        if out.grad_norm is not None:
+            self.grad_norms.append(out.grad_norm)
+        if out.applied:
+            self.steps += 1
+            self.losses.append(out.loss)
+        else:
+            self.skipped += 1
+
+    def record_first_logprobs(self, first: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Keep an on-policy update's first-forward log-probs for the sampler-mismatch metrics
+        (call it for minibatches run before any optimizer step of the update)."""
+        if self.rollout_rows is None:
+            return
+        for rows, logprobs in first:
+            self.rollout_logprobs[rows, : logprobs.shape[1]] = logprobs.to(self.rollout_logprobs)
+            self.rollout_rows[rows] = True
+
     def metrics(self, *, target_kl: bool, ptx: bool, critic_lr: float | None) -> dict[str, Any]:
         """The update's metrics (names in :data:`policygrad.trainer.metrics.METRICS`)."""
         out: dict[str, Any] = {}
@@ -130,12 +155,20 @@ def _mean(values: list[float]) -> float:
 class PolicyStep:
     """One policy optimizer step on a minibatch (see the module docstring).
 
+    Args:
+        policy: the trained network.
+        objective: the :class:`~policygrad.trainer.objective.PolicyObjective`.
+        step: the policy's :class:`~policygrad.trainer.optim.OptimizerStep`.
+        strategy: the run's strategy: with several ranks the minibatch counts and the approx-KL of
+            ``target_kl`` are global, and (FSDP) a rank with fewer micro-batches runs zero-weight
+            passes so every rank's sharded collectives pair up.
+        precision: the training forward runs under its autocast.
+        micro_batch_size: sequences per forward.
+        target_kl: no step when the minibatch's approx-KL exceeds it (None: off).
+        ptx, ptx_coef: PPO-ptx's text stream (None: off) and the weight of its LM loss.
+
     Attributes (seams): ``forward`` (the log-prob kernel, signature of
-    :func:`~policygrad.models.forward.policy_logprobs`), ``objective``, ``reduce`` (None, or a
-    data-parallel ``reduce(tensor) -> tensor`` summing over ranks: the minibatch counts and the
-    approx-KL of ``target_kl`` are then global), ``equal_passes`` and ``idle_batch`` (FSDP: None,
-    or ``equal_passes(count) -> max count over ranks``; a rank with fewer micro-batches runs
-    zero-weight passes on ``idle_batch`` so every rank's sharded collectives pair up).
+    :func:`~policygrad.models.forward.policy_logprobs`) and ``objective``.
     """
 
     def __init__(
@@ -144,9 +177,8 @@ class PolicyStep:
         objective: PolicyObjective,
         step: OptimizerStep,
         *,
-        temperature: float,
-        top_k: int,
-        top_p: float,
+        strategy,
+        precision: Precision,
         micro_batch_size: int,
         target_kl: float | None = None,
         ptx=None,
@@ -157,84 +189,92 @@ class PolicyStep:
         self.forward = policy_logprobs
         self.objective = objective
         self.step = step
-        self.sampling = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
+        self.strategy = strategy
+        self.precision = precision
         self.micro_batch_size = micro_batch_size
         self.target_kl = target_kl
         self.ptx = ptx
         self.ptx_coef = ptx_coef
         self.device = device
-        self.reduce = None
-        self.equal_passes = None
-        self.idle_batch: Experience | None = None
 
-    def __call__(self, mb: Experience, stats: UpdateStats) -> None:
-        """Forward, backward and (unless stopped or non-finite) step on ``mb``; records into ``stats``."""
+    def __call__(
+        self, mb: Experience, stats: UpdateStats, *, idle: Experience | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Forward, backward and (unless stopped or non-finite) one optimizer step on ``mb``;
+        records into ``stats``. ``idle``: a batch for the zero-weight passes of a rank with
+        fewer micro-batches (FSDP).
+
+        Returns:
+            On an on-policy minibatch (``mb.old_logprobs`` None): each micro-batch's
+            ``(rows, log-probs [b, T_micro])`` of the first forward (the ratio's denominator,
+            the policy's log-probs before the update); else ``[]``.
+        """
         counts = MinibatchCounts.of(mb.loss_mask)
-        if self.reduce is not None:
-            counts = MinibatchCounts(self.reduce(counts.num_tokens), self.reduce(counts.num_seqs))
-        kl = {"sum": 0.0, "weight": 0.0}
-        with_entropy = "grad" if self.objective.entropy_coef else True
-
+        reduce = self.strategy.reduce
+        if reduce is not None:
+            counts = MinibatchCounts(reduce(counts.num_tokens), reduce(counts.num_seqs))
         micros = list(mb.micro_batches(self.micro_batch_size))
-        idle = self.equal_passes(len(micros)) - len(micros) if self.equal_passes is not None else 0
-
-        def losses():
-            for _ in range(idle):  # FSDP: this rank's share of the minibatch is smaller
-                rollout = self.idle_batch.rollout
-                logprobs, _ = self.forward(self.policy, rollout, with_entropy=False, **self.sampling)
-                yield logprobs.sum() * 0.0
-            for micro in micros:
-                start = time.perf_counter()
-                micro = micro.trim()
-                logprobs, entropy = self.forward(
-                    self.policy, micro.rollout, with_entropy=with_entropy, **self.sampling
-                )
-                old = micro.old_logprobs
-                if old is None:
-                    old = logprobs.detach()  # exactly on-policy: the ratio is exactly 1
-                    if stats.rollout_rows is not None and stats.steps == 0:
-                        stats.rollout_logprobs[micro.rows, : old.shape[1]] = old.to(stats.rollout_logprobs)
-                        stats.rollout_rows[micro.rows] = True
-                loss, m, mask = self.objective(logprobs, entropy, old, micro, counts)
-                stats.nonfinite_tokens += m.pop("nonfinite_tokens")
-                if torch.isfinite(loss):
-                    stats.timers["forward"] += synced_clock(self.device) - start
-                yield loss
-                w = float(mask.sum())
-                stats.add_micro(m, w)
-                if "approx_kl" in m and w > 0:
-                    kl["sum"] += float(m["approx_kl"]) * w
-                    kl["weight"] += w
-
-        def exceeds_target_kl() -> bool:
-            # The policy has moved too far from the one that sampled: no step, and the update ends.
-            if self.target_kl is not None and self.reduce is not None:
-                kl["sum"], kl["weight"] = self.reduce(torch.tensor([kl["sum"], kl["weight"]])).tolist()
-            return (
-                self.target_kl is not None and kl["weight"] > 0 and kl["sum"] / kl["weight"] > self.target_kl
+        first_logprobs, kl = [], KLMeter()
+        self.step.zero()
+        for _ in range(self.strategy.idle_passes(len(micros))):
+            logprobs, _ = self._forward(idle.rollout, with_entropy=False)
+            self.step.backward(logprobs.sum() * 0.0)
+        for micro in micros:
+            start = time.perf_counter()
+            micro = micro.trim()
+            # the entropy needs a gradient only when it is in the loss
+            logprobs, entropy = self._forward(
+                micro.rollout, with_entropy="grad" if self.objective.entropy_coef else True
             )
-
-        out = self.step(
-            losses(), stop=exceeds_target_kl, extra_losses=self._ptx_losses(stats) if self.ptx else None
-        )
-        stats.timers["backward"] += out.backward_s
-        stats.timers["optimizer"] += out.optimizer_s
-        if out.stopped:
-            stats.early_stopped = True
-            return
-        if out.grad_norm is not None:
-            stats.grad_norms.append(out.grad_norm)
-        if out.applied:
-            stats.steps += 1
-            stats.losses.append(out.loss)
+            old = micro.old_logprobs
+            if old is None:  # exactly on-policy: the ratio is exactly 1
+                old = logprobs.detach()
+                first_logprobs.append((micro.rows, old))
+            loss, metrics, mask = self.objective(logprobs, entropy, old, micro, counts)
+            stats.nonfinite_tokens += metrics.pop("nonfinite_tokens")
+            if torch.isfinite(loss):
+                stats.timers["forward"] += synced_clock(self.device) - start
+            if not self.step.backward(loss):
+                break
+            stats.add_micro(metrics, kl.add(metrics, float(mask.sum())))
+        if self.target_kl is not None and kl.exceeds(self.target_kl, reduce):
+            out = self.step.cancel()  # moved too far from the sampling policy: no step, the update ends
         else:
-            stats.skipped += 1
+            if self.ptx is not None and self.step.proceeding:
+                self._ptx_loss(stats)
+            out = self.step.apply()
+        stats.record(out)
+        return first_logprobs
 
-    def _ptx_losses(self, stats: UpdateStats):
-        def losses():
-            ids, attn = self.ptx.next_batch()
-            loss = lm_loss(self.policy, ids.to(self.device), attn.to(self.device))
-            yield self.ptx_coef * loss
+    def _forward(self, rollout, *, with_entropy):
+        # the distribution the rollout was sampled from (rollout.sampling), under the precision's autocast
+        with self.precision.autocast():
+            return self.forward(self.policy, rollout, with_entropy=with_entropy)
+
+    def _ptx_loss(self, stats: UpdateStats) -> None:
+        ids, attn = self.ptx.next_batch()
+        loss = lm_loss(self.policy, ids.to(self.device), attn.to(self.device))  # outside autocast, as before
+        if self.step.backward(self.ptx_coef * loss, count=False):
             stats.ptx_losses.append(loss.item())
 
-        return losses
+
+class KLMeter:
+    """The token-weighted approx-KL of a minibatch's backpropagated micro-batches."""
+
+    def __init__(self):
+        self.sum, self.weight = 0.0, 0.0
+
+    def add(self, metrics: dict[str, Any], weight: float) -> float:
+        """Count a micro-batch's ``approx_kl`` (when the loss reports one) with ``weight`` tokens;
+        returns ``weight``."""
+        if "approx_kl" in metrics and weight > 0:
+            self.sum += float(metrics["approx_kl"]) * weight
+            self.weight += weight
+        return weight
+
+    def exceeds(self, target: float, reduce=None) -> bool:
+        """The mean approx-KL (over every rank with ``reduce``) is above ``target``."""
+        total, weight = self.sum, self.weight
+        if reduce is not None:
+            total, weight = reduce(torch.tensor([total, weight])).tolist()
+        return weight > 0 and total / weight > target

@@ -257,7 +257,7 @@ def test_each_run_and_call_sees_the_callers_environment(user_file, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------
-# Callables given as objects (policygrad.train(reward_funcs=[fn]), Trainer(reward_functions=...)).
+# Callables given as objects (policygrad.train(reward_funcs=[fn]), Run(reward_functions=...)).
 
 CALLABLE_REWARDS = """
 import os
@@ -330,7 +330,7 @@ def test_an_importable_callable_runs_in_the_worker(callables):
         assert out.components["pid"].tolist()[0] != float(os.getpid())  # another process
         assert list(out.components) == CompositeReward(objects).names  # the names they had in-process
         assert out.components["Scaled"].tolist() == [1.0, 0.5]
-        assert out.components["partial"].tolist() == [4.0, 2.0]
+        assert out.components["Scaled#2"].tolist() == [4.0, 2.0]  # a partial is named after its callable
     finally:
         if worker is not None:
             worker.close()
@@ -443,7 +443,7 @@ def test_without_isolation_the_timeout_still_holds(user_file, callables):
 
 
 def test_a_callable_recorded_by_its_qualified_name_loads_in_the_worker(callables):
-    # Trainer(reward_functions=[Group.length]) records and runs it as "module:Group.length".
+    # Run(reward_functions=[Group.length]) records and runs it as "module:Group.length".
     from policygrad.rewards.callables import describe_object
 
     spec = describe_object(callables.Group.length)

@@ -16,7 +16,7 @@ from policygrad.cli import main
 from policygrad.models.adapters import load_model, resolve_model_source
 from policygrad.models.forward import inference_logprobs
 from policygrad.models.loading import apply_lora, load_causal_lm
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from tests.trainer.conftest import write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -57,15 +57,15 @@ def test_a_run_from_a_trained_adapter_starts_at_kl_zero_with_the_adapter_logprob
         cfg = _kl_run(make_config, form, name=eos_model_dir, adapter=trained_adapter)
     else:
         cfg = _kl_run(make_config, form, name=trained_adapter)
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     seen = {}
-    reference, old = trainer.reference_logprobs, trainer.old_logprobs
-    trainer.reference_logprobs = lambda r: seen.setdefault("ref", (r, reference(r)))[1]
-    trainer.old_logprobs = lambda r: seen.setdefault("old", old(r))
+    reference, old = run.trainer.reference_logprobs, run.trainer.old_logprobs
+    run.trainer.reference_logprobs = lambda r: seen.setdefault("ref", (r, reference(r)))[1]
+    run.trainer.old_logprobs = lambda r: seen.setdefault("old", old(r))
     try:
-        metrics = trainer.step()
+        metrics = run.trainer.step()
     finally:
-        trainer.close()
+        run.close()
     assert metrics["kl/ref"] == 0.0
     rollout, ref = seen["ref"]
     assert torch.equal(ref, seen["old"])
@@ -86,12 +86,12 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     make_config, tmp_path, capsys, eos_model_dir
 ):
     cfg = make_config("lora", steps=1, model={"lora": {"rank": 4, "alpha": 8.0}}, export_merged=True)
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     try:
-        summary = trainer.train()
-        policy = trainer.policy
+        summary = run.train()
+        policy = run.trainer.policy
     finally:
-        trainer.close()
+        run.close()
     folder = tmp_path / "lora" / "checkpoints" / "step_1" / "model"
     assert (folder / "adapter_config.json").exists() and not (folder / "config.json").exists()
     card = (folder / "README.md").read_text()
@@ -116,7 +116,7 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 2
     # ... and trains as model.name: the run starts from the adapter and keeps training it.
-    again = Trainer(make_config("again", steps=1, model={"name": str(folder)}))
+    again = Run(make_config("again", steps=1, model={"name": str(folder)}))
     try:
         again.train()
     finally:
@@ -125,11 +125,11 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
 
 
 def test_a_full_model_checkpoint_carries_a_model_card(make_config, tmp_path):
-    trainer = Trainer(make_config("full", steps=1))
+    run = Run(make_config("full", steps=1))
     try:
-        trainer.train()
+        run.train()
     finally:
-        trainer.close()
+        run.close()
     card = (tmp_path / "full" / "checkpoints" / "step_1" / "model" / "README.md").read_text()
     assert "full model" in card and "| steps | 1 |" in card and "## Final metrics" in card
 

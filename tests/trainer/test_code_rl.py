@@ -10,7 +10,7 @@ import pytest
 
 from policygrad.rewards.code import CodeTests
 from policygrad.rewards.sandbox import available_isolation
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.config import ConfigError, load_config
 from tests.trainer.conftest import tiny_overrides
 
@@ -32,19 +32,19 @@ def _config(eos_model_dir, tmp_path, **sections):
 
 
 def test_a_code_run_scores_with_the_sandbox_and_evaluates_by_tests(eos_model_dir, tmp_path):
-    trainer = Trainer(_config(eos_model_dir, tmp_path))
+    run = Run(_config(eos_model_dir, tmp_path))
     try:
-        reward = trainer.scorer.reward_fn.entries[0][1]
+        reward = run.trainer.scorer.reward_fn.entries[0][1]
         assert isinstance(reward, CodeTests) and reward.sandbox.limits.wall_time_s == 5.0
-        summary = trainer.train()
-        rows = trainer.eval_rows
+        summary = run.train()
+        rows = run.eval_rows
         # The evaluation's verifier runs the tests: a reference answer passes, a wrong one fails.
         fields = {"tests": [r["tests"] for r in rows], "entry_point": [r["entry_point"] for r in rows]}
         prompts = [r["prompt"] for r in rows]
-        assert trainer.eval_reward(prompts, [r["answer"] for r in rows], **fields) == [1.0] * 3
-        assert trainer.eval_reward(prompts, ["def nothing():\n    pass\n"] * 3, **fields) == [0.0] * 3
+        assert run.eval_reward(prompts, [r["answer"] for r in rows], **fields) == [1.0] * 3
+        assert run.eval_reward(prompts, ["def nothing():\n    pass\n"] * 3, **fields) == [0.0] * 3
     finally:
-        close = getattr(trainer, "close", None)
+        close = getattr(run, "close", None)
         if close is not None:
             close()
     # A random tiny model writes no passing program: the held-out accuracy is exactly 0.

@@ -25,10 +25,11 @@ import yaml
 from safetensors.torch import load_file
 
 from policygrad.lab.memory import model_shape_from_config, plan_memory
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.config import ConfigError, load_config
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.sharding import full_state_dict, local_bytes
+from policygrad.trainer.strategy import make_strategy
 from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -67,20 +68,20 @@ def case_config(name: str, model_dir: str, rewards_py: str, out_dir, strategy: s
 
 def full_weights(trainer) -> dict[str, torch.Tensor]:
     """The policy's whole weights (fsdp: the engine's unsharded copy, synced after each update)."""
-    model = trainer.full_policy if trainer.full_policy is not None else trainer.policy
+    model = trainer.trainer.full_policy if trainer.trainer.full_policy is not None else trainer.trainer.policy
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def run_case(cfg) -> dict:
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     try:
         metrics = [
-            {k: v for k, v in trainer.step().items() if not k.startswith(VOLATILE)} for _ in range(STEPS)
+            {k: v for k, v in run.trainer.step().items() if not k.startswith(VOLATILE)} for _ in range(STEPS)
         ]
-        held = local_bytes(trainer.policy, trainer.optimizer)
-        return {"metrics": metrics, "weights": full_weights(trainer), "bytes": sum(held.values())}
+        held = local_bytes(run.trainer.policy, run.trainer.optimizer)
+        return {"metrics": metrics, "weights": full_weights(run), "bytes": sum(held.values())}
     finally:
-        trainer.close()
+        run.close()
 
 
 RESUMED = "grpo"  # across world sizes: the KL loss and AdamW state, compared to 1e-5
@@ -93,11 +94,11 @@ def resume_config(model_dir: str, rewards_py: str, out_dir, steps: int, strategy
 
 
 def train(cfg, resume_from=None) -> None:
-    trainer = Trainer(cfg, resume_from=resume_from)
+    run = Run(cfg, resume_from=resume_from)
     try:
-        trainer.train()
+        run.train()
     finally:
-        trainer.close()
+        run.close()
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, rewards_py: str, out: str, one_run: str):
@@ -128,13 +129,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, rewards_py: str, o
         # bf16 compute (CPU autocast) with FSDP2's mixed precision: what the checkpoint exports.
         bf16 = {"dtype": "bfloat16", "precision": "bf16-mixed"}
         cfg = case_config("grpo", model_dir, rewards_py, os.path.join(out, "bf16"), "fsdp", model=bf16)
-        trainer = Trainer(cfg)
+        run = Run(cfg)
         try:
-            trainer.train()
+            run.train()
             # Gathered from the shards (a collective), not read from the engine's copy.
-            results["bf16_master"] = {k: v.clone() for k, v in full_state_dict(trainer.policy).items()}
+            results["bf16_master"] = {k: v.clone() for k, v in full_state_dict(run.trainer.policy).items()}
         finally:
-            trainer.close()
+            run.close()
         if rank == 0:
             torch.save(results, os.path.join(out, "results.pt"))
     finally:
@@ -355,7 +356,7 @@ def test_fsdp_refuses_lora(make_config):
     dist = Dist(rank=0, world_size=2)
     cfg = make_config(model={"lora": {"rank": 4}}, distributed={"strategy": "fsdp"})
     with pytest.raises(ConfigError, match="distributed.strategy=fsdp shards full fine-tuning"):
-        dist.check(cfg)
+        make_strategy(cfg, dist)
 
 
 def test_a_reward_error_on_rank_1_ends_every_rank_once(eos_model_dir, rewards_py, tmp_path):

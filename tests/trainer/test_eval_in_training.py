@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.metrics import is_known_metric
 
 pytestmark = pytest.mark.integration
@@ -18,11 +18,11 @@ def test_eval_samples_log_pass_and_maj_at_k(make_config, tmp_path):
         "run", steps=1, eval_before=True, eval_after=True, eval_samples=4, eval_k=[1, 4],
         data={"eval_size": 3},
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     try:
-        summary = trainer.train()
+        summary = run.train()
     finally:
-        trainer.close()
+        run.close()
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     evals = [r for r in rows if "eval/pass@4" in r]
     assert [r["step"] for r in evals] == [0, 1]

@@ -22,8 +22,10 @@ from policygrad.models.forward import policy_logprobs
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rewards.registry import RewardFunctionError
 from policygrad.rollout import HFRolloutEngine
-from policygrad.trainer import Trainer, TrainingError
+from policygrad.run import Run
+from policygrad.trainer import TrainingError
 from policygrad.trainer.config import ConfigError
+from policygrad.trainer.loop import Trainer
 from tests.trainer.conftest import checkpoint_weights, write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -65,13 +67,13 @@ class Spy:
     rollout engine produced it), and the arguments and metrics of the policy-loss call that
     follows, with the number of optimizer steps taken before it."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, run: Run):
         self.calls: list[dict] = []
         self.outputs: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.response_masks: list[torch.Tensor] = []
         self.optimizer_steps = 0
-        trainer.optimizer.register_step_post_hook(self._count)
-        policy_loss = trainer.objective.policy_loss
+        run.trainer.optimizer.register_step_post_hook(self._count)
+        policy_loss = run.trainer.objective.policy_loss
 
         def spy_loss(logprobs, old_logprobs, advantages, mask, **options):
             out = policy_loss(logprobs, old_logprobs, advantages, mask, **options)
@@ -87,8 +89,8 @@ class Spy:
             )
             return out
 
-        trainer.objective.policy_loss = spy_loss
-        policy_logprobs = trainer.policy_step.forward
+        run.trainer.objective.policy_loss = spy_loss
+        policy_logprobs = run.trainer.policy_step.forward
 
         def spy_logprobs(model, rollout, **kwargs):
             logprobs, entropy = policy_logprobs(model, rollout, **kwargs)
@@ -100,7 +102,7 @@ class Spy:
                 self.response_masks.append(rollout.response_mask.clone())
             return logprobs, entropy
 
-        trainer.policy_step.forward = spy_logprobs
+        run.trainer.policy_step.forward = spy_logprobs
 
     @property
     def grads(self) -> list[torch.Tensor]:
@@ -118,7 +120,7 @@ class Spy:
         self.optimizer_steps += 1
 
 
-def poison_masked_positions(trainer: Trainer) -> None:
+def poison_masked_positions(trainer: Run) -> None:
     """Fill everything the loss must not see with garbage: prompt padding and post-EOS token ids
     become random tokens, and the sampler's, old and reference log-probs become NaN wherever
     ``response_mask`` is 0. A loop that masks correctly gives bitwise the same step."""
@@ -129,7 +131,7 @@ def poison_masked_positions(trainer: Trainer) -> None:
 
         return run
 
-    generate = trainer.engine.generate
+    generate = trainer.trainer.engine.generate
 
     def poisoned_generate(*args, **kwargs):
         r = generate(*args, **kwargs)
@@ -143,9 +145,9 @@ def poison_masked_positions(trainer: Trainer) -> None:
             sampler_logprobs=r.sampler_logprobs.masked_fill(r.response_mask == 0, float("nan")),
         )
 
-    trainer.old_logprobs = poisoned(trainer.old_logprobs)
-    trainer.reference_logprobs = poisoned(trainer.reference_logprobs)
-    trainer.engine.generate = poisoned_generate
+    trainer.trainer.old_logprobs = poisoned(trainer.trainer.old_logprobs)
+    trainer.trainer.reference_logprobs = poisoned(trainer.trainer.reference_logprobs)
+    trainer.trainer.engine.generate = poisoned_generate
 
 
 # ----------------------------------------------------------------------------- every algorithm
@@ -177,13 +179,13 @@ VARIANTS = {
 @pytest.mark.parametrize("algorithm", sorted(VARIANTS))
 def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_config):
     sections = {"algorithm": algorithm, "loss": {"entropy_coef": 0.01}, **VARIANTS[algorithm]}
-    trainer = Trainer(make_config("clean", **sections))
-    before = model_weights(trainer.policy)
-    spy = Spy(trainer)
-    metrics = [trainer.step() for _ in range(2)]
+    run = Run(make_config("clean", **sections))
+    before = model_weights(run.trainer.policy)
+    spy = Spy(run)
+    metrics = [run.trainer.step() for _ in range(2)]
 
     # Parameters changed (every tensor of the model), losses finite, nothing skipped.
-    after = model_weights(trainer.policy)
+    after = model_weights(run.trainer.policy)
     assert all(not torch.equal(before[k], after[k]) for k in before)
     for m in metrics:
         assert math.isfinite(m["policy/loss"]) and math.isfinite(m["policy/entropy"])
@@ -212,17 +214,17 @@ def test_every_algorithm_trains_and_masked_tokens_carry_nothing(algorithm, make_
 
     # Garbage at every masked position (prompt padding and post-EOS token ids, NaN sampler / old /
     # reference log-probs) changes nothing: same metrics, bitwise the same weights.
-    poisoned = Trainer(make_config("poisoned", **sections))
+    poisoned = Run(make_config("poisoned", **sections))
     poison_masked_positions(poisoned)
-    poisoned_metrics = [poisoned.step() for _ in range(2)]
+    poisoned_metrics = [poisoned.trainer.step() for _ in range(2)]
     assert [comparable(m) for m in poisoned_metrics] == [comparable(m) for m in metrics]
-    assert same_tree(model_weights(poisoned.policy), after)
+    assert same_tree(model_weights(poisoned.trainer.policy), after)
 
 
 def test_kl_placement_none_loads_no_reference(make_config):
-    trainer = Trainer(make_config(kl={"placement": "none"}))
-    assert trainer.reference is None
-    m = trainer.step()
+    run = Run(make_config(kl={"placement": "none"}))
+    assert run.trainer.reference is None
+    m = run.trainer.step()
     assert "kl/ref" not in m and "kl/loss_term" not in m and m["kl/coef"] == 0.0
 
 
@@ -282,7 +284,7 @@ def test_training_logprobs_are_those_of_the_response_tokens(eos_model_dir):
     [(1, 1, 8), (1, 1, 3), (1, 2, 3), (2, 1, 8), (2, 4, 3), (3, 2, 8)],
 )
 def test_first_minibatch_ratio_is_one(ppo_epochs, num_minibatches, micro_batch_size, make_config):
-    trainer = Trainer(
+    run = Run(
         make_config(
             optim={
                 "ppo_epochs": ppo_epochs,
@@ -293,10 +295,10 @@ def test_first_minibatch_ratio_is_one(ppo_epochs, num_minibatches, micro_batch_s
         )
     )
     recomputed = []
-    old_logprobs = trainer.old_logprobs
-    trainer.old_logprobs = lambda rollout: recomputed.append(1) or old_logprobs(rollout)
-    spy = Spy(trainer)
-    trainer.step()
+    old_logprobs = run.trainer.old_logprobs
+    run.trainer.old_logprobs = lambda rollout: recomputed.append(1) or old_logprobs(rollout)
+    spy = Spy(run)
+    run.trainer.step()
     on_policy = ppo_epochs == 1 and num_minibatches == 1
     # the extra forward for old log-probs runs only when the update is not exactly on-policy
     assert len(recomputed) == (0 if on_policy else 1)
@@ -352,7 +354,7 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
     # Over a data epoch boundary (3 rows, 2 per step), a cosine schedule with warmup, an adaptive
     # KL controller, old log-probs from 2 epochs x 2 minibatches, and evaluations on the way.
     sections = _resume_sections(tmp_path, lora)
-    straight = Trainer(make_config("straight", **sections))
+    straight = Run(make_config("straight", **sections))
     straight.train()
 
     # Interrupted: a checkpoint at step 2, step 3 runs and is logged, then the run dies.
@@ -366,11 +368,11 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
 
     monkeypatch.setattr(Trainer, "step", dies_at_step_4)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg).train()
+        Run(cfg).train()
     monkeypatch.setattr(Trainer, "step", step)
     assert [r["step"] for r in _metrics_rows(cfg.output_dir)] == [0, 1, 2, 3]
-    resumed = Trainer(cfg, resume_from=cfg.output_dir)
-    assert resumed.step_idx == 2 and resumed.stream.position == 4
+    resumed = Run(cfg, resume_from=cfg.output_dir)
+    assert resumed.trainer.step_idx == 2 and resumed.trainer.stream.position == 4
     resumed.train()
 
     # The row of step 3 written before the interruption is dropped; each step appears once.
@@ -379,15 +381,16 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
     assert rows == _metrics_rows(straight.run_dir)
     a, b = checkpoint_weights(straight.run_dir, 4), checkpoint_weights(cfg.output_dir, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert same_tree(model_weights(resumed.policy), model_weights(straight.policy))
-    assert same_tree(_optimizer_state(resumed.optimizer), _optimizer_state(straight.optimizer))
-    assert resumed.kl_ctl.state_dict() == straight.kl_ctl.state_dict()
-    assert resumed.scheduler.state_dict() == straight.scheduler.state_dict()
+    assert same_tree(model_weights(resumed.trainer.policy), model_weights(straight.trainer.policy))
+    a, b = resumed.trainer, straight.trainer
+    assert same_tree(_optimizer_state(a.optimizer), _optimizer_state(b.optimizer))
+    assert resumed.trainer.kl_ctl.state_dict() == straight.trainer.kl_ctl.state_dict()
+    assert resumed.trainer.scheduler.state_dict() == straight.trainer.scheduler.state_dict()
 
 
 def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
     with pytest.raises(TrainingError, match="no checkpoint found under"):
-        Trainer(make_config(), resume_from=str(tmp_path / "empty"))
+        Run(make_config(), resume_from=str(tmp_path / "empty"))
 
 
 # ----------------------------------------------------------------------------- gradient accumulation
@@ -396,7 +399,7 @@ def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
 def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local_counts=False):
     # eps = 1 and lr = 1 make AdamW's first step w - g / (|g| + 1) ~ w - g (sensitive to the
     # gradient's scale, unlike the sign-like step of a small eps); no clipping.
-    trainer = Trainer(
+    run = Run(
         make_config(
             name,
             algorithm=algorithm,
@@ -408,18 +411,18 @@ def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local
     grads = {}
 
     def record(optimizer, args, kwargs):
-        for name_, p in trainer.policy.named_parameters():
+        for name_, p in run.trainer.policy.named_parameters():
             grads[name_] = p.grad.detach().clone()
 
-    trainer.optimizer.register_step_pre_hook(record)
+    run.trainer.optimizer.register_step_pre_hook(record)
     if local_counts:
         # Normalise each micro-batch by its own counts (what omitting the global counts does).
-        objective = trainer.objective
+        objective = run.trainer.objective
         objective.reduce = lambda loss_matrix, mask, counts: aggregate(
             loss_matrix, mask, objective.agg_mode, max_len=objective.max_len
         )
-    trainer.step()
-    return grads, model_weights(trainer.policy)
+    run.trainer.step()
+    return grads, model_weights(run.trainer.policy)
 
 
 def _relative_error(grads: dict, reference: dict) -> float:
@@ -451,41 +454,41 @@ def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config):
 
 
 def test_nonfinite_loss_skips_the_update_and_leaves_state_untouched(make_config):
-    trainer = Trainer(make_config("nan", steps=3))
-    policy_loss = trainer.objective.policy_loss
+    run = Run(make_config("nan", steps=3))
+    policy_loss = run.trainer.objective.policy_loss
 
     def nan_on_step_2(logprobs, *args, **kwargs):
         loss, metrics = policy_loss(logprobs, *args, **kwargs)
-        return (loss * float("nan") if trainer.step_idx == 1 else loss), metrics
+        return (loss * float("nan") if run.trainer.step_idx == 1 else loss), metrics
 
-    trainer.objective.policy_loss = nan_on_step_2
-    first = trainer.step()
+    run.trainer.objective.policy_loss = nan_on_step_2
+    first = run.trainer.step()
     assert (first["optim/steps"], first["optim/skipped_nonfinite"]) == (1, 0)
-    weights, optim_state = model_weights(trainer.policy), _optimizer_state(trainer.optimizer)
-    scheduler_state = trainer.scheduler.state_dict()
-    skipped = trainer.step()
+    weights, optim_state = model_weights(run.trainer.policy), _optimizer_state(run.trainer.optimizer)
+    scheduler_state = run.trainer.scheduler.state_dict()
+    skipped = run.trainer.step()
     assert (skipped["optim/steps"], skipped["optim/skipped_nonfinite"]) == (0, 1)
-    assert same_tree(model_weights(trainer.policy), weights)
-    assert same_tree(_optimizer_state(trainer.optimizer), optim_state)  # Adam moments and step count
-    assert trainer.scheduler.state_dict() == scheduler_state
-    assert all(p.grad is None for p in trainer.policy.parameters())
-    third = trainer.step()  # training goes on
+    assert same_tree(model_weights(run.trainer.policy), weights)
+    assert same_tree(_optimizer_state(run.trainer.optimizer), optim_state)  # Adam moments and step count
+    assert run.trainer.scheduler.state_dict() == scheduler_state
+    assert all(p.grad is None for p in run.trainer.policy.parameters())
+    third = run.trainer.step()  # training goes on
     assert (third["optim/steps"], third["optim/skipped_nonfinite"]) == (1, 0)
-    assert not same_tree(model_weights(trainer.policy), weights)
+    assert not same_tree(model_weights(run.trainer.policy), weights)
 
 
 def test_nonfinite_loss_is_logged(make_config):
-    trainer = Trainer(make_config("nan_logged", steps=2))
-    policy_loss = trainer.objective.policy_loss
+    run = Run(make_config("nan_logged", steps=2))
+    policy_loss = run.trainer.objective.policy_loss
 
     def inf_loss(*args, **kwargs):
         loss, metrics = policy_loss(*args, **kwargs)
         return loss * float("inf"), metrics
 
-    trainer.objective.policy_loss = inf_loss
+    run.trainer.objective.policy_loss = inf_loss
     with pytest.raises(TrainingError, match="applied no update in 2 steps: every optimizer step was skipped"):
-        trainer.train()  # a run that trains nothing fails loudly, after logging every step
-    rows = _metrics_rows(trainer.run_dir)
+        run.train()  # a run that trains nothing fails loudly, after logging every step
+    rows = _metrics_rows(run.run_dir)
     assert [r["optim/skipped_nonfinite"] for r in rows] == [1, 1]
     assert [r["optim/steps"] for r in rows] == [0, 0]
     assert [r["policy/loss"] for r in rows] == [None, None]  # no finite loss to report
@@ -495,7 +498,7 @@ def test_nonfinite_loss_is_logged(make_config):
 
 
 def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_row_dataset):
-    trainer = Trainer(
+    run = Run(
         make_config(
             reward_fn="flaky",
             data={"dataset": bad_row_dataset, "shuffle": False},
@@ -503,14 +506,14 @@ def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_ro
             loss={"entropy_coef": 0.01},
         )
     )
-    spy = Spy(trainer)
-    before = model_weights(trainer.policy)
+    spy = Spy(run)
+    before = model_weights(run.trainer.policy)
     for _ in range(2):
-        m = trainer.step()
+        m = run.trainer.step()
         # rows 4..7 (the G samples of the bad prompt) are invalid: 4 of 8
         assert m["reward/invalid_frac"] == 0.5 and m["reward/valid_frac"] == 0.5
         assert m["optim/steps"] == 1 and math.isfinite(m["policy/loss"])
-    assert not same_tree(model_weights(trainer.policy), before)
+    assert not same_tree(model_weights(run.trainer.policy), before)
     for grad, call in zip(spy.grads, spy.calls):
         assert torch.count_nonzero(call["mask"][4:]) == 0
         assert torch.count_nonzero(grad[4:]) == 0
@@ -522,9 +525,9 @@ def test_reward_errors_skipped_are_counted_and_carry_no_loss(make_config, bad_ro
     [("flaky", "raised RuntimeError: cannot score this row"), ("not_a_number", "returned 'n/a' (str)")],
 )
 def test_reward_errors_raise_naming_the_row(reward, problem, make_config, bad_row_dataset):
-    trainer = Trainer(make_config(reward_fn=reward, data={"dataset": bad_row_dataset, "shuffle": False}))
+    run = Run(make_config(reward_fn=reward, data={"dataset": bad_row_dataset, "shuffle": False}))
     with pytest.raises(RewardFunctionError) as info:
-        trainer.step()
+        run.trainer.step()
     message = str(info.value)
     assert f":{reward}'" in message and problem in message
     assert "for row 4 (prompt: 'What is 7-4?')" in message and "on_error='skip'" in message
@@ -539,7 +542,7 @@ def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path
         tmp_path / "same.jsonl",
         [{"prompt": "What is 1+1?", "answer": "2"}, {"prompt": "the same: 2+2?", "answer": "4"}],
     )
-    trainer = Trainer(
+    run = Run(
         make_config(
             reward_fn="constant_if_same",
             drop_zero_variance_groups=drop,
@@ -547,8 +550,8 @@ def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path
             loss={"entropy_coef": 0.01},
         )
     )
-    spy = Spy(trainer)
-    m = trainer.step()
+    spy = Spy(run)
+    m = run.trainer.step()
     assert m["reward/zero_variance_group_frac"] == 0.5
     (grad,) = spy.grads
     # the constant group's advantages are 0, so only the entropy bonus gives its rows a gradient
@@ -560,7 +563,7 @@ def test_zero_variance_groups_are_dropped_when_asked(drop, make_config, tmp_path
 
 
 def test_train_writes_the_run_directory(make_config):
-    trainer = Trainer(
+    trainer = Run(
         make_config(
             "outputs",
             steps=2,
@@ -615,8 +618,8 @@ def test_a_row_whose_reward_failed_moves_no_group_statistic(make_config, rewards
     path = tmp_path / "none_first.py"
     path.write_text("def f(prompts, completions, **_):\n    return [None] + [1.0] * (len(completions) - 1)\n")
     cfg = make_config(reward={"functions": [f"{path}:f"], "on_error": "skip"})
-    trainer = Trainer(cfg)
-    m = trainer.step()
+    run = Run(cfg)
+    m = run.trainer.step()
     assert m["reward/invalid_frac"] == 1 / 8
     assert m["reward/mean"] == 1.0  # over the valid rows only
     assert m["reward/zero_variance_group_frac"] == 1.0

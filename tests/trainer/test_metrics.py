@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.metrics import METRICS, is_known_metric, metrics_markdown
 
 README = os.path.join(os.path.dirname(__file__), "..", "..", "README.md")
@@ -52,6 +52,6 @@ def test_component_names_match_their_pattern_only():
     ids=["grpo", "ppo"],
 )
 def test_every_logged_metric_is_in_the_table(sections, make_config):
-    m = Trainer(make_config(**sections)).step()
+    m = Run(make_config(**sections)).trainer.step()
     unknown = sorted(k for k in m if not is_known_metric(k))
     assert not unknown, f"metrics missing from METRICS: {unknown}"

@@ -11,14 +11,14 @@ import math
 import pytest
 import torch
 
-from policygrad.trainer.loop import Trainer
+from policygrad.run import Run
 
 pytestmark = pytest.mark.integration
 
 
-def _shift_sampler(trainer: Trainer, shift_of_row) -> None:
+def _shift_sampler(run: Run, shift_of_row) -> None:
     """Make the engine report ``sampler_logprobs + shift_of_row(i)`` on the valid tokens of row i."""
-    generate = trainer.engine.generate
+    generate = run.trainer.engine.generate
 
     def shifted(*args, **kwargs):
         rollout = generate(*args, **kwargs)
@@ -26,20 +26,20 @@ def _shift_sampler(trainer: Trainer, shift_of_row) -> None:
         rollout.sampler_logprobs = torch.where(
             rollout.response_mask > 0, rollout.sampler_logprobs + shift, 0.0
         )
-        trainer._last_rollout = rollout
+        run.trainer._last_rollout = rollout
         return rollout
 
-    trainer.engine.generate = shifted
+    run.trainer.engine.generate = shifted
 
 
 def test_mismatch_metrics_read_a_known_shift(make_config):
     # Sampler log-probs lowered by 0.25 on every valid token: trainer - sampler = +0.25 (+ ~1e-6),
     # so the mean and max absolute difference are 0.25, and a sequence of n tokens has the ratio
     # exp(0.25 n): its min / max over the batch come from the shortest / longest response.
-    trainer = Trainer(make_config())
-    _shift_sampler(trainer, lambda i: -0.25)
-    m = trainer.step()
-    lengths = trainer._last_rollout.response_mask.sum(-1)
+    run = Run(make_config())
+    _shift_sampler(run, lambda i: -0.25)
+    m = run.trainer.step()
+    lengths = run.trainer._last_rollout.response_mask.sum(-1)
     assert m["mismatch/logprob_abs_mean"] == pytest.approx(0.25, abs=1e-4)
     assert m["mismatch/logprob_abs_max"] == pytest.approx(0.25, abs=1e-4)
     assert m["mismatch/seq_ratio_min"] == pytest.approx(math.exp(0.25 * lengths.min().item()), rel=1e-3)
@@ -51,8 +51,8 @@ def test_mismatch_metrics_read_a_known_shift(make_config):
 def test_no_shift_means_no_mismatch_and_no_correction_effect(make_config):
     # The HF engine's log-probs are the trainer's (same model, fp32): the mismatch is ~0 and a
     # token-level correction changes nothing (every weight is 1 within 1e-5).
-    plain = Trainer(make_config("plain")).step()
-    corrected = Trainer(make_config("tis", rollout={"is_correction": "token"})).step()
+    plain = Run(make_config("plain")).trainer.step()
+    corrected = Run(make_config("tis", rollout={"is_correction": "token"})).trainer.step()
     assert plain["mismatch/logprob_abs_max"] < 1e-4
     assert corrected["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-5)
     assert corrected["mismatch/is_capped_frac"] == 0.0
@@ -62,11 +62,11 @@ def test_no_shift_means_no_mismatch_and_no_correction_effect(make_config):
 def test_token_truncation_caps_the_weight(make_config):
     # Sampler 1.0 nat below the trainer on every token: w = e^1 = 2.72 > cap 2, so every weight
     # is truncated to exactly 2 and the on-policy loss (ratio 1) is exactly twice the plain one.
-    plain = Trainer(make_config("plain"))
+    plain = Run(make_config("plain"))
     _shift_sampler(plain, lambda i: -1.0)
-    tis = Trainer(make_config("tis", rollout={"is_correction": "token", "is_cap": 2.0}))
+    tis = Run(make_config("tis", rollout={"is_correction": "token", "is_cap": 2.0}))
     _shift_sampler(tis, lambda i: -1.0)
-    a, b = plain.step(), tis.step()
+    a, b = plain.trainer.step(), tis.trainer.step()
     assert b["mismatch/is_weight_mean"] == pytest.approx(2.0, abs=1e-5)
     assert b["mismatch/is_capped_frac"] == 1.0
     assert b["policy/loss"] == pytest.approx(2.0 * a["policy/loss"], rel=1e-4)
@@ -75,14 +75,14 @@ def test_token_truncation_caps_the_weight(make_config):
 def test_mask_mode_drops_every_token_above_the_cap_so_nothing_moves(make_config):
     # Every token's weight e^1 exceeds the cap: mask mode zeroes the whole policy loss, the
     # gradient is exactly 0, and AdamW's first step with a zero gradient leaves every weight as is.
-    trainer = Trainer(make_config(rollout={"is_correction": "token", "is_mode": "mask"}))
-    _shift_sampler(trainer, lambda i: -1.0)
-    before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-    m = trainer.step()
+    run = Run(make_config(rollout={"is_correction": "token", "is_mode": "mask"}))
+    _shift_sampler(run, lambda i: -1.0)
+    before = {k: v.clone() for k, v in run.trainer.policy.state_dict().items()}
+    m = run.trainer.step()
     assert m["mismatch/is_weight_mean"] == 0.0
     assert m["mismatch/is_capped_frac"] == 1.0
     assert m["policy/loss"] == 0.0
-    for k, v in trainer.policy.state_dict().items():
+    for k, v in run.trainer.policy.state_dict().items():
         assert torch.equal(v, before[k]), k
 
 
@@ -91,10 +91,10 @@ def test_sequence_level_weights_are_the_product_of_token_ratios(make_config):
     # exp(0.05 n0) (n0 <= 6 tokens -> <= 1.35, under the cap 2), applied to each of its tokens;
     # the other rows get weight 1. The token-weighted mean weight is therefore
     # (n0 exp(0.05 n0) + (N - n0)) / N with N the batch's valid tokens.
-    trainer = Trainer(make_config(rollout={"is_correction": "sequence"}))
-    _shift_sampler(trainer, lambda i: -0.05 if i == 0 else 0.0)
-    m = trainer.step()
-    lengths = trainer._last_rollout.response_mask.sum(-1)
+    run = Run(make_config(rollout={"is_correction": "sequence"}))
+    _shift_sampler(run, lambda i: -0.05 if i == 0 else 0.0)
+    m = run.trainer.step()
+    lengths = run.trainer._last_rollout.response_mask.sum(-1)
     n0, total = lengths[0].item(), lengths.sum().item()
     expected = (n0 * math.exp(0.05 * n0) + (total - n0)) / total
     assert m["mismatch/is_weight_mean"] == pytest.approx(expected, abs=1e-5)
@@ -102,7 +102,7 @@ def test_sequence_level_weights_are_the_product_of_token_ratios(make_config):
 
 
 def test_time_split_is_reported(make_config):
-    m = Trainer(make_config(kl={"placement": "loss", "beta": 0.1})).step()
+    m = Run(make_config(kl={"placement": "loss", "beta": 0.1})).trainer.step()
     for key in ("generation", "ref_logprobs", "old_logprobs", "forward", "backward", "optimizer"):
         assert m[f"time/{key}_s"] >= 0.0, key
     assert m["time/ref_logprobs_s"] > 0.0
@@ -113,8 +113,8 @@ def test_time_split_is_reported(make_config):
 def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_config):
     # A sampled token outside the trainer's top-k/top-p set has log-prob -inf in the trainer; the
     # step must drop that one token (and count it), not turn the whole loss into NaN and skip.
-    trainer = Trainer(make_config())
-    real = trainer.policy_step.forward
+    run = Run(make_config())
+    real = run.trainer.policy_step.forward
 
     def one_impossible_token(model, rollout, **kwargs):
         lp, ent = real(model, rollout, **kwargs)
@@ -124,8 +124,8 @@ def test_a_token_the_trainer_cannot_produce_leaves_the_loss_and_is_counted(make_
             lp = torch.where(hole, torch.full_like(lp, -math.inf), lp)
         return lp, ent
 
-    trainer.policy_step.forward = one_impossible_token
-    m = trainer.step()
+    run.trainer.policy_step.forward = one_impossible_token
+    m = run.trainer.step()
     assert m["policy/nonfinite_tokens"] == 1
     assert m["optim/steps"] == 1 and m["optim/skipped_nonfinite"] == 0
     assert math.isfinite(m["policy/loss"])

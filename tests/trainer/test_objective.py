@@ -15,15 +15,16 @@ import math
 import pytest
 import torch
 
-from policygrad.trainer import ConfigError, Trainer
+from policygrad.run import Run
+from policygrad.trainer import ConfigError
 from policygrad.trainer.objective import MinibatchCounts
 
 pytestmark = pytest.mark.integration
 
 
-def _received_options(trainer: Trainer) -> dict:
+def _received_options(run: Run) -> dict:
     """Run one step; return the options (defaults applied) the policy loss was called with."""
-    objective = trainer.objective
+    objective = run.trainer.objective
     loss_fn = objective.policy_loss
     seen = []
 
@@ -40,36 +41,36 @@ def _received_options(trainer: Trainer) -> dict:
         return loss_fn(logprobs, old, advantages, mask, **options)
 
     objective.policy_loss = spy
-    trainer.step()
+    run.trainer.step()
     objective.policy_loss = loss_fn
     assert seen and all(s == seen[0] for s in seen)
     return seen[0]
 
 
-def _token_gradients(trainer: Trainer, log_ratio: list[float], advantages: list[float]):
+def _token_gradients(run: Run, log_ratio: list[float], advantages: list[float]):
     """One row of len(log_ratio) valid tokens with old log-prob -1: the per-token gradient of the
     trainer's reduced loss w.r.t. each log-prob, and the loss's metrics."""
     old = torch.full((1, len(log_ratio)), -1.0)
     logprobs = (old + torch.tensor([log_ratio])).requires_grad_(True)
     adv = torch.tensor([advantages])
     mask = torch.ones_like(old)
-    objective = trainer.objective
+    objective = run.trainer.objective
     loss_matrix, metrics = objective.policy_loss(logprobs, old, adv, mask, **objective.loss_options)
     objective.reduce(loss_matrix, mask, MinibatchCounts.of(mask)).backward()
     return logprobs.grad[0], {k: float(v) for k, v in metrics.items()}
 
 
 def test_gspo_trains_with_its_papers_band(make_config):
-    trainer = Trainer(make_config(loss={"policy_loss": "gspo"}))
-    assert trainer.objective.loss_options == {}  # nothing set: nothing passed
-    assert _received_options(trainer) == {"clip_low": 3e-4, "clip_high": 4e-4}
+    run = Run(make_config(loss={"policy_loss": "gspo"}))
+    assert run.trainer.objective.loss_options == {}  # nothing set: nothing passed
+    assert _received_options(run) == {"clip_low": 3e-4, "clip_high": 4e-4}
     # Two tokens, each with log-ratio log(1.01005), A = +1: the sequence ratio s = 1.01005 is above
     # 1 + 4e-4, so the sequence is clipped: no gradient, clipfrac 1. (With a 0.2 band, as before
     # the loss declared its options, s is inside it and each token's gradient is
     # -A s / 2 = -0.505 under seq-mean-token-mean.)
-    grad, metrics = _token_gradients(trainer, [math.log(1.01005)] * 2, [1.0, 1.0])
+    grad, metrics = _token_gradients(run, [math.log(1.01005)] * 2, [1.0, 1.0])
     assert torch.equal(grad, torch.zeros(2)) and metrics["clipfrac"] == 1.0
-    wide = Trainer(make_config("wide", loss={"policy_loss": "gspo", "clip_low": 0.2, "clip_high": 0.2}))
+    wide = Run(make_config("wide", loss={"policy_loss": "gspo", "clip_low": 0.2, "clip_high": 0.2}))
     assert _received_options(wide) == {"clip_low": 0.2, "clip_high": 0.2}
     grad, metrics = _token_gradients(wide, [math.log(1.01005)] * 2, [1.0, 1.0])
     torch.testing.assert_close(grad, torch.full((2,), -1.01005 / 2), rtol=0, atol=1e-6)
@@ -78,37 +79,37 @@ def test_gspo_trains_with_its_papers_band(make_config):
 
 def test_gspo_with_a_null_clip_keeps_its_default(make_config):
     # null means "not set": GSPO keeps 3e-4 (it used to receive None and fail at its first step).
-    trainer = Trainer(make_config(loss={"policy_loss": "gspo", "clip_low": None}))
-    assert _received_options(trainer)["clip_low"] == 3e-4
+    run = Run(make_config(loss={"policy_loss": "gspo", "clip_low": None}))
+    assert _received_options(run)["clip_low"] == 3e-4
 
 
 def test_cispo_has_no_lower_bound(make_config):
-    trainer = Trainer(make_config(loss={"policy_loss": "cispo"}))
-    assert _received_options(trainer) == {"clip_low": None, "clip_high": 0.28}
+    run = Run(make_config(loss={"policy_loss": "cispo"}))
+    assert _received_options(run) == {"clip_low": None, "clip_high": 0.28}
     # Ratios [0.5, 1, 1.5], A = +1: weights sg(clip(r, -, 1.28)) = [0.5, 1, 1.28]; the loss is
     # -w A log pi per token, token-mean over 3 tokens (grpo preset: seq-mean-token-mean, one row),
     # so d loss / d log pi = -w / 3. Every token keeps a gradient.
-    grad, metrics = _token_gradients(trainer, [math.log(0.5), 0.0, math.log(1.5)], [1.0, 1.0, 1.0])
+    grad, metrics = _token_gradients(run, [math.log(0.5), 0.0, math.log(1.5)], [1.0, 1.0, 1.0])
     torch.testing.assert_close(grad * 3, -torch.tensor([0.5, 1.0, 1.28]), rtol=0, atol=1e-6)
     assert metrics["clipfrac_low"] == 0.0 and metrics["clipfrac_high"] == pytest.approx(1 / 3)
 
 
 def test_cispo_upper_bound_can_be_removed_explicitly(make_config):
-    trainer = Trainer(make_config(loss={"policy_loss": "cispo", "options": {"clip_high": None}}))
-    assert _received_options(trainer) == {"clip_low": None, "clip_high": None}
-    grad, _ = _token_gradients(trainer, [math.log(0.5), math.log(1.5)], [1.0, 1.0])
+    run = Run(make_config(loss={"policy_loss": "cispo", "options": {"clip_high": None}}))
+    assert _received_options(run) == {"clip_low": None, "clip_high": None}
+    grad, _ = _token_gradients(run, [math.log(0.5), math.log(1.5)], [1.0, 1.0])
     torch.testing.assert_close(grad * 2, -torch.tensor([0.5, 1.5]), rtol=0, atol=1e-6)
 
 
 def test_ppo_defaults_and_dual_clip(make_config):
-    plain = Trainer(make_config("plain"))
+    plain = Run(make_config("plain"))
     assert _received_options(plain) == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None}
-    trainer = Trainer(make_config(loss={"dual_clip": 3.0}))
-    assert _received_options(trainer) == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}
+    run = Run(make_config(loss={"dual_clip": 3.0}))
+    assert _received_options(run) == {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": 3.0}
     # A = -1 on every token, ratios [0.5, 2, 4]: r = 0.5 < 1 - 0.2 is clipped (no gradient);
     # r = 2 is unclipped: d(-A r)/d log pi = r = 2; r = 4 > c = 3 sits on the dual clip's constant
     # -c A = 3 (no gradient). seq-mean-token-mean over one row of 3 tokens divides by 3.
-    grad, metrics = _token_gradients(trainer, [math.log(0.5), math.log(2.0), math.log(4.0)], [-1.0] * 3)
+    grad, metrics = _token_gradients(run, [math.log(0.5), math.log(2.0), math.log(4.0)], [-1.0] * 3)
     torch.testing.assert_close(grad, torch.tensor([0.0, 2 / 3, 0.0]), rtol=0, atol=1e-6)
     assert metrics["clipfrac_low"] == pytest.approx(1 / 3) and metrics["clipfrac_dual"] == pytest.approx(
         1 / 3
@@ -119,10 +120,10 @@ def test_ppo_defaults_and_dual_clip(make_config):
 
 
 def test_vanilla_takes_no_options(make_config):
-    trainer = Trainer(make_config(loss={"policy_loss": "vanilla"}))
-    assert _received_options(trainer) == {}
+    run = Run(make_config(loss={"policy_loss": "vanilla"}))
+    assert _received_options(run) == {}
     # -A log pi per token, 3 tokens: gradients -A / 3 whatever the ratio.
-    grad, metrics = _token_gradients(trainer, [0.3, -0.2, 0.0], [1.0, -2.0, 0.5])
+    grad, metrics = _token_gradients(run, [0.3, -0.2, 0.0], [1.0, -2.0, 0.5])
     torch.testing.assert_close(grad, torch.tensor([-1 / 3, 2 / 3, -0.5 / 3]), rtol=0, atol=1e-6)
     assert metrics["clipfrac"] == 0.0
     with pytest.raises(ConfigError, match="policy loss 'vanilla' has no option 'clip_low'"):

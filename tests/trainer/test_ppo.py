@@ -23,6 +23,7 @@ from policygrad.models.forward import lm_loss as ptx_loss
 from policygrad.models.loading import load_causal_lm, load_tokenizer
 from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.rewards.reward_model import RewardModel
+from policygrad.run import Run
 from policygrad.trainer.config import ConfigError, load_config
 from policygrad.trainer.loop import Trainer
 from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
@@ -56,7 +57,7 @@ class AdvantageSpy:
 
     def __init__(self, trainer):
         self.calls: list[dict] = []
-        estimate = trainer.estimator
+        estimate = trainer.trainer.estimator
 
         def spy(token_rewards, response_mask, **kwargs):
             advantages, returns = estimate(token_rewards, response_mask, **kwargs)
@@ -73,7 +74,7 @@ class AdvantageSpy:
             return advantages, returns
 
         spy.spec = estimate.spec
-        trainer.estimator = spy
+        trainer.trainer.estimator = spy
 
 
 # ----------------------------------------------------------------------------- preset and config
@@ -201,10 +202,10 @@ def test_the_trainer_feeds_the_critic_values_to_gae(make_config):
     # Replace the critic's estimates by a constant c: the advantages the trainer computes are the
     # closed form sum_l lam^l r_{t+l} - lam^(n-1-t) c (gamma = 1), whitened afterwards.
     c, lam = 0.3, 0.5
-    trainer = Trainer(make_config("constant_critic", **ppo_sections(advantage={"options": {"lam": lam}})))
-    trainer.critic_trainer.values = lambda rollout: torch.full(rollout.response_ids.shape, c)
-    spy = AdvantageSpy(trainer)
-    trainer.step()
+    run = Run(make_config("constant_critic", **ppo_sections(advantage={"options": {"lam": lam}})))
+    run.trainer.critic_trainer.values = lambda rollout: torch.full(rollout.response_ids.shape, c)
+    spy = AdvantageSpy(run)
+    run.trainer.step()
     call = spy.calls[0]
     r, m = call["token_rewards"], call["mask"] > 0
     assert torch.equal(call["values"], torch.full(r.shape, c))
@@ -221,9 +222,9 @@ def test_decoupled_and_length_adaptive_lam_reach_the_estimator(make_config):
     # critic_lam = 1: the critic's targets are Monte-Carlo returns; the policy's advantages use
     # lam_i = 1 - 1 / (alpha * n_i) with alpha = 0.5: n = 6 -> 2/3, n = 2 -> 0, n = 1 -> clamped 0.
     options = {"critic_lam": 1.0, "length_adaptive_alpha": 0.5}
-    trainer = Trainer(make_config("decoupled", **ppo_sections(advantage={"options": options})))
-    spy = AdvantageSpy(trainer)
-    trainer.step()
+    run = Run(make_config("decoupled", **ppo_sections(advantage={"options": options})))
+    spy = AdvantageSpy(run)
+    run.trainer.step()
     call = spy.calls[0]
     assert call["options"] == {"gamma": 1.0, "lam": 0.95, **options}
     r, m, v = call["token_rewards"], call["mask"], call["values"]
@@ -254,27 +255,27 @@ def test_eos_trick_after_normalisation_in_the_trainer(make_config):
             reward={"truncation": "penalty", "truncation_penalty": -1.0, "normalize": "fixed_offset"}
         ),
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     seen = []
-    score = trainer.scorer
+    score = run.trainer.scorer
 
     def spy(rows, completions, truncated, group_index, **kwargs):
         seen.append(truncated.clone())
         return score(rows, completions, truncated, group_index, **kwargs)
 
-    trainer.scorer = spy
+    run.trainer.scorer = spy
 
     def digit_fraction(c):
         return sum(ch.isdigit() for ch in c) / max(len(c), 1)
 
     offset = None
     for _ in range(2):
-        trainer.step()
+        run.trainer.step()
         truncated = seen[-1]
-        raw = torch.tensor([digit_fraction(s["completion"]) for s in trainer.last_samples])
+        raw = torch.tensor([digit_fraction(s["completion"]) for s in run.trainer.last_samples])
         if offset is None:
             offset = raw.double().mean().item()
-        rewards = torch.tensor([s["reward"] for s in trainer.last_samples])
+        rewards = torch.tensor([s["reward"] for s in run.trainer.last_samples])
         expected = torch.where(truncated, torch.tensor(-1.0), (raw.double() - offset).float())
         torch.testing.assert_close(rewards, expected, rtol=0, atol=1e-6)
     assert score.normalizer.offset == pytest.approx(offset)
@@ -282,13 +283,13 @@ def test_eos_trick_after_normalisation_in_the_trainer(make_config):
 
 
 def test_reward_whitening_scales_token_rewards_only(make_config):
-    trainer = Trainer(make_config("reward_whiten", **ppo_sections(reward={"whiten": True})))
+    run = Run(make_config("reward_whiten", **ppo_sections(reward={"whiten": True})))
     shaped = []
-    token_rewards = trainer.kl.token_rewards
-    trainer.kl = copy.copy(trainer.kl)  # the registered placement, with a recording token_rewards
-    trainer.kl.token_rewards = lambda *a, **k: shaped.append(token_rewards(*a, **k)) or shaped[-1]
-    spy = AdvantageSpy(trainer)
-    metrics = trainer.step()
+    token_rewards = run.trainer.kl.token_rewards
+    run.trainer.kl = copy.copy(run.trainer.kl)  # the registered placement, with a recording token_rewards
+    run.trainer.kl.token_rewards = lambda *a, **k: shaped.append(token_rewards(*a, **k)) or shaped[-1]
+    spy = AdvantageSpy(run)
+    metrics = run.trainer.step()
     before, after, mask = shaped[0], spy.calls[0]["token_rewards"], spy.calls[0]["mask"]
     # N+ reward whitening: unit (unbiased) variance over the valid tokens, mean kept.
     assert float(masked_var(after, mask)) == pytest.approx(1.0, abs=1e-5)
@@ -308,22 +309,22 @@ def test_adaptive_kl_moves_beta_toward_the_target(make_config):
         steps=3,
         **ppo_sections(kl={"controller": "adaptive", "target": 0.05, "horizon": 10.0}),
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     measured = []
-    update = trainer.kl_ctl.update
-    trainer.kl_ctl.update = lambda kl, n: measured.append((kl, n)) or update(kl, n)
-    coefs = [trainer.step()["kl/coef"] for _ in range(3)]
+    update = run.trainer.kl_ctl.update
+    run.trainer.kl_ctl.update = lambda kl, n: measured.append((kl, n)) or update(kl, n)
+    coefs = [run.trainer.step()["kl/coef"] for _ in range(3)]
     assert coefs[0] == 0.1
     for k in range(2):
         kl, n = measured[k]
         e = min(max(kl / 0.05 - 1, -0.2), 0.2)
         assert n == 8 and coefs[k + 1] == pytest.approx(coefs[k] * (1 + e * 8 / 10), rel=1e-12)
     # Far below a huge target the error saturates at -0.2: beta shrinks by 1 - 0.2 * 0.8 = 0.84.
-    far = Trainer(
+    far = Run(
         make_config("far", **ppo_sections(kl={"controller": "adaptive", "target": 1e4, "horizon": 10.0}))
     )
-    far.step()
-    assert far.step()["kl/coef"] == pytest.approx(0.1 * 0.84, rel=1e-12)
+    far.trainer.step()
+    assert far.trainer.step()["kl/coef"] == pytest.approx(0.1 * 0.84, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- PPO-ptx
@@ -365,7 +366,7 @@ def test_ptx_loss_in_the_trainer(zero_policy_dir, ptx_jsonl, make_config):
         model={"name": zero_policy_dir},
         ptx={"dataset": ptx_jsonl, "coef": 27.8, "batch_size": 2},
     )
-    metrics = Trainer(cfg).step()
+    metrics = Run(cfg).trainer.step()
     # one optimizer step, the ptx loss measured before it on the uniform model: log(100)
     assert metrics["optim/steps"] == 1
     assert metrics["ptx/loss"] == pytest.approx(math.log(100), abs=1e-5)
@@ -383,16 +384,16 @@ def test_ptx_gradient_is_coef_times_the_lm_gradient(make_config, ptx_jsonl, tmp_
         ptx={"dataset": ptx_jsonl, "coef": coef, "batch_size": 2},
         optim={"max_grad_norm": 1e9},
     )
-    trainer = Trainer(cfg)
-    fresh = load_causal_lm(trainer.model_path)
+    run = Run(cfg)
+    fresh = load_causal_lm(run.trainer.model_path)
     use_memory_efficient_mlp(fresh)  # the trainer's layers, so float32 rounding is the same
-    ids, mask = PtxData(ptx_jsonl, trainer.tokenizer, batch_size=2).next_batch()
+    ids, mask = PtxData(ptx_jsonl, run.trainer.tokenizer, batch_size=2).next_batch()
     (coef * ptx_loss(fresh, ids, mask)).backward()
     grads = {}
-    trainer.optimizer.register_step_pre_hook(
-        lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in trainer.policy.named_parameters()})
+    run.trainer.optimizer.register_step_pre_hook(
+        lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in run.trainer.policy.named_parameters()})
     )
-    trainer.step()
+    run.trainer.step()
     expected = dict(fresh.named_parameters())
     assert grads and all(torch.allclose(g, expected[n].grad, rtol=1e-4, atol=1e-7) for n, g in grads.items())
     assert any(g.abs().sum() > 0 for g in grads.values())
@@ -405,11 +406,11 @@ def test_early_stop_when_approx_kl_exceeds_the_target(make_config):
     # The first minibatch is exactly on-policy (approx_kl = 0) and steps; after that step the
     # second minibatch's approx-KL is > 1e-12: no step, and the remaining 5 minibatches are skipped.
     sections = ppo_sections(optim={"ppo_epochs": 3, "num_minibatches": 2, "target_kl": 1e-12, "lr": 5e-2})
-    metrics = Trainer(make_config("early_stop", **sections)).step()
+    metrics = Run(make_config("early_stop", **sections)).trainer.step()
     assert metrics["optim/steps"] == 1 and metrics["optim/early_stopped"] == 1.0
     assert metrics["critic/steps"] == 1  # the critic stops with the policy
     sections["optim"]["target_kl"] = 1e9
-    metrics = Trainer(make_config("no_stop", **sections)).step()
+    metrics = Run(make_config("no_stop", **sections)).trainer.step()
     assert (
         metrics["optim/steps"] == 6 and metrics["optim/early_stopped"] == 0.0 and metrics["critic/steps"] == 6
     )
@@ -420,27 +421,27 @@ def test_value_pretraining_freezes_the_policy_and_fits_monte_carlo_returns(make_
     # policy is frozen it must stand still.
     kl = {"controller": "adaptive", "target": 1e4, "horizon": 10.0}
     sections = ppo_sections(critic={"pretrain_steps": 1}, optim={"ppo_epochs": 2}, kl=kl)
-    trainer = Trainer(make_config("pretrain", steps=3, **sections))
-    policy0, critic0 = model_weights(trainer.policy), model_weights(trainer.critic)
+    run = Run(make_config("pretrain", steps=3, **sections))
+    policy0, critic0 = model_weights(run.trainer.policy), model_weights(run.trainer.critic)
     fitted = []
-    fit = trainer.critic_trainer.fit
-    trainer.critic_trainer.fit = lambda batch: fitted.append(batch.returns.clone()) or fit(batch)
-    spy = AdvantageSpy(trainer)
-    m1 = trainer.step()
+    fit = run.trainer.critic_trainer.fit
+    run.trainer.critic_trainer.fit = lambda mb, **kw: fitted.append(mb.returns.clone()) or fit(mb, **kw)
+    spy = AdvantageSpy(run)
+    m1 = run.trainer.step()
     assert m1["critic/pretraining"] == 1.0 and m1["optim/steps"] == 0 and m1["critic/steps"] == 2
-    assert same_tree(model_weights(trainer.policy), policy0)  # policy frozen
-    assert not same_tree(model_weights(trainer.critic), critic0)  # critic trained
+    assert same_tree(model_weights(run.trainer.policy), policy0)  # policy frozen
+    assert not same_tree(model_weights(run.trainer.critic), critic0)  # critic trained
     call = spy.calls[0]
     # the targets are the lam = 1 (Monte-Carlo) returns, not the lam = 0.95 GAE returns
     torch.testing.assert_close(
         fitted[0], monte_carlo_returns(call["token_rewards"], call["mask"]), rtol=0, atol=0
     )
     assert not torch.allclose(call["returns"], fitted[0])
-    assert trainer.kl_ctl.value == 0.1
-    m2 = trainer.step()
+    assert run.trainer.kl_ctl.value == 0.1
+    m2 = run.trainer.step()
     assert m2["critic/pretraining"] == 0.0 and m2["optim/steps"] == 2
-    assert not same_tree(model_weights(trainer.policy), policy0)
-    assert trainer.kl_ctl.value == pytest.approx(0.1 * 0.84, rel=1e-12)
+    assert not same_tree(model_weights(run.trainer.policy), policy0)
+    assert run.trainer.kl_ctl.value == pytest.approx(0.1 * 0.84, rel=1e-12)
 
 
 # ----------------------------------------------------------------------------- end to end
@@ -465,11 +466,11 @@ def test_two_ppo_steps_with_a_reward_model_read_at_the_last_real_token(make_conf
             optim={"ppo_epochs": 2, "num_minibatches": 2},
         ),
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     alone = RewardModel.from_pretrained(str(rm_dir), use_chat_template=False, batch_size=1)
     for _ in range(2):
-        metrics = trainer.step()
-        samples = trainer.last_samples
+        metrics = run.trainer.step()
+        samples = run.trainer.last_samples
         expected = [alone([s["prompt"]], [s["completion"]])[0] for s in samples]
         assert [s["reward"] for s in samples] == pytest.approx(expected, abs=1e-4)
         assert all(abs(s["reward"]) < 100 for s in samples)
@@ -488,20 +489,20 @@ def test_two_ppo_steps_with_a_reward_model_read_at_the_last_real_token(make_conf
             assert math.isfinite(metrics[key]), key
         assert abs(metrics["critic/values_mean"]) < 100 and abs(metrics["returns/mean"]) < 100
         assert abs(metrics["critic/vf_loss"]) < 1e4
-    assert len({round(s["reward"], 4) for s in trainer.last_samples}) > 1
+    assert len({round(s["reward"], 4) for s in run.trainer.last_samples}) > 1
 
 
 def test_masked_positions_carry_nothing_in_ppo(make_config):
     # Garbage in every masked position (prompt padding, post-EOS tokens, NaN log-probs) must give
     # bitwise the same policy and critic after a step as a clean run.
     sections = ppo_sections(optim={"ppo_epochs": 2, "num_minibatches": 2}, critic={"clip_range": 0.2})
-    clean = Trainer(make_config("clean", **sections))
-    clean.step()
-    dirty = Trainer(make_config("dirty", **sections))
+    clean = Run(make_config("clean", **sections))
+    clean.trainer.step()
+    dirty = Run(make_config("dirty", **sections))
     poison_masked_positions(dirty)
-    dirty.step()
-    assert same_tree(model_weights(dirty.policy), model_weights(clean.policy))
-    assert same_tree(model_weights(dirty.critic), model_weights(clean.critic))
+    dirty.trainer.step()
+    assert same_tree(model_weights(dirty.trainer.policy), model_weights(clean.trainer.policy))
+    assert same_tree(model_weights(dirty.trainer.critic), model_weights(clean.trainer.critic))
 
 
 def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
@@ -511,7 +512,7 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
         optim={"ppo_epochs": 2, "num_minibatches": 2, "schedule": "cosine"},
         critic={"clip_range": 0.2},
     )
-    straight = Trainer(make_config("straight", **sections))
+    straight = Run(make_config("straight", **sections))
     straight.train()
     cfg = make_config("resumed", save_every=2, **sections)
     step = Trainer.step
@@ -523,15 +524,16 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
 
     monkeypatch.setattr(Trainer, "step", dies_at_step_3)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg).train()
+        Run(cfg).train()
     monkeypatch.setattr(Trainer, "step", step)
-    resumed = Trainer(cfg, resume_from=cfg.output_dir)
-    assert resumed.step_idx == 2
+    resumed = Run(cfg, resume_from=cfg.output_dir)
+    assert resumed.trainer.step_idx == 2
     resumed.train()
-    assert same_tree(model_weights(resumed.critic), model_weights(straight.critic))
-    assert same_tree(model_weights(resumed.policy), model_weights(straight.policy))
-    assert resumed.scorer.normalizer.state_dict() == straight.scorer.normalizer.state_dict()
-    assert same_tree(resumed.critic_trainer.state_dict(), straight.critic_trainer.state_dict())
+    assert same_tree(model_weights(resumed.trainer.critic), model_weights(straight.trainer.critic))
+    assert same_tree(model_weights(resumed.trainer.policy), model_weights(straight.trainer.policy))
+    assert resumed.trainer.scorer.normalizer.state_dict() == straight.trainer.scorer.normalizer.state_dict()
+    a, b = resumed.trainer.critic_trainer, straight.trainer.critic_trainer
+    assert same_tree(a.state_dict(), b.state_dict())
     saved = load_file(
         os.path.join(cfg.output_dir, "checkpoints", "step_3", "critic", "value_model.safetensors")
     )
@@ -564,7 +566,7 @@ def test_policy_reference_and_critic_of_smollm2_fit_in_memory(tmp_path, bundled_
             "optim": {"ppo_epochs": 1},
         },
     )
-    metrics = Trainer(cfg).step()
+    metrics = Run(cfg).trainer.step()
     assert metrics["critic/steps"] == 1 and metrics["optim/steps"] == 1
     assert metrics["memory/peak_rss_gb"] < 20
     print(f"peak RSS, policy + reference + critic of SmolLM2-135M: {metrics['memory/peak_rss_gb']:.2f} GB")

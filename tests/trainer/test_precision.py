@@ -8,7 +8,7 @@ import torch
 
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rollout import HFRolloutEngine
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.precision import resolve_precision
 
 pytestmark = pytest.mark.integration
@@ -33,15 +33,15 @@ class FrozenSampler:
         pass
 
 
-def run(make_config, eos_model_dir, precision: str):
+def run_steps(make_config, eos_model_dir, precision: str):
     cfg = make_config(
         precision, steps=3, model={"precision": precision}, optim={"lr": 1e-6, "micro_batch_size": 4}
     )
-    trainer = Trainer(cfg, engine=FrozenSampler(eos_model_dir))
-    before = {k: p.detach().clone() for k, p in trainer.policy.named_parameters()}
-    metrics = [trainer.step() for _ in range(3)]
-    after = {k: p.detach().clone() for k, p in trainer.policy.named_parameters()}
-    return trainer, before, after, metrics
+    run = Run(cfg, engine=FrozenSampler(eos_model_dir))
+    before = {k: p.detach().clone() for k, p in run.trainer.policy.named_parameters()}
+    metrics = [run.trainer.step() for _ in range(3)]
+    after = {k: p.detach().clone() for k, p in run.trainer.policy.named_parameters()}
+    return run, before, after, metrics
 
 
 def test_resolve_precision_defaults():
@@ -56,10 +56,10 @@ def test_resolve_precision_defaults():
 
 
 def test_bf16_mixed_moves_float32_master_weights_like_a_float32_run(make_config, eos_model_dir):
-    _, before32, after32, m32 = run(make_config, eos_model_dir, "fp32")
-    trainer, before, after, mixed = run(make_config, eos_model_dir, "bf16-mixed")
-    assert all(p.dtype == torch.float32 for p in trainer.policy.parameters())
-    state = next(iter(trainer.optimizer.state.values()))
+    _, before32, after32, m32 = run_steps(make_config, eos_model_dir, "fp32")
+    trainer, before, after, mixed = run_steps(make_config, eos_model_dir, "bf16-mixed")
+    assert all(p.dtype == torch.float32 for p in trainer.trainer.policy.parameters())
+    state = next(iter(trainer.trainer.optimizer.state.values()))
     assert state["exp_avg"].dtype == torch.float32
     assert all(torch.equal(before[k], before32[k]) for k in before)  # the same start
 
@@ -89,8 +89,8 @@ def test_bf16_mixed_moves_float32_master_weights_like_a_float32_run(make_config,
 
 def test_bf16_pure_loses_small_updates(make_config, eos_model_dir):
     """The defect mixed precision fixes: bf16 weights of scale ~0.5 cannot move by lr 1e-6."""
-    trainer, before, after, _ = run(make_config, eos_model_dir, "bf16-pure")
-    assert all(p.dtype == torch.bfloat16 for p in trainer.policy.parameters())
+    trainer, before, after, _ = run_steps(make_config, eos_model_dir, "bf16-pure")
+    assert all(p.dtype == torch.bfloat16 for p in trainer.trainer.policy.parameters())
     changed = sum(int((after[k] != before[k]).sum()) for k in before)
     total = sum(p.numel() for p in before.values())
     assert changed / total < 0.05
@@ -116,13 +116,13 @@ def test_reference_computes_like_the_policy_so_the_first_kl_is_zero(make_config,
         kl={"placement": placement, "beta": 0.1, "kind": "k3" if placement == "loss" else "k1"},
         optim={"lr": 1e-2, "micro_batch_size": 8, "num_minibatches": minibatches},
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     try:
-        reference = next(trainer.reference.parameters())
-        assert reference.dtype == next(trainer.policy.parameters()).dtype
-        metrics = trainer.step()
+        reference = next(run.trainer.reference.parameters())
+        assert reference.dtype == next(run.trainer.policy.parameters()).dtype
+        metrics = run.trainer.step()
     finally:
-        trainer.close()
+        run.close()
     assert metrics["kl/coef"] == 0.1
     if placement == "loss":
         assert metrics["kl/loss_term"] == 0.0

@@ -21,8 +21,9 @@ import yaml
 from safetensors.torch import load_file
 
 from policygrad.cli import main
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.checkpoint import COMPLETE_FILE, checkpoint_problem
+from policygrad.trainer.loop import Trainer
 from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
@@ -432,16 +433,16 @@ def test_rewards_that_exit_chdir_or_mutate_their_inputs_leave_the_run_alive(
         loss={"entropy_coef": 0.01},  # every score is 3.0: the bonus gives the updates a gradient
     )
     cwd = os.getcwd()
-    trainer = Trainer(cfg)
-    summary = trainer.train()  # alive: sys.exit and os._exit ended calls, not the run
+    run = Run(cfg)
+    summary = run.train()  # alive: sys.exit and os._exit ended calls, not the run
     assert os.getcwd() == cwd
     assert summary["steps"] == 5 and summary["updates_applied"] == 3
     rows = _rows(cfg.output_dir)
     assert [r["reward/invalid_frac"] for r in rows] == [1.0, 1.0, 0.0, 0.0, 0.0]
     name = f"reward_fn/{rewards_file}:misbehaves/mean"
     assert [r[name] for r in rows[2:]] == [3.0, 3.0, 3.0]  # every row saw its 3 test cases
-    assert [row["tests"] for row in trainer.stream.source.rows] == [[1, 2, 3]] * 5  # the dataset
-    trainer.close()
+    assert [row["tests"] for row in run.trainer.stream.source.rows] == [[1, 2, 3]] * 5  # the dataset
+    run.close()
 
 
 # ----------------------------------------------------------------------------- runs that train nothing
@@ -470,29 +471,29 @@ def test_a_run_whose_advantages_are_all_zero_says_it_trained_nothing(make_config
     updates". An entropy bonus on the same reward is another loss term: that run trains."""
     from policygrad.trainer.errors import TrainingError
 
-    trainer = Trainer(make_config("constant", reward_fn="zero", steps=2))
-    before = {k: p.detach().clone() for k, p in trainer.policy.named_parameters()}
+    run = Run(make_config("constant", reward_fn="zero", steps=2))
+    before = {k: p.detach().clone() for k, p in run.trainer.policy.named_parameters()}
     try:
         with pytest.raises(TrainingError) as info:
-            trainer.train()
-        assert all(torch.equal(p, before[k]) for k, p in trainer.policy.named_parameters())
+            run.train()
+        assert all(torch.equal(p, before[k]) for k, p in run.trainer.policy.named_parameters())
     finally:
-        trainer.close()
+        run.close()
     message = str(info.value)
     assert message.startswith(
         "the run applied no update in 2 steps: every advantage was 0 at every step: the rewards gave each "
         "group's samples the same score (reward/mean 0)"
     )
     assert "make reward.functions=" in message and "\n" not in message
-    rows = _rows(trainer.run_dir)
+    rows = _rows(run.run_dir)
     assert [(r["optim/steps"], r["optim/grad_norm"], r["reward/zero_variance_group_frac"]) for r in rows] == [
         (1, 0.0, 1.0),
         (1, 0.0, 1.0),
     ]
-    assert json.load(open(os.path.join(trainer.run_dir, "summary.json")))["updates_applied"] == 0
+    assert json.load(open(os.path.join(run.run_dir, "summary.json")))["updates_applied"] == 0
 
     bonus_cfg = make_config("constant_with_bonus", reward_fn="zero", steps=2, loss={"entropy_coef": 0.01})
-    bonus = Trainer(bonus_cfg)
+    bonus = Run(bonus_cfg)
     try:
         assert bonus.train()["updates_applied"] == 2
     finally:
@@ -522,16 +523,16 @@ def test_an_error_after_the_first_step_keeps_the_finished_steps(run_yaml, bad_ro
 
 def test_ctrl_c_during_the_final_evaluation_loses_nothing(make_config, monkeypatch):
     cfg = make_config("final_eval", steps=2, eval_after=True, data={"eval_size": 2})
-    evaluate = Trainer.evaluate
+    evaluate = Run.evaluate
 
     def interrupted(self, *args, tag="eval", **kwargs):
         if tag == "eval_after":
             raise KeyboardInterrupt
         return evaluate(self, *args, tag=tag, **kwargs)
 
-    monkeypatch.setattr(Trainer, "evaluate", interrupted)
+    monkeypatch.setattr(Run, "evaluate", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        Trainer(cfg).train()
+        Run(cfg).train()
     assert _complete_steps(cfg.output_dir) == [2]
 
 
@@ -720,7 +721,8 @@ SLOW_DRIVER = '''
 import sys
 import time
 
-import policygrad.trainer.lifecycle as lifecycle
+import policygrad.run.directory as directory
+import policygrad.run.run as run_module
 
 
 def slow(*args, **kwargs):
@@ -729,17 +731,19 @@ def slow(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    lifecycle.{attr} = slow
+    for module in (run_module, directory):
+        if hasattr(module, {attr!r}):
+            setattr(module, {attr!r}, slow)
     from policygrad.cli import main
 
     sys.exit(main(sys.argv[1:]))
 '''
-"""``python driver.py train ...`` with ``lifecycle.{attr}`` replaced by a call that marks ``{mark}``
-and sleeps: a signal can be sent while the run is inside that call."""
+"""``python driver.py train ...`` with ``{attr}`` of :mod:`policygrad.run` replaced by a call that
+marks ``{mark}`` and sleeps: a signal can be sent while the run is inside that call."""
 
 
 def _signal_inside(cfg, attr: str, sig: str, tmp_path) -> tuple[int, str, str]:
-    """``policygrad train cfg`` with ``lifecycle.<attr>`` slowed by :data:`SLOW_DRIVER`, sent
+    """``policygrad train cfg`` with ``<attr>`` of :mod:`policygrad.run` slowed by :data:`SLOW_DRIVER`, sent
     ``sig`` once the run is inside it. Returns (exit status, stdout, stderr)."""
     mark = tmp_path / f"inside_{attr}_{sig}"
     driver = tmp_path / f"slow_{attr}.py"

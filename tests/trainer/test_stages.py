@@ -11,7 +11,7 @@ import torch
 from policygrad.core.groups import varied_group_rows
 from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.stages import SampledBatch, concat_batches
 from tests.trainer.conftest import write_jsonl
 
@@ -45,10 +45,10 @@ def test_the_filter_reads_the_outcome_not_the_shaped_score(make_config):
         drop_zero_variance_groups=True,
         reward={"truncation": "penalty", "truncation_penalty": -1.0},
     )
-    trainer = Trainer(cfg)
-    trainer.engine = TruncatingEngine(trainer.engine, [3])
-    m = trainer.step()
-    shaped = torch.tensor([s["reward"] for s in trainer.last_samples])
+    run = Run(cfg)
+    run.trainer.engine = TruncatingEngine(run.trainer.engine, [3])
+    m = run.trainer.step()
+    shaped = torch.tensor([s["reward"] for s in run.trainer.last_samples])
     assert shaped.tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]
     assert varied_group_rows(shaped, torch.arange(2).repeat_interleave(4))[0]  # the shaped score varies
     assert m["dynamic_sampling/groups_sampled"] == 2 and m["dynamic_sampling/groups_kept"] == 0
@@ -72,16 +72,16 @@ def test_refill_reaches_the_configured_number_of_groups(extra_rounds, make_confi
         data={"dataset": _same_then_varied(tmp_path), "shuffle": False},
         loss={"entropy_coef": 0.01},
     )
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     trained = []
-    forward = trainer.policy_step.forward
+    forward = run.trainer.policy_step.forward
 
     def record(model, rollout, **kwargs):
         trained.append(rollout.prompt_ids.clone())
         return forward(model, rollout, **kwargs)
 
-    trainer.policy_step.forward = record
-    m = trainer.step()
+    run.trainer.policy_step.forward = record
+    m = run.trainer.step()
     if extra_rounds == 0:
         # The first round's two groups have no signal, and no round is left to refill: no update.
         assert (m["dynamic_sampling/rounds"], m["dynamic_sampling/groups_kept"]) == (1, 0)
@@ -90,8 +90,8 @@ def test_refill_reaches_the_configured_number_of_groups(extra_rounds, make_confi
     # A second round samples rows 2-3, whose groups vary: the batch is full again (2 groups).
     assert m["dynamic_sampling/rounds"] == 2
     assert (m["dynamic_sampling/groups_sampled"], m["dynamic_sampling/groups_kept"]) == (4, 2)
-    assert m["optim/steps"] == 1 and trainer.stream.position == 4
-    assert [s["prompt"] for s in trainer.last_samples[::4]] == ["What is 3+1?", "What is 8+1?"]
+    assert m["optim/steps"] == 1 and run.trainer.stream.position == 4
+    assert [s["prompt"] for s in run.trainer.last_samples[::4]] == ["What is 3+1?", "What is 8+1?"]
     assert sum(p.shape[0] for p in trained) == 8  # the 2 kept groups x G = 4, nothing else
 
 

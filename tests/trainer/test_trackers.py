@@ -14,7 +14,7 @@ import struct
 
 import pytest
 
-from policygrad.trainer import Trainer
+from policygrad.run import Run
 from policygrad.trainer.config import ConfigError
 from policygrad.trainer.metrics import tracker_metric_name
 from policygrad.trainer.trackers import tracker_scalars
@@ -133,11 +133,11 @@ def test_report_to_writes_every_tracker_and_each_library_reads_it_back(make_conf
         monkeypatch.setenv(var, str(tmp_path / "wandb-home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = make_config("run", steps=2, tensorboard=True, report_to=available, project="policygrad-tests")
-    trainer = Trainer(cfg)
+    run = Run(cfg)
     try:
-        trainer.train()
+        run.train()
     finally:
-        trainer.close()
+        run.close()
     run_dir = tmp_path / "run"
     logged = _logged(run_dir)
     assert sorted(logged) == [1, 2]

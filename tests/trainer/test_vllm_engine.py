@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from policygrad.rollout.vllm import vllm_available
-from policygrad.trainer.loop import Trainer
+from policygrad.run import Run
 from tests.tiny import make_tiny_llama
 
 pytestmark = [
@@ -34,20 +34,20 @@ def _trainer(make_config, name, model_dir, **rollout):
         model={"name": model_dir},
         rollout={"engine": "vllm", "vllm_kv_cache_gb": 0.05, **rollout},
     )
-    return Trainer(cfg)
+    return Run(cfg)
 
 
 def test_vllm_engine_trains_and_follows_the_policy(make_config, vllm_model_dir):
     trainer = _trainer(make_config, "fp32", vllm_model_dir)
     try:
-        assert trainer.engine_name == "vllm"
-        before = {k: v.clone() for k, v in trainer.policy.state_dict().items()}
-        first = trainer.step()
-        second = trainer.step()
+        assert trainer.trainer.engine_name == "vllm"
+        before = {k: v.clone() for k, v in trainer.trainer.policy.state_dict().items()}
+        first = trainer.trainer.step()
+        second = trainer.trainer.step()
         # The update moved the policy and the engine was synced: the next step's sampler
         # log-probs still match the trainer's (fp32 engine: ~1e-5), which they would not if the
         # engine still held the old weights (lr 1e-2 moves log-probs by far more than 1e-3).
-        assert any(not torch.equal(v, before[k]) for k, v in trainer.policy.state_dict().items())
+        assert any(not torch.equal(v, before[k]) for k, v in trainer.trainer.policy.state_dict().items())
         for m in (first, second):
             assert m["mismatch/logprob_abs_max"] < 1e-3
             assert m["optim/steps"] == 1
@@ -87,7 +87,7 @@ def test_kl_in_the_reward_uses_the_trainers_logprobs_not_the_samplers(make_confi
     # reference, so the KL of the trainer's log-probs to the reference's is ~0; built from the
     # sampler's log-probs it would be the mismatch itself. The trainer therefore runs its own
     # log-prob pass when the KL sits in the reward.
-    trainer = Trainer(
+    run = Run(
         make_config(
             "klreward",
             model={"name": vllm_model_dir},
@@ -96,9 +96,9 @@ def test_kl_in_the_reward_uses_the_trainers_logprobs_not_the_samplers(make_confi
         )
     )
     try:
-        m = trainer.step()
+        m = run.trainer.step()
     finally:
-        trainer.close()
+        run.close()
     assert m["time/old_logprobs_s"] > 0
     assert m["mismatch/logprob_abs_mean"] > 1e-3
     assert abs(m["kl/ref"]) < 1e-5

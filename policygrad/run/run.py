@@ -1,0 +1,500 @@
+"""A training run: a :class:`~policygrad.trainer.loop.Trainer` and what surrounds its steps.
+
+The :class:`Run` checks before anything is written, builds the trainer, takes the run directory,
+and then :meth:`Run.train` steps it with the checkpoint cadence, signals, failures, evaluation,
+trackers, the summary, the model card and the merged export. The RL step itself is the trainer's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import time
+from typing import Any
+
+from tqdm import tqdm
+
+from policygrad.data.sources import build_eval_rows
+from policygrad.models.adapters import is_peft_model
+from policygrad.rewards.code import TaskReward
+from policygrad.run import stops
+from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
+from policygrad.trainer import rundir
+from policygrad.trainer.checkpoint import checkpoint_path, save_checkpoint
+from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.distributed import Dist, NullLogger
+from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
+from policygrad.trainer.evaluate import evaluate as evaluate_rows
+from policygrad.trainer.evaluate import write_jsonl
+from policygrad.trainer.export import export_merged, final_metrics, model_card
+from policygrad.trainer.factory import build_trainer, prepare_config
+from policygrad.trainer.health import UpdateWatch, check_finite_weights
+from policygrad.trainer.interrupts import Stopped, StopSignals
+from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
+from policygrad.trainer.loop import Trainer
+from policygrad.trainer.resume import set_base_lr
+
+__all__ = ["Run"]
+
+log = logging.getLogger("policygrad")
+
+
+class Run:
+    """Runs a :class:`TrainConfig`: checks, builds the :class:`Trainer`, takes the run directory,
+    then :meth:`train`.
+
+    Args:
+        config: the validated run configuration.
+        resume_from: a run directory to resume from (its newest complete checkpoint), or None;
+            it must be ``config.output_dir``.
+        engine: a rollout engine to use instead of the one ``rollout.engine`` names.
+        model, tokenizer: a loaded transformers model (or peft model: its adapter trains) to
+            train in place instead of ``model.name``; the config records it as ``model.name``.
+        reward_functions: reward functions as objects (callables, sync or async, or specs)
+            instead of ``reward.functions``; the config records each by its import path
+            (``module:qualname``) or ``<callable NAME (not importable)>``.
+        train_source: the training prompts as an object with ``train_row(i)`` (e.g. a
+            :class:`~policygrad.data.sources.PromptDataset`) instead of ``data.dataset``.
+        eval_rows: held-out rows (dicts with ``prompt`` and ``answer``) instead of ``data.eval_dataset``.
+
+    Nothing is written until every check has passed and every part is built; then the run
+    directory is locked (:mod:`policygrad.trainer.rundir`) until :meth:`train` returns or
+    :meth:`close` is called.
+
+    Raises:
+        ConfigError / ValueError: bad configuration or data (a prompt of the first batch too long
+            for ``data.max_prompt_length`` or the model's context, non-finite model weights), a
+            folder that holds a run without ``overwrite``, options that cannot change on resume;
+            the field is named.
+        TrainingError: another run owns the folder; ``resume_from`` has no complete checkpoint.
+        CheckpointError: the checkpoint to resume from is corrupt or not a policygrad one.
+    """
+
+    config: TrainConfig
+    trainer: Trainer
+    dist: Dist
+    run_dir: str
+    eval_rows: list[dict[str, Any]]
+    eval_reward: TaskReward  # the rows' own verifier: code_tests in the run's sandbox on code rows
+    watch: UpdateWatch
+    logger: MetricsLogger | NullLogger | None
+
+    def __init__(
+        self,
+        config: TrainConfig,
+        *,
+        resume_from: str | None = None,
+        engine=None,
+        model=None,
+        tokenizer=None,
+        reward_functions: list | None = None,
+        train_source=None,
+        eval_rows: list[dict[str, Any]] | None = None,
+    ):
+        self.dist = Dist.current()
+        cfg, reward_objects = prepare_config(
+            config, model=model, reward_functions=reward_functions, dist=self.dist
+        )
+        self.config, self.run_dir = cfg, cfg.output_dir
+        self.logger, self._lock = None, None
+        self._saved_step: int | None = None  # the step of the newest checkpoint on disk
+        self._steps_done = False  # train() finished its steps (a signal then has nothing to wait for)
+        self._summary: dict[str, Any] = {"run_dir": self.run_dir}  # train()'s summary so far
+        # 1. Read-only checks of the run directory (and the checkpoint to resume from).
+        resume: Resume | None = None
+        if resume_from is None:
+            rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
+        else:
+            resume = check_resume(cfg, resume_from)
+        self.dist.barrier()  # every rank has checked before rank 0 may write (step 3)
+        # 2. Build: the held-out rows, then every part of the trainer.
+        if eval_rows is not None:
+            self.eval_rows = list(eval_rows)[: cfg.data.eval_size]
+        else:
+            self.eval_rows = build_eval_rows(cfg.data, seed=cfg.seed) if cfg.data.eval_size else []
+        self.trainer = build_trainer(
+            cfg,
+            checkpoint=resume.checkpoint if resume is not None else None,
+            engine=engine,
+            model=model,
+            tokenizer=tokenizer,
+            reward_objects=reward_objects,
+            train_source=train_source,
+        )
+        self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
+        self.watch = UpdateWatch(cfg)
+        if resume is not None:
+            self.load_state_dict(resume)
+        check_finite_weights(
+            self.trainer.policy, f"model.name={cfg.model.name!r}" if resume is None else resume.checkpoint
+        )
+        check_prompts(self.trainer, self.eval_rows)
+        # 3. Take the run directory: lock it, then write (or, on resume, update) the run's files.
+        try:
+            taken = take_run_dir(
+                cfg,
+                model_path=self.trainer.model_path,
+                step=self.trainer.step_idx,
+                resume=resume,
+                is_main=self.dist.is_main,
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._lock, self.logger, self._config_pending = taken.lock, taken.logger, taken.config_pending
+
+    # ------------------------------------------------------------------------------------------
+    # State.
+
+    def state_dict(self) -> dict[str, Any]:
+        """The checkpoint's trainer state: :meth:`Trainer.state_dict` and the counts of applied
+        and skipped updates (:class:`~policygrad.trainer.health.UpdateWatch`)."""
+        return {**self.trainer.state_dict(), "updates": self.watch.state_dict()}
+
+    def load_state_dict(self, resume: Resume) -> None:
+        """Continue from a checked checkpoint: the trainer's state, the update counts, and the
+        learning rate given anew on resume."""
+        self.trainer.load_state_dict(resume.state, checkpoint=resume.checkpoint)
+        if "updates" in resume.state:
+            self.watch.load_state_dict(resume.state["updates"])
+        self._saved_step = self.trainer.step_idx
+        if "optim.lr" in resume.changes:
+            set_base_lr(self.trainer.optimizer, self.trainer.scheduler, self.config.optim.lr)
+
+    # ------------------------------------------------------------------------------------------
+    def evaluate(
+        self, rows: list[dict[str, Any]] | None = None, *, batch_size: int | None = None, tag: str = "eval"
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Held-out evaluation through the run's rollout engine, all rows in one ``generate`` call
+        (``batch_size`` caps it): greedy accuracy judged by the rows' verifier (``eval_reward``:
+        answer correctness, or ``code_tests`` on rows with code tests) and, with ``eval_samples`` =
+        n >= 2, pass@k and maj@k for each k of ``eval_k`` (:func:`policygrad.trainer.evaluate.evaluate`).
+
+        Returns:
+            ``(metrics, records)``: metrics under their :data:`METRICS` names (``eval/accuracy``,
+            ``eval/pass@k``, ``eval/maj@k``); the records (prompt, completion, answer, reward,
+            samples) are also written to ``RUN_DIR/<tag>.jsonl``.
+        """
+        rows = self.eval_rows if rows is None else rows
+        if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
+            return {"eval/accuracy": float("nan")}, []
+        cfg, trainer = self.config, self.trainer
+        scores, records = evaluate_rows(
+            trainer.engine,
+            trainer.tokenizer,
+            rows,
+            data=cfg.data,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            samples=cfg.eval_samples,
+            ks=cfg.eval_ks,
+            temperature=cfg.eval_temperature,
+            batch_size=batch_size,
+            seed=trainer.seeds.evaluation(trainer.step_idx),
+            reward_fn=self.eval_reward,
+        )
+        write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), records)
+        return {f"eval/{name}": value for name, value in scores.items()}, records
+
+    def train(self) -> dict[str, Any]:
+        """Run ``config.steps`` steps (or until ``max_minutes``), with held-out evaluation before
+        and after. Returns a summary that is also written to ``RUN_DIR/summary.json``.
+
+        Checkpoints: every ``save_every`` steps and ``save_every_minutes`` minutes; after the
+        current step on the first Ctrl-C or SIGTERM (the run then stops without the final
+        evaluation, ``summary["interrupted"]`` names the signal); on an error after the first
+        completed step (the last completed step is saved, then the error propagates); and at the
+        end, before the final evaluation. Where waiting would save nothing (the evaluation
+        before the first step, and after the final checkpoint) the first signal stops the run at
+        once, with the same summary. The run directory's lock is released on return.
+
+        Raises:
+            TrainingError: ``max_skipped_updates`` steps in a row applied no update, or the run
+                ended without applying any (after its checkpoint and summary are written); the
+                disk is full (naming the file, and whether ``--resume`` or a new start goes on).
+            KeyboardInterrupt: a second Ctrl-C (stops at once).
+            Any error of a step, after the checkpoint above.
+        """
+        try:
+            with StopSignals(at_once=True) as signals:  # from the first line: a signal is a clean stop
+                return self._train(signals)
+        except Stopped as stop:
+            return self._stopped_at_once(stop.signal)
+        except KeyboardInterrupt:  # a second Ctrl-C
+            saved = self._saved_step
+            newest = checkpoint_path(self.run_dir, saved) if saved else None
+            log.warning("stopped at once; the newest checkpoint is %s", newest or "none (nothing was saved)")
+            raise
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            where = exc.filename or f"the run's files in {self.run_dir}"
+            raise TrainingError(
+                f"no space left on device writing {where}; free space, then {self._go_on()}"
+            ) from exc
+        finally:
+            self.logger.close()
+            if self._lock is not None:
+                self._lock.release()
+
+    def _train(self, signals: StopSignals) -> dict[str, Any]:
+        cfg, trainer = self.config, self.trainer
+        self._steps_done = False
+        start = time.perf_counter()
+        summary: dict[str, Any] = {"run_dir": self.run_dir, "rollout_engine": trainer.engine_name}
+        self._summary = summary  # so far: what a stop at once reports
+        if cfg.eval_before and self.eval_rows and trainer.step_idx == 0:
+            self._evaluate_before(summary)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=trainer.step_idx,
+            disable=not cfg.progress or not self.dist.is_main,
+            desc="train",
+            dynamic_ncols=True,
+        )
+        signals.at_once = False  # Ctrl-C / SIGTERM: stop after the current step
+        interrupted, stopped_early = self._steps(signals, bar, start)
+        bar.close()
+        summary["steps"] = trainer.step_idx
+        summary["updates_applied"] = self.watch.applied
+        summary["stopped_by_max_minutes"] = stopped_early
+        summary["train_minutes"] = (time.perf_counter() - start) / 60
+        if trainer.step_idx and self._saved_step != trainer.step_idx:
+            self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
+        if interrupted:
+            return self._stopped_after_step(interrupted, summary)
+        self._steps_done = True
+        signals.at_once = True  # the final checkpoint is saved: nothing is left to wait for
+        try:
+            self.watch.check_trained()
+        except TrainingError:
+            self._write_summary(summary)
+            raise
+        if cfg.eval_after and self.eval_rows:
+            self._evaluate_after(summary)
+        if cfg.export_merged:
+            summary["merged_model"] = self.export_merged()
+        summary["wall_minutes"] = (time.perf_counter() - start) / 60
+        summary["peak_rss_gb"] = peak_rss_gb()
+        self._write_summary(summary)
+        log.info("applied %d updates in %d steps", self.watch.applied, self.watch.steps)
+        return summary
+
+    def _steps(self, signals: StopSignals, bar, start: float) -> tuple[str | None, bool]:
+        """The steps, each followed by a checkpoint when due. Returns ``(the signal that stopped
+        the run or None, stopped by max_minutes)``. Data-parallel, every rank takes the same
+        decisions: a signal on any rank stops them all (torchrun forwards one to each), and
+        rank 0's clock decides the time."""
+        cfg, trainer = self.config, self.trainer
+        last_save = time.perf_counter()
+        while trainer.step_idx < cfg.steps:
+            interrupted = self._agreed_signal(signals.received)
+            if interrupted:
+                return interrupted, False
+            minutes = (time.perf_counter() - start) / 60
+            if self.dist.first(cfg.max_minutes is not None and minutes > cfg.max_minutes):
+                return None, True
+            safe = self._safe_point()
+            try:
+                self._train_step(bar)
+                if self.dist.first(self._checkpoint_due(last_save)):
+                    self.save_checkpoint()
+                    last_save = time.perf_counter()
+            except Exception as exc:
+                self._save_after_error(safe, exc)
+                raise
+        return None, False
+
+    def _evaluate_before(self, summary: dict[str, Any]) -> None:
+        scores, _ = self.evaluate(tag="eval_before")
+        summary["accuracy_before"] = acc = scores["eval/accuracy"]
+        self.logger.log(0, scores)
+        log.info("held-out greedy accuracy before training: %.3f (%d problems)", acc, len(self.eval_rows))
+
+    def _evaluate_after(self, summary: dict[str, Any]) -> None:
+        scores, _ = self.evaluate(tag="eval_after")  # Ctrl-C here: the final checkpoint is saved
+        summary["accuracy_after"] = acc = scores["eval/accuracy"]
+        sampled = {k.removeprefix("eval/"): v for k, v in scores.items() if k != "eval/accuracy"}
+        summary.update({f"{k}_after": v for k, v in sampled.items()})  # pass@k_after, maj@k_after
+        self.logger.log(self.trainer.step_idx, scores)
+        log.info("held-out greedy accuracy after training:  %.3f (%d problems)", acc, len(self.eval_rows))
+        if "accuracy_before" in summary:
+            summary["accuracy_gain"] = acc - summary["accuracy_before"]
+            log.info("change: %+.3f", summary["accuracy_gain"])
+
+    def _train_step(self, bar) -> None:
+        """One step of :meth:`train`: the step, an evaluation when due, its metrics row, the
+        progress bar, and the empty-update watch (which may end the run)."""
+        cfg, trainer = self.config, self.trainer
+        metrics = trainer.step()
+        step = trainer.step_idx
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:
+            metrics.update(self.evaluate(tag=f"eval_step{step}")[0])
+        self.logger.log(step, metrics)
+        bar.update(1)
+        bar.set_postfix(
+            reward=f"{metrics['reward/mean']:.3f}",
+            len=f"{metrics['response/length_mean']:.0f}",
+            s=f"{metrics['time/step_s']:.1f}",
+        )
+        if cfg.log_completions and step % 10 == 1 and self.dist.is_main:  # rank 0 reports
+            for sample in trainer.last_samples[: cfg.log_completions]:
+                text = sample["completion"][:120]
+                bar.write(f"  [step {step}] reward={sample['reward']:.2f} {text!r}")
+        self.watch.observe(metrics)
+
+    def _agreed_signal(self, received: str | None) -> str | None:
+        """The signal that stops the run: this process's, or with several ranks, any rank's."""
+        if not self.dist.active:
+            return received
+        return (received or "SIGTERM") if self.dist.any(received is not None) else None
+
+    def _checkpoint_due(self, last_save: float) -> bool:
+        cfg = self.config
+        by_steps = bool(cfg.save_every) and self.trainer.step_idx % cfg.save_every == 0
+        minutes = (time.perf_counter() - last_save) / 60
+        by_time = bool(cfg.save_every_minutes) and minutes >= cfg.save_every_minutes
+        return by_steps or by_time
+
+    def _optimizer_steps(self) -> tuple[int, ...]:
+        critic = self.trainer.critic_trainer
+        return (self.trainer.scheduler.last_epoch, critic.scheduler.last_epoch if critic is not None else 0)
+
+    def _safe_point(self) -> tuple[dict[str, Any], tuple[int, ...]]:
+        """The state before a step (tensors by reference: they stay valid until an optimizer
+        step) and the optimizer-step counts that tell whether one happened since."""
+        return self.state_dict(), self._optimizer_steps()
+
+    def _save_after_error(self, safe, exc: Exception) -> None:
+        """Keep the finished steps when a step fails: save the last completed step (the state
+        before the failing step, if no optimizer step of it was applied yet)."""
+        state, steps_then = safe
+        step = self.trainer.step_idx
+        if isinstance(exc, CheckpointSaveError) or not step:
+            return  # the save itself failed (the disk is full), or no step was completed
+        if not self.trainer.strategy.saves_alone:
+            # A sharded save needs every rank, and the others are not here: the newest checkpoint stands.
+            newest = f"is of step {self._saved_step}" if self._saved_step else "does not exist yet"
+            log.warning(
+                "note: a sharded run cannot save after an error on one rank; the newest checkpoint %s", newest
+            )
+            return
+        if step == state["step"] and self._optimizer_steps() != steps_then:
+            log.warning(
+                "note: the error came during the update of step %d, so that step cannot be saved; the newest "
+                "checkpoint is of step %s",
+                step + 1,
+                self._saved_step,
+            )
+            return
+        if step != state["step"]:
+            state = self.state_dict()  # the step completed; the error came after it
+        if state["step"] in (0, self._saved_step):
+            return
+        try:
+            path = self.save_checkpoint(state=state)
+        except CheckpointError as e:
+            log.warning("note: could not save a checkpoint before stopping: %s", e)
+            return
+        log.warning(
+            "saved checkpoint %s before stopping on the error; once it is fixed, continue with: "
+            "policygrad train --resume %s",
+            path,
+            self.run_dir,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # Stopping.
+
+    def _go_on(self) -> str:
+        return stops.how_to_go_on(self.run_dir, self._saved_step)
+
+    def _stopped_at_once(self, signal_name: str) -> dict[str, Any]:
+        """The summary (also written) and the one message of a run a signal stopped where there
+        was nothing to wait for: before its first step, or after its final checkpoint."""
+        summary = {**self._summary, "steps": self.trainer.step_idx, "interrupted": signal_name}
+        self._write_summary(summary)
+        stops.warn_stopped_at_once(
+            signal_name, self.run_dir, self._saved_step, self.trainer.step_idx, steps_done=self._steps_done
+        )
+        return summary
+
+    def _stopped_after_step(self, signal_name: str, summary: dict[str, Any]) -> dict[str, Any]:
+        summary["interrupted"] = signal_name
+        self._write_summary(summary)
+        stops.warn_stopped_after_step(signal_name, self.run_dir, self._saved_step, self.trainer.step_idx)
+        return summary
+
+    def _write_summary(self, summary: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
+        rundir.atomic_write_text(os.path.join(self.run_dir, "summary.json"), json.dumps(summary, indent=2))
+
+    def close(self) -> None:
+        """Shut down the rollout engine (vLLM holds its own weights, KV cache and process state)
+        and the reward worker, flush the metrics log and release the run directory. The run
+        cannot generate afterwards. Safe to call more than once."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is not None:
+            trainer.close()
+        if self.logger is not None:
+            self.logger.close()
+        if self._lock is not None:
+            self._lock.release()
+
+    # ------------------------------------------------------------------------------------------
+    # Checkpoints and exports.
+
+    def save_checkpoint(self, state: dict[str, Any] | None = None) -> str:
+        """Write ``RUN_DIR/checkpoints/step_N`` as a transaction (see
+        :mod:`policygrad.trainer.checkpoint`) from ``state`` (default: :meth:`state_dict` now).
+        Returns its path. A collective under FSDP (the ranks write their shards first).
+
+        Raises:
+            CheckpointSaveError: it could not be written; the older checkpoints are intact.
+        """
+        trainer = self.trainer
+        state = self.state_dict() if state is None else state
+        path = checkpoint_path(self.run_dir, state["step"])
+        tmp, critic_state = trainer.write_shards(path)
+        if self.dist.is_main:  # ddp: every rank holds the same full weights and state
+            save_checkpoint(
+                path,
+                policy=trainer.whole_policy,
+                tokenizer=trainer.tokenizer,
+                state=state,
+                critic=trainer.critic,
+                critic_state=critic_state,
+                model_card=self.model_card(state["step"]),
+                tmp=tmp,
+            )
+            if self._config_pending:
+                rundir.write_config(self.run_dir, self.config)
+                self._config_pending = False
+        if trainer.strategy.shards_state:
+            self.dist.barrier()  # the checkpoint is complete before any rank goes on
+        self._saved_step = state["step"]
+        return path
+
+    def model_card(self, step: int, *, kind: str | None = None) -> str:
+        """The ``README.md`` of a model folder this run exports at ``step`` (see
+        :mod:`policygrad.trainer.export`): base model, algorithm and settings, data, steps, the
+        last logged metrics, library version."""
+        return model_card(
+            self.config.to_dict(),
+            steps=step,
+            metrics=final_metrics(self.run_dir, up_to_step=step),
+            kind=kind or ("LoRA adapter" if is_peft_model(self.trainer.policy) else "full model"),
+            base_model=self.trainer.model_path,
+        )
+
+    def export_merged(self, folder: str | None = None) -> str:
+        """Write the policy with every LoRA adapter merged in as a plain Hugging Face model folder
+        (default ``RUN_DIR/merged_model``) with its model card. Returns the folder."""
+        folder = folder or os.path.join(self.run_dir, "merged_model")
+        if not self.dist.is_main:
+            return folder
+        card = self.model_card(self.trainer.step_idx, kind="merged model")
+        return export_merged(self.trainer.whole_policy, self.trainer.tokenizer, folder, card=card)

@@ -1,0 +1,188 @@
+"""A :class:`~policygrad.trainer.loop.Trainer` from a config: :func:`prepare_config` records
+the objects a caller passes instead of names, :func:`build_trainer` builds every part in a fixed
+order (which fixes the random streams a run consumes at start: the same config and seed build
+the same trainer).
+
+Order: what needs no model first (:func:`prepare_config` checks the engine's choice and the
+reward-function specs, :func:`build_trainer` starts with the training data), so a bad option or
+file is refused before a model is read or converted; then the models, the strategy's sharding,
+the engine, the rewards, the critic and the optimizers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from policygrad.core.advantages import get_advantage_estimator
+from policygrad.data.sources import build_train_source
+from policygrad.data.stream import PromptStream
+from policygrad.rewards.callables import describe_object
+from policygrad.trainer import build
+from policygrad.trainer.config import ConfigError, TrainConfig
+from policygrad.trainer.distributed import Dist
+from policygrad.trainer.loop import Trainer
+from policygrad.trainer.models import build_models, record_model_object
+from policygrad.trainer.precision import resolve_precision
+from policygrad.trainer.seeds import Seeds
+from policygrad.trainer.strategy import make_strategy
+
+__all__ = ["build_trainer", "prepare_config"]
+
+
+def prepare_config(
+    config: TrainConfig, *, model=None, reward_functions: list | None = None, dist: Dist | None = None
+) -> tuple[TrainConfig, list | None]:
+    """``config`` as a run records it, and the reward objects to use.
+
+    A model object is recorded as ``model.name`` (:func:`~policygrad.trainer.models.record_model_object`);
+    reward functions given as objects are recorded by import path (``module:qualname``) or a
+    placeholder ``<callable NAME (not importable)>``, and the objects without a path are
+    returned for the scorer; several processes always sample with per-prompt seeds, so
+    ``config.yaml`` says so and a resume in one process goes on sampling the same way. Then what
+    needs no model is checked (the engine's choice, the reward-function specs: no user code
+    runs), so a bad option or file is refused before a model is read or converted.
+
+    Returns:
+        ``(config, reward objects or None)``.
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: ``model.name`` names another model than
+            ``model``; a bad engine choice or reward-function spec (named).
+    """
+    if model is not None:
+        config = record_model_object(config, model)
+    reward_objects = None
+    if reward_functions is not None:
+        recorded = [describe_object(f) for f in reward_functions]
+        reward_objects = [f if r.startswith("<") else r for f, r in zip(reward_functions, recorded)]
+        weights = config.reward.weights
+        if weights is not None and len(weights) != len(recorded):
+            raise ConfigError(
+                f"reward.weights has {len(weights)} entries for {len(recorded)} reward functions; give one "
+                "weight per function, or none (equal weights)"
+            )
+        config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, functions=recorded))
+    dist = dist or Dist.current()
+    if dist.active and not config.rollout.per_prompt_seeds:
+        config = dataclasses.replace(
+            config, rollout=dataclasses.replace(config.rollout, per_prompt_seeds=True)
+        )
+    build.check_before_models(config, reward_objects)
+    return config, reward_objects
+
+
+def build_trainer(
+    cfg: TrainConfig,
+    *,
+    checkpoint: str | None = None,
+    engine=None,
+    model=None,
+    tokenizer=None,
+    reward_objects: list | None = None,
+    train_source=None,
+) -> Trainer:
+    """Every part of a run of ``cfg`` (as :func:`prepare_config` returns it), as a :class:`Trainer`
+    at step 0 (a resume then loads the checkpoint's state: :meth:`Trainer.load_state_dict`).
+
+    Args:
+        checkpoint: a checkpoint folder whose policy (and critic) weights are loaded.
+        engine: a rollout engine to use instead of the one ``rollout.engine`` names (its own
+            precision: the run's autocast wraps only the engines it builds).
+        model, tokenizer: a loaded model to train in place instead of ``model.name``.
+        reward_objects: reward functions as objects, instead of ``reward.functions``.
+        train_source: the training prompts (an object with ``train_row(i)``) instead of ``data.dataset``.
+
+    Raises:
+        ConfigError / ValueError / FileNotFoundError: a bad option, file or model, named.
+    """
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    build.seed_everything(cfg.seed)
+    dist = Dist.current()  # rank and world size (one process: rank 0 of 1)
+    dist.check(cfg)
+    strategy = make_strategy(cfg, dist)
+    if train_source is None:
+        train_source = build_train_source(cfg.data, seed=cfg.seed)
+    device = dist.device
+    dtype = build.resolve_dtype(cfg.model.dtype, device)
+    precision = resolve_precision(cfg.model.precision, device, model_dtype=cfg.model.dtype)
+    m = build_models(
+        cfg,
+        device=device,
+        dtype=dtype,
+        checkpoint=checkpoint,
+        model=model,
+        tokenizer=tokenizer,
+        run_dir=cfg.output_dir,
+        policy_dtype=precision.param_dtype,  # float32 master weights unless bf16-pure
+    )
+    engine_name, _ = cfg.rollout.resolved_engine()
+    engine_models = strategy.prepare_models(m, engine_name=engine_name, precision=precision)
+    if engine is None:
+        engine, engine_name = build.build_engine(
+            cfg,
+            engine_models,
+            dtype=dtype,
+            precision=precision,
+            shares_policy_weights=engine_models.policy is m.policy,
+        )
+    elif engine_models.policy is not m.policy and engine.shares_policy_weights:
+        raise ConfigError(
+            f"engine={type(engine).__name__} samples with the live policy (shares_policy_weights), which "
+            f"distributed.strategy={strategy.name} shards; give an engine that holds its own weights "
+            "(synced after every update), or let the run build its engine"
+        )
+    else:
+        engine_name = type(engine).__name__
+    parts: dict[str, Any] = {
+        "dist": dist,
+        "strategy": strategy,
+        "precision": precision,
+        "seeds": Seeds(cfg.seed),
+        "device": device,
+        "dtype": dtype,
+        "model_path": m.model_path,
+        "tokenizer": m.tokenizer,
+        "policy": m.policy,
+        "reference": m.reference,
+        "policy_as_reference": m.policy_as_reference,
+        "engine": engine,
+        "engine_name": engine_name,
+    }
+    if checkpoint is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
+        strategy.sync_engine(engine, m.policy)  # a separate engine loaded the base weights
+    parts["stream"] = PromptStream(train_source)
+    parts["scorer"] = build.build_scorer(
+        cfg, device=device, dtype=dtype, functions=reward_objects, reduce=strategy.reduce
+    )
+    parts["critic_trainer"] = build.build_critic(
+        cfg,
+        model_path=m.model_path,
+        device=device,
+        checkpoint=checkpoint,
+        strategy=strategy,
+        precision=precision,
+    )
+    parts["ptx_data"] = build.build_ptx(cfg, m.tokenizer)
+    parts["estimator"] = get_advantage_estimator(cfg.estimator_name)
+    parts["kl"] = cfg.kl_placement
+    parts["objective"] = build.build_objective(cfg, parts["kl"])
+    optimizer, scheduler, optimizer_step = build.policy_optimizer(
+        cfg, m.policy, device=device, strategy=strategy
+    )
+    parts.update(optimizer=optimizer, scheduler=scheduler)
+    parts["policy_step"] = build.build_policy_step(
+        cfg,
+        m.policy,
+        parts["objective"],
+        optimizer_step,
+        ptx=parts["ptx_data"],
+        device=device,
+        strategy=strategy,
+        precision=precision,
+    )
+    parts["kl_ctl"] = build.build_kl_controller(cfg)
+    return Trainer(cfg, **parts)

@@ -1,0 +1,144 @@
+"""``prepare_config``: how a run records the objects a caller passes instead of names (reward
+callables by import path or a placeholder, a model object by its folder), per-prompt seeds with
+several processes, and the checks that run before any model is read; ``build_trainer`` builds
+the same trainer from the same config."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from policygrad.trainer.config import ConfigError, ModelConfig, load_config
+from policygrad.trainer.distributed import Dist
+from policygrad.trainer.factory import build_trainer, prepare_config
+
+pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
+
+
+def importable_reward(prompts, completions, **fields):
+    return [0.0 for _ in completions]
+
+
+def _config(tmp_path, **sections):
+    tree = {
+        "model": {"name": "no/such-model-is-ever-read"},
+        "reward": {"functions": ["answer_correctness"]},
+        "rollout": {"engine": "hf"},
+        "output_dir": str(tmp_path / "run"),
+    }
+    for key, value in sections.items():
+        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
+    return load_config(None, tree)
+
+
+class InMemoryModel(torch.nn.Module):
+    """What ``record_model_object`` reads of a transformers model: ``name_or_path``."""
+
+    def __init__(self, name_or_path=""):
+        super().__init__()
+        self.name_or_path = name_or_path
+
+
+def test_nothing_given_returns_the_config_unchanged(tmp_path):
+    cfg = _config(tmp_path)
+    got, objects = prepare_config(cfg, dist=Dist())
+    assert got is cfg and objects is None
+
+
+def test_reward_callables_are_recorded_by_import_path_or_a_placeholder(tmp_path):
+    def local(prompts, completions, **fields):
+        return [1.0 for _ in completions]
+
+    functions = [importable_reward, local, "answer_correctness"]
+    got, objects = prepare_config(
+        _config(tmp_path, reward={"functions": ["answer_correctness"] * 3, "weights": [1.0, 2.0, 3.0]}),
+        reward_functions=functions,
+        dist=Dist(),
+    )
+    recorded = [
+        "tests.trainer.test_factory:importable_reward",
+        "<callable local (not importable)>",
+        "answer_correctness",
+    ]
+    assert got.reward.functions == recorded
+    assert got.reward.weights == [1.0, 2.0, 3.0]  # the rest of the section is kept
+    # The importable one is loaded by its path like a name (in the reward worker); the other object
+    # itself goes to the scorer.
+    assert objects == ["tests.trainer.test_factory:importable_reward", local, "answer_correctness"]
+
+
+def test_a_model_object_is_recorded_by_its_folder(tmp_path):
+    got, _ = prepare_config(
+        _config(tmp_path, model={"name": ModelConfig().name}), model=InMemoryModel(), dist=Dist()
+    )
+    assert got.model.name == "<model InMemoryModel (in memory)>"  # the default name is replaced
+    folder = str(tmp_path)
+    got, _ = prepare_config(
+        _config(tmp_path, model={"name": folder}), model=InMemoryModel(folder), dist=Dist()
+    )
+    assert got.model.name == folder  # the same folder: kept
+    with pytest.raises(
+        ConfigError, match=r"model.name='other/model' names another model than the model object"
+    ):
+        prepare_config(
+            _config(tmp_path, model={"name": "other/model"}), model=InMemoryModel(folder), dist=Dist()
+        )
+
+
+def test_several_processes_always_sample_with_per_prompt_seeds(tmp_path):
+    cfg = _config(tmp_path, rollout={"per_prompt_seeds": False})
+    one, _ = prepare_config(cfg, dist=Dist())
+    assert one.rollout.per_prompt_seeds is False
+    two, _ = prepare_config(cfg, dist=Dist(rank=0, world_size=2))
+    assert two.rollout.per_prompt_seeds is True
+    # nothing else changes
+    assert dataclasses.replace(two, rollout=cfg.rollout) == cfg
+
+
+def test_reward_specs_are_checked_before_any_model_without_running_user_code(tmp_path):
+    ran = tmp_path / "ran"
+    good = tmp_path / "rewards.py"
+    good.write_text(
+        f"open({str(ran)!r}, 'w').close()\n\n"
+        "def f(prompts, completions, **k):\n    return [0.0] * len(completions)\n"
+    )
+    prepare_config(_config(tmp_path, reward={"functions": [f"{good}:f"]}), dist=Dist())
+    assert not ran.exists()  # parsed, not imported
+    with pytest.raises(FileNotFoundError):
+        prepare_config(_config(tmp_path, reward={"functions": [f"{tmp_path}/missing.py:f"]}), dist=Dist())
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f(:\n")
+    with pytest.raises(Exception, match="SyntaxError"):
+        prepare_config(_config(tmp_path, reward={"functions": [f"{bad}:f"]}), dist=Dist())
+    with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
+        prepare_config(_config(tmp_path), reward_functions=["no_such_module_xyz:f"], dist=Dist())
+
+
+def test_the_same_config_builds_the_same_trainer(tmp_path, tiny_model_dir, one_thread):
+    # build_trainer seeds everything first and builds its parts in a fixed order: the random
+    # streams a run starts with (torch's global RNG, the data order) are those of its seed.
+    cfg = _config(
+        tmp_path,
+        model={"name": tiny_model_dir},
+        data={"eval_size": 0, "difficulty": "easy"},
+        kl={"placement": "loss", "beta": 0.04},
+    )
+    built = []
+    for _ in range(2):
+        trainer = build_trainer(cfg)
+        try:
+            assert trainer.step_idx == 0 and trainer.engine_name == "hf"
+            assert trainer.reference is not None and trainer.seeds.run == cfg.seed
+            rows = [trainer.stream.source.train_row(i)["prompt"] for i in range(4)]
+            built.append((torch.get_rng_state(), rows))
+        finally:
+            trainer.close()
+    (rng_a, rows_a), (rng_b, rows_b) = built
+    assert torch.equal(rng_a, rng_b) and rows_a == rows_b
+    other = build_trainer(dataclasses.replace(cfg, seed=cfg.seed + 1))
+    try:
+        assert not torch.equal(torch.get_rng_state(), rng_a)
+    finally:
+        other.close()
