@@ -158,6 +158,7 @@ def answer_correctness_reward(prompts, completions, answer=None, **_):
     """policygrad's ``answer_correctness`` in TRL's ``reward_funcs`` signature (conversational
     prompts and completions are lists of messages; the row's ``answer`` column arrives as a
     keyword)."""
+    # imported here: only the TRL worker scores; the coordinator imports this module without torch
     from policygrad.rewards.verifiers import answer_correctness
 
     texts = [_message_text(c, "assistant") for c in completions]
@@ -387,6 +388,7 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
 
 def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
+    # imported here: they load torch, which the coordinator does not otherwise import
     from policygrad.data.sources import build_train_source
     from policygrad.models.loading import resolve_model_path
 

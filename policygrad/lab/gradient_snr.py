@@ -67,6 +67,7 @@ from policygrad.core.diagnostics import explained_variance
 from policygrad.core.kl import kl_shaped_rewards
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
+from policygrad.data.sources import resolve_dataset
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
@@ -76,6 +77,7 @@ from policygrad.lab.common import (
     check_temperature,
     ensure_output_dir,
     format_table,
+    load_lab_model,
     pyplot,
     repeat_each,
     save_figure,
@@ -83,6 +85,10 @@ from policygrad.lab.common import (
     tokenize_user_prompts,
     write_json,
 )
+from policygrad.models.forward import policy_logprobs
+from policygrad.rewards.verifiers import answer_correctness
+from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.trainer.evaluate import decode_completions
 
 DEFAULT_ESTIMATORS = "none,rloo2,rloo4,rloo8,grpo,gae0,gae0.5,gae0.95,gae1"
 RewardFn = Callable[..., Sequence[float]]
@@ -272,8 +278,6 @@ def _whole_row_logprobs(model, rollout, temperature: float) -> torch.Tensor:
     """[B, T] float32 log-probs at ``temperature`` from one plain forward over whole rows through
     the lm_head module (no prompt sharing, no fused head), so a :class:`_HeadInput` hook sees the
     final hidden state of every response position."""
-    from policygrad.models.forward import policy_logprobs
-
     logprobs, _ = policy_logprobs(
         model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False, fused_head=False
     )
@@ -650,9 +654,6 @@ def run_gradient_snr(
         ValueError: bad counts, estimators, parameter subset; S not a multiple of an RLOO k;
             a reward function returning the wrong number of scores.
     """
-    from policygrad.rollout.hf import HFRolloutEngine
-    from policygrad.trainer.evaluate import decode_completions
-
     specs, S, draws, reference_draws, critic_draws = _check_settings(
         estimators, samples_per_prompt, draws, reference_draws, critic_draws, max_new_tokens
     )
@@ -920,10 +921,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> str:
     """``policygrad lab gradient-snr ...`` on a dataset with answers, scored by answer_correctness."""
-    from policygrad.data.sources import resolve_dataset
-    from policygrad.lab.common import load_lab_model
-    from policygrad.rewards.verifiers import answer_correctness
-
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
     check_positive_int(args.prompts, "--prompts")

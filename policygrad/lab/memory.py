@@ -181,6 +181,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # imported here: it loads torch, and this module must import without it
     from policygrad.models.loading import resolve_model_path
 
     path = resolve_model_path(spec)
@@ -290,6 +291,7 @@ def resolve_shape(
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     if model is None and params is None:
+        # imported here: it loads torch, and this module must import without it
         from policygrad.models.bundled import DEFAULT_MODEL
 
         model = DEFAULT_MODEL

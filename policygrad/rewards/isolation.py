@@ -73,8 +73,8 @@ from policygrad.rewards.registry import (
     BUILTIN_REWARDS,
     RewardCallFailed,
     RewardFunctionError,
-    _fn_name,
     load_reward_function,
+    reward_function_name,
 )
 
 __all__ = [
@@ -651,7 +651,7 @@ def isolate_reward_functions(
                 out.append(GuardedRewardFunction(load_reward_function(s), s.strip(), timeout_s=timeout_s))
             elif any(s is o for o in objects):
                 fn = awaited(s)
-                out.append(GuardedRewardFunction(fn, _fn_name(fn), timeout_s=timeout_s))
+                out.append(GuardedRewardFunction(fn, reward_function_name(fn), timeout_s=timeout_s))
             else:
                 out.append(s)
         return out, None
@@ -678,7 +678,7 @@ def isolate_reward_functions(
 
 def _contain_object(fn: Callable, worker: RewardWorker, timeout_s: float | None):
     """``fn`` in the worker when it can be sent there, else guarded in this process (logged)."""
-    name = _fn_name(awaited(fn))  # the component name it has in-process
+    name = reward_function_name(awaited(fn))  # the component name it has in-process
     if _defined_in_main(fn):
         why = "it is defined in __main__ (a script or a notebook), which the reward worker cannot import"
     else:

@@ -54,6 +54,7 @@ __all__ = [
     "apply_truncation_policy",
     "check_reward_spec",
     "load_reward_function",
+    "reward_function_name",
     "row_fields_from_rows",
 ]
 
@@ -212,7 +213,9 @@ def load_reward_function(spec: str | Callable) -> Callable:
     return awaited(fn)
 
 
-def _fn_name(fn: Callable) -> str:
+def reward_function_name(fn: Callable) -> str:
+    """The component name a reward function gets: its ``__name__``, a ``functools.partial``'s
+    function's, else its type's name."""
     name = getattr(fn, "__name__", None)
     if name is None and hasattr(fn, "func"):  # functools.partial
         name = getattr(fn.func, "__name__", None)
@@ -329,7 +332,7 @@ class CompositeReward:
         for position, entry in enumerate(functions):
             spec, weight, kwargs = self._parse_entry(position, entry)
             fn = load_reward_function(spec)
-            base = spec if isinstance(spec, str) else _fn_name(fn)
+            base = spec if isinstance(spec, str) else reward_function_name(fn)
             seen[base] = seen.get(base, 0) + 1
             name = base if seen[base] == 1 else f"{base}#{seen[base]}"
             self.entries.append((name, fn, weight, kwargs))

@@ -20,6 +20,7 @@ from policygrad.lab.memory import (
     resolve_shape,
     run_memory,
 )
+from policygrad.models.loading import apply_lora, load_causal_lm
 
 pytestmark = pytest.mark.integration
 
@@ -102,8 +103,6 @@ def test_lora_count_by_hand_for_llama_shapes():
 
 
 def test_lora_count_matches_peft_and_shape_from_config(tiny_lm_dir):
-    from policygrad.models.loading import apply_lora, load_causal_lm
-
     model = load_causal_lm(tiny_lm_dir)
     shape = model_shape_from_config(tiny_lm_dir)
     # Tied embeddings counted once, as model.parameters() does.

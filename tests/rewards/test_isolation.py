@@ -8,8 +8,9 @@ import os
 
 import pytest
 
+from policygrad.rewards.callables import describe_object
 from policygrad.rewards.isolation import RewardWorker, is_user_reward, isolate_reward_functions
-from policygrad.rewards.registry import CompositeReward, RewardFunctionError
+from policygrad.rewards.registry import CompositeReward, RewardFunctionError, row_fields_from_rows
 
 pytestmark = pytest.mark.integration  # starts worker processes
 
@@ -360,12 +361,10 @@ def test_a_callable_that_exits_ends_the_call_not_the_run(callables):
 
 
 def test_callables_get_their_own_copies_of_the_completions_and_the_users_rows(callables):
-    from policygrad.rewards.registry import row_fields_from_rows
-
-    def closure_rewrites(prompts, completions, tests=None, **fields):
+    def closure_rewrites(prompts, completions, tests=None, **_fields):
         return callables.rewrites(prompts, completions, tests=tests)
 
-    def checks(prompts, completions, tests=None, **fields):
+    def checks(_prompts, completions, tests=None, **_fields):
         return [float(c in ("ab", "c") and t == [1, 2]) for c, t in zip(completions, tests)]
 
     rows = [{"prompt": "p", "tests": [1, 2]}]  # the user's dataset row, repeated for 2 samples
@@ -444,8 +443,6 @@ def test_without_isolation_the_timeout_still_holds(user_file, callables):
 
 def test_a_callable_recorded_by_its_qualified_name_loads_in_the_worker(callables):
     # Trainer(reward_functions=[Group.length]) records and runs it as "module:Group.length".
-    from policygrad.rewards.callables import describe_object
-
     spec = describe_object(callables.Group.length)
     assert spec == "pg_callable_rewards:Group.length"
     functions, worker = isolate_reward_functions([spec], timeout_s=30.0)
