@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
+import types
+from collections.abc import Mapping
 from typing import Any
 
 from policygrad.lab.common import (
@@ -79,16 +82,27 @@ class AlgorithmModels:
     description: str
 
 
-ALGORITHM_MODELS: dict[str, AlgorithmModels] = {
-    "sft": AlgorithmModels(False, False, "supervised fine-tuning: the policy alone"),
-    "ppo": AlgorithmModels(True, True, "PPO (RLHF): policy, critic, reference"),
-    "grpo": AlgorithmModels(False, True, "GRPO: group baseline, no critic"),
-    "dr_grpo": AlgorithmModels(False, True, "Dr.GRPO: group baseline, no critic"),
-    "rloo": AlgorithmModels(False, True, "RLOO: leave-one-out baseline, no critic"),
-    "reinforce": AlgorithmModels(False, True, "REINFORCE, no critic"),
-    "reinforce_pp": AlgorithmModels(False, True, "REINFORCE++, no critic"),
-    "remax": AlgorithmModels(False, True, "ReMax: greedy baseline, no critic"),
-}
+SFT_MODELS = AlgorithmModels(
+    critic=False, reference=False, description="supervised fine-tuning: the policy alone"
+)
+"""``sft``: the baseline every bill is compared with (not a trainer algorithm)."""
+
+
+@functools.cache
+def algorithm_models() -> Mapping[str, AlgorithmModels]:
+    """``sft`` and every algorithm the trainer knows, read from its registry
+    (:data:`policygrad.trainer.config.ALGORITHMS`), so a new preset has a bill: a critic when the
+    preset trains one, and a reference (for a KL to it) for every RL algorithm."""
+    # imported here: trainer.config loads torch, and this module must import without it
+    from policygrad.trainer.config import ALGORITHMS
+
+    table = {"sft": SFT_MODELS}
+    for name, preset in ALGORITHMS.items():
+        critic = "a critic" if preset.critic else "no critic"
+        table[name] = AlgorithmModels(
+            critic=preset.critic, reference=True, description=f"{preset.estimator} advantages, {critic}"
+        )
+    return types.MappingProxyType(table)
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -414,11 +428,10 @@ class MemoryPlan:
 
 
 def _check_algorithm(algorithm: str) -> AlgorithmModels:
-    if algorithm not in ALGORITHM_MODELS:
-        raise ValueError(
-            f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHM_MODELS))}"
-        )
-    return ALGORITHM_MODELS[algorithm]
+    table = algorithm_models()
+    if algorithm not in table:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(table))}")
+    return table[algorithm]
 
 
 def _model_items(name: str, params: int, trainable: bool, lora: int, note: str = "") -> list[MemoryItem]:
@@ -525,7 +538,7 @@ def plan_memory(
 
     Args:
         shape: from :func:`resolve_shape` or :func:`model_shape_from_config`.
-        algorithm: a key of :data:`ALGORITHM_MODELS` (``sft``, ``ppo``, ``grpo``, ``rloo``, ...).
+        algorithm: a key of :func:`algorithm_models` (``sft``, ``ppo``, ``grpo``, ``rloo``, ...).
         lora_rank: 0 for a full fine-tune, r >= 1 for LoRA adapters on ``lora_targets``.
         lora_targets: ``"all-linear"`` or module-name suffixes.
         batch: B sequences (logits and KV cache; both need ``seq_len`` too).
@@ -729,7 +742,7 @@ def memory_table(plan: MemoryPlan) -> str:
     ]
     table = format_table(["component", "state", "params", "B/param", "GB", "how"], rows)
     lines = [
-        f"memory bill: {plan.algorithm} ({ALGORITHM_MODELS[plan.algorithm].description}); model "
+        f"memory bill: {plan.algorithm} ({algorithm_models()[plan.algorithm].description}); model "
         f"{_count(plan.shape.params)} params ({plan.shape.source})"
         + (f", LoRA r={plan.lora_rank}" if plan.lora_rank else "")
         + (f"; per rank of {plan.world_size} ({plan.strategy})" if plan.world_size > 1 else ""),
@@ -846,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bundled:NAME, a model folder or a cached hub id "
         "(default: the bundled model, unless --params is given)",
     )
-    p.add_argument("--algorithm", default="grpo", help=f"one of {', '.join(sorted(ALGORITHM_MODELS))}")
+    p.add_argument("--algorithm", default="grpo", help=f"one of {', '.join(sorted(algorithm_models()))}")
     p.add_argument("--params", default=None, help="parameter count of a hypothetical model: 7e9, 7B, 135M")
     p.add_argument("--vocab", default=None, help="vocabulary size V (for the logits tensor)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (KV cache, LoRA)")
@@ -935,7 +948,8 @@ def main(argv: list[str]) -> str:
 
 __all__ = [
     "check_options",
-    "ALGORITHM_MODELS",
+    "SFT_MODELS",
+    "algorithm_models",
     "BYTES_FROZEN",
     "BYTES_TRAINABLE",
     "MemoryItem",
