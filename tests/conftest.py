@@ -61,7 +61,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Every test belongs to one tier: ``unit`` (no model, seconds) or ``integration``."""
     for item in items:
         tiers = {m.name for m in item.iter_markers()} & {"unit", "integration"}

@@ -142,7 +142,7 @@ def test_an_isolated_function_scores_like_in_process(isolated, user_file):
     assert _score(isolated["tensor"]).rewards.tolist() == [0.25, 0.25]
 
 
-def test_exits_and_crashes_end_the_call_not_the_trainer(isolated, user_file):
+def test_exits_and_crashes_end_the_call_not_the_trainer(isolated):
     for name in ("exits", "raises_base_exception", "hard_exit"):
         out = _score(isolated[name])
         assert not out.valid.any(), name
@@ -173,7 +173,7 @@ def test_every_call_and_row_gets_its_own_copies(isolated):
     assert shared == [1, 2, 3] and completions == ["ab", "c"]
 
 
-def test_a_call_over_its_timeout_is_stopped(isolated, user_file):
+def test_a_call_over_its_timeout_is_stopped(isolated):
     out = _score(isolated["sleeps"])
     assert not out.valid.any()
     with pytest.raises(
@@ -340,7 +340,7 @@ def test_an_importable_callable_runs_in_the_worker(callables):
 def test_a_callable_that_exits_ends_the_call_not_the_run(callables):
     import sys
 
-    def closure_exits(prompts, completions, **fields):
+    def closure_exits(_prompts, _completions, **_fields):
         sys.exit(0)
 
     specs = [callables.exits, callables.hard_exit, closure_exits, callables.pid]
@@ -386,7 +386,7 @@ def test_a_callable_over_its_timeout_fails_its_batch(callables):
 
     release = threading.Event()
 
-    def closure_hangs(prompts, completions, **fields):
+    def closure_hangs(_prompts, completions, **_fields):
         release.wait(20)
         return [1.0] * len(completions)
 
@@ -414,7 +414,7 @@ def test_an_unpicklable_closure_runs_in_process_contained_and_is_named(caplog):
 
     seen = []
 
-    def closure(prompts, completions, tests=None, **fields):
+    def closure(_prompts, completions, tests=None, **_fields):
         seen.append(os.getpid())
         tests[0].append(3)
         if len(completions) > 1:
