@@ -275,6 +275,13 @@ def parse_count(text: str | float | int, name: str) -> int:
     return int(round(value))
 
 
+def _override_fields(shape: ModelShape, **values: int | None) -> None:
+    """Set each field of ``shape`` given a value (not None) to that value as an int."""
+    for field, value in values.items():
+        if value is not None:
+            setattr(shape, field, int(value))
+
+
 def resolve_shape(
     model: str | None = None,
     *,
@@ -318,16 +325,14 @@ def resolve_shape(
         shape.source = f"{shape.source}, params given" if model is not None else "given"
         if model is not None:
             shape.linear_shapes = None  # a different size: the config's layers no longer apply
-    if vocab is not None:
-        shape.vocab_size = int(vocab)
-    if layers is not None:
-        shape.num_layers = int(layers)
-    if hidden is not None:
-        shape.hidden_size = int(hidden)
-    if kv_heads is not None:
-        shape.num_kv_heads = int(kv_heads)
-    if head_dim is not None:
-        shape.head_dim = int(head_dim)
+    _override_fields(
+        shape,
+        vocab_size=vocab,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
     if model is None and shape.hidden_size and shape.num_kv_heads is None and shape.head_dim is None:
         # No grouped-query attention assumed: K and V are as wide as the residual stream.
         shape.num_kv_heads, shape.head_dim = 1, shape.hidden_size
@@ -518,6 +523,44 @@ def check_options(
     return needs
 
 
+def _reference_item(params: int, lora: int) -> MemoryItem:
+    """The reference: with LoRA the policy's base (no copy), else a float32 copy."""
+    if lora:
+        return MemoryItem(
+            "reference", "shared", params, 0, 0, "the policy's frozen base with the adapters switched off"
+        )
+    return MemoryItem(
+        "reference",
+        "frozen",
+        params,
+        BYTES_FP32,
+        params * BYTES_FP32,
+        "frozen copy of the initial policy, float32 like the master weights",
+    )
+
+
+def _unsharded_copy_item(params: int, inference_engine: bool) -> MemoryItem:
+    """fsdp's whole float32 policy: on the device for the hf engine, in host memory with vLLM."""
+    if not inference_engine:
+        return MemoryItem(
+            "unsharded copy",
+            "frozen",
+            params,
+            BYTES_FP32,
+            params * BYTES_FP32,
+            "fsdp: the float32 policy the hf engine samples from and exports are written from",
+        )
+    return MemoryItem(
+        "unsharded copy",
+        "host",
+        params,
+        0,
+        0,
+        f"fsdp with vLLM: the float32 policy for exports and weight pushes, {_gb(params * BYTES_FP32)} GB "
+        "of CPU memory, not on the device",
+    )
+
+
 def plan_memory(
     shape: ModelShape,
     algorithm: str = "grpo",
@@ -582,52 +625,15 @@ def plan_memory(
 
     items = _model_items("policy", p, True, lora)
     if use_reference:
-        if lora:
-            items.append(
-                MemoryItem(
-                    "reference", "shared", p, 0, 0, "the policy's frozen base with the adapters switched off"
-                )
-            )
-        else:
-            items.append(
-                MemoryItem(
-                    "reference",
-                    "frozen",
-                    p,
-                    BYTES_FP32,
-                    p * BYTES_FP32,
-                    "frozen copy of the initial policy, float32 like the master weights",
-                )
-            )
+        items.append(_reference_item(p, lora))
     if reward_model:
         items += _model_items("reward model", reward_params or p, False, 0, "frozen, bf16")
     if needs.critic:
         cp = critic_params or p
         critic_lora = lora if (lora and critic_params is None) else 0
         items += _model_items("critic", cp, True, critic_lora)
-    if full_copy and not inference_engine:
-        items.append(
-            MemoryItem(
-                "unsharded copy",
-                "frozen",
-                p,
-                BYTES_FP32,
-                p * BYTES_FP32,
-                "fsdp: the float32 policy the hf engine samples from and exports are written from",
-            )
-        )
-    elif full_copy:
-        items.append(
-            MemoryItem(
-                "unsharded copy",
-                "host",
-                p,
-                0,
-                0,
-                f"fsdp with vLLM: the float32 policy for exports and weight pushes, {_gb(p * BYTES_FP32)} GB "
-                "of CPU memory, not on the device",
-            )
-        )
+    if full_copy:
+        items.append(_unsharded_copy_item(p, inference_engine))
     if inference_engine:
         items.append(
             MemoryItem(
