@@ -149,7 +149,7 @@ def multiplying_params(model) -> int:
     return total if tied else total - embed.numel()
 
 
-def even_share(prompts, completions, **fields):
+def even_share(_prompts, completions, **_fields):
     """Share of the completion's tokens whose id is even (``t<id>`` words): varies by sample."""
     out = []
     for text in completions:

@@ -267,7 +267,7 @@ class _HeadInput:
         self.value: torch.Tensor | None = None
         self.handle = model.get_output_embeddings().register_forward_pre_hook(self)
 
-    def __call__(self, module, args):
+    def __call__(self, _module, args):  # torch's forward pre-hook signature
         self.value = args[0]
 
     def remove(self):

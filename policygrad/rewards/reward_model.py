@@ -209,7 +209,7 @@ class RewardModel:
             scores.append(self.score_ids(enc["input_ids"], enc["attention_mask"]).cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **row_fields) -> list[float]:
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_row_fields) -> list[float]:
         """The reward protocol: one float per completion (row fields are accepted and ignored).
 
         Raises:

@@ -142,7 +142,7 @@ def supervise(reap_tree=False):
     # The supervisor: reap the child and pass its status on; never run untrusted code here. On
     # SIGTERM (the coordinator ending the run) it kills the child and still reaps it, so no zombie
     # is left to a PID 1 that might not reap orphans.
-    def end_child(signum, frame):
+    def end_child(_signum, _frame):  # a signal handler
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # exiting already; raised here, it would end this process unreaped
