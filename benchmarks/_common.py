@@ -443,6 +443,7 @@ def log_dir(prefix: str) -> Path:
 def policygrad_config(base: dict[str, Any], overrides: Sequence[str]):
     """A validated ``TrainConfig`` from a nested dict of settings and ``key=value`` overrides
     (values parsed as YAML, dotted keys as in ``policygrad train --key=value``)."""
+    # imported here: keeps torch out of the coordinator and the TRL worker, which import this module
     from policygrad.trainer.config import load_config, parse_overrides
 
     tree = json.loads(json.dumps(base))
@@ -486,6 +487,7 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
         threads = set_threads(int(spec["threads"]))
         import torch
 
+        # imported here: after set_threads, and only in the policygrad worker (its RSS is measured)
         from policygrad.run import Run
 
         cfg = policygrad_config(spec["config"], spec.get("overrides", []))
@@ -671,6 +673,7 @@ def update_readme_section(name: str, body: str, path: Path = README) -> None:
 def run_main(main: Callable[[], int]) -> None:
     """Exit with ``main()``'s status; a WorkerError or a config mistake (an ``--pg-override`` key
     or value) prints its message instead of a traceback."""
+    # imported here: keeps torch out of the coordinator until a worker has failed
     from policygrad.trainer.config import ConfigError
 
     try:

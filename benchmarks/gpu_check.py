@@ -41,6 +41,10 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from policygrad.run import Run  # noqa: E402
+from policygrad.trainer.config import load_config  # noqa: E402
+from policygrad.trainer.resume import set_base_lr  # noqa: E402
+
 SHAPES = {
     # Qwen2.5-0.5B's config.json (model_type qwen2), weights random.
     "qwen2.5-0.5b": {
@@ -145,7 +149,7 @@ def multiplying_params(model) -> int:
     return total if tied else total - embed.numel()
 
 
-def even_share(prompts, completions, **fields):
+def even_share(_prompts, completions, **_fields):
     """Share of the completion's tokens whose id is even (``t<id>`` words): varies by sample."""
     out = []
     for text in completions:
@@ -179,10 +183,6 @@ def run(args) -> dict:
 
 
 def _run(args, device, name, peak, shape, work) -> dict:
-    from policygrad.run import Run
-    from policygrad.trainer.config import load_config
-    from policygrad.trainer.resume import set_base_lr
-
     cuda = device.type == "cuda"
     start = time.perf_counter()
     model, tokenizer = build_model(os.path.join(work, "model"), shape, device)

@@ -158,11 +158,167 @@ def answer_correctness_reward(prompts, completions, answer=None, **_):
     """policygrad's ``answer_correctness`` in TRL's ``reward_funcs`` signature (conversational
     prompts and completions are lists of messages; the row's ``answer`` column arrives as a
     keyword)."""
+    # imported here: only the TRL worker scores; the coordinator imports this module without torch
     from policygrad.rewards.verifiers import answer_correctness
 
     texts = [_message_text(c, "assistant") for c in completions]
     prompt_texts = [_message_text(p, "user") for p in prompts]
     return answer_correctness(prompt_texts, texts, answer=answer)
+
+
+def _trl_trainer(spec: dict[str, Any]):
+    """TRL's GRPOTrainer on the spec's rows, model and settings; returns ``(trainer, config)``."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    rows = spec["rows"]
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r.get("answer")} for r in rows]
+    )
+    kwargs = {
+        "output_dir": spec["output_dir"],
+        "use_cpu": True,
+        "bf16": False,
+        "per_device_train_batch_size": spec["batch"],
+        "num_generations": spec["group_size"],
+        "max_completion_length": spec["max_new_tokens"],
+        "report_to": "none",
+        "learning_rate": spec["lr"],
+        "beta": spec["beta"],
+        "temperature": spec["temperature"],
+        "lr_scheduler_type": "constant",
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "seed": spec["seed"],
+        "max_steps": spec["steps_total"],
+        # The dataset rows are already in policygrad's order; no shuffling keeps it.
+        "shuffle_dataset": False,
+    }
+    kwargs.update(spec.get("trl_overrides", {}))
+    config = GRPOConfig(**kwargs)
+    trainer = GRPOTrainer(
+        model=spec["model_path"],
+        reward_funcs=[answer_correctness_reward],
+        args=config,
+        train_dataset=dataset,
+    )
+    return trainer, config
+
+
+def _instrument(trainer, timers: dict[str, float], batch_info: dict[str, Any]) -> None:
+    """Wrap the trainer's phases so each adds its wall time to ``timers``; the generation wrapper
+    also records the batch's shape in ``batch_info``."""
+    import torch
+
+    def timed(key, fn, *, nograd_key=None):
+        def wrapper(*args, **kw):
+            name = nograd_key if nograd_key and not torch.is_grad_enabled() else key
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                timers[name] = timers.get(name, 0.0) + time.perf_counter() - start
+
+        return wrapper
+
+    gas = trainer._generate_and_score_completions
+
+    def generate_and_score(*args, **kw):
+        start = time.perf_counter()
+        out = gas(*args, **kw)
+        timers["generate_and_score"] = timers.get("generate_and_score", 0.0) + time.perf_counter() - start
+        if isinstance(out, dict) and "prompt_mask" in out and "completion_mask" in out:
+            batch_info.update(
+                {
+                    "batch": int(out["prompt_mask"].shape[0]),
+                    "prompt_tokens": int(out["prompt_mask"].sum()),
+                    "response_tokens": int(out["completion_mask"].sum()),
+                    "prompt_len_padded": int(out["prompt_mask"].shape[1]),
+                    "response_len_padded": int(out["completion_mask"].shape[1]),
+                }
+            )
+        return out
+
+    trainer._generate_and_score_completions = generate_and_score
+    trainer._generate = timed("sampling", trainer._generate)
+    trainer._get_per_token_logps_and_entropies = timed(
+        "logps_grad", trainer._get_per_token_logps_and_entropies, nograd_key="logps_nograd"
+    )
+    trainer.compute_loss = timed("compute_loss", trainer.compute_loss)
+    trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
+    trainer._clip_grad_norm = timed("clip", trainer._clip_grad_norm)
+
+
+def _probe(chan: Channel, timers: dict[str, float], batch_info: dict[str, Any]):
+    """The callback that paces TRL's loop: it blocks before each step until the coordinator says
+    ``step`` and replies with the step's timings after it."""
+    import torch
+    from transformers import TrainerCallback
+
+    class Probe(TrainerCallback):
+        """Blocks before each step until the coordinator says ``step``; replies after it."""
+
+        def __init__(self):
+            self.pending: dict[str, Any] | None = None
+            self.start = 0.0
+            self.optimizer_start = 0.0
+
+        def flush(self):
+            if self.pending is not None:
+                chan.send(self.pending)
+                self.pending = None
+
+        def on_step_begin(self, _args, _state, _control, **_kw):
+            self.flush()
+            cmd = chan.recv()
+            if cmd.get("cmd") != "step":
+                raise _Quit
+            timers.clear()
+            batch_info.clear()
+            self.start = time.perf_counter()
+
+        # optimizer.step() runs between these two events (patching it would trip the LR
+        # scheduler's check that optimizer.step was not replaced).
+        def on_pre_optimizer_step(self, _args, _state, _control, **_kw):
+            self.optimizer_start = time.perf_counter()
+
+        def on_optimizer_step(self, _args, _state, _control, **_kw):
+            elapsed = time.perf_counter() - self.optimizer_start
+            timers["optimizer_step"] = timers.get("optimizer_step", 0.0) + elapsed
+
+        def on_step_end(self, _args, state, _control, **_kw):
+            wall = time.perf_counter() - self.start
+            nograd = timers.get("logps_nograd", 0.0)
+            splits = {
+                "step": wall,
+                "generation": timers.get("generate_and_score", 0.0) - nograd,
+                "logprob_passes": nograd,
+                "forward": timers.get("compute_loss", 0.0),
+                "backward": timers.get("backward", 0.0),
+                "optimizer": timers.get("clip", 0.0) + timers.get("optimizer_step", 0.0),
+                "weight_sync": math.nan,
+            }
+            self.pending = {
+                "ok": True,
+                "event": "step",
+                "wall_s": wall,
+                "splits": splits,
+                "timers": dict(timers),
+                "global_step": state.global_step,
+                "peak_rss_gb": peak_rss_gb(),
+                "threads": torch.get_num_threads(),
+                **batch_info,
+            }
+
+        def on_log(self, _args, _state, _control, logs=None, **_kw):
+            if self.pending is not None and logs:
+                self.pending["trl_logs"] = {k: as_float(v) for k, v in logs.items()}
+            self.flush()
+
+        def on_train_end(self, _args, _state, _control, **_kw):
+            self.flush()
+
+    return Probe()
 
 
 def serve_trl(spec: dict[str, Any]) -> None:
@@ -173,148 +329,11 @@ def serve_trl(spec: dict[str, Any]) -> None:
     try:
         t0 = time.perf_counter()
         threads = set_threads(int(spec["threads"]))
-        import torch
-        from datasets import Dataset
-        from transformers import TrainerCallback
-        from trl import GRPOConfig, GRPOTrainer
-
-        rows = spec["rows"]
-        dataset = Dataset.from_list(
-            [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r.get("answer")} for r in rows]
-        )
-        kwargs = {
-            "output_dir": spec["output_dir"],
-            "use_cpu": True,
-            "bf16": False,
-            "per_device_train_batch_size": spec["batch"],
-            "num_generations": spec["group_size"],
-            "max_completion_length": spec["max_new_tokens"],
-            "report_to": "none",
-            "learning_rate": spec["lr"],
-            "beta": spec["beta"],
-            "temperature": spec["temperature"],
-            "lr_scheduler_type": "constant",
-            "logging_steps": 1,
-            "save_strategy": "no",
-            "seed": spec["seed"],
-            "max_steps": spec["steps_total"],
-            # The dataset rows are already in policygrad's order; no shuffling keeps it.
-            "shuffle_dataset": False,
-        }
-        kwargs.update(spec.get("trl_overrides", {}))
-        config = GRPOConfig(**kwargs)
-        trainer = GRPOTrainer(
-            model=spec["model_path"],
-            reward_funcs=[answer_correctness_reward],
-            args=config,
-            train_dataset=dataset,
-        )
-
+        trainer, config = _trl_trainer(spec)
         timers: dict[str, float] = {}
         batch_info: dict[str, Any] = {}
-
-        def timed(key, fn, *, nograd_key=None):
-            def wrapper(*args, **kw):
-                name = nograd_key if nograd_key and not torch.is_grad_enabled() else key
-                start = time.perf_counter()
-                try:
-                    return fn(*args, **kw)
-                finally:
-                    timers[name] = timers.get(name, 0.0) + time.perf_counter() - start
-
-            return wrapper
-
-        gas = trainer._generate_and_score_completions
-
-        def generate_and_score(*args, **kw):
-            start = time.perf_counter()
-            out = gas(*args, **kw)
-            timers["generate_and_score"] = timers.get("generate_and_score", 0.0) + time.perf_counter() - start
-            if isinstance(out, dict) and "prompt_mask" in out and "completion_mask" in out:
-                batch_info.update(
-                    {
-                        "batch": int(out["prompt_mask"].shape[0]),
-                        "prompt_tokens": int(out["prompt_mask"].sum()),
-                        "response_tokens": int(out["completion_mask"].sum()),
-                        "prompt_len_padded": int(out["prompt_mask"].shape[1]),
-                        "response_len_padded": int(out["completion_mask"].shape[1]),
-                    }
-                )
-            return out
-
-        trainer._generate_and_score_completions = generate_and_score
-        trainer._generate = timed("sampling", trainer._generate)
-        trainer._get_per_token_logps_and_entropies = timed(
-            "logps_grad", trainer._get_per_token_logps_and_entropies, nograd_key="logps_nograd"
-        )
-        trainer.compute_loss = timed("compute_loss", trainer.compute_loss)
-        trainer.accelerator.backward = timed("backward", trainer.accelerator.backward)
-        trainer._clip_grad_norm = timed("clip", trainer._clip_grad_norm)
-
-        class Probe(TrainerCallback):
-            """Blocks before each step until the coordinator says ``step``; replies after it."""
-
-            def __init__(self):
-                self.pending: dict[str, Any] | None = None
-                self.start = 0.0
-                self.optimizer_start = 0.0
-
-            def flush(self):
-                if self.pending is not None:
-                    chan.send(self.pending)
-                    self.pending = None
-
-            def on_step_begin(self, args, state, control, **kw):
-                self.flush()
-                cmd = chan.recv()
-                if cmd.get("cmd") != "step":
-                    raise _Quit
-                timers.clear()
-                batch_info.clear()
-                self.start = time.perf_counter()
-
-            # optimizer.step() runs between these two events (patching it would trip the LR
-            # scheduler's check that optimizer.step was not replaced).
-            def on_pre_optimizer_step(self, args, state, control, **kw):
-                self.optimizer_start = time.perf_counter()
-
-            def on_optimizer_step(self, args, state, control, **kw):
-                elapsed = time.perf_counter() - self.optimizer_start
-                timers["optimizer_step"] = timers.get("optimizer_step", 0.0) + elapsed
-
-            def on_step_end(self, args, state, control, **kw):
-                wall = time.perf_counter() - self.start
-                nograd = timers.get("logps_nograd", 0.0)
-                splits = {
-                    "step": wall,
-                    "generation": timers.get("generate_and_score", 0.0) - nograd,
-                    "logprob_passes": nograd,
-                    "forward": timers.get("compute_loss", 0.0),
-                    "backward": timers.get("backward", 0.0),
-                    "optimizer": timers.get("clip", 0.0) + timers.get("optimizer_step", 0.0),
-                    "weight_sync": math.nan,
-                }
-                self.pending = {
-                    "ok": True,
-                    "event": "step",
-                    "wall_s": wall,
-                    "splits": splits,
-                    "timers": dict(timers),
-                    "global_step": state.global_step,
-                    "peak_rss_gb": peak_rss_gb(),
-                    "threads": torch.get_num_threads(),
-                    **batch_info,
-                }
-
-            def on_log(self, args, state, control, logs=None, **kw):
-                if self.pending is not None and logs:
-                    self.pending["trl_logs"] = {k: as_float(v) for k, v in logs.items()}
-                self.flush()
-
-            def on_train_end(self, args, state, control, **kw):
-                self.flush()
-
-        probe = Probe()
+        _instrument(trainer, timers, batch_info)
+        probe = _probe(chan, timers, batch_info)
         trainer.add_callback(probe)
         model = trainer.model
         chan.send(
@@ -387,6 +406,7 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
 
 def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
+    # imported here: they load torch, which the coordinator does not otherwise import
     from policygrad.data.sources import build_train_source
     from policygrad.models.loading import resolve_model_path
 

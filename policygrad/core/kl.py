@@ -308,12 +308,12 @@ class _NoKL(KLPlacement):
     needs_reference = False
     default_kind = "k1"
 
-    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
+    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
         # The same call as the other placements with beta 0, so the rewards (and the trainer's
         # metrics) are bit-identical to a KL-in-the-loss run's.
         return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
 
-    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
+    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):  # noqa: ARG002 (the KLPlacement interface)
         return None
 
 
@@ -329,7 +329,7 @@ class _KLInReward(KLPlacement):
         ref_logprobs = _require_reference(self, ref_logprobs)
         return kl_shaped_rewards(scores, logprobs, ref_logprobs, response_mask, beta=beta, kind=kind)
 
-    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
+    def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):  # noqa: ARG002 (the KLPlacement interface)
         return None
 
 
@@ -340,7 +340,7 @@ class _KLInLoss(KLPlacement):
     needs_reference = True
     default_kind = "k3"
 
-    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
+    def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
         return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
 
     def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):

@@ -257,6 +257,26 @@ def logprobs_from_logits(
     return _LogprobsFromLogits.apply(logits, tokens, temperature, top_k, top_p, int(chunk_size))
 
 
+def _block_logits_grad(z, tokens, g_lp, g_h, entropy, start: int, stop: int, temperature: float):
+    """dL/d(untempered logits) of rows ``start:stop`` from their log-probs ``z`` (overwritten):
+    ``g_lp (onehot - p) - g_H p (log p + H)``, divided by the temperature. ``g_h`` (the entropy's
+    gradient) is None when the entropy is not differentiated; then ``entropy`` is not read."""
+    g = g_lp[start:stop, None]
+    if g_h is not None:
+        # d/dz of (g_lp * log p_tok + g_H * H) = g_lp (onehot - p) - g_H p (log p + H)
+        p = torch.exp(z)
+        z.clamp_(min=_NEG_LARGE)  # p = 0 where z = -inf: 0 x finite, not 0 x inf
+        z.add_(entropy[start:stop, None]).mul_(g_h[start:stop, None]).add_(g)
+        d = p.mul_(z).neg_()
+        del p
+    else:
+        d = z.exp_().mul_(-g)
+    d.scatter_add_(1, tokens[start:stop, None], g)
+    if temperature != 1.0:
+        d.div_(temperature)
+    return d
+
+
 class _LogprobsFromHidden(torch.autograd.Function):
     """log softmax((hidden @ W^T + b) / T) at ``tokens`` (and the entropy), logits never stored."""
 
@@ -322,19 +342,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
             if temperature != 1.0:
                 z.div_(temperature)
             z.sub_(lse[start:stop, None])  # log p
-            g = g_lp[start:stop, None]
-            if g_h is not None:
-                # d/dz of (g_lp * log p_tok + g_H * H) = g_lp (onehot - p) - g_H p (log p + H)
-                p = torch.exp(z)
-                z.clamp_(min=_NEG_LARGE)  # p = 0 where z = -inf: 0 x finite, not 0 x inf
-                z.add_(entropy[start:stop, None]).mul_(g_h[start:stop, None]).add_(g)
-                d = p.mul_(z).neg_()
-                del p
-            else:
-                d = z.exp_().mul_(-g)
-            d.scatter_add_(1, tokens[start:stop, None], g)
-            if temperature != 1.0:
-                d.div_(temperature)
+            d = _block_logits_grad(z, tokens, g_lp, g_h, entropy, start, stop, temperature)
             if need_b:
                 grad_bias += d.sum(dim=0)
             d = d.to(hidden.dtype)

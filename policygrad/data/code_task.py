@@ -41,7 +41,7 @@ HUMANEVAL_INSTRUCTION = (
 
 
 def _number(low: int, high: int) -> Callable[[random.Random, int], tuple]:
-    return lambda rng, k: (rng.randint(low, high),)
+    return lambda rng, _k: (rng.randint(low, high),)
 
 
 def _near_k(rng: random.Random, k: int) -> tuple:
@@ -58,11 +58,11 @@ def _int_list(rng: random.Random, k: int) -> tuple:
     return ([rng.randint(k - 15, k + 15) for _ in range(rng.randint(0, 7))],)
 
 
-def _nonempty_list(rng: random.Random, k: int) -> tuple:
+def _nonempty_list(rng: random.Random, _k: int) -> tuple:
     return ([rng.randint(-30, 30) for _ in range(rng.randint(1, 7))],)
 
 
-def _word(rng: random.Random, k: int) -> tuple:
+def _word(rng: random.Random, _k: int) -> tuple:
     letters = "abcdefghijklmnopqrstuvwxyz"
     return ("".join(rng.choice(letters) for _ in range(rng.randint(0, 9))),)
 

@@ -149,23 +149,9 @@ def _answer_text(value: Any) -> str:
     return str(value).strip()
 
 
-def _map_rows(
-    source: str,
-    raw: Sequence[tuple[str, Any]],
-    *,
-    prompt_field: str | None,
-    answer_field: str | None,
-    instruction: str | None,
-    require_answer: bool,
-) -> list[dict]:
-    if not raw:
-        raise ValueError(
-            f"dataset {source} is empty (no rows); give a file with at least one JSON object per line"
-        )
-    first_location, first = raw[0]
-    if not isinstance(first, Mapping):
-        raise ValueError(f"{source}: {first_location} is a {type(first).__name__}, not a JSON object")
-    gsm8k = (
+def _looks_like_gsm8k(first: Mapping, prompt_field: str | None, answer_field: str | None) -> bool:
+    """GSM8K's layout: ``question`` and an ``answer`` with ``#### <final>``, no ``prompt``."""
+    return (
         prompt_field in (None, "question")
         and answer_field in (None, "answer")
         and isinstance(first.get("question"), str)
@@ -173,6 +159,12 @@ def _map_rows(
         and "####" in first["answer"]
         and "prompt" not in first
     )
+
+
+def _choose_fields(
+    source: str, first: Mapping, prompt_field: str | None, answer_field: str | None, require_answer: bool
+) -> tuple[str, str | None]:
+    """The prompt and answer fields: the given ones, else the first candidate the first row has."""
     if prompt_field is None:
         prompt_field = next((f for f in PROMPT_FIELD_CANDIDATES if f in first), None)
         if prompt_field is None:
@@ -189,6 +181,64 @@ def _map_rows(
                 f"{_fields(first)}. Set answer_field to one of them (looked for "
                 f"{', '.join(ANSWER_FIELD_CANDIDATES)}), or use reward functions that need no answer"
             )
+    return prompt_field, answer_field
+
+
+def _row_prompt(where: str, row: Mapping, prompt_field: str) -> str:
+    if prompt_field not in row or row[prompt_field] is None:
+        raise ValueError(
+            f"{where} has no field {prompt_field!r}; its fields are {_fields(row)}. Fix the row or set "
+            "prompt_field"
+        )
+    prompt = row[prompt_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError(
+            f"{where}: field {prompt_field!r} must be a non-empty string (the prompt text), "
+            f"got {prompt!r:.80}"
+        )
+    return prompt
+
+
+def _add_row_answer(where: str, row: Mapping, answer_field: str, out: dict) -> None:
+    """Set ``out["answer"]`` to the row's final answer (and ``out["solution"]`` to a worked
+    solution it was extracted from, when the row has no ``solution`` of its own)."""
+    if answer_field not in row or row[answer_field] is None:
+        raise ValueError(
+            f"{where} has no field {answer_field!r}; its fields are {_fields(row)}. "
+            "Fix the row or set "
+            "answer_field"
+        )
+    text = _answer_text(row[answer_field])
+    if "####" in text or "\\boxed{" in text:
+        final = extract_answer(text)
+        if final is not None:
+            if "solution" not in row or answer_field == "solution":
+                out["solution"] = text
+            text = final
+    text = normalize_number(text) or text
+    if not text:
+        raise ValueError(f"{where}: the answer in field {answer_field!r} is empty; fix the row")
+    out["answer"] = text
+
+
+def _map_rows(
+    source: str,
+    raw: Sequence[tuple[str, Any]],
+    *,
+    prompt_field: str | None,
+    answer_field: str | None,
+    instruction: str | None,
+    require_answer: bool,
+) -> list[dict]:
+    if not raw:
+        raise ValueError(
+            f"dataset {source} is empty (no rows); give a file with at least one JSON object per line"
+        )
+    first_location, first = raw[0]
+    if not isinstance(first, Mapping):
+        raise ValueError(f"{source}: {first_location} is a {type(first).__name__}, not a JSON object")
+    gsm8k = _looks_like_gsm8k(first, prompt_field, answer_field)
+    prompt_field, answer_field = _choose_fields(source, first, prompt_field, answer_field, require_answer)
     if instruction is None:
         instruction = GSM8K_INSTRUCTION if gsm8k else ""
     rows = []
@@ -196,37 +246,11 @@ def _map_rows(
         where = f"{source}: row {index} ({location})"
         if not isinstance(row, Mapping):
             raise ValueError(f"{where} is a {type(row).__name__}, not a JSON object")
-        if prompt_field not in row or row[prompt_field] is None:
-            raise ValueError(
-                f"{where} has no field {prompt_field!r}; its fields are {_fields(row)}. Fix the row or set "
-                "prompt_field"
-            )
-        prompt = row[prompt_field]
-        if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(
-                f"{where}: field {prompt_field!r} must be a non-empty string (the prompt text), "
-                f"got {prompt!r:.80}"
-            )
+        prompt = _row_prompt(where, row, prompt_field)
         out = dict(row)
         out["prompt"] = f"{prompt.rstrip()} {instruction}" if instruction else prompt
         if answer_field is not None:
-            if answer_field not in row or row[answer_field] is None:
-                raise ValueError(
-                    f"{where} has no field {answer_field!r}; its fields are {_fields(row)}. "
-                    "Fix the row or set "
-                    "answer_field"
-                )
-            text = _answer_text(row[answer_field])
-            if "####" in text or "\\boxed{" in text:
-                final = extract_answer(text)
-                if final is not None:
-                    if "solution" not in row or answer_field == "solution":
-                        out["solution"] = text
-                    text = final
-            text = normalize_number(text) or text
-            if not text:
-                raise ValueError(f"{where}: the answer in field {answer_field!r} is empty; fix the row")
-            out["answer"] = text
+            _add_row_answer(where, row, answer_field, out)
         rows.append(out)
     return rows
 

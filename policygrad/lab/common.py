@@ -217,7 +217,8 @@ def check_temperature(value: float, name: str = "--temperature") -> float:
     Raises:
         ValueError: names the option and the smallest allowed value.
     """
-    from policygrad.trainer.config import MIN_TEMPERATURE  # the run's bound; config imports torch
+    # imported here: the CLI imports this module cheaply, and trainer.config loads torch
+    from policygrad.trainer.config import MIN_TEMPERATURE  # the run's bound
 
     if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
         raise ValueError(f"{name} must be a finite number >= {MIN_TEMPERATURE}, got {value}")
@@ -255,6 +256,7 @@ def load_lab_model(spec: str, *, dtype: str = "float32"):
     Raises:
         ValueError / FileNotFoundError: from :func:`policygrad.models.loading.resolve_model_path`.
     """
+    # imported here: the CLI imports this module cheaply, and models.loading loads torch
     from policygrad.models.loading import load_causal_lm, load_tokenizer, resolve_model_path
 
     path = resolve_model_path(spec)
@@ -272,6 +274,7 @@ def tokenize_user_prompts(
     Raises:
         ValueError: no prompts, or a prompt that is not a non-empty string.
     """
+    # imported here: the CLI imports this module cheaply, and data.chat loads torch
     from policygrad.data.chat import format_prompt, tokenize_prompts
 
     if not prompts:

@@ -67,6 +67,7 @@ from policygrad.core.diagnostics import explained_variance
 from policygrad.core.kl import kl_shaped_rewards
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
+from policygrad.data.sources import resolve_dataset
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
@@ -76,6 +77,7 @@ from policygrad.lab.common import (
     check_temperature,
     ensure_output_dir,
     format_table,
+    load_lab_model,
     pyplot,
     repeat_each,
     save_figure,
@@ -83,6 +85,10 @@ from policygrad.lab.common import (
     tokenize_user_prompts,
     write_json,
 )
+from policygrad.models.forward import policy_logprobs
+from policygrad.rewards.verifiers import answer_correctness
+from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.trainer.evaluate import decode_completions
 
 DEFAULT_ESTIMATORS = "none,rloo2,rloo4,rloo8,grpo,gae0,gae0.5,gae0.95,gae1"
 RewardFn = Callable[..., Sequence[float]]
@@ -261,7 +267,7 @@ class _HeadInput:
         self.value: torch.Tensor | None = None
         self.handle = model.get_output_embeddings().register_forward_pre_hook(self)
 
-    def __call__(self, module, args):
+    def __call__(self, _module, args):  # torch's forward pre-hook signature
         self.value = args[0]
 
     def remove(self):
@@ -272,8 +278,6 @@ def _whole_row_logprobs(model, rollout, temperature: float) -> torch.Tensor:
     """[B, T] float32 log-probs at ``temperature`` from one plain forward over whole rows through
     the lm_head module (no prompt sharing, no fused head), so a :class:`_HeadInput` hook sees the
     final hidden state of every response position."""
-    from policygrad.models.forward import policy_logprobs
-
     logprobs, _ = policy_logprobs(
         model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False, fused_head=False
     )
@@ -602,6 +606,80 @@ def _check_settings(estimators, samples_per_prompt, draws, reference_draws, crit
     return specs, S, draws, reference_draws, critic_draws
 
 
+def _check_fields(
+    fields: dict[str, Sequence[Any]] | None, prompts: Sequence[str]
+) -> dict[str, Sequence[Any]]:
+    """A copy of the per-prompt dataset fields, each with one value per prompt."""
+    fields = dict(fields or {})
+    for key, values in fields.items():
+        if len(values) != len(prompts):
+            raise ValueError(f"fields[{key!r}] has {len(values)} values for {len(prompts)} prompts")
+    return fields
+
+
+def _fit_critic(model, draw: Callable, seeds: Sequence[int], temperature: float):
+    """The linear critic, fit on the final hidden states and Monte Carlo returns of one draw per
+    seed (separate from the estimation draws), and its explained variance on them.
+
+    Returns:
+        ``(critic, ev_fit)``.
+    """
+    feats, targets, groups, fit_batches = [], [], [], []
+    for j, draw_seed in enumerate(seeds):
+        rollout, scores_t, _ = draw(draw_seed)
+        hook = _HeadInput(model)
+        try:
+            with torch.no_grad():
+                _whole_row_logprobs(model, rollout, temperature)
+        finally:
+            hook.remove()
+        m = rollout.response_mask > 0
+        hidden = hook.value.detach()
+        feats.append(hidden[m])
+        targets.append(scores_t[:, None].expand_as(rollout.response_mask)[m])
+        B = rollout.response_mask.shape[0]
+        rows = torch.arange(B)[:, None].expand_as(rollout.response_mask)
+        groups.append((rows + j * B)[m])
+        fit_batches.append((hidden, scores_t, rollout.response_mask))
+    critic = LinearCritic().fit(torch.cat(feats), torch.cat(targets), torch.cat(groups))
+    return critic, _ev(critic, fit_batches)
+
+
+def _only_trainable(model, tensors) -> None:
+    """``requires_grad`` on ``tensors`` alone."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in tensors:
+        p.requires_grad_(True)
+
+
+def _restore_flags(model, saved_flags, was_training: bool) -> None:
+    """Put back the ``requires_grad`` flags and the train/eval mode that the model came with."""
+    for p, flag in saved_flags:
+        p.requires_grad_(flag)
+    model.train(was_training)
+
+
+def _add_estimator_gradients(
+    accs, g_ref, model, rollout, token_rewards, specs, tensors, S: int, temperature: float, critic
+):
+    """Add one draw's gradient of every estimator to its accumulator; returns the critic's values
+    on the draw (None without a critic)."""
+    grads, values = estimator_gradients(
+        model,
+        rollout,
+        token_rewards,
+        specs,
+        tensors,
+        samples_per_prompt=S,
+        temperature=temperature,
+        critic=critic,
+    )
+    for acc, g in zip(accs, grads):
+        acc.add(g, g_ref)
+    return values
+
+
 def run_gradient_snr(
     model,
     tokenizer,
@@ -650,19 +728,13 @@ def run_gradient_snr(
         ValueError: bad counts, estimators, parameter subset; S not a multiple of an RLOO k;
             a reward function returning the wrong number of scores.
     """
-    from policygrad.rollout.hf import HFRolloutEngine
-    from policygrad.trainer.evaluate import decode_completions
-
     specs, S, draws, reference_draws, critic_draws = _check_settings(
         estimators, samples_per_prompt, draws, reference_draws, critic_draws, max_new_tokens
     )
     use_critic = any(s.kind == "gae" for s in specs)
     if not math.isfinite(reward_offset):
         raise ValueError(f"reward_offset must be finite, got {reward_offset}")
-    fields = dict(fields or {})
-    for key, values in fields.items():
-        if len(values) != len(prompts):
-            raise ValueError(f"fields[{key!r}] has {len(values)} values for {len(prompts)} prompts")
+    fields = _check_fields(fields, prompts)
 
     prompt_ids = tokenize_user_prompts(tokenizer, prompts)
     engine = HFRolloutEngine(model, tokenizer)
@@ -701,34 +773,15 @@ def run_gradient_snr(
         return rollout, scores_t, token_rewards
 
     try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for p in tensors:
-            p.requires_grad_(True)
+        _only_trainable(model, tensors)
         base = seed * 1_000_003
 
-        # The critic: features and Monte Carlo returns from separate draws.
         critic = None
         ev_fit = ev_eval = None
         if use_critic:
-            feats, targets, groups, fit_batches = [], [], [], []
-            for j in range(critic_draws):
-                rollout, scores_t, _ = draw(base + 200_000 + j)
-                hook = _HeadInput(model)
-                try:
-                    with torch.no_grad():
-                        _whole_row_logprobs(model, rollout, temperature)
-                finally:
-                    hook.remove()
-                m = rollout.response_mask > 0
-                hidden = hook.value.detach()
-                feats.append(hidden[m])
-                targets.append(scores_t[:, None].expand_as(rollout.response_mask)[m])
-                rows = torch.arange(B)[:, None].expand_as(rollout.response_mask)
-                groups.append((rows + j * B)[m])
-                fit_batches.append((hidden, scores_t, rollout.response_mask))
-            critic = LinearCritic().fit(torch.cat(feats), torch.cat(targets), torch.cat(groups))
-            ev_fit = _ev(critic, fit_batches)
+            critic, ev_fit = _fit_critic(
+                model, draw, range(base + 200_000, base + 200_000 + critic_draws), temperature
+            )
 
         # The reference gradient: rloo over all S samples of a prompt, many draws.
         ref_spec = EstimatorSpec(f"reference rloo(k={S})", "rloo", k=S)
@@ -753,27 +806,16 @@ def run_gradient_snr(
         for j in range(draws):
             rollout, scores_t, token_rewards = draw(base + j)
             all_scores.append(scores_t)
-            grads, values = estimator_gradients(
-                model,
-                rollout,
-                token_rewards,
-                specs,
-                tensors,
-                samples_per_prompt=S,
-                temperature=temperature,
-                critic=critic,
+            values = _add_estimator_gradients(
+                accs, g_ref, model, rollout, token_rewards, specs, tensors, S, temperature, critic
             )
-            for acc, g in zip(accs, grads):
-                acc.add(g, g_ref)
             if values is not None:
                 eval_batches.append((values, scores_t, rollout.response_mask))
         if critic is not None:
             ev_eval = _ev(None, eval_batches)
     finally:
         bar.close()
-        for p, flag in saved_flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
+        _restore_flags(model, saved_flags, was_training)
 
     rewards = torch.cat(all_scores)
     result = GradientSNRResult(
@@ -920,10 +962,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> str:
     """``policygrad lab gradient-snr ...`` on a dataset with answers, scored by answer_correctness."""
-    from policygrad.data.sources import resolve_dataset
-    from policygrad.lab.common import load_lab_model
-    from policygrad.rewards.verifiers import answer_correctness
-
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
     check_positive_int(args.prompts, "--prompts")

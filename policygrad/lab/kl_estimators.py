@@ -52,6 +52,7 @@ from policygrad.lab.common import (
     check_positive_int,
     ensure_output_dir,
     format_table,
+    load_lab_model,
     parse_float_list,
     pyplot,
     save_figure,
@@ -59,6 +60,8 @@ from policygrad.lab.common import (
     tokenize_user_prompts,
     write_json,
 )
+from policygrad.models.forward import response_logits
+from policygrad.rollout.hf import HFRolloutEngine
 
 DEFAULT_MUS = (0.1, 0.5, 1.0, 2.0)
 DEFAULT_PROMPTS = (
@@ -394,9 +397,6 @@ def token_kl_measurements(
     Raises:
         ValueError: bad prompts, counts or noise scales.
     """
-    from policygrad.models.forward import response_logits
-    from policygrad.rollout.hf import HFRolloutEngine
-
     check_positive_int(samples_per_prompt, "samples_per_prompt")
     check_positive_int(max_new_tokens, "max_new_tokens")
     if not noise_scales:
@@ -698,8 +698,6 @@ def main(argv: list[str]) -> str:
     model = tokenizer = None
     name = None
     if args.model.lower() != "none":
-        from policygrad.lab.common import load_lab_model
-
         model, tokenizer = load_lab_model(args.model)
         name = args.model
     result = run_kl_estimators(

@@ -37,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import math
 import os
+import types
+from collections.abc import Mapping
 from typing import Any
 
 from policygrad.lab.common import (
@@ -79,16 +82,27 @@ class AlgorithmModels:
     description: str
 
 
-ALGORITHM_MODELS: dict[str, AlgorithmModels] = {
-    "sft": AlgorithmModels(False, False, "supervised fine-tuning: the policy alone"),
-    "ppo": AlgorithmModels(True, True, "PPO (RLHF): policy, critic, reference"),
-    "grpo": AlgorithmModels(False, True, "GRPO: group baseline, no critic"),
-    "dr_grpo": AlgorithmModels(False, True, "Dr.GRPO: group baseline, no critic"),
-    "rloo": AlgorithmModels(False, True, "RLOO: leave-one-out baseline, no critic"),
-    "reinforce": AlgorithmModels(False, True, "REINFORCE, no critic"),
-    "reinforce_pp": AlgorithmModels(False, True, "REINFORCE++, no critic"),
-    "remax": AlgorithmModels(False, True, "ReMax: greedy baseline, no critic"),
-}
+SFT_MODELS = AlgorithmModels(
+    critic=False, reference=False, description="supervised fine-tuning: the policy alone"
+)
+"""``sft``: the baseline every bill is compared with (not a trainer algorithm)."""
+
+
+@functools.cache
+def algorithm_models() -> Mapping[str, AlgorithmModels]:
+    """``sft`` and every algorithm the trainer knows, read from its registry
+    (:data:`policygrad.trainer.config.ALGORITHMS`), so a new preset has a bill: a critic when the
+    preset trains one, and a reference (for a KL to it) for every RL algorithm."""
+    # imported here: trainer.config loads torch, and this module must import without it
+    from policygrad.trainer.config import ALGORITHMS
+
+    table = {"sft": SFT_MODELS}
+    for name, preset in ALGORITHMS.items():
+        critic = "a critic" if preset.critic else "no critic"
+        table[name] = AlgorithmModels(
+            critic=preset.critic, reference=True, description=f"{preset.estimator} advantages, {critic}"
+        )
+    return types.MappingProxyType(table)
 
 
 # ---------------------------------------------------------------------------------------------- shapes
@@ -181,6 +195,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    # imported here: it loads torch, and this module must import without it
     from policygrad.models.loading import resolve_model_path
 
     path = resolve_model_path(spec)
@@ -260,6 +275,13 @@ def parse_count(text: str | float | int, name: str) -> int:
     return int(round(value))
 
 
+def _override_fields(shape: ModelShape, **values: int | None) -> None:
+    """Set each field of ``shape`` given a value (not None) to that value as an int."""
+    for field, value in values.items():
+        if value is not None:
+            setattr(shape, field, int(value))
+
+
 def resolve_shape(
     model: str | None = None,
     *,
@@ -290,6 +312,7 @@ def resolve_shape(
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
     if model is None and params is None:
+        # imported here: it loads torch, and this module must import without it
         from policygrad.models.bundled import DEFAULT_MODEL
 
         model = DEFAULT_MODEL
@@ -302,16 +325,14 @@ def resolve_shape(
         shape.source = f"{shape.source}, params given" if model is not None else "given"
         if model is not None:
             shape.linear_shapes = None  # a different size: the config's layers no longer apply
-    if vocab is not None:
-        shape.vocab_size = int(vocab)
-    if layers is not None:
-        shape.num_layers = int(layers)
-    if hidden is not None:
-        shape.hidden_size = int(hidden)
-    if kv_heads is not None:
-        shape.num_kv_heads = int(kv_heads)
-    if head_dim is not None:
-        shape.head_dim = int(head_dim)
+    _override_fields(
+        shape,
+        vocab_size=vocab,
+        num_layers=layers,
+        hidden_size=hidden,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+    )
     if model is None and shape.hidden_size and shape.num_kv_heads is None and shape.head_dim is None:
         # No grouped-query attention assumed: K and V are as wide as the residual stream.
         shape.num_kv_heads, shape.head_dim = 1, shape.hidden_size
@@ -412,11 +433,10 @@ class MemoryPlan:
 
 
 def _check_algorithm(algorithm: str) -> AlgorithmModels:
-    if algorithm not in ALGORITHM_MODELS:
-        raise ValueError(
-            f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(ALGORITHM_MODELS))}"
-        )
-    return ALGORITHM_MODELS[algorithm]
+    table = algorithm_models()
+    if algorithm not in table:
+        raise ValueError(f"unknown algorithm {algorithm!r}; choose one of {', '.join(sorted(table))}")
+    return table[algorithm]
 
 
 def _model_items(name: str, params: int, trainable: bool, lora: int, note: str = "") -> list[MemoryItem]:
@@ -503,6 +523,44 @@ def check_options(
     return needs
 
 
+def _reference_item(params: int, lora: int) -> MemoryItem:
+    """The reference: with LoRA the policy's base (no copy), else a float32 copy."""
+    if lora:
+        return MemoryItem(
+            "reference", "shared", params, 0, 0, "the policy's frozen base with the adapters switched off"
+        )
+    return MemoryItem(
+        "reference",
+        "frozen",
+        params,
+        BYTES_FP32,
+        params * BYTES_FP32,
+        "frozen copy of the initial policy, float32 like the master weights",
+    )
+
+
+def _unsharded_copy_item(params: int, inference_engine: bool) -> MemoryItem:
+    """fsdp's whole float32 policy: on the device for the hf engine, in host memory with vLLM."""
+    if not inference_engine:
+        return MemoryItem(
+            "unsharded copy",
+            "frozen",
+            params,
+            BYTES_FP32,
+            params * BYTES_FP32,
+            "fsdp: the float32 policy the hf engine samples from and exports are written from",
+        )
+    return MemoryItem(
+        "unsharded copy",
+        "host",
+        params,
+        0,
+        0,
+        f"fsdp with vLLM: the float32 policy for exports and weight pushes, {_gb(params * BYTES_FP32)} GB "
+        "of CPU memory, not on the device",
+    )
+
+
 def plan_memory(
     shape: ModelShape,
     algorithm: str = "grpo",
@@ -523,7 +581,7 @@ def plan_memory(
 
     Args:
         shape: from :func:`resolve_shape` or :func:`model_shape_from_config`.
-        algorithm: a key of :data:`ALGORITHM_MODELS` (``sft``, ``ppo``, ``grpo``, ``rloo``, ...).
+        algorithm: a key of :func:`algorithm_models` (``sft``, ``ppo``, ``grpo``, ``rloo``, ...).
         lora_rank: 0 for a full fine-tune, r >= 1 for LoRA adapters on ``lora_targets``.
         lora_targets: ``"all-linear"`` or module-name suffixes.
         batch: B sequences (logits and KV cache; both need ``seq_len`` too).
@@ -567,52 +625,15 @@ def plan_memory(
 
     items = _model_items("policy", p, True, lora)
     if use_reference:
-        if lora:
-            items.append(
-                MemoryItem(
-                    "reference", "shared", p, 0, 0, "the policy's frozen base with the adapters switched off"
-                )
-            )
-        else:
-            items.append(
-                MemoryItem(
-                    "reference",
-                    "frozen",
-                    p,
-                    BYTES_FP32,
-                    p * BYTES_FP32,
-                    "frozen copy of the initial policy, float32 like the master weights",
-                )
-            )
+        items.append(_reference_item(p, lora))
     if reward_model:
         items += _model_items("reward model", reward_params or p, False, 0, "frozen, bf16")
     if needs.critic:
         cp = critic_params or p
         critic_lora = lora if (lora and critic_params is None) else 0
         items += _model_items("critic", cp, True, critic_lora)
-    if full_copy and not inference_engine:
-        items.append(
-            MemoryItem(
-                "unsharded copy",
-                "frozen",
-                p,
-                BYTES_FP32,
-                p * BYTES_FP32,
-                "fsdp: the float32 policy the hf engine samples from and exports are written from",
-            )
-        )
-    elif full_copy:
-        items.append(
-            MemoryItem(
-                "unsharded copy",
-                "host",
-                p,
-                0,
-                0,
-                f"fsdp with vLLM: the float32 policy for exports and weight pushes, {_gb(p * BYTES_FP32)} GB "
-                "of CPU memory, not on the device",
-            )
-        )
+    if full_copy:
+        items.append(_unsharded_copy_item(p, inference_engine))
     if inference_engine:
         items.append(
             MemoryItem(
@@ -727,7 +748,7 @@ def memory_table(plan: MemoryPlan) -> str:
     ]
     table = format_table(["component", "state", "params", "B/param", "GB", "how"], rows)
     lines = [
-        f"memory bill: {plan.algorithm} ({ALGORITHM_MODELS[plan.algorithm].description}); model "
+        f"memory bill: {plan.algorithm} ({algorithm_models()[plan.algorithm].description}); model "
         f"{_count(plan.shape.params)} params ({plan.shape.source})"
         + (f", LoRA r={plan.lora_rank}" if plan.lora_rank else "")
         + (f"; per rank of {plan.world_size} ({plan.strategy})" if plan.world_size > 1 else ""),
@@ -844,7 +865,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="bundled:NAME, a model folder or a cached hub id "
         "(default: the bundled model, unless --params is given)",
     )
-    p.add_argument("--algorithm", default="grpo", help=f"one of {', '.join(sorted(ALGORITHM_MODELS))}")
+    p.add_argument("--algorithm", default="grpo", help=f"one of {', '.join(sorted(algorithm_models()))}")
     p.add_argument("--params", default=None, help="parameter count of a hypothetical model: 7e9, 7B, 135M")
     p.add_argument("--vocab", default=None, help="vocabulary size V (for the logits tensor)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (KV cache, LoRA)")
@@ -933,7 +954,8 @@ def main(argv: list[str]) -> str:
 
 __all__ = [
     "check_options",
-    "ALGORITHM_MODELS",
+    "SFT_MODELS",
+    "algorithm_models",
     "BYTES_FROZEN",
     "BYTES_TRAINABLE",
     "MemoryItem",

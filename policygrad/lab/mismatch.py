@@ -45,12 +45,15 @@ from policygrad.lab.common import (
     check_temperature,
     ensure_output_dir,
     format_table,
+    load_lab_model,
     pyplot,
     save_figure,
     set_threads,
     tokenize_user_prompts,
     write_json,
 )
+from policygrad.models.forward import policy_logprobs
+from policygrad.rollout.hf import HFRolloutEngine
 
 DEFAULT_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -261,9 +264,6 @@ def run_mismatch(
         ValueError: unknown ``sampler_dtype`` (lists the valid ones); a model not in float32;
             bad counts or ``cap``.
     """
-    from policygrad.models.forward import policy_logprobs
-    from policygrad.rollout.hf import HFRolloutEngine
-
     if sampler_dtype not in _DTYPES:
         raise ValueError(f"unknown sampler dtype {sampler_dtype!r}; valid: {', '.join(_DTYPES)}")
     check_positive_int(samples_per_prompt, "samples_per_prompt")
@@ -449,8 +449,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str]) -> str:
     """``policygrad lab mismatch ...``."""
-    from policygrad.lab.common import load_lab_model
-
     args = build_parser().parse_args(argv)
     set_threads(args.threads)
     if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):

@@ -172,6 +172,55 @@ def load_model(
     return model
 
 
+def _saved_module_prefixes(
+    model: torch.nn.Module, modules_to_save_wrapper, trainable_tokens_wrapper
+) -> dict[str, str]:
+    """Whole modules an adapter trains (modules_to_save, e.g. lm_head): the copy the forward uses
+    is exported under the module's own name, the frozen original and other adapters' copies not.
+
+    Returns:
+        state-dict prefix -> the prefix it is exported under ("" = skipped).
+    """
+    renamed: dict[str, str] = {}
+    for module_name, module in model.named_modules():
+        if trainable_tokens_wrapper and isinstance(module, trainable_tokens_wrapper):
+            raise ValueError(
+                f"{module_name} trains single token rows (trainable_token_indices), which cannot be "
+                "merged into plain weights here; train the whole module with modules_to_save instead"
+            )
+        if modules_to_save_wrapper and isinstance(module, modules_to_save_wrapper):
+            active = [a for a in module.active_adapters if a in module.modules_to_save]
+            used = "original_module"
+            if active and not module.disable_adapters:
+                used = f"modules_to_save.{active[0]}"
+            renamed[f"{module_name}.{used}."] = f"{module_name}."
+            for other in ("original_module", *(f"modules_to_save.{a}" for a in module.modules_to_save)):
+                renamed.setdefault(f"{module_name}.{other}.", "")  # skipped
+    return renamed
+
+
+def _lora_deltas(model: torch.nn.Module, lora_layer) -> dict[str, list]:
+    """base-layer weight name -> ``[module, active adapters]`` of every unmerged, enabled LoRA layer."""
+    deltas: dict[str, list] = {}
+    for module_name, module in model.named_modules():
+        if (
+            lora_layer
+            and isinstance(module, lora_layer)
+            and not module.merged
+            and not module.disable_adapters
+        ):
+            known = set(module.lora_A) | set(module.lora_embedding_A)
+            adapters = [a for a in module.active_adapters if a in known]
+            if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
+                raise ValueError(
+                    f"{module_name} uses DoRA, whose merge is not W + delta; "
+                    "use a LoRA model without use_dora, or merge the adapters first"
+                )
+            if adapters:
+                deltas[f"{module_name}.base_layer.weight"] = [module, adapters]
+    return deltas
+
+
 def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs of ``model``'s weights in Hugging Face checkpoint naming.
 
@@ -187,40 +236,13 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
         ValueError: an adapter uses DoRA (its merge is not ``W + delta``) or trains single token
             rows (``trainable_token_indices``).
     """
-    deltas: dict[str, list] = {}
     try:
         from peft.tuners.lora import LoraLayer
         from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
     except ImportError:  # peft absent: no LoRA layers or trained copies can exist
         LoraLayer = ModulesToSaveWrapper = TrainableTokensWrapper = ()  # noqa: N806
-    # Whole modules an adapter trains (modules_to_save, e.g. lm_head): the copy the forward uses
-    # is exported under the module's own name, the frozen original and other adapters' copies not.
-    renamed: dict[str, str] = {}
-    for module_name, module in model.named_modules():
-        if TrainableTokensWrapper and isinstance(module, TrainableTokensWrapper):
-            raise ValueError(
-                f"{module_name} trains single token rows (trainable_token_indices), which cannot be "
-                "merged into plain weights here; train the whole module with modules_to_save instead"
-            )
-        if ModulesToSaveWrapper and isinstance(module, ModulesToSaveWrapper):
-            active = [a for a in module.active_adapters if a in module.modules_to_save]
-            used = "original_module"
-            if active and not module.disable_adapters:
-                used = f"modules_to_save.{active[0]}"
-            renamed[f"{module_name}.{used}."] = f"{module_name}."
-            for other in ("original_module", *(f"modules_to_save.{a}" for a in module.modules_to_save)):
-                renamed.setdefault(f"{module_name}.{other}.", "")  # skipped
-    for module_name, module in model.named_modules():
-        if LoraLayer and isinstance(module, LoraLayer) and not module.merged and not module.disable_adapters:
-            known = set(module.lora_A) | set(module.lora_embedding_A)
-            adapters = [a for a in module.active_adapters if a in known]
-            if any(getattr(module, "use_dora", {}).get(a, False) for a in adapters):
-                raise ValueError(
-                    f"{module_name} uses DoRA, whose merge is not W + delta; "
-                    "use a LoRA model without use_dora, or merge the adapters first"
-                )
-            if adapters:
-                deltas[f"{module_name}.base_layer.weight"] = [module, adapters]
+    renamed = _saved_module_prefixes(model, ModulesToSaveWrapper, TrainableTokensWrapper)
+    deltas = _lora_deltas(model, LoraLayer)
     state = model.state_dict()
     for name, tensor in state.items():
         parts = name.split(".")

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 
 import torch
 
+from policygrad.models.loading import disable_dropout, resolve_model_path, resolve_torch_dtype
+
 __all__ = ["ValueModel", "load_value_model", "is_sequence_classifier"]
 
 
@@ -244,8 +246,6 @@ def load_value_model(
             the policy's token ids, so it must share the policy's tokenizer).
     """
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
-
-    from policygrad.models.loading import disable_dropout, resolve_model_path, resolve_torch_dtype
 
     if not isinstance(init_from, str) or not init_from.strip():
         raise ValueError(

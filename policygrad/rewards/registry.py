@@ -396,6 +396,51 @@ class CompositeReward:
             ) from batch_exc
         return results
 
+    def _call_batch(self, name, fn, kwargs, prompts, completions, row_fields) -> list[Any]:
+        """One function's scores of the batch, an exception in place of each failed row's score;
+        after the batch call raised, row by row (:meth:`_call_rows`)."""
+        try:
+            raw = fn(prompts, completions, **row_fields, **kwargs)
+        except RewardCallFailed as exc:  # the whole call failed: every row did, no retries
+            if self.on_error == "raise":
+                raise RewardFunctionError(
+                    f"reward function {name!r} {exc}; fix the function (or raise reward.timeout_s), or "
+                    "set on_error='skip' to leave such rows out of the loss and count them in "
+                    "reward/invalid_frac"
+                ) from exc
+            return [exc] * len(prompts)
+        except Exception as exc:  # noqa: BLE001 - the policy decides
+            return self._call_rows(name, fn, kwargs, prompts, completions, row_fields, exc)
+        return _as_score_list(name, raw, len(prompts))
+
+    def _row_score(self, name: str, index: int, value: Any, prompts: Sequence[str]) -> float | None:
+        """A row's score, or None when it failed or is not a usable number (with ``on_error="raise"``
+        a RewardFunctionError instead)."""
+        if isinstance(value, BaseException):
+            if self.on_error == "raise":
+                problem = f"raised {type(value).__name__}: {value}"
+                raise RewardFunctionError(self._row_message(name, index, prompts, problem)) from value
+            return None
+        score = _as_score(value)
+        if score is None and self.on_error == "raise":
+            problem = (
+                f"returned {value!r:.40} ({type(value).__name__}), not a finite real number "
+                "within float32's range,"
+            )
+            raise RewardFunctionError(self._row_message(name, index, prompts, problem))
+        return score
+
+    def _check_sums(self, total: list[float], valid: list[bool]) -> None:
+        """Mark invalid the rows whose weighted sum leaves float32's range (or raise)."""
+        for i, t in enumerate(total):  # each score fits float32, their weighted sum may not
+            if valid[i] and not abs(t) <= FLOAT32_MAX:
+                if self.on_error == "raise":
+                    raise RewardFunctionError(
+                        f"the weighted sum of the rewards of row {i} is {t:g}, beyond float32's range "
+                        "(|x| <= 3.4e38); lower the scores or reward.weights"
+                    )
+                valid[i] = False
+
     def __call__(
         self, prompts: Sequence[str], completions: Sequence[str], **row_fields: Sequence
     ) -> RewardOutput:
@@ -423,55 +468,15 @@ class CompositeReward:
             raise ValueError(
                 f"{batch} prompts but {len(completions)} completions; pass one completion per prompt"
             )
-        for key, values in row_fields.items():
-            if key in _RESERVED_FIELDS:
-                raise ValueError(
-                    f"row field {key!r} clashes with the protocol's argument; rename the dataset column"
-                )
-            if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, torch.Tensor)):
-                raise ValueError(
-                    f"row field {key!r} must be a list of {batch} values (one per completion), "
-                    f"got {type(values).__name__}"
-                )
-            if len(values) != batch:
-                raise ValueError(
-                    f"row field {key!r} has {len(values)} values for {batch} completions; "
-                    "repeat each prompt's value once per sample "
-                    "(row_fields_from_rows(rows, repeat=group_size))"
-                )
+        _check_row_fields(row_fields, batch)
         total = [0.0] * batch
         valid = [True] * batch
         components: dict[str, torch.Tensor] = {}
         for name, fn, weight, kwargs in self.entries:
-            try:
-                raw = fn(prompts, completions, **row_fields, **kwargs)
-            except RewardCallFailed as exc:  # the whole call failed: every row did, no retries
-                if self.on_error == "raise":
-                    raise RewardFunctionError(
-                        f"reward function {name!r} {exc}; fix the function (or raise reward.timeout_s), or "
-                        "set on_error='skip' to leave such rows out of the loss and count them in "
-                        "reward/invalid_frac"
-                    ) from exc
-                raw = [exc] * batch
-            except Exception as exc:  # noqa: BLE001 - the policy decides
-                raw = self._call_rows(name, fn, kwargs, prompts, completions, row_fields, exc)
-            else:
-                raw = _as_score_list(name, raw, batch)
+            raw = self._call_batch(name, fn, kwargs, prompts, completions, row_fields)
             scores = []
             for i, value in enumerate(raw):
-                if isinstance(value, BaseException):
-                    if self.on_error == "raise":
-                        problem = f"raised {type(value).__name__}: {value}"
-                        raise RewardFunctionError(self._row_message(name, i, prompts, problem)) from value
-                    score = None
-                else:
-                    score = _as_score(value)
-                    if score is None and self.on_error == "raise":
-                        problem = (
-                            f"returned {value!r:.40} ({type(value).__name__}), not a finite real number "
-                            "within float32's range,"
-                        )
-                        raise RewardFunctionError(self._row_message(name, i, prompts, problem))
+                score = self._row_score(name, i, value, prompts)
                 if score is None:
                     valid[i] = False
                     scores.append(float("nan"))
@@ -479,20 +484,33 @@ class CompositeReward:
                     scores.append(score)
                     total[i] += weight * score
             components[name] = torch.tensor(scores, dtype=torch.float32)
-        for i, t in enumerate(total):  # each score fits float32, their weighted sum may not
-            if valid[i] and not abs(t) <= FLOAT32_MAX:
-                if self.on_error == "raise":
-                    raise RewardFunctionError(
-                        f"the weighted sum of the rewards of row {i} is {t:g}, beyond float32's range "
-                        "(|x| <= 3.4e38); lower the scores or reward.weights"
-                    )
-                valid[i] = False
+        self._check_sums(total, valid)
         rewards = torch.tensor([t if ok else 0.0 for t, ok in zip(total, valid)], dtype=torch.float32)
         return RewardOutput(rewards, components, torch.tensor(valid, dtype=torch.bool))
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{name}*{weight:g}" for name, _, weight, _ in self.entries)
         return f"CompositeReward({parts}, on_error={self.on_error!r})"
+
+
+def _check_row_fields(row_fields: Mapping[str, Any], batch: int) -> None:
+    """Every row field is a sequence of ``batch`` values under a name the protocol does not use."""
+    for key, values in row_fields.items():
+        if key in _RESERVED_FIELDS:
+            raise ValueError(
+                f"row field {key!r} clashes with the protocol's argument; rename the dataset column"
+            )
+        if isinstance(values, (str, bytes)) or not isinstance(values, (Sequence, torch.Tensor)):
+            raise ValueError(
+                f"row field {key!r} must be a list of {batch} values (one per completion), "
+                f"got {type(values).__name__}"
+            )
+        if len(values) != batch:
+            raise ValueError(
+                f"row field {key!r} has {len(values)} values for {batch} completions; "
+                "repeat each prompt's value once per sample "
+                "(row_fields_from_rows(rows, repeat=group_size))"
+            )
 
 
 def row_fields_from_rows(

@@ -34,6 +34,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from policygrad.models.loading import disable_dropout, resolve_torch_dtype, zero_dropout_config
+from policygrad.models.value import is_sequence_classifier, score_head
+
 __all__ = ["REWARD_MODEL_PREFIX", "RewardModel", "resolve_reward_functions"]
 
 REWARD_MODEL_PREFIX = "reward_model:"
@@ -74,9 +77,6 @@ class RewardModel:
         use_chat_template: bool = True,
         device: str | torch.device | None = None,
     ):
-        from policygrad.models.loading import disable_dropout
-        from policygrad.models.value import score_head
-
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"reward model batch_size must be an int >= 1, got {batch_size!r}")
         if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2:
@@ -118,9 +118,6 @@ class RewardModel:
             ValueError: not a folder, not a sequence classifier, more than one label.
         """
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
-
-        from policygrad.models.loading import resolve_torch_dtype, zero_dropout_config
-        from policygrad.models.value import is_sequence_classifier
 
         folder = os.path.expanduser(path)
         if not os.path.isfile(os.path.join(folder, "config.json")):
@@ -212,7 +209,7 @@ class RewardModel:
             scores.append(self.score_ids(enc["input_ids"], enc["attention_mask"]).cpu())
         return torch.cat(scores) if scores else torch.zeros(0)
 
-    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **row_fields) -> list[float]:
+    def __call__(self, prompts: Sequence[str], completions: Sequence[str], **_row_fields) -> list[float]:
         """The reward protocol: one float per completion (row fields are accepted and ignored).
 
         Raises:

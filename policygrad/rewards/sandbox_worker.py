@@ -142,7 +142,7 @@ def supervise(reap_tree=False):
     # The supervisor: reap the child and pass its status on; never run untrusted code here. On
     # SIGTERM (the coordinator ending the run) it kills the child and still reaps it, so no zombie
     # is left to a PID 1 that might not reap orphans.
-    def end_child(signum, frame):
+    def end_child(_signum, _frame):  # a signal handler
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:  # exiting already; raised here, it would end this process unreaped
@@ -386,6 +386,16 @@ def encode(value):
     raise TypeError(f"a {kind.__name__} cannot cross the sandbox boundary (plain data only)")
 
 
+def _decode_dict_items(pairs):
+    """A dict from the ``[key, value]`` pairs of an encoded one."""
+    out = {}
+    for pair in pairs:
+        if type(pair) is not list or len(pair) != 2:
+            raise ValueError("malformed dict item")
+        out[decode(pair[0])] = decode(pair[1])
+    return out
+
+
 def decode(obj):
     """The inverse of :func:`encode` on parsed JSON; anything else raises ``ValueError``."""
     kind = type(obj)
@@ -402,12 +412,7 @@ def decode(obj):
         if tag == "tuple":
             return tuple(decode(x) for x in v)
         if tag == "dict":
-            out = {}
-            for pair in v:
-                if type(pair) is not list or len(pair) != 2:
-                    raise ValueError("malformed dict item")
-                out[decode(pair[0])] = decode(pair[1])
-            return out
+            return _decode_dict_items(v)
         if tag == "set":
             return {decode(x) for x in v}
         if tag == "frozenset":

@@ -62,7 +62,7 @@ def test_duplicate_registration_raises_and_new_estimators_get_the_shared_checks(
     try:
 
         @register_advantage_estimator(name)
-        def constant(token_rewards, response_mask, *, group_index, values=None, level=1.0):
+        def constant(token_rewards, response_mask, *, group_index, values=None, level=1.0):  # noqa: ARG001 (the estimator signature the registry requires)
             full = torch.full_like(token_rewards, level)
             return full, full
 
@@ -85,7 +85,7 @@ def test_duplicate_registration_raises_and_new_estimators_get_the_shared_checks(
 
 
 def test_registration_checks_the_signature():
-    def wrong(token_rewards, response_mask):
+    def wrong(token_rewards, _response_mask):
         return token_rewards, token_rewards
 
     with pytest.raises(TypeError, match="signature"):
@@ -188,7 +188,7 @@ def test_direct_call_group_size_rule_follows_the_options():
     try:
 
         @register_advantage_estimator(name, min_group_size=lambda options: 3 if options.get("wide") else 1)
-        def triples(token_rewards, response_mask, *, group_index, values=None, wide=False):
+        def triples(token_rewards, response_mask, *, group_index, values=None, wide=False):  # noqa: ARG001 (the estimator signature the registry requires)
             return token_rewards, token_rewards
 
         assert check_estimator_options(name, {"wide": True}) == {"wide": True}
@@ -262,7 +262,7 @@ def test_registration_declares_capabilities():
             inputs=("extra",),
             min_group_size=lambda options: 3 if options.get("wide") else 1,
         )
-        def capable(token_rewards, response_mask, *, group_index, values=None, extra=None, wide=False):
+        def capable(token_rewards, response_mask, *, group_index, values=None, extra=None, wide=False):  # noqa: ARG001 (the estimator signature the registry requires)
             assert values is not None and extra is not None
             return token_rewards, token_rewards
 
@@ -281,10 +281,10 @@ def test_registration_declares_capabilities():
 
 
 def test_registration_checks_the_capabilities():
-    def plain(token_rewards, response_mask, *, group_index, values=None, level=1.0):
+    def plain(token_rewards, response_mask, *, group_index, values=None, level=1.0):  # noqa: ARG001 (a signature to register)
         return token_rewards, token_rewards
 
-    def open_options(token_rewards, response_mask, *, group_index, values=None, **options):
+    def open_options(token_rewards, response_mask, *, group_index, values=None, **options):  # noqa: ARG001 (a signature to register)
         return token_rewards, token_rewards
 
     with pytest.raises(TypeError, match="'missing' must be keyword-only parameters"):
@@ -298,7 +298,7 @@ def test_registration_checks_the_capabilities():
     with pytest.raises(TypeError, match="keyword-only"):
         register_advantage_estimator("test_only_e")(open_options)
     assert not any(n.startswith("test_only") for n in list_advantage_estimators())
-    spec = EstimatorSpec("x", (), False, (), group_size_rule=lambda options: 0)
+    spec = EstimatorSpec("x", (), False, (), group_size_rule=lambda _options: 0)
     with pytest.raises(ValueError, match="min_group_size of advantage estimator 'x' must be >= 1"):
         spec.min_group_size({})
 

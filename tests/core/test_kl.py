@@ -114,9 +114,9 @@ def test_case7_expected_gradients_by_enumeration():
     ones = torch.ones(1)
 
     def plain(kind):
-        return lambda lp, rlp, a: kl_loss(lp[None], rlp[None], ones[None], kind=kind).sum()
+        return lambda lp, rlp, _a: kl_loss(lp[None], rlp[None], ones[None], kind=kind).sum()
 
-    def weighted(lp, rlp, a):
+    def weighted(lp, rlp, _a):
         # w = pi / pi_old with pi_old = pi detached (on-policy, w == 1 numerically)
         return kl_loss(lp[None], rlp[None], ones[None], kind="k3", old_logprobs=lp.detach()[None]).sum()
 
@@ -143,7 +143,7 @@ def test_expected_gradient_identities_random_categorical():
     ones = torch.ones(1, 1)
 
     def term(kind, weighted=False):
-        def fn(lp, rlp, a):
+        def fn(lp, rlp, _a):
             old = lp.detach()[None] if weighted else None
             return kl_loss(lp[None], rlp[None], ones, kind=kind, old_logprobs=old).sum()
 

@@ -53,7 +53,7 @@ def test_registry_lists_and_errors(monkeypatch):
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
 
     @register_policy_loss("negated")
-    def negated(logprobs, old_logprobs, advantages, response_mask):
+    def negated(logprobs, _old_logprobs, _advantages, _response_mask):
         return -logprobs, {}
 
     assert get_policy_loss("negated") is negated
@@ -150,7 +150,7 @@ def test_only_the_given_options_reach_the_loss(monkeypatch):
     calls = []
 
     @register_policy_loss("recording")
-    def recording(logprobs, old_logprobs, advantages, response_mask, *, a=1, b=None):
+    def recording(logprobs, _old_logprobs, _advantages, _response_mask, *, a=1, b=None):
         calls.append({"shape": tuple(logprobs.shape), "a": a, "b": b})
         return torch.zeros_like(logprobs), {}
 
@@ -162,13 +162,13 @@ def test_only_the_given_options_reach_the_loss(monkeypatch):
 def test_registration_requires_declared_options(monkeypatch):
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
 
-    def open_options(logprobs, old_logprobs, advantages, response_mask, **options):
+    def open_options(logprobs, old_logprobs, advantages, response_mask, **options):  # noqa: ARG001 (a signature to refuse)
         return logprobs, {}
 
-    def no_default(logprobs, old_logprobs, advantages, response_mask, *, clip):
+    def no_default(logprobs, old_logprobs, advantages, response_mask, *, clip):  # noqa: ARG001 (a signature to refuse)
         return logprobs, {}
 
-    def three_tensors(logprobs, old_logprobs, advantages):
+    def three_tensors(logprobs, old_logprobs, advantages):  # noqa: ARG001 (a signature to refuse)
         return logprobs, {}
 
     with pytest.raises(TypeError, match="declared by name"):

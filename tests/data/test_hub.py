@@ -69,7 +69,8 @@ def test_a_hub_id_loads_offline_from_the_local_cache_with_gsm8k_mapping(offline_
     assert [r["answer"] for r in build_eval_rows(data, seed=0)] == ["42"]
 
 
-def test_hub_errors_are_one_line_and_name_the_field(offline_cache):
+@pytest.mark.usefixtures("offline_cache")
+def test_hub_errors_are_one_line_and_name_the_field():
     with pytest.raises(ValueError) as err:
         load_hub_rows("someone/not-cached", split="train")
     text = str(err.value)

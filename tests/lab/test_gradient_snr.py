@@ -29,7 +29,7 @@ pytestmark = pytest.mark.integration
 PROMPTS = ["What is 2+3?", "Say hi."]
 
 
-def even_first_char(prompts, completions, **fields):
+def even_first_char(_prompts, completions, **_fields):
     """1.0 when the completion's first character has an even code point: a reward decided by the
     first sampled token, so the policy gradient is large next to its noise."""
     return [float(len(c) > 0 and ord(c[0]) % 2 == 0) for c in completions]
@@ -212,7 +212,7 @@ def test_bad_settings(tiny_lm):
             model,
             tokenizer,
             ["Hi"],
-            lambda p, c, **f: [0.0],
+            lambda _p, _c, **_f: [0.0],
             estimators="rloo2",
             samples_per_prompt=4,
             draws=2,

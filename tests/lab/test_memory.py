@@ -13,6 +13,8 @@ from policygrad.lab.memory import (
     BYTES_FROZEN,
     BYTES_TRAINABLE,
     ModelShape,
+    algorithm_models,
+    build_parser,
     llama_linear_shapes,
     model_shape_from_config,
     parse_count,
@@ -20,6 +22,8 @@ from policygrad.lab.memory import (
     resolve_shape,
     run_memory,
 )
+from policygrad.models.loading import apply_lora, load_causal_lm
+from policygrad.trainer.config import ALGORITHMS
 
 pytestmark = pytest.mark.integration
 
@@ -66,6 +70,23 @@ def test_ppo_needs_more_than_twice_sft():
     assert plan_memory(seven_b(), "ppo", reference=False).state_bytes == 2 * sft.state_bytes
 
 
+def test_every_trainer_algorithm_has_a_bill_with_its_critic():
+    # The planner's table is the trainer's registry plus sft: an algorithm added to ALGORITHMS
+    # gets a bill, and one the trainer does not know is refused.
+    table = algorithm_models()
+    assert set(table) == set(ALGORITHMS) | {"sft"}
+    assert not table["sft"].critic and not table["sft"].reference
+    help_text = build_parser().format_help()
+    for name, preset in ALGORITHMS.items():
+        assert table[name].critic == preset.critic, name
+        assert table[name].reference, name
+        components = [it.component for it in plan_memory(seven_b(), name).items]
+        assert ("critic" in components) == preset.critic, name
+        assert "reference" in components, name
+        assert name in help_text, name
+    assert table["ppo"].critic and not table["grpo"].critic
+
+
 def test_reward_model_only_when_asked_and_inference_engine_with_kv_cache():
     verifier = plan_memory(seven_b(), "grpo")
     assert all(it.component != "reward model" for it in verifier.items)
@@ -102,8 +123,6 @@ def test_lora_count_by_hand_for_llama_shapes():
 
 
 def test_lora_count_matches_peft_and_shape_from_config(tiny_lm_dir):
-    from policygrad.models.loading import apply_lora, load_causal_lm
-
     model = load_causal_lm(tiny_lm_dir)
     shape = model_shape_from_config(tiny_lm_dir)
     # Tied embeddings counted once, as model.parameters() does.

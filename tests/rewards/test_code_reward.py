@@ -154,7 +154,7 @@ def test_one_rule_decides_a_code_row_for_training_and_evaluation(row, count):
 
 def test_task_reward_judges_a_one_string_tests_row_by_its_tests_not_its_answer():
     reward = TaskReward({"isolation": "docker"})
-    reward._code = lambda prompts, completions, **fields: [0.25] * len(completions)  # the sandbox's verdict
+    reward._code = lambda _prompts, completions, **_fields: [0.25] * len(completions)  # the sandbox's verdict
     # answer_correctness would give 1.0: the completion matches the row's answer.
     assert reward(["Write f."], ["4"], tests=["assert f() == 1"], answer=["4"]) == [0.25]
 

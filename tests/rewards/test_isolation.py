@@ -8,8 +8,9 @@ import os
 
 import pytest
 
+from policygrad.rewards.callables import describe_object
 from policygrad.rewards.isolation import RewardWorker, is_user_reward, isolate_reward_functions
-from policygrad.rewards.registry import CompositeReward, RewardFunctionError
+from policygrad.rewards.registry import CompositeReward, RewardFunctionError, row_fields_from_rows
 
 pytestmark = pytest.mark.integration  # starts worker processes
 
@@ -141,7 +142,7 @@ def test_an_isolated_function_scores_like_in_process(isolated, user_file):
     assert _score(isolated["tensor"]).rewards.tolist() == [0.25, 0.25]
 
 
-def test_exits_and_crashes_end_the_call_not_the_trainer(isolated, user_file):
+def test_exits_and_crashes_end_the_call_not_the_trainer(isolated):
     for name in ("exits", "raises_base_exception", "hard_exit"):
         out = _score(isolated[name])
         assert not out.valid.any(), name
@@ -172,7 +173,7 @@ def test_every_call_and_row_gets_its_own_copies(isolated):
     assert shared == [1, 2, 3] and completions == ["ab", "c"]
 
 
-def test_a_call_over_its_timeout_is_stopped(isolated, user_file):
+def test_a_call_over_its_timeout_is_stopped(isolated):
     out = _score(isolated["sleeps"])
     assert not out.valid.any()
     with pytest.raises(
@@ -339,7 +340,7 @@ def test_an_importable_callable_runs_in_the_worker(callables):
 def test_a_callable_that_exits_ends_the_call_not_the_run(callables):
     import sys
 
-    def closure_exits(prompts, completions, **fields):
+    def closure_exits(_prompts, _completions, **_fields):
         sys.exit(0)
 
     specs = [callables.exits, callables.hard_exit, closure_exits, callables.pid]
@@ -360,12 +361,10 @@ def test_a_callable_that_exits_ends_the_call_not_the_run(callables):
 
 
 def test_callables_get_their_own_copies_of_the_completions_and_the_users_rows(callables):
-    from policygrad.rewards.registry import row_fields_from_rows
-
-    def closure_rewrites(prompts, completions, tests=None, **fields):
+    def closure_rewrites(prompts, completions, tests=None, **_fields):
         return callables.rewrites(prompts, completions, tests=tests)
 
-    def checks(prompts, completions, tests=None, **fields):
+    def checks(_prompts, completions, tests=None, **_fields):
         return [float(c in ("ab", "c") and t == [1, 2]) for c, t in zip(completions, tests)]
 
     rows = [{"prompt": "p", "tests": [1, 2]}]  # the user's dataset row, repeated for 2 samples
@@ -387,7 +386,7 @@ def test_a_callable_over_its_timeout_fails_its_batch(callables):
 
     release = threading.Event()
 
-    def closure_hangs(prompts, completions, **fields):
+    def closure_hangs(_prompts, completions, **_fields):
         release.wait(20)
         return [1.0] * len(completions)
 
@@ -415,7 +414,7 @@ def test_an_unpicklable_closure_runs_in_process_contained_and_is_named(caplog):
 
     seen = []
 
-    def closure(prompts, completions, tests=None, **fields):
+    def closure(_prompts, completions, tests=None, **_fields):
         seen.append(os.getpid())
         tests[0].append(3)
         if len(completions) > 1:
@@ -444,8 +443,6 @@ def test_without_isolation_the_timeout_still_holds(user_file, callables):
 
 def test_a_callable_recorded_by_its_qualified_name_loads_in_the_worker(callables):
     # Run(reward_functions=[Group.length]) records and runs it as "module:Group.length".
-    from policygrad.rewards.callables import describe_object
-
     spec = describe_object(callables.Group.length)
     assert spec == "pg_callable_rewards:Group.length"
     functions, worker = isolate_reward_functions([spec], timeout_s=30.0)

@@ -106,13 +106,13 @@ def test_weighted_sum_by_hand():
 def test_accepts_bools_numpy_tensor_and_int_returns():
     import numpy as np
 
-    def as_bools(prompts, completions, **_):
+    def as_bools(_prompts, _completions, **_):
         return [True, False]
 
-    def as_tensor(prompts, completions, **_):
+    def as_tensor(_prompts, _completions, **_):
         return torch.tensor([0.25, 0.5])
 
-    def as_numpy(prompts, completions, **_):
+    def as_numpy(_prompts, _completions, **_):
         return np.array([1, 2])
 
     out = CompositeReward([as_bools, as_tensor, (as_numpy, -1.0)])(["a", "b"], ["x", "y"])
@@ -126,7 +126,7 @@ def test_repeated_function_names_are_distinct():
     assert reward(["p"], ["7"]).rewards.tolist() == [3.0]
 
 
-def _raise_on_bad(prompts, completions, **_):
+def _raise_on_bad(_prompts, completions, **_):
     return [1.0 if c != "bad" else 1 / 0 for c in completions]
 
 
@@ -145,19 +145,19 @@ def test_raise_mode_names_function_and_row():
 
 
 def test_raise_mode_non_number_return():
-    def returns_none(prompts, completions, **_):
+    def returns_none(_prompts, _completions, **_):
         return [1.0, None, 0.0]
 
     with pytest.raises(RewardFunctionError, match=r"'returns_none' returned None .*row 1 \(prompt: 'b'\)"):
         CompositeReward([returns_none])(["a", "b", "c"], ["x", "y", "z"])
 
-    def returns_nan(prompts, completions, **_):
+    def returns_nan(_prompts, _completions, **_):
         return [float("nan")]
 
     with pytest.raises(RewardFunctionError, match="not a finite real number.*row 0"):
         CompositeReward([returns_nan])(["a"], ["x"])
 
-    def returns_text(prompts, completions, **_):
+    def returns_text(_prompts, _completions, **_):
         return ["1.0"]
 
     with pytest.raises(RewardFunctionError, match="returned '1.0' \\(str\\)"):
@@ -165,7 +165,7 @@ def test_raise_mode_non_number_return():
 
 
 def test_skip_mode_counts_invalid_rows():
-    def half_broken(prompts, completions, **_):
+    def half_broken(_prompts, completions, **_):
         return [float("inf") if c == "inf" else None if c == "none" else 2.0 for c in completions]
 
     reward = CompositeReward([("answer_format", 1.0), (half_broken, 0.5)], on_error="skip")
@@ -191,7 +191,7 @@ def test_skip_mode_isolates_the_raising_row():
 
 
 def test_skip_mode_function_raising_for_whole_batch():
-    def always_raises(prompts, completions, **_):
+    def always_raises(_prompts, _completions, **_):
         raise RuntimeError("judge unavailable")
 
     out = CompositeReward(["answer_format", always_raises], on_error="skip")(["a", "b"], ["1", "2"])
@@ -205,7 +205,7 @@ def test_skip_mode_function_raising_for_whole_batch():
 
 
 def test_batch_only_failure_is_reported():
-    def fails_on_batches(prompts, completions, **_):
+    def fails_on_batches(prompts, _completions, **_):
         if len(prompts) > 1:
             raise ValueError("batch too big")
         return [1.0]
@@ -219,13 +219,13 @@ def test_batch_only_failure_is_reported():
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
 def test_wrong_length_always_raises(on_error):
-    def too_short(prompts, completions, **_):
+    def too_short(_prompts, _completions, **_):
         return [1.0]
 
     with pytest.raises(RewardFunctionError, match="'too_short' returned 1 scores for 2 completions"):
         CompositeReward([too_short], on_error=on_error)(["a", "b"], ["1", "2"])
 
-    def not_a_list(prompts, completions, **_):
+    def not_a_list(_prompts, _completions, **_):
         return 1.0
 
     with pytest.raises(RewardFunctionError, match="returned float"):

