@@ -40,6 +40,7 @@ __all__ = [
     "kl_estimate",
     "kl_loss",
     "kl_shaped_rewards",
+    "last_token_rewards",
 ]
 
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
@@ -136,20 +137,61 @@ def kl_shaped_rewards(
         raise ValueError(f"beta must be >= 0 (the KL coefficient), got {beta}")
     with torch.no_grad():
         mask = as_bool_mask(logprobs, response_mask, "logprobs", "response_mask")
-        empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
-        if empty:
-            raise ValueError(
-                f"response_mask has no valid token in row(s) {empty}: the score needs a last valid token"
-            )
+        last = _last_tokens(mask)
         dtype = torch.promote_types(scores.dtype, torch.promote_types(logprobs.dtype, ref_logprobs.dtype))
         zero = torch.zeros((), dtype=dtype, device=logprobs.device)
         lp = torch.where(mask, logprobs.to(dtype), zero)
         ref = torch.where(mask, ref_logprobs.to(dtype), zero)
         rewards = torch.where(mask, -beta * kl_estimate(lp, ref, kind), zero)
-        positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-        last = torch.where(mask, positions, -1).max(dim=-1).values
         rows = torch.arange(mask.shape[0], device=mask.device)
         rewards[rows, last] += scores.to(device=rewards.device, dtype=dtype)
+        return rewards
+
+
+def _last_tokens(mask: torch.Tensor) -> torch.Tensor:
+    """long [B]: the position of each row's last valid token (``mask`` bool [B, T]).
+
+    Raises:
+        ValueError: a row with no valid token (names the rows: it has no last token to carry a score).
+    """
+    empty = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(
+            f"response_mask has no valid token in row(s) {empty}: the score needs a last valid token"
+        )
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, -1).max(dim=-1).values
+
+
+def last_token_rewards(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards of a sequence-level score alone: ``scores[i]`` on the last valid token of
+    row i, exactly 0 elsewhere (the token rewards without a KL penalty, e.g. GRPO with the KL in the
+    loss). Detached.
+
+    Args:
+        scores: [B] sequence-level rewards.
+        response_mask: [B, T], nonzero = valid token.
+
+    Returns:
+        [B, T] token rewards in ``scores``' floating dtype (float32 for integer scores), no gradient.
+
+    Raises:
+        TypeError: an input is not a tensor. ValueError: ``scores`` not [B] for a [B, T] mask; a row
+            with no valid token (names the rows).
+    """
+    response_mask = check_tensor(response_mask, "response_mask")
+    check_2d(response_mask, "response_mask")
+    scores = check_tensor(scores, "scores")
+    if tuple(scores.shape) != (response_mask.shape[0],):
+        raise ValueError(
+            f"scores must have shape [B] = ({response_mask.shape[0]},), got {tuple(scores.shape)}"
+        )
+    dtype = scores.dtype if scores.is_floating_point() else torch.float32
+    with torch.no_grad():
+        mask = as_bool_mask(response_mask, response_mask, "response_mask", "response_mask")
+        rewards = torch.zeros(mask.shape, dtype=dtype, device=response_mask.device)
+        rows = torch.arange(mask.shape[0], device=mask.device)
+        rewards[rows, _last_tokens(mask)] = scores.to(device=rewards.device, dtype=dtype)
         return rewards
 
 
@@ -309,9 +351,7 @@ class _NoKL(KLPlacement):
     default_kind = "k1"
 
     def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
-        # The same call as the other placements with beta 0, so the rewards (and the trainer's
-        # metrics) are bit-identical to a KL-in-the-loss run's.
-        return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
+        return last_token_rewards(scores, response_mask)
 
     def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):  # noqa: ARG002 (the KLPlacement interface)
         return None
@@ -341,7 +381,7 @@ class _KLInLoss(KLPlacement):
     default_kind = "k3"
 
     def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
-        return kl_shaped_rewards(scores, logprobs, logprobs, response_mask, beta=0.0, kind="k1")
+        return last_token_rewards(scores, response_mask)
 
     def loss_term(self, logprobs, ref_logprobs, response_mask, *, kind, old_logprobs):
         ref_logprobs = _require_reference(self, ref_logprobs)

@@ -64,7 +64,7 @@ import torch
 
 from policygrad.core.advantages import estimate_advantages
 from policygrad.core.diagnostics import explained_variance
-from policygrad.core.kl import kl_shaped_rewards
+from policygrad.core.kl import last_token_rewards
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
 from policygrad.data.sources import resolve_dataset
@@ -768,8 +768,7 @@ def run_gradient_snr(
             raise ValueError(f"reward_fn returned {len(scores)} scores for {B} completions")
         scores_t = torch.tensor([float(s) for s in scores], dtype=torch.float32) + reward_offset
         mask = rollout.response_mask
-        zeros = torch.zeros_like(mask)
-        token_rewards = kl_shaped_rewards(scores_t, zeros, zeros, mask, beta=0.0)
+        token_rewards = last_token_rewards(scores_t, mask)
         return rollout, scores_t, token_rewards
 
     try:

@@ -17,6 +17,7 @@ from policygrad.core.kl import (
     kl_estimate,
     kl_loss,
     kl_shaped_rewards,
+    last_token_rewards,
 )
 
 pytestmark = pytest.mark.unit
@@ -408,3 +409,27 @@ def test_controller_validation():
     with pytest.raises(ValueError, match="'horizon'"):
         ctl.load_state_dict({"value": 0.1, "target": 6.0})
     assert ctl.value == 0.1
+
+
+def test_last_token_rewards_put_each_score_on_its_rows_last_token():
+    # row 0: tokens 0-2 valid -> 1.5 at t=2; row 1: tokens 0-3 valid -> -2.0 at t=3; zeros elsewhere
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.float32)
+    out = last_token_rewards(torch.tensor([1.5, -2.0]), mask)
+    assert out.tolist() == [[0.0, 0.0, 1.5, 0.0], [0.0, 0.0, 0.0, -2.0]]
+    assert out.dtype == torch.float32 and not out.requires_grad
+
+
+def test_last_token_rewards_equal_the_kl_shaping_with_beta_zero():
+    torch.manual_seed(0)
+    mask = (torch.rand(5, 7) < 0.7).float()
+    mask[:, 0] = 1.0
+    scores, logprobs = torch.randn(5), -torch.rand(5, 7)
+    shaped = kl_shaped_rewards(scores, logprobs, logprobs - 0.1, mask, beta=0.0)
+    assert torch.equal(last_token_rewards(scores, mask), shaped)
+
+
+def test_last_token_rewards_name_an_empty_row_and_a_wrong_shape():
+    with pytest.raises(ValueError, match=r"no valid token in row\(s\) \[1\]"):
+        last_token_rewards(torch.zeros(2), torch.tensor([[1.0, 0.0], [0.0, 0.0]]))
+    with pytest.raises(ValueError, match=r"scores must have shape \[B\] = \(2,\)"):
+        last_token_rewards(torch.zeros(3), torch.ones(2, 2))
