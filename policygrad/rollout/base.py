@@ -409,6 +409,27 @@ def check_sampling_args(prompt_token_ids, group_size, temperature, top_p, top_k,
     return prompts, temperature, top_k, top_p
 
 
+@dataclasses.dataclass(frozen=True)
+class GenerationRequest:
+    """What :meth:`RolloutEngine.generate` asks of an engine, checked and normalised.
+
+    Attributes:
+        prompts: n prompts, each a non-empty list of int token ids.
+        group_size: G >= 1 samples per prompt.
+        sampling: the distribution to sample (``greedy``: the argmax instead).
+        max_new_tokens: >= 1.
+        generator_seed, prompt_seeds, ignore_eos: as :meth:`RolloutEngine.generate` takes them.
+    """
+
+    prompts: list[list[int]]
+    group_size: int
+    sampling: SamplingParams
+    max_new_tokens: int
+    generator_seed: int | None = None
+    prompt_seeds: list[int] | None = None
+    ignore_eos: bool = False
+
+
 class RolloutEngine(abc.ABC):
     """Something that samples G responses per prompt and returns a :class:`Rollout`.
 
@@ -421,7 +442,6 @@ class RolloutEngine(abc.ABC):
 
     shares_policy_weights: bool = False
 
-    @abc.abstractmethod
     def generate(
         self,
         prompt_token_ids: list[list[int]],
@@ -436,7 +456,8 @@ class RolloutEngine(abc.ABC):
         prompt_seeds: list[int] | None = None,
         ignore_eos: bool = False,
     ) -> Rollout:
-        """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch.
+        """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch:
+        the arguments are checked and normalised here, then the engine's :meth:`sample` runs.
 
         Args:
             prompt_token_ids: n prompts, each a non-empty list of token ids.
@@ -457,7 +478,35 @@ class RolloutEngine(abc.ABC):
 
         Returns:
             A :class:`Rollout` with B = n * G rows.
+
+        Raises:
+            TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
+                ``top_k`` / ``max_new_tokens`` / ``generator_seed``.
+            ValueError: empty prompt list or prompt; ``group_size`` < 1; ``temperature`` <= 0;
+                ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; and what the
+                engine's :meth:`sample` raises (a prompt beyond its context).
         """
+        prompts, temperature, top_k, top_p = check_sampling_args(
+            prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens
+        )
+        if generator_seed is not None and (
+            isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral)
+        ):
+            raise TypeError(f"generator_seed must be an int or None, got {type(generator_seed).__name__}")
+        request = GenerationRequest(
+            prompts=prompts,
+            group_size=int(group_size),
+            sampling=SamplingParams(temperature, top_k, top_p, greedy=bool(greedy)),
+            max_new_tokens=int(max_new_tokens),
+            generator_seed=generator_seed,
+            prompt_seeds=prompt_seeds,
+            ignore_eos=ignore_eos,
+        )
+        return self.sample(request)
+
+    @abc.abstractmethod
+    def sample(self, request: GenerationRequest) -> Rollout:
+        """The engine's sampling of a checked :class:`GenerationRequest` (see :meth:`generate`)."""
 
     @abc.abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:

@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from policygrad.rollout.base import Rollout, RolloutEngine, SamplingParams, check_sampling_args
+from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
 
 
 class _WarpAndRecord:
@@ -175,20 +175,7 @@ class HFRolloutEngine(RolloutEngine):
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         return getattr(text, "max_position_embeddings", None)
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        group_size: int = 1,
-        temperature: float = 1.0,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        max_new_tokens: int,
-        greedy: bool = False,
-        generator_seed: int | None = None,
-        prompt_seeds: list[int] | None = None,
-        ignore_eos: bool = False,
-    ) -> Rollout:
+    def sample(self, request: GenerationRequest) -> Rollout:
         """Sample ``group_size`` responses per prompt in one batched ``generate`` call.
 
         All n * G sequences decode together with the KV cache; prompts are left-padded with the
@@ -216,10 +203,10 @@ class HFRolloutEngine(RolloutEngine):
         torch's RNG (up to the last bits of the logits a different padding can move), which is
         what lets data-parallel ranks split a batch without changing its samples.
 
-        Args: see :meth:`RolloutEngine.generate`. ``top_k`` 0 and ``top_p`` 1.0 mean off.
+        Called by :meth:`RolloutEngine.generate`, which checks the arguments (see there).
 
         Returns:
-            :class:`Rollout` with B = len(prompt_token_ids) * group_size rows.
+            :class:`Rollout` with B = len(prompts) * group_size rows.
 
         Raises:
             TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
@@ -228,9 +215,10 @@ class HFRolloutEngine(RolloutEngine):
                 ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; longest prompt +
                 ``max_new_tokens`` beyond the model's ``max_position_embeddings``.
         """
-        prompts, temperature, top_k, top_p = check_sampling_args(
-            prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens
-        )
+        prompts, group_size, s = request.prompts, request.group_size, request.sampling
+        temperature, top_k, top_p, greedy = s.temperature, s.top_k, s.top_p, s.greedy
+        max_new_tokens, ignore_eos = request.max_new_tokens, request.ignore_eos
+        generator_seed, prompt_seeds = request.generator_seed, request.prompt_seeds
         longest = max(len(p) for p in prompts)
         limit = self._max_positions()
         if limit is not None and longest + max_new_tokens > limit:
@@ -279,7 +267,7 @@ class HFRolloutEngine(RolloutEngine):
             sampler_logprobs=sampler_logprobs,
             group_index=group_index,
             group_size=G,
-            sampling=SamplingParams(temperature, top_k, top_p, greedy=bool(greedy)),
+            sampling=request.sampling,
         )
 
     def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,

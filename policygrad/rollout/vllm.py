@@ -55,8 +55,7 @@ import weakref
 import torch
 
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
-from policygrad.rollout.base import Rollout, RolloutEngine, check_sampling_args
-from policygrad.rollout.base import SamplingParams as RolloutSampling
+from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
 
@@ -190,6 +189,69 @@ def _text_config(config):
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+def _check_engine_args(
+    dtype: str, eos_token_ids, max_model_len, seed, kv_cache_gb, gpu_memory_utilization
+) -> list[int]:
+    """The sorted distinct ``eos_token_ids``, after the checks of the engine's arguments that need
+    no model folder (errors: see :class:`VLLMRolloutEngine`)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    eos_token_ids = sorted({int(i) for i in (eos_token_ids or [])})
+    if not eos_token_ids:
+        raise ValueError("eos_token_ids is empty; give at least one end-of-sequence token id")
+    for name, value in (("max_model_len", max_model_len), ("seed", seed)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if not float(kv_cache_gb) > 0:
+        raise ValueError(f"kv_cache_gb must be > 0 (GiB of KV cache on CPU), got {kv_cache_gb}")
+    if not 0.0 < float(gpu_memory_utilization) <= 1.0:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    return eos_token_ids
+
+
+def _model_text_config(model_path: str, max_model_len: int):
+    """The text config of the model folder ``model_path``, after checking that it is one and that
+    ``max_model_len`` fits the model's ``max_position_embeddings``."""
+    if not os.path.isfile(os.path.join(model_path, "config.json")):
+        raise ValueError(
+            f"model_path {model_path!r} is not a model folder with a config.json; give a local "
+            "Hugging Face model folder (save_pretrained output)"
+        )
+    from transformers import AutoConfig
+
+    text_config = _text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=False))
+    limit = getattr(text_config, "max_position_embeddings", None)
+    if max_model_len < 1 or (limit is not None and max_model_len > limit):
+        raise ValueError(
+            f"max_model_len must be in 1 .. {limit} (the model's max_position_embeddings), "
+            f"got {max_model_len}"
+        )
+    return text_config
+
+
+def _stop_at_eos_only(llm) -> None:
+    """Stop only at eos_token_ids: vLLM would also stop at generation_config.json's eos ids."""
+    processor = getattr(llm.llm_engine, "input_processor", None)
+    fields = getattr(processor, "generation_config_fields", None)
+    if isinstance(fields, dict):
+        fields.pop("eos_token_id", None)
+
+
+def _take_over_shutdown(llm):
+    """Detach vLLM's own shutdown of ``llm``'s in-process engine and return it (None when there is
+    none to detach): vLLM shuts that engine down when its client is garbage-collected, which would
+    break any other open engine, so the VLLMRolloutEngine's finalizer (or close) calls it instead."""
+    client = llm.llm_engine.engine_core
+    shutdown = None
+    from vllm.v1.engine.core_client import InprocClient
+
+    vllm_finalizer = getattr(client, "_finalizer", None)
+    if isinstance(client, InprocClient) and isinstance(vllm_finalizer, weakref.finalize):
+        detached = vllm_finalizer.detach()
+        shutdown = detached[1] if detached is not None else None
+    return shutdown
+
+
 class VLLMRolloutEngine(RolloutEngine):
     """Sampling with an in-process ``vllm.LLM`` built from a model folder; weights synced from the trainer.
 
@@ -242,33 +304,11 @@ class VLLMRolloutEngine(RolloutEngine):
         cache_dir: str | None = None,
     ):
         start = time.perf_counter()
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-        eos_token_ids = sorted({int(i) for i in (eos_token_ids or [])})
-        if not eos_token_ids:
-            raise ValueError("eos_token_ids is empty; give at least one end-of-sequence token id")
-        for name, value in (("max_model_len", max_model_len), ("seed", seed)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-        if not float(kv_cache_gb) > 0:
-            raise ValueError(f"kv_cache_gb must be > 0 (GiB of KV cache on CPU), got {kv_cache_gb}")
-        if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        eos_token_ids = _check_engine_args(
+            dtype, eos_token_ids, max_model_len, seed, kv_cache_gb, gpu_memory_utilization
+        )
         model_path = os.fspath(model_path)
-        if not os.path.isfile(os.path.join(model_path, "config.json")):
-            raise ValueError(
-                f"model_path {model_path!r} is not a model folder with a config.json; give a local "
-                "Hugging Face model folder (save_pretrained output)"
-            )
-        from transformers import AutoConfig
-
-        text_config = _text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=False))
-        limit = getattr(text_config, "max_position_embeddings", None)
-        if max_model_len < 1 or (limit is not None and max_model_len > limit):
-            raise ValueError(
-                f"max_model_len must be in 1 .. {limit} (the model's max_position_embeddings), "
-                f"got {max_model_len}"
-            )
+        text_config = _model_text_config(model_path, max_model_len)
         if not vllm_available():
             raise ImportError(f"vLLM is not installed; {INSTALL_HINT}")
 
@@ -297,55 +337,49 @@ class VLLMRolloutEngine(RolloutEngine):
 
         saved = _ProcessState.capture()
         try:
-            try:
-                import vllm
-            except ImportError as err:
-                raise ImportError(f"vLLM failed to import ({err}); {INSTALL_HINT}") from err
-            from vllm.platforms import current_platform
-
-            renderer_log = logging.getLogger("vllm.renderers.base")
-            if not any(isinstance(f, _DropMessages) for f in renderer_log.filters):
-                renderer_log.addFilter(_DropMessages(*_TOKENIZER_NOTES))
-            self.on_cpu = bool(current_platform.is_cpu())
-            kwargs = {}
-            if self.on_cpu:
-                if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-                    kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * _GIB)
-            else:
-                kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
-            with _quiet(_START_NOTES):
-                self.llm = vllm.LLM(
-                    model=model_path,
-                    dtype=dtype,
-                    enforce_eager=True,
-                    seed=int(seed),
-                    logprobs_mode="processed_logprobs",
-                    max_model_len=self.max_model_len,
-                    enable_prefix_caching=bool(enable_prefix_caching),
-                    skip_tokenizer_init=True,
-                    worker_extension_cls=f"{__name__}._WorkerWeightSync",
-                    **kwargs,
-                )
+            self._start_llm(seed, kv_cache_gb, gpu_memory_utilization, enable_prefix_caching)
         finally:
             self.restored = saved.restore()
-        # Stop only at eos_token_ids: vLLM would also stop at generation_config.json's eos ids.
-        processor = getattr(self.llm.llm_engine, "input_processor", None)
-        fields = getattr(processor, "generation_config_fields", None)
-        if isinstance(fields, dict):
-            fields.pop("eos_token_id", None)
-        # vLLM shuts an in-process engine down when its client is garbage-collected, which would
-        # break any other open engine; this engine's own finalizer (or close) does it instead.
-        client = self.llm.llm_engine.engine_core
-        shutdown = None
-        from vllm.v1.engine.core_client import InprocClient
-
-        vllm_finalizer = getattr(client, "_finalizer", None)
-        if isinstance(client, InprocClient) and isinstance(vllm_finalizer, weakref.finalize):
-            detached = vllm_finalizer.detach()
-            shutdown = detached[1] if detached is not None else None
+        _stop_at_eos_only(self.llm)
+        shutdown = _take_over_shutdown(self.llm)
         self._finalizer = weakref.finalize(self, _release, self.llm, shutdown)
         _OPEN_ENGINES.add(self)
         self.load_time_s = time.perf_counter() - start
+
+    def _start_llm(
+        self, seed: int, kv_cache_gb: float, gpu_memory_utilization: float, enable_prefix_caching: bool
+    ) -> None:
+        """Import vLLM and build ``self.llm`` (and ``self.on_cpu``) from ``self.model_path``; the
+        caller puts back the process-wide state this changes."""
+        try:
+            import vllm
+        except ImportError as err:
+            raise ImportError(f"vLLM failed to import ({err}); {INSTALL_HINT}") from err
+        from vllm.platforms import current_platform
+
+        renderer_log = logging.getLogger("vllm.renderers.base")
+        if not any(isinstance(f, _DropMessages) for f in renderer_log.filters):
+            renderer_log.addFilter(_DropMessages(*_TOKENIZER_NOTES))
+        self.on_cpu = bool(current_platform.is_cpu())
+        kwargs = {}
+        if self.on_cpu:
+            if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * _GIB)
+        else:
+            kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
+        with _quiet(_START_NOTES):
+            self.llm = vllm.LLM(
+                model=self.model_path,
+                dtype=self.dtype,
+                enforce_eager=True,
+                seed=int(seed),
+                logprobs_mode="processed_logprobs",
+                max_model_len=self.max_model_len,
+                enable_prefix_caching=bool(enable_prefix_caching),
+                skip_tokenizer_init=True,
+                worker_extension_cls=f"{__name__}._WorkerWeightSync",
+                **kwargs,
+            )
 
     # ------------------------------------------------------------------ generation
 
@@ -358,20 +392,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 "build a new one"
             )
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        group_size: int = 1,
-        temperature: float = 1.0,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        max_new_tokens: int,
-        greedy: bool = False,
-        generator_seed: int | None = None,
-        prompt_seeds: list[int] | None = None,
-        ignore_eos: bool = False,
-    ) -> Rollout:
+    def sample(self, request: GenerationRequest) -> Rollout:
         """Sample ``group_size`` responses per prompt in one ``llm.generate`` call.
 
         The contract of :meth:`HFRolloutEngine.generate <policygrad.rollout.hf.HFRolloutEngine.generate>`:
@@ -400,10 +421,10 @@ class VLLMRolloutEngine(RolloutEngine):
         train/inference mismatch (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings
         You Off-Policy RL Training"; Qi et al. 2025 on bf16 rounding).
 
-        Args: see :meth:`RolloutEngine.generate`. ``top_k`` 0 and ``top_p`` 1.0 mean off.
+        Called by :meth:`RolloutEngine.generate`, which checks the arguments (see there).
 
         Returns:
-            :class:`Rollout` with B = len(prompt_token_ids) * group_size rows, on CPU.
+            :class:`Rollout` with B = len(prompts) * group_size rows, on CPU.
 
         Raises:
             TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
@@ -413,13 +434,10 @@ class VLLMRolloutEngine(RolloutEngine):
                 ``max_new_tokens`` beyond the engine's ``max_model_len``.
             RuntimeError: the engine is closed, or broken by a failed :meth:`sync_weights`.
         """
-        prompts, temperature, top_k, top_p = check_sampling_args(
-            prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens
-        )
-        if generator_seed is not None and (
-            isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral)
-        ):
-            raise TypeError(f"generator_seed must be an int or None, got {type(generator_seed).__name__}")
+        prompts, group_size, s = request.prompts, request.group_size, request.sampling
+        temperature, top_k, top_p, greedy = s.temperature, s.top_k, s.top_p, s.greedy
+        max_new_tokens, ignore_eos = request.max_new_tokens, request.ignore_eos
+        generator_seed, prompt_seeds = request.generator_seed, request.prompt_seeds
         longest = max(len(p) for p in prompts)
         if longest + max_new_tokens > self.max_model_len:
             raise ValueError(
@@ -500,7 +518,7 @@ class VLLMRolloutEngine(RolloutEngine):
             sampler_logprobs=torch.where(keep, logprobs[:, :T], torch.zeros(())),
             group_index=torch.arange(n).repeat_interleave(G),
             group_size=G,
-            sampling=RolloutSampling(temperature, top_k, top_p, greedy=bool(greedy)),
+            sampling=request.sampling,
         )
 
     def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos):
