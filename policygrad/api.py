@@ -97,6 +97,73 @@ def _describe_dataset(obj) -> str:
     return f"<dataset {kind} ({size}in memory)>"
 
 
+def _apply_model(tree: dict[str, Any], model, tokenizer) -> tuple[dict[str, Any], Any]:
+    """(config tree with ``model.name`` set when ``model`` is a name, the model object or None)."""
+    model_object = None
+    if tokenizer is not None and (model is _DEFAULT or isinstance(model, (str, os.PathLike))):
+        raise TypeError("tokenizer= goes with a model object; a model name brings its own tokenizer")
+    if model is not _DEFAULT and model is not None:
+        if isinstance(model, (str, os.PathLike)):
+            tree = _merge(tree, {"model": {"name": os.fspath(model)}})
+        else:
+            model_object = model  # the trainer records it as model.name (or refuses another name)
+    return tree, model_object
+
+
+def _apply_reward_funcs(tree: dict[str, Any], reward_funcs) -> tuple[dict[str, Any], list | None]:
+    """(config tree with ``reward.functions`` set when every function is a name, the list of
+    functions when one is an object, else None)."""
+    reward_objects = None
+    if reward_funcs is not None:
+        one = isinstance(reward_funcs, str) or callable(reward_funcs)
+        funcs = [reward_funcs] if one else list(reward_funcs)
+        if all(isinstance(f, str) for f in funcs):
+            tree = _merge(tree, {"reward": {"functions": funcs}})
+        else:
+            reward_objects = funcs
+    return tree, reward_objects
+
+
+def _apply_datasets(
+    tree: dict[str, Any], train_dataset, eval_dataset
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(config tree with ``data.dataset`` / ``data.eval_dataset`` set: a path as is, an in-memory
+    dataset as its description; the in-memory datasets by those keys)."""
+    in_memory = {}
+    for key, obj in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
+        if obj is None:
+            continue
+        if isinstance(obj, (str, os.PathLike)):
+            tree = _merge(tree, {"data": {key: os.fspath(obj)}})
+        else:
+            in_memory[key] = obj
+            tree = _merge(tree, {"data": {key: _describe_dataset(obj)}})
+    return tree, in_memory
+
+
+def _in_memory_sources(cfg: TrainConfig, in_memory: dict[str, Any], reward_objects) -> tuple[Any, Any]:
+    """(train source, eval rows) of the in-memory datasets, None for each one not given; a train
+    DatasetDict without an eval dataset supplies its ``data.eval_split`` when it has one."""
+    names = [f for f in (reward_objects or cfg.reward.functions) if isinstance(f, str)]
+    require_answer = "answer_correctness" in names
+    train_source = eval_rows = None
+    if "dataset" in in_memory:
+        rows = _rows(
+            in_memory["dataset"], name="train_dataset", data=cfg.data, split=cfg.data.split,
+            require_answer=require_answer,
+        )
+        train_source = PromptDataset(rows, seed=cfg.seed, shuffle=cfg.data.shuffle, name="train_dataset")
+        if "eval_dataset" not in in_memory and _is_dataset_dict(in_memory["dataset"]):
+            if cfg.data.eval_split in in_memory["dataset"]:
+                in_memory["eval_dataset"] = in_memory["dataset"][cfg.data.eval_split]
+    if "eval_dataset" in in_memory:
+        eval_rows = _rows(
+            in_memory["eval_dataset"], name="eval_dataset", data=cfg.data, split=cfg.data.eval_split,
+            require_answer=True,
+        )
+    return train_source, eval_rows
+
+
 def train(
     model: Any = _DEFAULT,
     reward_funcs: str | Callable | Sequence[str | Callable] | None = None,
@@ -143,52 +210,14 @@ def train(
     """
     path, tree = _config_tree(config)
     tree = _merge(tree, _dotted(overrides))
-    model_object = None
-    if tokenizer is not None and (model is _DEFAULT or isinstance(model, (str, os.PathLike))):
-        raise TypeError("tokenizer= goes with a model object; a model name brings its own tokenizer")
-    if model is not _DEFAULT and model is not None:
-        if isinstance(model, (str, os.PathLike)):
-            tree = _merge(tree, {"model": {"name": os.fspath(model)}})
-        else:
-            model_object = model  # the trainer records it as model.name (or refuses another name)
-    reward_objects = None
-    if reward_funcs is not None:
-        one = isinstance(reward_funcs, str) or callable(reward_funcs)
-        funcs = [reward_funcs] if one else list(reward_funcs)
-        if all(isinstance(f, str) for f in funcs):
-            tree = _merge(tree, {"reward": {"functions": funcs}})
-        else:
-            reward_objects = funcs
-    in_memory = {}
-    for key, obj in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
-        if obj is None:
-            continue
-        if isinstance(obj, (str, os.PathLike)):
-            tree = _merge(tree, {"data": {key: os.fspath(obj)}})
-        else:
-            in_memory[key] = obj
-            tree = _merge(tree, {"data": {key: _describe_dataset(obj)}})
+    tree, model_object = _apply_model(tree, model, tokenizer)
+    tree, reward_objects = _apply_reward_funcs(tree, reward_funcs)
+    tree, in_memory = _apply_datasets(tree, train_dataset, eval_dataset)
     if reward_objects is not None:  # validated with the records the trainer will write
         tree = _merge(tree, {"reward": {"functions": [describe_object(f) for f in reward_objects]}})
     cfg = load_config(path, tree)
 
-    names = [f for f in (reward_objects or cfg.reward.functions) if isinstance(f, str)]
-    require_answer = "answer_correctness" in names
-    train_source = eval_rows = None
-    if "dataset" in in_memory:
-        rows = _rows(
-            in_memory["dataset"], name="train_dataset", data=cfg.data, split=cfg.data.split,
-            require_answer=require_answer,
-        )
-        train_source = PromptDataset(rows, seed=cfg.seed, shuffle=cfg.data.shuffle, name="train_dataset")
-        if "eval_dataset" not in in_memory and _is_dataset_dict(in_memory["dataset"]):
-            if cfg.data.eval_split in in_memory["dataset"]:
-                in_memory["eval_dataset"] = in_memory["dataset"][cfg.data.eval_split]
-    if "eval_dataset" in in_memory:
-        eval_rows = _rows(
-            in_memory["eval_dataset"], name="eval_dataset", data=cfg.data, split=cfg.data.eval_split,
-            require_answer=True,
-        )
+    train_source, eval_rows = _in_memory_sources(cfg, in_memory, reward_objects)
     run = Run(
         cfg,
         resume_from=os.fspath(resume_from) if resume_from is not None else None,

@@ -54,16 +54,9 @@ def _user_errors():
     return errors
 
 
-def cmd_train(argv: list[str]) -> int:
-    # imported per command: each command loads only its own modules (help and argument errors come fast)
-    from policygrad.run import Run
-    from policygrad.trainer.config import ConfigError, load_config, parse_overrides
-    from policygrad.trainer.distributed import init_from_env, shutdown
-    from policygrad.trainer.interrupts import EXIT_STATUS, Stopped, StopSignals
-
-    if argv and argv[0] in ("-h", "--help"):
-        print(TRAIN_USAGE)
-        return 0
+def _split_train_args(argv: list[str]) -> tuple[str | None, str | None, list[str]]:
+    """(config path, --resume run directory, the other arguments) of ``policygrad train``'s
+    arguments: the config path is a first argument not starting with ``--``."""
     config_path = None
     resume = None
     rest: list[str] = []
@@ -83,6 +76,15 @@ def cmd_train(argv: list[str]) -> int:
         else:
             rest.append(arg)
         i += 1
+    return config_path, resume, rest
+
+
+def _load_train_config(config_path: str | None, resume: str | None, rest: list[str]):
+    """The validated TrainConfig of ``policygrad train``: on --resume, the run's saved config (or
+    ``config_path``) with ``rest`` applied, in the run's own folder; else ``config_path`` (or the
+    defaults) with ``rest`` applied."""
+    from policygrad.trainer.config import ConfigError, load_config, parse_overrides
+
     if resume is not None:
         saved = os.path.join(resume, "config.yaml")
         if not os.path.exists(saved):
@@ -94,11 +96,23 @@ def cmd_train(argv: list[str]) -> int:
             raise ConfigError(f"--overwrite cannot be combined with --resume {resume}; give one of them")
         # The run continues in its own folder: a different --output_dir is refused by the Trainer.
         where = [] if "output_dir" in given else [f"--output_dir={resume}"]
-        config = load_config(config_path or saved, rest + where + ["--overwrite=false"])
-    else:
-        if config_path is not None and not os.path.exists(config_path):
-            raise FileNotFoundError(f"config file {config_path} not found")
-        config = load_config(config_path, rest)
+        return load_config(config_path or saved, rest + where + ["--overwrite=false"])
+    if config_path is not None and not os.path.exists(config_path):
+        raise FileNotFoundError(f"config file {config_path} not found")
+    return load_config(config_path, rest)
+
+
+def cmd_train(argv: list[str]) -> int:
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
+    from policygrad.run import Run
+    from policygrad.trainer.distributed import init_from_env, shutdown
+    from policygrad.trainer.interrupts import EXIT_STATUS, Stopped, StopSignals
+
+    if argv and argv[0] in ("-h", "--help"):
+        print(TRAIN_USAGE)
+        return 0
+    config_path, resume, rest = _split_train_args(argv)
+    config = _load_train_config(config_path, resume, rest)
     dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
     run = None
     try:
@@ -354,7 +368,26 @@ def _error_message(command: str, e: Exception) -> str | None:
         return f"no space left on device{where}; free space, then run the same command again"
     if isinstance(e, _user_errors()):
         return first
+    if _lost_a_peer(e):
+        rank = os.environ.get("RANK", "0")
+        return (
+            f"rank {rank} stopped: another process of this run failed or was stopped (its error is printed "
+            "by that rank); fix that error, then resume or start the run again"
+        )
     return None
+
+
+# How gloo and nccl word a collective whose peer process is gone.
+_PEER_GONE_TEXT = ("closed by peer", "connection reset by peer", "remote worker", "broken pipe")
+
+
+def _lost_a_peer(e: Exception) -> bool:
+    """A collective failed because another rank of a torchrun run died: that rank prints its own
+    error, so this one says one line instead of a traceback from inside torch.distributed."""
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) < 2 or not isinstance(e, RuntimeError):
+        return False
+    text = str(e).lower()
+    return any(t in text for t in _PEER_GONE_TEXT)
 
 
 if __name__ == "__main__":

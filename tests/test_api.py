@@ -30,7 +30,7 @@ def tiny_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def digit_reward(prompts, completions, **fields):
+def digit_reward(_prompts, completions, **_fields):
     """An importable reward: its import path goes into config.yaml."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
@@ -72,7 +72,7 @@ def test_the_readme_example_runs_as_written(tiny_dir, tmp_path, monkeypatch):
 
 def test_a_lambda_reward_is_recorded_without_crashing(tiny_dir, tmp_path):
     summary = policygrad.train(
-        tiny_dir, [lambda prompts, completions, **_: [float(len(c)) for c in completions], digit_reward],
+        tiny_dir, [lambda _prompts, completions, **_: [float(len(c)) for c in completions], digit_reward],
         ROWS, **_small(tmp_path, "lambda"),
     )
     assert summary["steps"] == 1
@@ -87,12 +87,12 @@ def test_a_lambda_reward_is_recorded_without_crashing(tiny_dir, tmp_path):
 def test_async_rewards_work(tiny_dir, tmp_path):
     calls = []
 
-    async def async_length(prompts, completions, answer=None, **_):
+    async def async_length(_prompts, completions, answer=None, **_):  # noqa: ARG001 (answer: a row field passed by keyword)
         calls.append(len(completions))
         return [float(len(c)) for c in completions]
 
     class AsyncScorer:
-        async def __call__(self, prompts, completions, **_):
+        async def __call__(self, _prompts, completions, **_):
             return [1.0 for _ in completions]
 
     summary = policygrad.train(
@@ -179,7 +179,7 @@ def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tm
 
     from policygrad.rewards.registry import RewardFunctionError
 
-    def exits(prompts, completions, **_):
+    def exits(_prompts, _completions, **_):
         sys.exit(0)
 
     config = {**_small(tmp_path, "contained"), "reward": {"on_error": "raise", "timeout_s": 5}}

@@ -56,6 +56,10 @@ from policygrad.lab.common import (
     write_json,
 )
 
+# distributed.strategy's choices with several processes (the planner prices one without building it)
+STRATEGIES = ("ddp", "fsdp")
+SHARDED = STRATEGIES[1]  # parameters, gradients and AdamW state split over the ranks
+
 BYTES_TRAINABLE = 16
 """Bytes per trainable parameter as the trainer holds it (``model.precision`` fp32 or bf16-mixed):
 fp32 weight 4 + fp32 gradient 4 + Adam m 4 + Adam v 4 (bf16 copies exist only for compute)."""
@@ -497,7 +501,7 @@ def check_options(
         ValueError: as :func:`plan_memory` (names the option).
     """
     needs = _check_algorithm(algorithm)
-    if strategy not in ("ddp", "fsdp"):
+    if strategy not in STRATEGIES:
         raise ValueError(f"--strategy must be ddp or fsdp, got {strategy!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"--world-size must be an int >= 1, got {world_size!r}")
@@ -619,7 +623,7 @@ def plan_memory(
     if shape.params <= 0:
         raise ValueError(f"the model's parameter count must be > 0, got {shape.params}")
     use_reference = needs.reference if reference is None else bool(reference and needs.reference)
-    full_copy = strategy == "fsdp" and world_size > 1 and algorithm != "sft"
+    full_copy = strategy == SHARDED and world_size > 1 and algorithm != "sft"
     lora = shape.lora_params(lora_rank, lora_targets) if lora_rank else 0
     p = shape.params
 
@@ -645,7 +649,7 @@ def plan_memory(
                 "a bf16 copy of the policy" + (" (adapters merged)" if lora else ""),
             )
         )
-    if strategy == "fsdp" and world_size > 1:
+    if strategy == SHARDED and world_size > 1:
         items = [_sharded(it, shape, world_size) for it in items]
     local_batch = -(-batch // world_size) if batch is not None else None  # this rank's sequences
     state_bytes = sum(it.bytes for it in items)
@@ -676,7 +680,7 @@ def plan_memory(
         )
     total = sum(it.bytes for it in items)
     sft_items = _model_items("policy", p, True, lora)
-    if strategy == "fsdp" and world_size > 1:
+    if strategy == SHARDED and world_size > 1:
         sft_items = [_sharded(it, shape, world_size) for it in sft_items]
     sft = sum(it.bytes for it in sft_items)
     plan = MemoryPlan(
@@ -890,7 +894,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--strategy",
         default="ddp",
-        choices=("ddp", "fsdp"),
+        choices=STRATEGIES,
         help="ddp: whole models on every rank; fsdp: policy, critic and reference sharded N ways",
     )
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where memory.json and memory.png go")

@@ -165,6 +165,49 @@ def _response_outputs(model, rollout: Rollout, *, share_prompts: bool, decoder) 
 PACK_ROW_TOKENS = 512
 
 
+def _full_sdpa_attention(config) -> bool:
+    """The decoder's ``config`` asks for sdpa attention without a sliding window: the packed
+    forward's conditions on the model."""
+    attn = getattr(config, "_attn_implementation", None)
+    if attn != "sdpa":  # a boolean 4-D mask is what sdpa takes as is
+        return False
+    # A sliding window (Mistral's sliding_window, Qwen's use_sliding_window, sliding layer types)
+    # is not in the packed mask, and its cache keeps only the window's last keys.
+    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
+        return False
+    return "sliding_attention" not in (getattr(config, "layer_types", None) or ())
+
+
+def _pack_rows(
+    inputs: list[int], owner: list[int], row_tokens: int
+) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Greedy packing of responses into packed rows ("bins"), in row order.
+
+    Row b (``inputs[b]`` input tokens, prompt ``owner[b]``) joins its prompt's open bin while that
+    stays within ``row_tokens`` tokens, else opens a new one; rows without inputs get no bin.
+
+    Returns:
+        (row_bin, row_offset, bin_prompt, bin_fill): per row, its bin and its first position in
+        that bin (0 for a row without inputs); per bin, its prompt and its number of tokens.
+    """
+    B = len(inputs)
+    row_bin, row_offset, bin_prompt, bin_fill = [0] * B, [0] * B, [], []
+    open_bin: dict[int, int] = {}
+    for b in range(B):
+        if inputs[b] == 0:
+            continue
+        j = owner[b]
+        k = open_bin.get(j)
+        if k is None or bin_fill[k] + inputs[b] > row_tokens:
+            k = len(bin_prompt)
+            bin_prompt.append(j)
+            bin_fill.append(0)
+            open_bin[j] = k
+        row_bin[b], row_offset[b] = k, bin_fill[k]
+        bin_fill[k] += inputs[b]
+    return row_bin, row_offset, bin_prompt, bin_fill
+
+
 def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_ROW_TOKENS):
     """Final hidden states at the valid response positions, computed without padding.
 
@@ -192,15 +235,7 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
         not a prefix, a model without a transformers cache), so the caller falls back to the
         padded forward (also for a sliding-window model and for T = 0).
     """
-    config = getattr(decoder, "config", None)
-    attn = getattr(config, "_attn_implementation", None)
-    if attn != "sdpa":  # a boolean 4-D mask is what sdpa takes as is
-        return None
-    # A sliding window (Mistral's sliding_window, Qwen's use_sliding_window, sliding layer types)
-    # is not in the packed mask, and its cache keeps only the window's last keys.
-    if getattr(config, "sliding_window", None) is not None and getattr(config, "use_sliding_window", True):
-        return None
-    if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
+    if not _full_sdpa_attention(getattr(decoder, "config", None)):
         return None
     if rollout.response_ids.shape[1] == 0:
         return None
@@ -225,20 +260,7 @@ def packed_response_hidden(decoder, rollout: Rollout, *, row_tokens: int = PACK_
     # Response tokens 0 .. len-2 of each row are inputs (token len-1 predicts nothing kept).
     inputs = (lengths - 1).clamp(min=0).tolist()
     owner = inverse.tolist()
-    row_bin, row_offset, bin_prompt, bin_fill = [0] * B, [0] * B, [], []
-    open_bin: dict[int, int] = {}
-    for b in range(B):
-        if inputs[b] == 0:
-            continue
-        j = owner[b]
-        k = open_bin.get(j)
-        if k is None or bin_fill[k] + inputs[b] > row_tokens:
-            k = len(bin_prompt)
-            bin_prompt.append(j)
-            bin_fill.append(0)
-            open_bin[j] = k
-        row_bin[b], row_offset[b] = k, bin_fill[k]
-        bin_fill[k] += inputs[b]
+    row_bin, row_offset, bin_prompt, bin_fill = _pack_rows(inputs, owner, row_tokens)
     device = rollout.response_ids.device
     index = torch.zeros(B, T, dtype=torch.long, device=device)
     index[:, 0] = inverse  # t = 0 reads the prompt's last hidden state

@@ -180,16 +180,11 @@ class RolloutConfig:
     the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
     of every token is multiplied by its weight.
 
-    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
-    so its samples do not depend on the batch or rank it is in; always on with more than one
-    process. Off (the default) in one process keeps the earlier sampling stream.
-
     ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
     id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
     counts as truncated. For measuring equal work (benchmarks), not for training a model to stop."""
 
     engine: str = "auto"
-    per_prompt_seeds: bool = False
     ignore_eos: bool = False
     prompts_per_step: int = 4
     group_size: int = 8
@@ -385,54 +380,87 @@ def _coerce(path: str, value: Any, annotation: Any) -> Any:
             raise ConfigError(f"{path} must be a mapping of its fields, got {value!r}")
         return build_dataclass(annotation, value, path)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(path, value, arg)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
+        return _coerce_union(path, value, annotation, args)
     if annotation is Any:
         return value
     if annotation is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"{path} must be true or false, got {value!r}")
+        return _coerce_bool(path, value)
     if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            if isinstance(value, float) and value.is_integer():
-                return int(value)
-            raise ConfigError(f"{path} must be an integer, got {value!r}")
-        return value
+        return _coerce_int(path, value)
     if annotation is float:
-        if isinstance(value, str):
-            # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
-            try:
-                value = float(value)
-            except ValueError:
-                raise ConfigError(f"{path} must be a number, got {value!r}") from None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{path} must be a finite number, got {value!r}")
-        return float(value)
+        return _coerce_float(path, value)
     if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{path} must be a string, got {value!r}")
-        return value
+        return _coerce_str(path, value)
     if origin in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{path} must be a list, got {value!r}")
-        if origin is tuple:
-            return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-        return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+        return _coerce_sequence(path, value, origin, args)
     if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping, got {value!r}")
-        return {key: _yaml_number(item) for key, item in value.items()}
+        return _coerce_mapping(path, value)
     return value
+
+
+def _coerce_union(path: str, value: Any, annotation: Any, args: tuple) -> Any:
+    """``value`` as the first member of the union ``annotation`` (members ``args``) that takes it."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(path, value, arg)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
+
+
+def _coerce_bool(path: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{path} must be true or false, got {value!r}")
+
+
+def _coerce_int(path: str, value: Any) -> int:
+    """An int; a float with an integer value (``1e3``) becomes one, a bool is refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path} must be an integer, got {value!r}")
+    return value
+
+
+def _coerce_float(path: str, value: Any) -> float:
+    """A finite float; an int or a numeric string is converted, a bool is refused."""
+    if isinstance(value, str):
+        # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{path} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _coerce_str(path: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{path} must be a string, got {value!r}")
+    return value
+
+
+def _coerce_sequence(path: str, value: Any, origin: Any, args: tuple) -> list | tuple:
+    """A ``list[X]`` (each item coerced to X) or a ``tuple[X, Y, ...]`` (item i to the i-th type)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path} must be a list, got {value!r}")
+    if origin is tuple:
+        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+
+
+def _coerce_mapping(path: str, value: Any) -> dict:
+    """An option mapping: its values have no annotated type, only exponent strings become floats."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a mapping, got {value!r}")
+    return {key: _yaml_number(item) for key, item in value.items()}
 
 
 # A number in exponent form without a dot in its mantissa (3e-4), which YAML 1.1 reads as a string.

@@ -137,7 +137,7 @@ class Dist:
         FSDP's all-gathers and reduce-scatters pair up)."""
         return int(self.reduce(torch.tensor(count, dtype=torch.long, device=self.device), "max").item())
 
-    def agree_finite(self, params, finite: bool) -> bool:
+    def agree_finite(self, finite: bool) -> bool:
         """True only when ``finite`` is True on every rank (gradients already reduced by FSDP)."""
         return not self.any(not finite)
 
@@ -195,7 +195,7 @@ class Dist:
         ``finite``. Called by every rank once per optimizer step, before clipping."""
         if not self.active:
             return finite
-        if not self.agree_finite(params, finite):
+        if not self.agree_finite(finite):
             return False
         grads = []
         for p in params:

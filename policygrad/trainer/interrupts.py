@@ -60,7 +60,7 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum, _frame) -> None:
         name = signal.Signals(signum).name
         if self.at_once and self.received is None:
             self.received = name

@@ -142,6 +142,7 @@ class FSDP(Single):
         shard_model(critic, compute_dtype=self.compute_dtype)
 
     def engine_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        del policy  # sharded: the unsharded copy is the whole policy
         return self.full_policy
 
     def sync_engine(self, engine, policy: torch.nn.Module) -> None:
@@ -149,7 +150,8 @@ class FSDP(Single):
         engine.sync_weights(self.full_policy)
 
     def sync_gradients(self, params: list[torch.nn.Parameter], finite: bool) -> bool:
-        return self.dist.agree_finite(params, finite)
+        del params  # FSDP reduce-scattered the gradients in the backward
+        return self.dist.agree_finite(finite)
 
     def idle_passes(self, count: int) -> int:
         return self.dist.equal_passes(count) - count

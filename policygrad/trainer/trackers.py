@@ -177,6 +177,7 @@ class TrackioTracker(Tracker):
     name = "trackio"
 
     def __init__(self, run_dir: str, *, project: str, run_name: str, config: dict, saved: dict, **_):
+        del run_dir  # trackio keeps its own store (TRACKIO_DIR); every tracker is built with the folder
         import trackio
 
         self._trackio = trackio

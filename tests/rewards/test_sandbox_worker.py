@@ -125,7 +125,8 @@ def test_a_passed_deadline_stops_the_read(pipe):
 # ----------------------------------------------------------------------------- modules
 
 
-def test_new_module_is_made_as_an_import_makes_it(fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_new_module_is_made_as_an_import_makes_it():
     source = (
         "import dataclasses\n\n@dataclasses.dataclass\nclass Point:\n    x: int\n\n"
         "def double(p):\n    return Point(2 * p.x)"  # no newline at the end
@@ -333,7 +334,8 @@ def add_non_negative(a, b):
     return a + b
 
 
-def test_the_tests_role_reports_each_assert(pipes, fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_the_tests_role_reports_each_assert(pipes):
     asserts = ["assert add(1, 2) == 3", "assert add(1, 1) == 3, 'one and one'", "add(-1, 0)"]
     records = run_tests_role(pipes, {"asserts": asserts}, {"add": add_non_negative})
     assert records == [
@@ -346,7 +348,8 @@ def test_the_tests_role_reports_each_assert(pipes, fresh_modules):
     ]
 
 
-def test_a_test_expecting_the_candidates_type_error_passes(pipes, fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_a_test_expecting_the_candidates_type_error_passes(pipes):
     asserts = [
         "try:\n    add('x', 1)\nexcept TypeError:\n    pass\nelse:\n    raise AssertionError('no error')"
     ]
@@ -354,7 +357,8 @@ def test_a_test_expecting_the_candidates_type_error_passes(pipes, fresh_modules)
     assert records[1] == {"test": 0, "passed": True, "error": None}
 
 
-def test_a_humaneval_check_runs_first_with_the_prelude(pipes, fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_a_humaneval_check_runs_first_with_the_prelude(pipes):
     tests = {
         "prelude": "OFFSET = 10\n",
         "check": "def check(candidate):\n    assert candidate(OFFSET, 5) == 15\n",
@@ -368,14 +372,16 @@ def test_a_humaneval_check_runs_first_with_the_prelude(pipes, fresh_modules):
     ]
 
 
-def test_a_prompt_that_is_not_code_is_a_note(pipes, fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_a_prompt_that_is_not_code_is_a_note(pipes):
     records = run_tests_role(pipes, {"prelude": "def (:\n", "asserts": []}, {"add": lambda a, b: a + b})
     assert records[0] == {"ready": True}
     assert records[1]["note"].startswith("the prompt did not run as code: SyntaxError")
     assert records[2:] == [{"done": True}]
 
 
-def test_a_candidate_that_does_not_start_is_a_setup_error(pipes, fresh_modules):
+@pytest.mark.usefixtures("fresh_modules")
+def test_a_candidate_that_does_not_start_is_a_setup_error(pipes):
     records = run_tests_role(pipes, {"asserts": ["assert True"]}, {}, first={"hello": 1})
     started = "the candidate's sandbox did not start"
     assert records == [{"setup_error": f"{started}: RuntimeError: unexpected first frame {{'hello': 1}}"}]

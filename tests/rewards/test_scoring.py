@@ -23,12 +23,12 @@ GROUPS = torch.tensor([0, 0, 1, 1])
 NO_TRUNCATION = torch.tensor([False, False, False, False])
 
 
-def length(prompts, completions, **fields):
+def length(_prompts, completions, **_fields):
     """The completion's length: 1, 2, 3, 1 on COMPLETIONS."""
     return [len(c) for c in completions]
 
 
-def length_but_not_zzz(prompts, completions, **fields):
+def length_but_not_zzz(_prompts, completions, **_fields):
     """As :func:`length`, but no score (None) for ``zzz``: that row fails."""
     return [None if c == "zzz" else len(c) for c in completions]
 

@@ -270,7 +270,7 @@ def test_sync_weights_follows_new_weights_and_drops_stale_prefix_kv(setup, monke
         # Without clearing the prefix cache the prompt's KV would be the old weights': the
         # log-probs then follow neither model. This is what the test below guards against.
         with monkeypatch.context() as m:
-            m.setattr(engine.llm, "reset_prefix_cache", lambda *a, **k: True)
+            m.setattr(engine.llm, "reset_prefix_cache", lambda *_, **__: True)
             engine.sync_weights(new)
             stale = engine.generate(prompts, **kwargs)
         assert _abs_diff(new, stale).max() > 1.0  # measured ~26 on the long prompt's rows

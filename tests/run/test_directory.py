@@ -139,7 +139,7 @@ def test_options_that_cannot_change_are_refused(tmp_path):
 # ----------------------------------------------------------------------------- check_prompts
 
 
-def _trainer(prompts, eval_rows=(), *, context, max_new_tokens, max_prompt_length=None):
+def _trainer(prompts, *, context, max_new_tokens, max_prompt_length=None):
     data = {"max_prompt_length": max_prompt_length} if max_prompt_length else {}
     cfg = _config(
         "/tmp/unused", rollout={"prompts_per_step": len(prompts), "max_new_tokens": max_new_tokens}, data=data

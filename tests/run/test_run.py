@@ -111,7 +111,7 @@ def test_a_sharded_run_cannot_save_after_an_error(saved, says, caplog):
 def test_a_failed_save_after_an_error_is_a_note(caplog):
     run = _fake_run(step=3, saved=2)
 
-    def fail(state=None):
+    def fail(state=None):  # noqa: ARG001 (Run.save_checkpoint's signature: called with state=)
         raise CheckpointError("no room")
 
     run.save_checkpoint = fail
@@ -138,7 +138,7 @@ def test_the_signal_that_stops_the_ranks():
     run = _fake_run()
     run.dist = Dist()
     assert run._agreed_signal("SIGINT") == "SIGINT" and run._agreed_signal(None) is None
-    anyone = SimpleNamespace(active=True, any=lambda flag: True)
+    anyone = SimpleNamespace(active=True, any=lambda _flag: True)
     run.dist = anyone  # another rank received one: this rank stops too (SIGTERM when it got none)
     assert run._agreed_signal(None) == "SIGTERM" and run._agreed_signal("SIGINT") == "SIGINT"
     run.dist = SimpleNamespace(active=True, any=lambda flag: flag)
@@ -194,11 +194,12 @@ def test_load_state_dict_restores_the_counts_and_a_new_base_lr(tmp_path):
 # ----------------------------------------------------------------------------- a whole tiny run
 
 
-def count_digits(prompts, completions, **fields):
+def count_digits(_prompts, completions, **_fields):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-def test_checkpoints_follow_save_every_and_the_final_step(tiny_model_dir, tmp_path, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_checkpoints_follow_save_every_and_the_final_step(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(
         None,

@@ -86,7 +86,7 @@ def test_check_before_models_checks_the_given_functions_instead_of_the_configs(t
     cfg = _config(tmp_path, reward={"functions": ["no_such_module_xyz:f"]})
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         build.check_before_models(cfg)
-    build.check_before_models(cfg, [lambda p, c: [0.0] * len(c), "answer_correctness"])  # objects pass
+    build.check_before_models(cfg, [lambda _p, c: [0.0] * len(c), "answer_correctness"])  # objects pass
 
 
 def test_optimizer_steps_is_the_schedules_horizon(tmp_path):

@@ -156,7 +156,7 @@ def test_reward_function_returning_a_non_number(tiny_yaml, bad_row_dataset, rewa
     assert "for row 4 (prompt: 'What is 7-4?')" in line
 
 
-def test_reward_errors_skipped_are_counted(tiny_yaml, bad_row_dataset, tmp_path, capsys):
+def test_reward_errors_skipped_are_counted(tiny_yaml, bad_row_dataset, tmp_path):
     argv = [
         "train",
         tiny_yaml("skip", reward_fn="flaky"),

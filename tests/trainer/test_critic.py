@@ -29,7 +29,7 @@ class TokenTable(torch.nn.Module):
             weights[token, 0] = value
         self.embed = torch.nn.Embedding.from_pretrained(weights, freeze=False)
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):  # noqa: ARG002 (the model's forward signature: passed by keyword)
         return SimpleNamespace(last_hidden_state=self.embed(input_ids))
 
 
@@ -62,7 +62,7 @@ def test_value_clipping_hand_worked(clip_range):
     trainer = CriticTrainer(critic, lr=1e-3, clip_range=clip_range, max_grad_norm=1e9)
     grads = {}
     trainer.optimizer.register_step_pre_hook(
-        lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in critic.named_parameters()})
+        lambda *_: grads.update({n: p.grad.clone() for n, p in critic.named_parameters()})
     )
     rollout = make_rollout([[10]], [[11, 12]])
     old_values = torch.tensor([[0.5, 0.9]])

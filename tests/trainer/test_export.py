@@ -90,7 +90,7 @@ def run_config(**over):
 
 
 @pytest.mark.unit
-def test_the_card_of_a_full_model(tmp_path):
+def test_the_card_of_a_full_model():
     card = model_card(
         run_config(), steps=12, metrics={"reward/mean": 0.123456, "kl/ref": 2.5e-5}, kind="full model"
     )
@@ -241,7 +241,7 @@ def test_alive(monkeypatch):
     assert export._alive(os.getpid()) is True
     assert export._alive(dead_pid()) is False
 
-    def not_ours(pid, sig):
+    def not_ours(_pid, _sig):
         raise PermissionError
 
     monkeypatch.setattr(export.os, "kill", not_ours)

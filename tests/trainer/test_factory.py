@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from policygrad.trainer.config import ConfigError, ModelConfig, load_config
-from policygrad.trainer.distributed import Dist
 from policygrad.trainer.factory import build_trainer, prepare_config
 
 pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
 
 
-def importable_reward(prompts, completions, **fields):
+def importable_reward(_prompts, completions, **_fields):
     return [0.0 for _ in completions]
 
 
@@ -43,19 +42,18 @@ class InMemoryModel(torch.nn.Module):
 
 def test_nothing_given_returns_the_config_unchanged(tmp_path):
     cfg = _config(tmp_path)
-    got, objects = prepare_config(cfg, dist=Dist())
+    got, objects = prepare_config(cfg)
     assert got is cfg and objects is None
 
 
 def test_reward_callables_are_recorded_by_import_path_or_a_placeholder(tmp_path):
-    def local(prompts, completions, **fields):
+    def local(_prompts, completions, **_fields):
         return [1.0 for _ in completions]
 
     functions = [importable_reward, local, "answer_correctness"]
     got, objects = prepare_config(
         _config(tmp_path, reward={"functions": ["answer_correctness"] * 3, "weights": [1.0, 2.0, 3.0]}),
         reward_functions=functions,
-        dist=Dist(),
     )
     recorded = [
         "tests.trainer.test_factory:importable_reward",
@@ -71,30 +69,30 @@ def test_reward_callables_are_recorded_by_import_path_or_a_placeholder(tmp_path)
 
 def test_a_model_object_is_recorded_by_its_folder(tmp_path):
     got, _ = prepare_config(
-        _config(tmp_path, model={"name": ModelConfig().name}), model=InMemoryModel(), dist=Dist()
+        _config(tmp_path, model={"name": ModelConfig().name}), model=InMemoryModel()
     )
     assert got.model.name == "<model InMemoryModel (in memory)>"  # the default name is replaced
     folder = str(tmp_path)
     got, _ = prepare_config(
-        _config(tmp_path, model={"name": folder}), model=InMemoryModel(folder), dist=Dist()
+        _config(tmp_path, model={"name": folder}), model=InMemoryModel(folder)
     )
     assert got.model.name == folder  # the same folder: kept
     with pytest.raises(
         ConfigError, match=r"model.name='other/model' names another model than the model object"
     ):
         prepare_config(
-            _config(tmp_path, model={"name": "other/model"}), model=InMemoryModel(folder), dist=Dist()
+            _config(tmp_path, model={"name": "other/model"}), model=InMemoryModel(folder)
         )
 
 
-def test_several_processes_always_sample_with_per_prompt_seeds(tmp_path):
-    cfg = _config(tmp_path, rollout={"per_prompt_seeds": False})
-    one, _ = prepare_config(cfg, dist=Dist())
-    assert one.rollout.per_prompt_seeds is False
-    two, _ = prepare_config(cfg, dist=Dist(rank=0, world_size=2))
-    assert two.rollout.per_prompt_seeds is True
-    # nothing else changes
-    assert dataclasses.replace(two, rollout=cfg.rollout) == cfg
+def test_a_saved_config_with_the_removed_per_prompt_seeds_option_still_loads(tmp_path, caplog):
+    # config.yaml of a run from before every run sampled with per-prompt seeds
+    saved = tmp_path / "config.yaml"
+    saved.write_text("rollout:\n  per_prompt_seeds: false\n  group_size: 2\n")
+    with caplog.at_level("WARNING", logger="policygrad"):
+        cfg = load_config(str(saved))
+    assert cfg.rollout.group_size == 2 and not hasattr(cfg.rollout, "per_prompt_seeds")
+    assert "rollout.per_prompt_seeds is no longer an option (ignored)" in caplog.text
 
 
 def test_reward_specs_are_checked_before_any_model_without_running_user_code(tmp_path):
@@ -104,19 +102,20 @@ def test_reward_specs_are_checked_before_any_model_without_running_user_code(tmp
         f"open({str(ran)!r}, 'w').close()\n\n"
         "def f(prompts, completions, **k):\n    return [0.0] * len(completions)\n"
     )
-    prepare_config(_config(tmp_path, reward={"functions": [f"{good}:f"]}), dist=Dist())
+    prepare_config(_config(tmp_path, reward={"functions": [f"{good}:f"]}))
     assert not ran.exists()  # parsed, not imported
     with pytest.raises(FileNotFoundError):
-        prepare_config(_config(tmp_path, reward={"functions": [f"{tmp_path}/missing.py:f"]}), dist=Dist())
+        prepare_config(_config(tmp_path, reward={"functions": [f"{tmp_path}/missing.py:f"]}))
     bad = tmp_path / "bad.py"
     bad.write_text("def f(:\n")
     with pytest.raises(Exception, match="SyntaxError"):
-        prepare_config(_config(tmp_path, reward={"functions": [f"{bad}:f"]}), dist=Dist())
+        prepare_config(_config(tmp_path, reward={"functions": [f"{bad}:f"]}))
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
-        prepare_config(_config(tmp_path), reward_functions=["no_such_module_xyz:f"], dist=Dist())
+        prepare_config(_config(tmp_path), reward_functions=["no_such_module_xyz:f"])
 
 
-def test_the_same_config_builds_the_same_trainer(tmp_path, tiny_model_dir, one_thread):
+@pytest.mark.usefixtures("one_thread")
+def test_the_same_config_builds_the_same_trainer(tmp_path, tiny_model_dir):
     # build_trainer seeds everything first and builds its parts in a fixed order: the random
     # streams a run starts with (torch's global RNG, the data order) are those of its seed.
     cfg = _config(

@@ -37,7 +37,7 @@ class Tracker:
 
 def test_peak_rss_is_kib_on_linux_and_bytes_on_macos(monkeypatch):
     monkeypatch.setattr(
-        run_logging.resource, "getrusage", lambda who: types.SimpleNamespace(ru_maxrss=2_000_000)
+        run_logging.resource, "getrusage", lambda _who: types.SimpleNamespace(ru_maxrss=2_000_000)
     )
     monkeypatch.setattr(sys, "platform", "linux")
     assert peak_rss_gb() == pytest.approx(2_000_000 * 1024 / 1e9, rel=1e-12)  # 2.048 GB
@@ -116,7 +116,7 @@ def test_a_complete_but_damaged_last_line_is_an_error_too(tmp_path):
 def test_a_failed_write_names_the_file(tmp_path, monkeypatch):
     logger = MetricsLogger(str(tmp_path), tensorboard=False)
 
-    def full(fd, data):
+    def full(_fd, _data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(run_logging.os, "write", full)

@@ -116,7 +116,7 @@ class Spy:
             out.append(g)
         return out
 
-    def _count(self, *args):
+    def _count(self, *_args):
         self.optimizer_steps += 1
 
 
@@ -410,7 +410,7 @@ def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local
     )
     grads = {}
 
-    def record(optimizer, args, kwargs):
+    def record(_optimizer, _args, _kwargs):
         for name_, p in run.trainer.policy.named_parameters():
             grads[name_] = p.grad.detach().clone()
 
@@ -418,7 +418,7 @@ def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local
     if local_counts:
         # Normalise each micro-batch by its own counts (what omitting the global counts does).
         objective = run.trainer.objective
-        objective.reduce = lambda loss_matrix, mask, counts: aggregate(
+        objective.reduce = lambda loss_matrix, mask, _counts: aggregate(
             loss_matrix, mask, objective.agg_mode, max_len=objective.max_len
         )
     run.trainer.step()
@@ -611,7 +611,7 @@ def test_train_writes_the_run_directory(make_config):
     assert len(records) == 3 and set(records[0]) == {"prompt", "answer", "completion", "reward"}
 
 
-def test_a_row_whose_reward_failed_moves_no_group_statistic(make_config, rewards_py, tmp_path):
+def test_a_row_whose_reward_failed_moves_no_group_statistic(make_config, tmp_path):
     # on_error=skip: the failed row is out of the loss AND out of the group statistics. With every
     # valid reward equal, no advantage may be non-zero (a made-up 0 for the failed row would give
     # the other rows of its group a positive advantage).

@@ -37,7 +37,7 @@ def test_mismatch_metrics_read_a_known_shift(make_config):
     # so the mean and max absolute difference are 0.25, and a sequence of n tokens has the ratio
     # exp(0.25 n): its min / max over the batch come from the shortest / longest response.
     run = Run(make_config())
-    _shift_sampler(run, lambda i: -0.25)
+    _shift_sampler(run, lambda _i: -0.25)
     m = run.trainer.step()
     lengths = run.trainer._last_rollout.response_mask.sum(-1)
     assert m["mismatch/logprob_abs_mean"] == pytest.approx(0.25, abs=1e-4)
@@ -63,9 +63,9 @@ def test_token_truncation_caps_the_weight(make_config):
     # Sampler 1.0 nat below the trainer on every token: w = e^1 = 2.72 > cap 2, so every weight
     # is truncated to exactly 2 and the on-policy loss (ratio 1) is exactly twice the plain one.
     plain = Run(make_config("plain"))
-    _shift_sampler(plain, lambda i: -1.0)
+    _shift_sampler(plain, lambda _i: -1.0)
     tis = Run(make_config("tis", rollout={"is_correction": "token", "is_cap": 2.0}))
-    _shift_sampler(tis, lambda i: -1.0)
+    _shift_sampler(tis, lambda _i: -1.0)
     a, b = plain.trainer.step(), tis.trainer.step()
     assert b["mismatch/is_weight_mean"] == pytest.approx(2.0, abs=1e-5)
     assert b["mismatch/is_capped_frac"] == 1.0
@@ -76,7 +76,7 @@ def test_mask_mode_drops_every_token_above_the_cap_so_nothing_moves(make_config)
     # Every token's weight e^1 exceeds the cap: mask mode zeroes the whole policy loss, the
     # gradient is exactly 0, and AdamW's first step with a zero gradient leaves every weight as is.
     run = Run(make_config(rollout={"is_correction": "token", "is_mode": "mask"}))
-    _shift_sampler(run, lambda i: -1.0)
+    _shift_sampler(run, lambda _i: -1.0)
     before = {k: v.clone() for k, v in run.trainer.policy.state_dict().items()}
     m = run.trainer.step()
     assert m["mismatch/is_weight_mean"] == 0.0

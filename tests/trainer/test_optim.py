@@ -88,7 +88,7 @@ def test_two_half_losses_step_exactly_like_one_full_loss():
 def test_clipping_by_hand_with_sgd():
     w = torch.nn.Parameter(torch.zeros(2))
     opt = torch.optim.SGD([w], lr=1.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _k: 1.0)
     step = OptimizerStep(opt, sched, [w], max_grad_norm=1.0, device=CPU, strategy=Single(Dist()))
     step.zero()
     step.backward((w * torch.tensor([3.0, 4.0])).sum())
@@ -121,7 +121,7 @@ def test_a_non_finite_loss_skips_the_step_and_touches_nothing():
 def test_a_non_finite_gradient_norm_skips_the_step():
     w = torch.nn.Parameter(torch.zeros(3))
     opt = make_adamw([w], lr=0.1, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _k: 1.0)
     step = OptimizerStep(opt, sched, [w], max_grad_norm=1.0, device=CPU, strategy=Single(Dist()))
     step.zero()
     assert step.backward(w.sqrt().sum())  # loss 0 is finite; d sqrt(w)/dw at 0 is inf

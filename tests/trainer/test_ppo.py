@@ -391,7 +391,7 @@ def test_ptx_gradient_is_coef_times_the_lm_gradient(make_config, ptx_jsonl, tmp_
     (coef * ptx_loss(fresh, ids, mask)).backward()
     grads = {}
     run.trainer.optimizer.register_step_pre_hook(
-        lambda opt, a, k: grads.update({n: p.grad.clone() for n, p in run.trainer.policy.named_parameters()})
+        lambda *_: grads.update({n: p.grad.clone() for n, p in run.trainer.policy.named_parameters()})
     )
     run.trainer.step()
     expected = dict(fresh.named_parameters())
@@ -550,7 +550,8 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
 
 
 @pytest.mark.slow
-def test_policy_reference_and_critic_of_smollm2_fit_in_memory(tmp_path, bundled_model):
+@pytest.mark.usefixtures("bundled_model")
+def test_policy_reference_and_critic_of_smollm2_fit_in_memory(tmp_path):
     # Policy + reference + critic of SmolLM2-135M in float32: one PPO step, peak RSS well under
     # the 24 GiB machine.
     cfg = load_config(

@@ -390,7 +390,7 @@ def test_the_first_stop_signal_is_noted_and_the_second_stops_at_once():
     ],
 )
 def test_user_errors_end_in_one_line(error, expected, monkeypatch, capsys):
-    def fails(argv):
+    def fails(_argv):
         raise error
 
     monkeypatch.setitem(cli.COMMANDS, "train", fails)

@@ -575,7 +575,7 @@ def test_a_failed_resume_leaves_config_yaml_as_it_was(run_yaml, capsys, monkeypa
     assert open(config_yaml).read() == before
     os.remove(ids)
 
-    def fails(self):
+    def fails(_self):
         raise ValueError("the first resumed step fails")
 
     with monkeypatch.context() as m:
@@ -662,7 +662,7 @@ def test_a_start_that_fails_in_step_1_leaves_the_folder_to_the_corrected_command
     assert "already holds a run" in _one_error_line(capsys.readouterr().err)
 
 
-def test_steps_0_saves_nothing_and_leaves_the_folder_to_the_next_start(run_yaml, capsys):
+def test_steps_0_saves_nothing_and_leaves_the_folder_to_the_next_start(run_yaml):
     cfg, run = run_yaml("zero", steps=1)
     assert main(["train", cfg, "--steps=0"]) == 0
     assert _complete_steps(run) == []
@@ -701,7 +701,7 @@ def test_a_full_disk_writing_metrics_names_the_file(tmp_path):
 
     from policygrad.trainer import logging as metrics_logging
 
-    def full(fd, data):
+    def full(_fd, _data):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     fake_os = types.SimpleNamespace(**{k: getattr(os, k) for k in dir(os) if not k.startswith("__")})
@@ -761,7 +761,7 @@ def _signal_inside(cfg, attr: str, sig: str, tmp_path) -> tuple[int, str, str]:
 
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_command_works(
-    sig, run_yaml, tmp_path, capsys
+    sig, run_yaml, tmp_path
 ):
     from policygrad.trainer.interrupts import EXIT_STATUS
 

@@ -46,7 +46,7 @@ def test_release_free_memory_is_a_no_op_without_glibc(monkeypatch):
     assert release_free_memory() is None
 
 
-def test_malloc_trim_is_found_where_glibc_is(monkeypatch):
+def test_malloc_trim_is_found_where_glibc_is():
     import ctypes
 
     try:

@@ -28,11 +28,11 @@ class FakeDist:
     def __init__(self, passes=0, agree=True):
         self.passes, self.agree, self.calls = passes, agree, []
 
-    def sync_gradients(self, params, finite):
+    def sync_gradients(self, _params, finite):
         self.calls.append(("sync_gradients", finite))
         return self.agree
 
-    def agree_finite(self, params, finite):
+    def agree_finite(self, finite):
         self.calls.append(("agree_finite", finite))
         return self.agree
 
@@ -125,7 +125,7 @@ def test_fsdp_agrees_on_finiteness_and_pads_micro_batches_to_the_busiest_rank():
 
 
 def test_fsdp_refuses_a_loaded_lora_policy(monkeypatch):
-    monkeypatch.setattr(strategy_module, "is_peft_model", lambda model: True)
+    monkeypatch.setattr(strategy_module, "is_peft_model", lambda _model: True)
 
     class Models:
         policy = torch.nn.Linear(2, 2)

@@ -165,7 +165,7 @@ def _policy_step(tmp_path, micro_batch_size, *, target_kl=None, lr=1.0, **sectio
     params = list(model.parameters())
     # SGD: the weights move by lr x the gradient, so they compare the gradients themselves.
     opt = torch.optim.SGD(params, lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _k: 1.0)
     step = OptimizerStep(opt, sched, params, max_grad_norm=1e9, device=CPU, strategy=Single(Dist()))
     return PolicyStep(
         model,
