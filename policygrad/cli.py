@@ -83,6 +83,7 @@ def _load_train_config(config_path: str | None, resume: str | None, rest: list[s
     """The validated TrainConfig of ``policygrad train``: on --resume, the run's saved config (or
     ``config_path``) with ``rest`` applied, in the run's own folder; else ``config_path`` (or the
     defaults) with ``rest`` applied."""
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.trainer.config import ConfigError, load_config, parse_overrides
 
     if resume is not None:

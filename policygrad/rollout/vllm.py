@@ -55,6 +55,7 @@ import weakref
 import torch
 
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
+from policygrad.models.bundled import policygrad_home
 from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
 
 __all__ = ["VLLMRolloutEngine", "vllm_available"]
@@ -313,8 +314,6 @@ class VLLMRolloutEngine(RolloutEngine):
             raise ImportError(f"vLLM is not installed; {INSTALL_HINT}")
 
         if cache_dir is None:
-            from policygrad.models.bundled import policygrad_home
-
             cache_dir = os.path.join(str(policygrad_home()), "vllm-cache")
         _set_env_defaults(os.path.abspath(os.path.expanduser(cache_dir)))
 

@@ -32,6 +32,7 @@ from policygrad.core.advantages import (
 )
 from policygrad.core.kl import KLPlacement, get_kl_placement
 from policygrad.core.losses import check_policy_loss_options, list_policy_losses, policy_loss_options
+from policygrad.data.sources import is_code_dataset
 from policygrad.trainer.config_sections import (
     MIN_TEMPERATURE,
     CodeRewardConfig,
@@ -244,8 +245,6 @@ class TrainConfig:
         """A code dataset needs a reward that can score a program: its rows carry tests, and the
         built-in answer and length rewards would give every sample of a group the same score
         (every advantage 0, nothing learned)."""
-        from policygrad.data.sources import is_code_dataset
-
         if not is_code_dataset(self.data.dataset):
             return
         blind = {"answer_correctness", "answer_format", "length_penalty"}

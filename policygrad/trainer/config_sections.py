@@ -21,6 +21,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from policygrad.rollout.vllm import vllm_available
+
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown or out of range. The message names the field."""
@@ -231,8 +233,6 @@ class RolloutConfig:
         imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
         if self.engine != "auto":
             return self.engine, "configured"
-        from policygrad.rollout.vllm import vllm_available
-
         if not vllm_available():
             return "hf", "auto: vllm not installed"
         try:
