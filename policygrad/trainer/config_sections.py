@@ -21,7 +21,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from policygrad.rollout.vllm import vllm_available
+from policygrad.rollout import vllm as vllm_engine
 
 
 class ConfigError(ValueError):
@@ -233,7 +233,7 @@ class RolloutConfig:
         imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
         if self.engine != "auto":
             return self.engine, "configured"
-        if not vllm_available():
+        if not vllm_engine.vllm_available():
             return "hf", "auto: vllm not installed"
         try:
             import vllm  # noqa: F401

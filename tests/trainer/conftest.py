@@ -155,3 +155,17 @@ def checkpoint_weights(run_dir, step: int) -> dict[str, torch.Tensor]:
         out.update(load_file(path))
     assert out, f"no weights saved at step {step} of {run_dir}"
     return out
+
+
+def config_with(tmp_path, model_name: str, **sections):
+    """A validated config of an hf-engine run named ``model_name`` (never loaded by the tests that
+    use it) in ``tmp_path/run``, with ``sections`` merged into its tree."""
+    tree = {
+        "model": {"name": model_name},
+        "reward": {"functions": ["answer_correctness"]},
+        "rollout": {"engine": "hf"},
+        "output_dir": str(tmp_path / "run"),
+    }
+    for key, value in sections.items():
+        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
+    return load_config(None, tree)

@@ -15,24 +15,17 @@ from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
 from policygrad.rollout import vllm as vllm_module
 from policygrad.trainer import build
-from policygrad.trainer.config import ConfigError, load_config
+from policygrad.trainer.config import ConfigError
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.optim import OptimizerStep
 from policygrad.trainer.strategy import Single
+from tests.trainer.conftest import config_with
 
 pytestmark = pytest.mark.unit
 
 
 def _config(tmp_path, **sections):
-    tree = {
-        "model": {"name": "org/model"},
-        "reward": {"functions": ["answer_correctness"]},
-        "rollout": {"engine": "hf"},
-        "output_dir": str(tmp_path / "run"),
-    }
-    for key, value in sections.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
+    return config_with(tmp_path, 'org/model', **sections)
 
 
 def _draws():

@@ -12,6 +12,7 @@ import torch
 
 from policygrad.trainer.config import ConfigError, ModelConfig, load_config
 from policygrad.trainer.factory import build_trainer, prepare_config
+from tests.trainer.conftest import config_with
 
 pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
 
@@ -21,15 +22,7 @@ def importable_reward(_prompts, completions, **_fields):
 
 
 def _config(tmp_path, **sections):
-    tree = {
-        "model": {"name": "no/such-model-is-ever-read"},
-        "reward": {"functions": ["answer_correctness"]},
-        "rollout": {"engine": "hf"},
-        "output_dir": str(tmp_path / "run"),
-    }
-    for key, value in sections.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
+    return config_with(tmp_path, 'no/such-model-is-ever-read', **sections)
 
 
 class InMemoryModel(torch.nn.Module):
