@@ -9,7 +9,7 @@ FSDP-sharded (``distributed.strategy: fsdp``) also writes ``sharded/``, a
 ``torch.distributed.checkpoint`` folder in which every rank writes its shards of the policy's (and
 critic's) weights and AdamW state; its ``trainer_state.pt`` then holds no optimizer tensors.
 Every checkpoint resumes with any number of ranks and either strategy: ``sharded/`` is resharded
-on load, and a full optimizer state is sharded on load (:func:`restore_trainer_state`).
+on load, and a full optimizer state is sharded on load (``Trainer.load_state_dict``).
 
 A checkpoint is a transaction (:func:`save_checkpoint`): everything is written into a hidden
 sibling folder ``.step_N.tmp-PID``, every file and folder is fsynced, the folder is renamed to

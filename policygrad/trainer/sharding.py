@@ -17,9 +17,9 @@ parameters and optimizer state stay float32.
 Collectives need every rank to run the same sequence of sharded forwards and backwards: the
 trainer pads a rank that has fewer micro-batches in a minibatch with zero-weight passes
 (:meth:`policygrad.trainer.distributed.Dist.equal_passes`), and the rollout engine samples from
-an unsharded copy of the policy (``Trainer.full_policy``), synced after each update with
-:func:`copy_full_weights`, since sequences of different lengths would make the ranks' generation
-loops differ.
+an unsharded copy of the policy (``FSDP.full_policy``, :mod:`policygrad.trainer.strategy`),
+synced after each update with :func:`copy_full_weights`, since sequences of different lengths
+would make the ranks' generation loops differ.
 """
 
 from __future__ import annotations
