@@ -95,7 +95,9 @@ class Run:
         eval_rows: list[dict[str, Any]] | None = None,
     ):
         self.dist = Dist.current()
-        cfg, reward_objects = prepare_config(config, model=model, reward_functions=reward_functions)
+        cfg, reward_objects = prepare_config(
+            config, model=model, reward_functions=reward_functions, dist=self.dist
+        )
         self.config, self.run_dir = cfg, cfg.output_dir
         self.logger, self._lock = None, None
         self._saved_step: int | None = None  # the step of the newest checkpoint on disk

@@ -473,20 +473,5 @@ def load_config(path: str | None = None, overrides: list[str] | dict[str, Any] |
     if overrides:
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _merge(data, over)
-    return build_dataclass(TrainConfig, _without_removed_fields(data))
+    return build_dataclass(TrainConfig, data)
 
-
-# Fields earlier versions wrote to config.yaml that no longer exist, and why (a saved run still loads).
-REMOVED_FIELDS = {
-    ("rollout", "per_prompt_seeds"): "every run samples each prompt from its own seed, whatever the number "
-    "of processes, so one process and N processes train on the same samples",
-}
-
-
-def _without_removed_fields(data: dict[str, Any]) -> dict[str, Any]:
-    for (section, name), why in REMOVED_FIELDS.items():
-        fields = data.get(section)
-        if isinstance(fields, dict) and name in fields:
-            data = {**data, section: {k: v for k, v in fields.items() if k != name}}
-            log.warning("note: %s.%s is no longer an option (ignored): %s", section, name, why)
-    return data

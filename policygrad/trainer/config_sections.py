@@ -182,11 +182,16 @@ class RolloutConfig:
     the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
     of every token is multiplied by its weight.
 
+    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
+    so its samples do not depend on the batch or rank it is in; always on with more than one
+    process. Off (the default) in one process keeps the earlier sampling stream.
+
     ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
     id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
     counts as truncated. For measuring equal work (benchmarks), not for training a model to stop."""
 
     engine: str = "auto"
+    per_prompt_seeds: bool = False
     ignore_eos: bool = False
     prompts_per_step: int = 4
     group_size: int = 8

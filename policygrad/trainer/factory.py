@@ -33,14 +33,15 @@ __all__ = ["build_trainer", "prepare_config"]
 
 
 def prepare_config(
-    config: TrainConfig, *, model=None, reward_functions: list | None = None
+    config: TrainConfig, *, model=None, reward_functions: list | None = None, dist: Dist | None = None
 ) -> tuple[TrainConfig, list | None]:
     """``config`` as a run records it, and the reward objects to use.
 
     A model object is recorded as ``model.name`` (:func:`~policygrad.trainer.models.record_model_object`);
     reward functions given as objects are recorded by import path (``module:qualname``) or a
     placeholder ``<callable NAME (not importable)>``, and the objects without a path are
-    returned for the scorer. Then what
+    returned for the scorer; several processes always sample with per-prompt seeds, so
+    ``config.yaml`` says so and a resume in one process goes on sampling the same way. Then what
     needs no model is checked (the engine's choice, the reward-function specs: no user code
     runs), so a bad option or file is refused before a model is read or converted.
 
@@ -64,6 +65,11 @@ def prepare_config(
                 "weight per function, or none (equal weights)"
             )
         config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, functions=recorded))
+    dist = dist or Dist.current()
+    if dist.active and not config.rollout.per_prompt_seeds:
+        config = dataclasses.replace(
+            config, rollout=dataclasses.replace(config.rollout, per_prompt_seeds=True)
+        )
     build.check_before_models(config, reward_objects)
     return config, reward_objects
 

@@ -243,9 +243,9 @@ class Trainer:
 
     def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
         """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
-        scored. Prompt i of the step's ``round_index``-th round samples from its own seed
-        (:meth:`Seeds.prompts`), whichever rank or batch it is in, so one process and N processes
-        train on the same samples."""
+        scored. With ``rollout.per_prompt_seeds`` (always with several processes) prompt i of the
+        step's ``round_index``-th round samples from its own seed (:meth:`Seeds.prompts`),
+        whichever rank or batch it is in."""
         r = self.config.rollout
         share = self.dist.share(len(rows))
         seeds = self.seeds.prompts(self.step_idx, round_index, len(rows))
@@ -258,7 +258,7 @@ class Trainer:
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            prompt_seeds=seeds,
+            prompt_seeds=seeds if r.per_prompt_seeds else None,
             ignore_eos=r.ignore_eos,
         )
         completions = self.decode(rollout)

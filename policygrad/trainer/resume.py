@@ -52,6 +52,7 @@ TRAINING_OPTIONS = frozenset(
         "reward.isolation",
         "data.eval_size",
         "data.eval_dataset",
+        "rollout.per_prompt_seeds",  # e.g. a one-process run continued by several processes
     }
 )
 _IGNORED = frozenset({"overwrite", "output_dir"})  # not options of the run itself

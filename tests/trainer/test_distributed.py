@@ -60,6 +60,7 @@ def case_config(name: str, model_dir: str, rewards_py: str, out_dir, strategy: s
     tree["steps"] = STEPS
     tree["num_threads"] = 1  # as each rank: matmuls split over threads sum in another order
     tree["distributed"] = {"strategy": strategy}
+    tree["rollout"]["per_prompt_seeds"] = True  # as every multi-process run samples
     for key, value in extra.items():
         tree[key] = {**tree.get(key, {}), **value} if isinstance(value, dict) else value
     return load_config(None, tree)

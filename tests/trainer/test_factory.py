@@ -10,7 +10,8 @@ import dataclasses
 import pytest
 import torch
 
-from policygrad.trainer.config import ConfigError, ModelConfig, load_config
+from policygrad.trainer.config import ConfigError, ModelConfig
+from policygrad.trainer.distributed import Dist
 from policygrad.trainer.factory import build_trainer, prepare_config
 from tests.trainer.conftest import config_with
 
@@ -78,14 +79,14 @@ def test_a_model_object_is_recorded_by_its_folder(tmp_path):
         )
 
 
-def test_a_saved_config_with_the_removed_per_prompt_seeds_option_still_loads(tmp_path, caplog):
-    # config.yaml of a run from before every run sampled with per-prompt seeds
-    saved = tmp_path / "config.yaml"
-    saved.write_text("rollout:\n  per_prompt_seeds: false\n  group_size: 2\n")
-    with caplog.at_level("WARNING", logger="policygrad"):
-        cfg = load_config(str(saved))
-    assert cfg.rollout.group_size == 2 and not hasattr(cfg.rollout, "per_prompt_seeds")
-    assert "rollout.per_prompt_seeds is no longer an option (ignored)" in caplog.text
+def test_several_processes_always_sample_with_per_prompt_seeds(tmp_path):
+    cfg = _config(tmp_path, rollout={"per_prompt_seeds": False})
+    one, _ = prepare_config(cfg, dist=Dist())
+    assert one.rollout.per_prompt_seeds is False
+    two, _ = prepare_config(cfg, dist=Dist(rank=0, world_size=2))
+    assert two.rollout.per_prompt_seeds is True
+    # nothing else changes
+    assert dataclasses.replace(two, rollout=cfg.rollout) == cfg
 
 
 def test_reward_specs_are_checked_before_any_model_without_running_user_code(tmp_path):

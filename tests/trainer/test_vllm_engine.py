@@ -60,14 +60,14 @@ def test_vllm_engine_trains_and_follows_the_policy(make_config, vllm_model_dir):
 def test_bf16_engine_mismatch_rises_and_sequence_tis_acts(make_config, vllm_model_dir):
     fp32 = _trainer(make_config, "fp32", vllm_model_dir)
     try:
-        a = fp32.step()
+        a = fp32.trainer.step()
     finally:
         fp32.close()
     bf16 = _trainer(
         make_config, "bf16", vllm_model_dir, dtype="bfloat16", is_correction="sequence", is_cap=1.05
     )
     try:
-        b = bf16.step()
+        b = bf16.trainer.step()
     finally:
         bf16.close()
     # bf16 rounds every weight and activation (8 bits of mantissa): per-token log-probs move by
