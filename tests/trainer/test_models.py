@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from policygrad.trainer.checkpoint import CheckpointError
-from policygrad.trainer.config import ConfigError, ModelConfig, load_config
+from policygrad.trainer.config import ConfigError, ModelConfig
 from policygrad.trainer.models import adopt_model, build_models, load_eval_models, record_model_object
 from tests.tiny import EOS_ID, make_tiny_llama
+from tests.trainer.conftest import config_with
 
 pytestmark = pytest.mark.integration
 
@@ -25,16 +26,7 @@ def _one_thread(one_thread):
     """Tiny-model work on one thread (tests/conftest.py)."""
 
 
-def _config(tmp_path, model_name, **sections):
-    tree = {
-        "model": {"name": model_name},
-        "reward": {"functions": ["answer_correctness"]},
-        "rollout": {"engine": "hf"},
-        "output_dir": str(tmp_path / "run"),
-    }
-    for key, value in sections.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
+_config = config_with
 
 
 def _same_weights(a, b):
