@@ -39,7 +39,7 @@ from _common import (
 
 from policygrad.data.code_task import CodeTask
 from policygrad.rewards.code import CodeTests
-from policygrad.rewards.sandbox import Sandbox, TestSpec
+from policygrad.sandbox.runner import Sandbox, TestSpec
 
 CORRECT = "def add(a, b):\n    return a + b\n"
 SPEC = TestSpec(names=("add",), asserts=("assert add(2, 3) == 5",))

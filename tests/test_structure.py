@@ -25,7 +25,7 @@ TEST_FILE_OF = {
     "policygrad/cli.py": "tests/trainer/test_cli.py",
     # LoRA adapters in and out: loading a run from an adapter, merged exports, adapter mistakes.
     "policygrad/models/adapters.py": "tests/trainer/test_adapters.py",
-    # The code_tests reward's pure parts (its sandbox runs are in tests/rewards/test_sandbox.py).
+    # The code_tests reward's pure parts (its sandbox runs are in tests/sandbox/test_runner.py).
     "policygrad/rewards/code.py": "tests/rewards/test_code_reward.py",
 }
 
@@ -112,11 +112,11 @@ def test_each_mapped_test_file_exists_and_names_its_module(module):
 def test_mentions_tells_a_module_from_its_neighbours(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     (tmp_path / "a.py").write_text("from policygrad.data.code_task import x\n")
-    (tmp_path / "b.py").write_text("from policygrad.rewards import sandbox_worker as worker\n")
+    (tmp_path / "b.py").write_text("from policygrad.sandbox import worker\n")
     (tmp_path / "c.py").write_text("from policygrad.rewards import (\n    code,\n)\n")
     assert not mentions("a.py", "policygrad/data/code.py")  # code_task is another module
     assert mentions("a.py", "policygrad/data/code_task.py")
-    assert mentions("b.py", "policygrad/rewards/sandbox_worker.py")
-    assert not mentions("b.py", "policygrad/rewards/sandbox.py")
+    assert mentions("b.py", "policygrad/sandbox/worker.py")
+    assert not mentions("b.py", "policygrad/sandbox/runner.py")
     assert mentions("c.py", "policygrad/rewards/code.py")  # an import over several lines
     assert not mentions("c.py", "policygrad/data/code.py")

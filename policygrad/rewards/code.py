@@ -10,7 +10,7 @@ completion:
    row's code prompt (``stub``, else the prompt itself) comes first: a completion that defines
    ``entry_point`` is appended to it (the stub's imports and helpers stay available), one that
    does not is the function's body and is joined to it, as HumanEval does (:func:`build_program`);
-3. the tests run in :meth:`policygrad.rewards.sandbox.Sandbox.run_tests`: HumanEval's ``check``
+3. the tests run in :meth:`policygrad.sandbox.runner.Sandbox.run_tests`: HumanEval's ``check``
    (one test) and/or the row's ``tests`` (a list of statements such as ``"assert add(2, 3) ==
    5"``, one test each); the stub runs on the tests' side as well, since its helpers belong to
    the tests;
@@ -23,7 +23,7 @@ for ``tests``, the names the statements use but neither define nor get from the 
 the stub (:func:`called_names`): built-ins are never replaced by the program's functions.
 
 The programs of a batch run concurrently in a bounded thread pool (``workers``), two sandboxes
-each; see :mod:`policygrad.rewards.sandbox` for the isolation, the limits and the threat model.
+each; see :mod:`policygrad.sandbox.runner` for the isolation, the limits and the threat model.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from policygrad.rewards.sandbox import Sandbox, SandboxLimits, TestResult, TestSpec
 from policygrad.rewards.verifiers import answer_correctness
+from policygrad.sandbox.runner import Sandbox, SandboxLimits, TestResult, TestSpec
 
 __all__ = [
     "CodeTests",
@@ -195,7 +195,7 @@ def spec_for_row(
     stub: str | None = None,
     prompt: str | None = None,
 ) -> TestSpec:
-    """The :class:`~policygrad.rewards.sandbox.TestSpec` of one row (module docstring).
+    """The :class:`~policygrad.sandbox.runner.TestSpec` of one row (module docstring).
 
     Args:
         test: HumanEval's test code (defining ``check``), or assert code without ``check``.
@@ -255,7 +255,7 @@ class CodeTests:
 
     Calling it scores a batch: ``(prompts, completions, **row_fields) -> list[float]``; a row
     without tests raises ``ValueError``; a sandbox that fails to start raises ``SandboxError``.
-    :meth:`results` returns the :class:`~policygrad.rewards.sandbox.TestResult` of each row.
+    :meth:`results` returns the :class:`~policygrad.sandbox.runner.TestResult` of each row.
     """
 
     def __init__(self, *, isolation: str = "auto", partial: bool = False, timeout_s: float = 10.0,

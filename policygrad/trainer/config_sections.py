@@ -250,7 +250,7 @@ class RolloutConfig:
 @dataclass
 class CodeRewardConfig:
     """The sandbox of the ``code_tests`` reward (and of evaluation on code rows); see
-    :mod:`policygrad.rewards.sandbox` for what each isolation mode isolates and the threat model.
+    :mod:`policygrad.sandbox.runner` for what each isolation mode isolates and the threat model.
 
     ``isolation``: ``auto`` (bubblewrap if installed, else Linux namespaces; the run refuses to
     start when neither works), ``bwrap``, ``namespaces`` or ``none`` (separate processes with

@@ -8,7 +8,6 @@ import math
 
 import pytest
 
-from policygrad.rewards import sandbox_worker as worker
 from policygrad.rewards.code import (
     TaskReward,
     build_program,
@@ -19,6 +18,7 @@ from policygrad.rewards.code import (
     spec_for_row,
 )
 from policygrad.rewards.registry import BUILTIN_REWARDS, load_reward_function
+from policygrad.sandbox import worker
 
 pytestmark = pytest.mark.unit
 

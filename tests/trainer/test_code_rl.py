@@ -9,8 +9,8 @@ import os
 import pytest
 
 from policygrad.rewards.code import CodeTests
-from policygrad.rewards.sandbox import available_isolation
 from policygrad.run import Run
+from policygrad.sandbox.runner import available_isolation
 from policygrad.trainer.config import ConfigError, load_config
 from tests.trainer.conftest import tiny_overrides
 

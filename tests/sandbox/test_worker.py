@@ -22,8 +22,8 @@ import time
 
 import pytest
 
-from policygrad.rewards import sandbox_worker as worker
-from policygrad.rewards.sandbox_worker import CandidateError, Channel
+from policygrad.sandbox import worker
+from policygrad.sandbox.worker import CandidateError, Channel
 
 pytestmark = pytest.mark.unit
 

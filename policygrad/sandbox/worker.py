@@ -1,4 +1,4 @@
-"""The program that runs inside the code sandbox; :mod:`policygrad.rewards.sandbox` starts it.
+"""The program that runs inside the code sandbox; :mod:`policygrad.sandbox.runner` starts it.
 
 It is not imported by the package: the sandbox starts a fresh interpreter as
 ``python -I -S -B -c <this file's source>`` (isolated mode: no ``PYTHON*`` variables, no site

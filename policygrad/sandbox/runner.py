@@ -2,7 +2,7 @@
 
 Model-generated programs never run in the trainer's process. :class:`Sandbox` starts each one in a
 fresh interpreter (``python -I -S -B``: no ``PYTHON*`` variables, no site packages) running
-:mod:`policygrad.rewards.sandbox_worker`, in its own session, with an empty environment (only
+:mod:`policygrad.sandbox.worker`, in its own session, with an empty environment (only
 ``PATH`` and ``LANG``), and kills its whole process tree when it ends.
 
 Isolation (``isolation``; the run logs which one is in force when the sandbox is built):
@@ -105,7 +105,7 @@ GRACE_S = 2.0  # the harness's reporting time beyond the program's wall time
 # loaded machine's slow start-up is never counted against a program).
 START_TIMEOUT_S = 60.0
 SETUP_FAILED = 121  # the worker's exit status when the sandbox could not be set up
-_WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sandbox_worker.py")
+_WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
 _CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # A fresh uid per sandbox when started as root: no other process (and no file) belongs to it, so
 # RLIMIT_NPROC counts only this sandbox's processes and nothing outside can be signalled.

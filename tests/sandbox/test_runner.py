@@ -18,10 +18,10 @@ import uuid
 
 import pytest
 
-import policygrad.rewards.sandbox as sandbox_module
+import policygrad.sandbox.runner as sandbox_module
 from policygrad.data.code_task import load_humaneval
 from policygrad.rewards.code import CodeTests
-from policygrad.rewards.sandbox import (
+from policygrad.sandbox.runner import (
     Sandbox,
     SandboxError,
     SandboxLimits,
