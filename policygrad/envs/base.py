@@ -1,0 +1,140 @@
+"""The environment protocol: what an episode of several turns asks of the world it acts in.
+
+An episode (one of the G samples of a dataset row) runs::
+
+    messages = env.reset(row, seed=seed)         # the opening messages (chat format)
+    loop:   the policy writes one turn (sampled ids kept verbatim)
+            result = env.step(turn_text)           # observation messages, turn reward, done
+            until result.done, a limit, or an error
+    env.final_reward(stop_reason)                  # the episode's score beyond the turn rewards
+    env.close()
+
+One environment object serves one episode: :mod:`policygrad.envs.registry` builds a fresh one
+per episode from the class (or factory) and its options. The G episodes of a row are reset with
+the same seed, so they start from the same messages and face the same hidden state (a GRPO group
+compares answers to one problem).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = [
+    "STOP_REASONS",
+    "TRUNCATING_STOPS",
+    "Environment",
+    "EnvironmentFailure",
+    "StepResult",
+    "check_messages",
+    "check_step_result",
+]
+
+# Why an episode ended. ``done``: the environment said so; ``max_turns``: the turn limit (not a
+# truncation: every turn ended normally); ``length``: a turn hit ``max_new_tokens`` without an
+# end id; ``budget``: the episode hit ``max_episode_tokens``; ``context``: the model's context is
+# full; ``error``: the environment raised or timed out (the episode carries no loss).
+STOP_REASONS = ("done", "max_turns", "length", "budget", "context", "error")
+# Stops that cut a turn short: the episode goes through ``reward.truncation`` as a whole.
+TRUNCATING_STOPS = frozenset({"length", "budget", "context"})
+
+
+class EnvironmentFailure(RuntimeError):
+    """An environment raised, returned something malformed, or timed out."""
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What :meth:`Environment.step` returns.
+
+    Attributes:
+        observation: messages to show the policy before its next turn (``{"role": ..., "content":
+            str}``; roles the chat template knows, usually ``user`` or ``tool``); may be empty
+            when ``done``.
+        reward: the turn's reward, placed on the turn's last action token (0.0: none).
+        done: the episode is over; ``observation`` is then not shown.
+        info: numbers to log, averaged over a step's turns as ``env/<key>``.
+    """
+
+    observation: list[dict[str, str]] = dataclasses.field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    info: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+class Environment(abc.ABC):
+    """One episode's world. Subclass and implement :meth:`reset` and :meth:`step`.
+
+    Methods run in the trainer's process, in worker threads (``rollout.env_workers``), each call
+    bounded by ``rollout.env_step_timeout_s``; run untrusted code through
+    :mod:`policygrad.sandbox` (as :class:`policygrad.envs.tools.ToolEnv` does).
+    """
+
+    @abc.abstractmethod
+    def reset(self, row: Mapping[str, Any], *, seed: int) -> list[dict[str, str]]:
+        """The opening messages of an episode on dataset ``row`` (at least one; a ``system``
+        message first is allowed). ``seed`` (an int in [0, 2**62)) is the same for the G episodes
+        of a row and fixes any randomness of the episode's hidden state."""
+
+    @abc.abstractmethod
+    def step(self, action: str) -> StepResult:
+        """The environment's answer to the policy's turn ``action`` (its decoded text, special
+        tokens removed)."""
+
+    def final_reward(self, stop_reason: str) -> float:  # noqa: ARG002 - subclasses use it
+        """The episode's reward beyond the turn rewards, placed on its last action token, given
+        why it stopped (one of :data:`STOP_REASONS` but ``error``). Default 0.0."""
+        return 0.0
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release what the episode holds (called once, also after an error)."""
+
+
+def check_messages(messages: Any, what: str, *, allow_empty: bool = False) -> list[dict[str, str]]:
+    """``messages`` as a list of ``{"role": str, "content": str}`` dicts (copies).
+
+    Raises:
+        EnvironmentFailure: not a list of such dicts (names ``what`` and the first bad entry),
+            or empty when ``allow_empty`` is False.
+    """
+    if not isinstance(messages, (list, tuple)):
+        raise EnvironmentFailure(f"{what} must be a list of messages, got {type(messages).__name__}")
+    if not messages and not allow_empty:
+        raise EnvironmentFailure(f"{what} is empty; give at least one message")
+    out = []
+    for i, m in enumerate(messages):
+        if (
+            not isinstance(m, Mapping)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
+            raise EnvironmentFailure(
+                f"{what}[{i}] must be a dict with string 'role' and 'content', got {m!r:.120}"
+            )
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def check_step_result(result: Any) -> StepResult:
+    """``result`` checked: a :class:`StepResult` with a finite float reward and numeric info.
+
+    Raises:
+        EnvironmentFailure: anything else (names the field).
+    """
+    if not isinstance(result, StepResult):
+        raise EnvironmentFailure(f"step() must return a StepResult, got {type(result).__name__}")
+    reward = result.reward
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or reward != reward:
+        raise EnvironmentFailure(f"StepResult.reward must be a finite number, got {reward!r}")
+    if abs(float(reward)) == float("inf"):
+        raise EnvironmentFailure(f"StepResult.reward must be a finite number, got {reward!r}")
+    info = {}
+    for key, value in dict(result.info).items():
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise EnvironmentFailure(f"StepResult.info[{key!r}] must be a number, got {value!r:.60}")
+        info[str(key)] = float(value)
+    observation = check_messages(result.observation, "StepResult.observation", allow_empty=True)
+    return StepResult(observation, float(reward), bool(result.done), info)

@@ -1,0 +1,135 @@
+"""Environment specs -> a factory of fresh environments, one per episode.
+
+A spec is ``builtin:NAME`` (:data:`BUILTIN_ENVIRONMENTS`), ``package.module:Class``,
+``path/to/file.py:Class``, or an object: an :class:`~policygrad.envs.base.Environment` subclass
+or any callable that returns a new environment when called with the ``env.options`` as keyword
+arguments.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from policygrad.envs.base import Environment
+
+__all__ = ["BUILTIN_ENVIRONMENTS", "check_environment_spec", "environment_factory"]
+
+BUILTIN_PREFIX = "builtin:"
+# name -> "module:Class", imported on use.
+BUILTIN_ENVIRONMENTS = {
+    "guess": "policygrad.envs.guess:GuessEnv",
+    "calculator": "policygrad.envs.calculator:CalculatorEnv",
+    "code_feedback": "policygrad.envs.code_feedback:CodeFeedbackEnv",
+}
+
+
+def _forms() -> str:
+    names = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_ENVIRONMENTS)
+    return f"{names}, 'package.module:Class' or 'path/to/file.py:Class'"
+
+
+def check_environment_spec(spec: Any) -> None:
+    """The checks of :func:`environment_factory` that run none of the user's code (a known
+    built-in, a well-formed spec, an existing file, a findable module).
+
+    Raises:
+        ValueError: an unknown built-in, a malformed spec, a module that cannot be found.
+        FileNotFoundError: a ``.py`` file that does not exist.
+        TypeError: neither a string nor a callable.
+    """
+    if callable(spec):
+        return
+    if not isinstance(spec, str):
+        raise TypeError(f"env.name must be a string or an Environment class, got {type(spec).__name__}")
+    spec = spec.strip()
+    if spec.startswith(BUILTIN_PREFIX):
+        if spec[len(BUILTIN_PREFIX) :] not in BUILTIN_ENVIRONMENTS:
+            raise ValueError(f"unknown environment {spec!r}; give {_forms()}")
+        return
+    target, _, attr = spec.rpartition(":")
+    if not target or not attr:
+        raise ValueError(f"malformed environment spec {spec!r}; give {_forms()}")
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = os.path.abspath(os.path.expanduser(target))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(
+                f"environment file {target!r} (env.name {spec!r}) does not exist (looked at {path})"
+            )
+    elif importlib.util.find_spec(target.split(".")[0]) is None:
+        raise ValueError(
+            f"cannot import module {target!r} for env.name {spec!r}; install it or put it on "
+            "PYTHONPATH, or use 'path/to/file.py:Class'"
+        )
+
+
+def _load(spec: str) -> Any:
+    spec = spec.strip()
+    if spec.startswith(BUILTIN_PREFIX):
+        check_environment_spec(spec)
+        spec = BUILTIN_ENVIRONMENTS[spec[len(BUILTIN_PREFIX) :]]
+    check_environment_spec(spec)
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target or os.sep in target:
+        path = os.path.abspath(os.path.expanduser(target))
+        name = f"policygrad_user_env_{abs(hash(path)):x}"
+        loader = importlib.util.spec_from_file_location(name, path)
+        if loader is None or loader.loader is None:
+            raise ValueError(f"cannot load {path!r} as a Python module (env.name {spec!r})")
+        module = importlib.util.module_from_spec(loader)
+        sys.modules[name] = module
+        try:
+            loader.loader.exec_module(module)
+        except Exception as exc:
+            sys.modules.pop(name, None)
+            raise ValueError(
+                f"environment file {path!r} failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
+    else:
+        module = importlib.import_module(target)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{target!r} has no attribute {attr!r} (env.name {spec!r})")
+        obj = getattr(obj, part)
+    return obj
+
+
+def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
+    """A function of no arguments that builds a fresh environment for one episode.
+
+    Args:
+        spec: see the module docstring.
+        options: keyword arguments of the class or factory (``env.options``).
+
+    Raises:
+        ValueError / FileNotFoundError / TypeError: as :func:`check_environment_spec`; a spec
+            that names something not callable; options the class rejects (checked by building
+            one environment here, so a typo shows at start, not in the first step).
+    """
+    target = spec if callable(spec) else _load(spec)
+    if not callable(target):
+        raise TypeError(f"env.name {spec!r} names a {type(target).__name__}, not a class or factory")
+    options = dict(options or {})
+
+    def make() -> Environment:
+        env = target(**options)
+        if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
+            raise TypeError(
+                f"env.name {spec!r} built a {type(env).__name__}, which has no reset()/step(); "
+                "subclass policygrad.envs.Environment"
+            )
+        return env
+
+    try:
+        probe = make()
+    except TypeError as exc:
+        raise ValueError(f"env.options do not fit {spec!r}: {exc}") from exc
+    close = getattr(probe, "close", None)
+    if callable(close):
+        close()
+    return make
