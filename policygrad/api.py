@@ -173,6 +173,7 @@ def train(
     tokenizer=None,
     config: Any = None,
     resume_from: str | os.PathLike | None = None,
+    env: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Run a training job and return its summary (also written to ``RUN_DIR/summary.json``).
@@ -196,6 +197,10 @@ def train(
             keys) or a YAML path.
         resume_from: a run directory to continue from its latest checkpoint (pass the same
             objects again).
+        env: a multi-turn environment: a spec (``builtin:guess``, ``module:Class``,
+            ``file.py:Class``) or an :class:`~policygrad.envs.Environment` class (or a factory
+            returning a new one), built with ``env={"options": ...}`` from the config; episode
+            limits are ``rollout`` options (``max_turns`` ...).
         **overrides: config fields, applied last: ``steps=10``, ``output_dir="runs/x"``,
             ``rollout={"group_size": 4}`` (merged into the section), or dotted keys through a
             dict, ``**{"kl.beta": 0.04}``.
@@ -213,6 +218,12 @@ def train(
     tree, model_object = _apply_model(tree, model, tokenizer)
     tree, reward_objects = _apply_reward_funcs(tree, reward_funcs)
     tree, in_memory = _apply_datasets(tree, train_dataset, eval_dataset)
+    env_object = None
+    if isinstance(env, str):
+        tree = _merge(tree, {"env": {"name": env}})
+    elif env is not None:  # validated with the record the trainer will write
+        env_object = env
+        tree = _merge(tree, {"env": {"name": describe_object(env, kind="environment")}})
     if reward_objects is not None:  # validated with the records the trainer will write
         tree = _merge(tree, {"reward": {"functions": [describe_object(f) for f in reward_objects]}})
     cfg = load_config(path, tree)
@@ -226,6 +237,7 @@ def train(
         reward_functions=reward_objects,
         train_source=train_source,
         eval_rows=eval_rows,
+        environment=env_object,
     )
     try:
         return run.train()

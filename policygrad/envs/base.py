@@ -82,7 +82,8 @@ class Environment(abc.ABC):
     @abc.abstractmethod
     def step(self, action: str) -> StepResult:
         """The environment's answer to the policy's turn ``action`` (its decoded text, special
-        tokens removed)."""
+        tokens removed). Called on every turn the policy wrote, a turn cut short by a limit
+        included: its reward counts, but the episode ends there (its observation is not shown)."""
 
     def final_reward(self, stop_reason: str) -> float:  # noqa: ARG002 - subclasses use it
         """The episode's reward beyond the turn rewards, placed on its last action token, given

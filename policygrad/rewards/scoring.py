@@ -30,7 +30,7 @@ from policygrad.rewards.registry import (
     row_fields_from_rows,
 )
 
-__all__ = ["Scorer", "Scores"]
+__all__ = ["EnvironmentScores", "Scorer", "Scores"]
 
 
 # How a Scores field is laid out, declared once per field and read by select, concat and gather.
@@ -120,11 +120,28 @@ _DERIVED_FIELDS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class EnvironmentScores:
+    """What an environment says of B episodes, for :meth:`Scorer.__call__`.
+
+    Attributes:
+        final_rewards: float32 [B], ``final_reward(stop_reason)`` (0 on failed episodes).
+        returns: float32 [B], the final reward plus the turn rewards (the ``env`` component).
+        failed: bool [B], episodes whose environment failed.
+        fields: extra row fields for the reward functions, one value per episode.
+    """
+
+    final_rewards: torch.Tensor
+    returns: torch.Tensor
+    failed: torch.Tensor
+    fields: Mapping[str, list] = dataclasses.field(default_factory=dict)
+
+
 class Scorer:
     """Scores completions of dataset rows; see the module docstring for the order of operations.
 
     Args:
-        reward_fn: the weighted reward functions.
+        reward_fn: the weighted reward functions (None: none, an environment scores alone).
         normalizer: the run's score normaliser (its statistics are updated by :meth:`__call__`).
         truncation: ``none``, ``penalty`` or ``exclude`` (``reward.truncation``).
         truncation_penalty: the score of a completion without EOS in ``penalty`` mode.
@@ -154,14 +171,28 @@ class Scorer:
 
     @property
     def names(self) -> list[str]:
-        """Names of the reward components, in call order."""
-        return self.reward_fn.names
+        """Names of the reward functions' components, in call order."""
+        return self.reward_fn.names if self.reward_fn is not None else []
 
-    def raw(self, rows: Sequence[Mapping[str, Any]], completions: Sequence[str], *, repeat: int):
+    def raw(
+        self,
+        rows: Sequence[Mapping[str, Any]],
+        completions: Sequence[str],
+        *,
+        repeat: int,
+        fields: Mapping[str, list] | None = None,
+    ):
         """The reward functions' output (:class:`~policygrad.rewards.registry.RewardOutput`) for
-        ``completions``, ``repeat`` consecutive completions per row of ``rows``."""
+        ``completions``, ``repeat`` consecutive completions per row of ``rows``; ``fields``: more
+        row fields, one value per completion (an episode's ``transcript``). Without reward
+        functions (an environment scores alone): zeros, every row valid."""
+        if self.reward_fn is None:
+            count = len(completions)
+            return RewardOutput(torch.zeros(count), {}, torch.ones(count, dtype=torch.bool))
         prompts = [r["prompt"] for r in rows for _ in range(repeat)]
-        return self.reward_fn(prompts, completions, **row_fields_from_rows(rows, repeat=repeat))
+        row_fields = row_fields_from_rows(rows, repeat=repeat)
+        row_fields.update(fields or {})
+        return self.reward_fn(prompts, completions, **row_fields)
 
     def __call__(
         self,
@@ -171,20 +202,29 @@ class Scorer:
         group_index: torch.Tensor,
         *,
         group_size: int,
+        env: EnvironmentScores | None = None,
     ) -> Scores:
         """Score B = len(rows) x ``group_size`` completions (rows of a prompt contiguous).
 
         Args:
             rows: the n dataset rows.
-            completions: B decoded completions.
-            truncated: bool [B], completions without EOS.
+            completions: B decoded completions (an episode's final answer).
+            truncated: bool [B], completions without EOS (episodes cut short).
             group_index: long [B], the prompt of each row.
             group_size: G.
+            env: an environment's scores of B episodes: the final rewards join the weighted sum
+                of the reward functions (before normalisation), the returns are the ``env``
+                component, failed episodes count as rows whose reward failed.
 
         Raises:
             RewardFunctionError, ValueError: from the reward functions (``on_error=raise``).
         """
-        out = self.raw(rows, completions, repeat=group_size)
+        out = self.raw(rows, completions, repeat=group_size, fields=env.fields if env is not None else None)
+        if env is not None:
+            ok = ~env.failed
+            valid = out.valid & ok
+            components = {"env": torch.where(ok, env.returns, float("nan")), **out.components}
+            out = RewardOutput(torch.where(valid, out.rewards + env.final_rewards, 0.0), components, valid)
         scores = self.normalizer(out.rewards, out.valid)
         scores, valid = apply_truncation_policy(
             scores, truncated, mode=self.truncation, penalty=self.truncation_penalty, valid=out.valid

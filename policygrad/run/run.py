@@ -59,6 +59,8 @@ class Run:
         train_source: the training prompts as an object with ``train_row(i)`` (e.g. a
             :class:`~policygrad.data.sources.PromptDataset`) instead of ``data.dataset``.
         eval_rows: held-out rows (dicts with ``prompt`` and ``answer``) instead of ``data.eval_dataset``.
+        environment: an :class:`~policygrad.envs.Environment` class (or factory) instead of
+            ``env.name``; recorded like ``reward_functions``.
 
     Nothing is written until every check has passed and every part is built; then the run
     directory is locked (:mod:`policygrad.trainer.rundir`) until :meth:`train` returns or
@@ -93,10 +95,11 @@ class Run:
         reward_functions: list | None = None,
         train_source=None,
         eval_rows: list[dict[str, Any]] | None = None,
+        environment=None,
     ):
         self.dist = Dist.current()
         cfg, reward_objects = prepare_config(
-            config, model=model, reward_functions=reward_functions, dist=self.dist
+            config, model=model, reward_functions=reward_functions, environment=environment, dist=self.dist
         )
         self.config, self.run_dir = cfg, cfg.output_dir
         self.logger, self._lock = None, None
@@ -123,6 +126,7 @@ class Run:
             tokenizer=tokenizer,
             reward_objects=reward_objects,
             train_source=train_source,
+            environment=environment,
         )
         self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
         self.watch = UpdateWatch(cfg)

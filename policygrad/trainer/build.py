@@ -15,6 +15,8 @@ import torch
 from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
 from policygrad.data.ptx import PtxData
+from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
+from policygrad.envs.registry import check_environment_spec, environment_factory
 from policygrad.models.value import load_value_model
 from policygrad.rewards.code import configure_code_rewards
 from policygrad.rewards.isolation import isolate_reward_functions
@@ -79,9 +81,10 @@ def engine_context(model, wanted: int) -> int:
     return min(wanted, int(limit)) if limit else wanted
 
 
-def check_before_models(cfg: TrainConfig, functions=None) -> None:
-    """What a run checks before it reads (or converts) any model: the engine's choice and the
-    reward-function specs (``functions``: the objects given instead of ``reward.functions``).
+def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> None:
+    """What a run checks before it reads (or converts) any model: the engine's choice, the
+    reward-function specs (``functions``: the objects given instead of ``reward.functions``) and
+    the environment's spec (``environment``: the object given instead of ``env.name``).
 
     Raises:
         ConfigError / ValueError / FileNotFoundError: naming the field.
@@ -89,6 +92,46 @@ def check_before_models(cfg: TrainConfig, functions=None) -> None:
     resolve_engine(cfg)
     for spec in cfg.reward.functions if functions is None else functions:
         check_reward_spec(spec)
+    if cfg.env.name and environment is None:
+        if cfg.env.name.startswith("<"):
+            raise ConfigError(
+                f"env.name={cfg.env.name!r} records an environment object that cannot be imported; pass "
+                "it again (policygrad.train(env=...)), or make it importable as module:Class"
+            )
+        check_environment_spec(cfg.env.name)
+
+
+def build_environment(cfg: TrainConfig, engine, tokenizer, *, max_context: int | None, environment=None):
+    """The :class:`~policygrad.envs.episodes.EpisodeRunner` of ``env`` (None without one):
+    ``environment`` (an Environment class or factory) instead of ``env.name``, the episode limits
+    of ``rollout``, the engine's end and pad ids.
+
+    Raises:
+        ValueError / TypeError: the environment cannot be built with ``env.options``.
+        TemplateError: the tokenizer's chat template cannot be extended (names data.chat_template).
+    """
+    if not cfg.env.name and environment is None:
+        return None
+    r = cfg.rollout
+    limits = EpisodeLimits(
+        max_turns=r.max_turns,
+        max_new_tokens=r.max_new_tokens,
+        max_episode_tokens=r.max_episode_tokens,
+        max_observation_tokens=r.max_observation_tokens,
+        max_context=max_context,
+        step_timeout_s=r.env_step_timeout_s,
+        workers=r.env_workers,
+    )
+    return EpisodeRunner(
+        environment_factory(environment if environment is not None else cfg.env.name, cfg.env.options),
+        engine,
+        tokenizer,
+        limits,
+        end_ids=engine.eos_token_ids,
+        pad_id=engine.pad_token_id,
+        system_prompt=cfg.data.system_prompt,
+        max_prompt_length=cfg.data.max_prompt_length,
+    )
 
 
 def resolve_engine(cfg: TrainConfig) -> tuple[str, str]:
@@ -177,7 +220,7 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, 
     functions, worker = isolate_reward_functions(functions, isolation=rw.isolation, timeout_s=rw.timeout_s)
     try:
         return Scorer(
-            CompositeReward(list(zip(functions, weights)), on_error=rw.on_error),
+            CompositeReward(list(zip(functions, weights)), on_error=rw.on_error) if functions else None,
             RewardNormalizer(rw.normalize, clip=rw.normalize_clip, reduce=reduce),
             truncation=rw.truncation,
             truncation_penalty=rw.truncation_penalty,

@@ -34,10 +34,12 @@ from policygrad.core.kl import KLPlacement, get_kl_placement
 from policygrad.core.losses import check_policy_loss_options, list_policy_losses, policy_loss_options
 from policygrad.data.sources import is_code_dataset
 from policygrad.trainer.config_sections import (
+    EPISODE_OPTIONS,
     MIN_TEMPERATURE,
     CodeRewardConfig,
     ConfigError,
     DataConfig,
+    EnvConfig,
     LoraConfig,
     ModelConfig,
     RewardConfig,
@@ -158,8 +160,11 @@ class TrainConfig:
     ptx: PtxConfig = field(default_factory=PtxConfig)
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
 
     def __post_init__(self) -> None:
+        if self.reward.functions is None:  # the default depends on the environment (RewardConfig)
+            self.reward.functions = [] if self.env.name else ["answer_correctness"]
         self.validate()
 
     def validate(self) -> None:
@@ -181,8 +186,9 @@ class TrainConfig:
         check_positive("save_every_minutes", self.save_every_minutes, allow_zero=True)
         check_positive("max_skipped_updates", self.max_skipped_updates, allow_zero=True)
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
-        for name in (*sections, "dynamic_sampling", "distributed"):
+        for name in (*sections, "dynamic_sampling", "distributed", "env"):
             getattr(self, name).validate(name)
+        self._validate_episodes()
         if self.eval_every and self.data.eval_size == 0:
             raise ConfigError(
                 f"eval_every={self.eval_every} with data.eval_size=0 would evaluate no problem; set "
@@ -220,6 +226,29 @@ class TrainConfig:
                 f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
             )
         self._validate_dynamic_sampling()
+
+    def _validate_episodes(self) -> None:
+        r = self.rollout
+        if not self.env.name:
+            if not self.reward.functions:
+                raise ConfigError("reward.functions is empty; give at least one reward function")
+            defaults = RolloutConfig()
+            for name in EPISODE_OPTIONS:
+                if getattr(r, name) != getattr(defaults, name):
+                    raise ConfigError(
+                        f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) "
+                        f"or leave rollout.{name} at its default"
+                    )
+            return
+        if r.ignore_eos:
+            raise ConfigError(
+                "rollout.ignore_eos with env.name would never end a turn; set rollout.ignore_eos=false"
+            )
+        if self.estimator_spec.inputs:
+            raise ConfigError(
+                f"advantage estimator {self.estimator_name!r} needs {', '.join(self.estimator_spec.inputs)}, "
+                "which multi-turn episodes do not provide; use grpo, rloo, reinforce, reinforce_pp or gae"
+            )
 
     def _validate_reporting_and_eval(self) -> None:
         trackers = ("tensorboard", "wandb", "mlflow", "trackio", "none")
@@ -339,7 +368,7 @@ class TrainConfig:
                     "(dynamic sampling is off) or unset it"
                 )
             return
-        names = reward_component_names(self.reward.functions)
+        names = self.reward_components
         if ds.reward is not None and ds.reward not in names:
             raise ConfigError(
                 f"dynamic_sampling.reward={ds.reward!r} is not a reward component; choose one of {names} "
@@ -384,8 +413,14 @@ class TrainConfig:
     @property
     def dynamic_sampling_reward(self) -> str:
         """The reward component whose within-group variance decides dynamic sampling:
-        ``dynamic_sampling.reward``, or the first entry of ``reward.functions``."""
-        return self.dynamic_sampling.reward or reward_component_names(self.reward.functions)[0]
+        ``dynamic_sampling.reward``, or the first of :attr:`reward_components`."""
+        return self.dynamic_sampling.reward or self.reward_components[0]
+
+    @property
+    def reward_components(self) -> list[str]:
+        """The names of the scores' components: ``env`` (the episode's return: final reward
+        plus turn rewards) with an environment, then one per entry of ``reward.functions``."""
+        return (["env"] if self.env.name else []) + reward_component_names(self.reward.functions)
 
     @property
     def agg_mode(self) -> str:

@@ -136,7 +136,8 @@ class DataConfig:
     ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set, see :mod:`policygrad.data.hub`).
     ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
     empty means the built-in task's held-out split, or a Hub dataset's ``eval_split``.
-    ``eval_size``: held-out problems per evaluation.
+    ``eval_size``: held-out problems per evaluation. ``chat_template``: a Jinja chat template (the
+    text, or the path of a file holding it) used instead of the tokenizer's, for every prompt.
     """
 
     dataset: str = "builtin:arithmetic"
@@ -152,6 +153,7 @@ class DataConfig:
     dataset_config: str | None = None
     split: str = "train"
     eval_split: str = "test"
+    chat_template: str | None = None
 
     def validate(self, path: str) -> None:
         check_positive(f"{path}.max_prompt_length", self.max_prompt_length)
@@ -159,6 +161,40 @@ class DataConfig:
         for name in ("split", "eval_split"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
                 raise ConfigError(f"{path}.{name} must name a split, e.g. train or test")
+
+
+# Rollout options that only multi-turn episodes read.
+EPISODE_OPTIONS = (
+    "max_turns",
+    "max_episode_tokens",
+    "max_observation_tokens",
+    "env_step_timeout_s",
+    "env_workers",
+    "env_error_budget",
+)
+
+
+@dataclass
+class EnvConfig:
+    """A multi-turn environment (:mod:`policygrad.envs`); without one, a run is single-turn.
+
+    ``name``: ``builtin:guess``, ``builtin:calculator``, ``builtin:code_feedback``,
+    ``package.module:Class`` or ``path/to/file.py:Class`` (an
+    :class:`~policygrad.envs.Environment`; an object given to ``policygrad.train(env=...)`` is
+    recorded by import path). ``options``: keyword arguments of the class. The episode limits are
+    in ``rollout`` (``max_turns`` ...).
+    """
+
+    name: str | None = None
+    options: dict = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigError(f"{path}.name must name an environment (e.g. builtin:guess) or be null")
+        if not isinstance(self.options, dict):
+            raise ConfigError(f"{path}.options must be a mapping of keyword arguments, got {self.options!r}")
+        if self.options and self.name is None:
+            raise ConfigError(f"{path}.options is set but {path}.name is null; name the environment")
 
 
 @dataclass
@@ -188,7 +224,17 @@ class RolloutConfig:
 
     ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
     id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
-    counts as truncated. For measuring equal work (benchmarks), not for training a model to stop."""
+    counts as truncated. For measuring equal work (benchmarks), not for training a model to stop.
+
+    With an environment (``env.name``; :mod:`policygrad.envs.episodes`): ``max_new_tokens`` is
+    per turn; ``max_turns`` the most policy turns of an episode (reaching it is not a
+    truncation); ``max_episode_tokens`` the most tokens after the prompt, actions and
+    observations (null: only the model's context); ``max_observation_tokens`` the most tokens of
+    one observation message's content (longer ones keep head and tail; null: no cut);
+    ``env_step_timeout_s`` the most seconds of one environment call (an episode over it fails;
+    null: no limit); ``env_workers`` environment calls run at once (threads);
+    ``env_error_budget`` the largest fraction of a step's episodes that may fail (they carry no
+    loss) before the run stops. These options need ``env.name``."""
 
     engine: str = "auto"
     per_prompt_seeds: bool = False
@@ -206,9 +252,22 @@ class RolloutConfig:
     is_correction: str = "none"
     is_cap: float = 2.0
     is_mode: str = "truncate"
+    max_turns: int = 4
+    max_episode_tokens: int | None = None
+    max_observation_tokens: int | None = None
+    env_step_timeout_s: float | None = 60.0
+    env_workers: int = 4
+    env_error_budget: float = 0.25
 
     def validate(self, path: str) -> None:
         check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
+        check_positive(f"{path}.max_turns", self.max_turns)
+        for name in ("max_episode_tokens", "max_observation_tokens", "env_step_timeout_s"):
+            if getattr(self, name) is not None:
+                check_positive(f"{path}.{name}", getattr(self, name))
+        check_positive(f"{path}.env_workers", self.env_workers)
+        if not 0.0 <= self.env_error_budget <= 1.0:
+            raise ConfigError(f"{path}.env_error_budget must be in [0, 1], got {self.env_error_budget!r}")
         check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
         check_positive(f"{path}.group_size", self.group_size)
         check_positive(f"{path}.temperature", self.temperature)
@@ -287,7 +346,10 @@ class RewardConfig:
     ``functions``: built-in names (``answer_correctness``, ``answer_format``, ``length_penalty``,
     ``code_tests``: the row's tests run against the completion's program in the sandbox that
     ``code`` configures, :class:`CodeRewardConfig`), ``module:function`` or ``path.py:function``.
-    ``weights``: one per function (default 1 each).
+    ``weights``: one per function (default 1 each). Unset (null), ``functions`` is
+    ``[answer_correctness]`` without an environment and ``[]`` with one (the environment's
+    ``final_reward`` scores the episode; functions given with one score its final answer, the
+    transcript in the row field ``transcript``).
     ``on_error``: ``raise`` stops the run naming the row and the function; ``skip`` excludes the
     row from the loss and counts it in ``reward/invalid_frac``. ``truncation``: what a completion
     without EOS gets: ``none`` (scored as is), ``penalty`` (the N+ EOS trick: the score is
@@ -318,7 +380,7 @@ class RewardConfig:
     trainer's process.
     """
 
-    functions: list[str] = field(default_factory=lambda: ["answer_correctness"])
+    functions: list[str] | None = None
     weights: list[float] | None = None
     on_error: str = "raise"
     truncation: str = "none"
@@ -337,9 +399,8 @@ class RewardConfig:
         self.code.validate(f"{path}.code")
         if self.timeout_s is not None:
             check_positive(f"{path}.timeout_s", self.timeout_s)
-        if not self.functions:
-            raise ConfigError(f"{path}.functions is empty; give at least one reward function")
-        if self.weights is not None and len(self.weights) != len(self.functions):
+        functions, weights = self.functions, self.weights
+        if functions is not None and weights is not None and len(weights) != len(functions):
             raise ConfigError(
                 f"{path}.weights has {len(self.weights)} entries for {len(self.functions)} functions; "
                 "give one weight per function or leave it unset"

@@ -238,7 +238,9 @@ class Dist:
         if not self.active:
             return batch
         scores = batch.scores.gather(self.gather_rows)
-        return SampledBatch(batch.rows, batch.prompt_ids, self.gather_rollout(batch.rollout), [], scores)
+        episodes = batch.episodes.gather(self.gather_rows) if batch.episodes is not None else None
+        rollout = self.gather_rollout(batch.rollout)
+        return SampledBatch(batch.rows, batch.prompt_ids, rollout, [], scores, episodes)
 
     def gather_experience(self, exp):
         """Every rank's :class:`~policygrad.trainer.experience.Experience` as one (for metrics)."""

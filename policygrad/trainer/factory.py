@@ -12,6 +12,7 @@ the engine, the rewards, the critic and the optimizers.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import torch
@@ -33,14 +34,20 @@ __all__ = ["build_trainer", "prepare_config"]
 
 
 def prepare_config(
-    config: TrainConfig, *, model=None, reward_functions: list | None = None, dist: Dist | None = None
+    config: TrainConfig,
+    *,
+    model=None,
+    reward_functions: list | None = None,
+    environment=None,
+    dist: Dist | None = None,
 ) -> tuple[TrainConfig, list | None]:
     """``config`` as a run records it, and the reward objects to use.
 
     A model object is recorded as ``model.name`` (:func:`~policygrad.trainer.models.record_model_object`);
     reward functions given as objects are recorded by import path (``module:qualname``) or a
     placeholder ``<callable NAME (not importable)>``, and the objects without a path are
-    returned for the scorer; several processes always sample with per-prompt seeds, so
+    returned for the scorer (an ``environment`` object is recorded the same way, as
+    ``env.name``); several processes always sample with per-prompt seeds, so
     ``config.yaml`` says so and a resume in one process goes on sampling the same way. Then what
     needs no model is checked (the engine's choice, the reward-function specs: no user code
     runs), so a bad option or file is refused before a model is read or converted.
@@ -65,12 +72,15 @@ def prepare_config(
                 "weight per function, or none (equal weights)"
             )
         config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, functions=recorded))
+    if environment is not None:  # recorded like a reward object: import path or placeholder
+        recorded = describe_object(environment, kind="environment")
+        config = dataclasses.replace(config, env=dataclasses.replace(config.env, name=recorded))
     dist = dist or Dist.current()
     if dist.active and not config.rollout.per_prompt_seeds:
         config = dataclasses.replace(
             config, rollout=dataclasses.replace(config.rollout, per_prompt_seeds=True)
         )
-    build.check_before_models(config, reward_objects)
+    build.check_before_models(config, reward_objects, environment)
     return config, reward_objects
 
 
@@ -83,6 +93,7 @@ def build_trainer(
     tokenizer=None,
     reward_objects: list | None = None,
     train_source=None,
+    environment=None,
 ) -> Trainer:
     """Every part of a run of ``cfg`` (as :func:`prepare_config` returns it), as a :class:`Trainer`
     at step 0 (a resume then loads the checkpoint's state: :meth:`Trainer.load_state_dict`).
@@ -94,6 +105,7 @@ def build_trainer(
         model, tokenizer: a loaded model to train in place instead of ``model.name``.
         reward_objects: reward functions as objects, instead of ``reward.functions``.
         train_source: the training prompts (an object with ``train_row(i)``) instead of ``data.dataset``.
+        environment: an Environment class (or factory) instead of ``env.name``.
 
     Raises:
         ConfigError / ValueError / FileNotFoundError: a bad option, file or model, named.
@@ -119,6 +131,8 @@ def build_trainer(
         run_dir=cfg.output_dir,
         policy_dtype=precision.param_dtype,  # float32 master weights unless bf16-pure
     )
+    if cfg.data.chat_template:
+        m.tokenizer.chat_template = read_chat_template(cfg.data.chat_template)
     engine_name, _ = cfg.rollout.resolved_engine()
     engine_models = strategy.prepare_models(m, engine_name=engine_name, precision=precision)
     if engine is None:
@@ -151,6 +165,9 @@ def build_trainer(
         "policy_as_reference": m.policy_as_reference,
         "engine": engine,
         "engine_name": engine_name,
+        "environment": build.build_environment(
+            cfg, engine, m.tokenizer, max_context=_max_context(engine, m.policy), environment=environment
+        ),
     }
     if checkpoint is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
         strategy.sync_engine(engine, m.policy)  # a separate engine loaded the base weights
@@ -186,3 +203,34 @@ def build_trainer(
     )
     parts["kl_ctl"] = build.build_kl_controller(cfg)
     return Trainer(cfg, **parts)
+
+
+def _max_context(engine, policy) -> int | None:
+    """The engine's context in tokens: vLLM's ``max_model_len``, else the model's positions."""
+    limit = getattr(engine, "max_model_len", None)
+    if limit is None:
+        config = getattr(policy, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = getattr(text, "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
+
+
+def read_chat_template(value: str) -> str:
+    """``data.chat_template``: the text of the file it names, or the template itself.
+
+    Raises:
+        ConfigError: a file that cannot be read.
+    """
+    path = os.path.expanduser(value)
+    if "{" not in value and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.read()
+        except OSError as exc:
+            raise ConfigError(f"data.chat_template: cannot read {path!r} ({exc})") from exc
+    if "{" not in value:
+        raise ConfigError(
+            f"data.chat_template={value!r} is neither a Jinja template nor an existing file; give the "
+            "template text or its path"
+        )
+    return value

@@ -41,8 +41,9 @@ from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.chat import encode_prompts
 from policygrad.data.ptx import PtxData
 from policygrad.data.stream import PromptStream
+from policygrad.envs.episodes import EpisodeRunner
 from policygrad.models.forward import inference_logprobs
-from policygrad.rewards.scoring import Scorer
+from policygrad.rewards.scoring import EnvironmentScores, Scorer
 from policygrad.rollout.base import RolloutEngine
 from policygrad.trainer.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.trainer.config import TrainConfig
@@ -52,7 +53,7 @@ from policygrad.trainer.errors import CheckpointError, TrainingError
 from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.logging import peak_rss_gb
-from policygrad.trainer.metrics import batch_metrics, critic_metrics, mismatch_metrics
+from policygrad.trainer.metrics import batch_metrics, critic_metrics, episode_metrics, mismatch_metrics
 from policygrad.trainer.objective import PolicyObjective
 from policygrad.trainer.precision import Precision
 from policygrad.trainer.runtime import release_free_memory, synced_clock
@@ -93,6 +94,7 @@ class Trainer:
     policy_as_reference: Callable[[], AbstractContextManager] | None
     engine: RolloutEngine
     engine_name: str
+    environment: EpisodeRunner | None
     stream: PromptStream
     scorer: Scorer
     critic_trainer: CriticTrainer | None
@@ -199,6 +201,8 @@ class Trainer:
             )
         )
         metrics.update(sampled.scores.metrics)
+        if sampled.episodes is not None:
+            metrics.update(episode_metrics(sampled.episodes, sampled.rollout))
         metrics.update(stats.metrics(**self._update_metric_options()))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
         return metrics
@@ -250,6 +254,8 @@ class Trainer:
         share = self.dist.share(len(rows))
         seeds = self.seeds.prompts(self.step_idx, round_index, len(rows))
         rows, seeds = rows[share], seeds[share]
+        if self.environment is not None:
+            return self.run_episodes(rows, seeds)
         prompt_ids = encode_prompts(self.tokenizer, rows, self.config.data)
         rollout = self.engine.generate(
             prompt_ids,
@@ -266,6 +272,43 @@ class Trainer:
             rows, completions, rollout.truncated, rollout.group_index, group_size=r.group_size
         )
         return SampledBatch(rows, prompt_ids, rollout, completions, scores)
+
+    def run_episodes(self, rows: list[dict[str, Any]], seeds: list[int]) -> SampledBatch:
+        """G multi-turn episodes of each row (:class:`~policygrad.envs.episodes.EpisodeRunner`),
+        scored: the environment's final rewards with the reward functions' scores of the final
+        answers; a row cut short goes through ``reward.truncation`` as a whole (under
+        ``penalty`` its turn rewards are dropped too).
+
+        Raises:
+            TrainingError: more than ``rollout.env_error_budget`` of the episodes failed.
+        """
+        r = self.config.rollout
+        prompt_ids, rollout, episodes, finals = self.environment.run(
+            rows,
+            group_size=r.group_size,
+            seeds=seeds,
+            per_prompt_seeds=r.per_prompt_seeds,
+            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+        )
+        failed = float(self.dist.total(episodes.failed.sum())) / max(self.dist.total(len(finals)), 1)
+        if failed > r.env_error_budget:
+            first = next((e for e in episodes.errors if e is not None), "on another rank")
+            raise TrainingError(
+                f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
+                f"{r.env_error_budget}); first error: {first}"
+            )
+        if self.scorer.truncation == "penalty":
+            episodes.turn_rewards[episodes.truncated] = 0.0
+        env = EnvironmentScores(
+            final_rewards=episodes.final_rewards,
+            returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
+            failed=episodes.failed,
+            fields={"transcript": episodes.transcripts},
+        )
+        scores = self.scorer(
+            rows, finals, rollout.truncated, rollout.group_index, group_size=r.group_size, env=env
+        )
+        return SampledBatch(rows, prompt_ids, rollout, finals, scores, episodes)
 
     def decode(self, rollout) -> list[str]:
         """Completion strings of a rollout."""
@@ -329,6 +372,8 @@ class Trainer:
         token_rewards = self.kl.token_rewards(
             scores, behaviour, ref_logprobs, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
         )
+        if batch.episodes is not None:  # each turn's reward on its last action token
+            token_rewards = token_rewards + batch.episodes.turn_rewards.to(token_rewards)
         non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
         reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
         if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only

@@ -25,6 +25,7 @@ __all__ = [
     "METRICS",
     "batch_metrics",
     "critic_metrics",
+    "episode_metrics",
     "is_known_metric",
     "mismatch_metrics",
     "tracker_metric_name",
@@ -98,6 +99,16 @@ METRICS: dict[str, str] = {
     "eval/maj@<k>": "held-out maj@k: the majority answer of k samples is correct",
     # resume
     "config/<field>": "an option changed on resume (optim.lr, ...): its new value, at the step resumed from",
+    # multi-turn episodes (env.name)
+    "episode/turns_mean": "mean policy turns per episode",
+    "episode/stop_<reason>": "fraction of episodes that stopped for <reason>: done, max_turns, length, "
+    "budget, context or error",
+    "episode/action_tokens_mean": "mean tokens the policy wrote per episode (what the loss counts)",
+    "episode/observation_tokens_mean": "mean environment tokens per episode (seen, never trained on)",
+    "env/turn_reward_mean": "mean over episodes of the sum of their turn rewards",
+    "env/final_reward_mean": "mean final reward over the episodes that did not fail",
+    "env/failed_frac": "fraction of episodes whose environment raised or timed out (no loss on them)",
+    "env/<info>": "mean over episodes of each episode's mean of StepResult.info[<info>]",
     # time, throughput, memory (volatile: they differ between identical runs)
     "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline)",
     "time/ref_logprobs_s": "seconds of the reference log-prob pass (0: not needed)",
@@ -105,6 +116,7 @@ METRICS: dict[str, str] = {
     "time/forward_s": "seconds of the policy's training forwards",
     "time/backward_s": "seconds of the policy's backward passes",
     "time/optimizer_s": "seconds of gradient clipping and optimizer steps",
+    "time/env_s": "seconds in environment calls (reset, step, final_reward, close)",
     "time/weight_sync_s": "seconds pushing the updated weights into a separate rollout engine",
     "time/training_s": "seconds from the end of generation to the end of the update",
     "time/step_s": "seconds of the whole step",
@@ -114,16 +126,18 @@ METRICS: dict[str, str] = {
 }
 
 # A component is named by its spec, which may be a file path: ``<fn>`` matches any text; ``<k>``
-# a number; ``<field>`` a dotted config field.
-_PATTERNS = [
-    re.compile(
-        "^" + re.escape(name).replace(re.escape("<fn>"), ".+").replace(re.escape("<k>"), "[0-9]+")
-        .replace(re.escape("<field>"), ".+")
-        + "$"
-    )
-    for name in METRICS
-    if "<fn>" in name or "<k>" in name or "<field>" in name
-]
+# a number; ``<field>`` a dotted config field; ``<reason>`` a stop reason; ``<info>`` an info key.
+_PLACEHOLDERS = {"<fn>": ".+", "<k>": "[0-9]+", "<field>": ".+", "<reason>": "[a-z_]+", "<info>": ".+"}
+
+
+def _pattern(name: str) -> re.Pattern:
+    text = re.escape(name)
+    for placeholder, regex in _PLACEHOLDERS.items():
+        text = text.replace(re.escape(placeholder), regex)
+    return re.compile("^" + text + "$")
+
+
+_PATTERNS = [_pattern(name) for name in METRICS if any(p in name for p in _PLACEHOLDERS)]
 
 
 def is_known_metric(name: str) -> bool:
@@ -225,3 +239,31 @@ def metrics_markdown() -> str:
     lines = ["| metric | meaning |", "|:--|:--|"]
     lines += [f"| `{name}` | {meaning} |" for name, meaning in METRICS.items()]
     return "\n".join(lines)
+
+
+def episode_metrics(episodes, rollout) -> dict[str, float]:
+    """The ``episode/*``, ``env/*`` and ``time/env_s`` metrics of a batch of episodes
+    (:class:`~policygrad.envs.episodes.Episodes` and their :class:`~policygrad.rollout.base.Rollout`)."""
+    from policygrad.envs.base import STOP_REASONS  # the trainer's layer imports envs; metrics stays light
+
+    count = max(len(episodes.stop), 1)
+    failed = episodes.failed
+    ok = ~failed
+    observed = rollout.observation_mask
+    out = {
+        "episode/turns_mean": episodes.turns.float().mean().item(),
+        "episode/action_tokens_mean": rollout.response_mask.sum(-1).float().mean().item(),
+        "episode/observation_tokens_mean": (
+            observed.sum(-1).float().mean().item() if observed is not None else 0.0
+        ),
+        "env/turn_reward_mean": episodes.turn_rewards.sum(-1).mean().item(),
+        "env/final_reward_mean": episodes.final_rewards[ok].mean().item() if ok.any() else float("nan"),
+        "env/failed_frac": failed.float().mean().item(),
+        "time/env_s": float(episodes.env_seconds),
+    }
+    for i, reason in enumerate(STOP_REASONS):
+        out[f"episode/stop_{reason}"] = float((episodes.stop == i).sum().item()) / count
+    for key, values in episodes.info.items():
+        given = ~torch.isnan(values)
+        out[f"env/{key}"] = values[given].mean().item() if given.any() else float("nan")
+    return out

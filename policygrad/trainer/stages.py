@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
+from policygrad.envs.episodes import Episodes
 from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout
 
@@ -42,6 +43,7 @@ class SampledBatch:
     rollout: Rollout
     completions: list[str]
     scores: Scores
+    episodes: Episodes | None = None  # multi-turn: what the environment said beyond the scores
 
     @property
     def group_size(self) -> int:
@@ -60,6 +62,7 @@ class SampledBatch:
             rollout,
             [self.completions[r] for r in rows.tolist()],
             self.scores.select(rows),
+            self.episodes.select(rows) if self.episodes is not None else None,
         )
 
 
@@ -75,6 +78,7 @@ def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
         Rollout.concat([b.rollout for b in batches]),
         [c for b in batches for c in b.completions],
         Scores.concat([b.scores for b in batches]),
+        Episodes.concat([b.episodes for b in batches]) if batches[0].episodes is not None else None,
     )
 
 

@@ -1,0 +1,116 @@
+"""Token ids of the messages an environment adds, from the chat template, without ever
+re-rendering the history.
+
+A multi-turn sequence is the first prompt's ids, then for each turn the ids the policy sampled
+(verbatim: never decoded and encoded again, so decode -> encode drift cannot change what is
+trained), then the ids of the environment's new messages. Those are the template's *delta*:
+``render(BASE + new, generation prompt) - render(BASE)`` for a fixed short conversation ``BASE``
+that ends with an assistant turn, preceded by what the template writes after the assistant's
+end-of-turn token (ChatML: the newline after ``<|im_end|>``). The history is never rendered
+again, so a template that rewrites earlier turns (Qwen3 drops the ``<think>`` blocks of past
+turns) cannot make the trained sequence differ from what the model saw.
+
+The delta is only meaningful when rendering more messages extends the rendered text (the
+template preserves prefixes); :class:`ChatDelta` checks that once, at start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = ["ChatDelta", "TemplateError", "cut_middle"]
+
+_BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
+_PROBE = [{"role": "user", "content": "Go on."}]
+
+
+class TemplateError(ValueError):
+    """The tokenizer's chat template cannot give the ids of new messages by extension."""
+
+
+class ChatDelta:
+    """Renders messages the way the model's chat template does, for episodes.
+
+    Args:
+        tokenizer: the policy's tokenizer, with a chat template.
+        end_ids: every id that ends a turn (the engine's end-of-sequence ids).
+
+    Raises:
+        TemplateError: no chat template; a template that fails on a plain user/assistant
+            conversation; one whose rendering of more messages does not extend the rendering of
+            fewer (the message names ``data.chat_template``, the override).
+    """
+
+    def __init__(self, tokenizer, end_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.end_ids = frozenset(int(i) for i in end_ids)
+        if not getattr(tokenizer, "chat_template", None):
+            raise TemplateError(
+                "environments need a chat template and this tokenizer has none; set data.chat_template "
+                "to a Jinja template (text or a file path)"
+            )
+        self._base = self.render(_BASE, generation_prompt=False)
+        after = self._base[self._base.rfind(_BASE[-1]["content"]) + len(_BASE[-1]["content"]) :]
+        after_ids = self._encode(after)
+        # What follows the end-of-turn token the model sampled (ChatML: "\n"); when the template's
+        # turn does not end with an end id, the whole of it follows the sampled end id.
+        if after_ids and after_ids[0] in self.end_ids:
+            self.after_end = after[len(tokenizer.decode([after_ids[0]])) :]
+        else:
+            self.after_end = after
+        self.observation_ids(_PROBE)  # the prefix check, once
+
+    def render(self, messages: Sequence[dict], *, generation_prompt: bool = True, tools=None) -> str:
+        """``apply_chat_template(messages)`` as text (with the assistant header when
+        ``generation_prompt``; ``tools``: JSON schemas for a template that takes them).
+
+        Raises:
+            TemplateError: the template failed on these messages.
+        """
+        kwargs = {"tools": tools} if tools else {}
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(messages), tokenize=False, add_generation_prompt=generation_prompt, **kwargs
+            )
+        except Exception as exc:  # noqa: BLE001 - jinja raises several types
+            roles = [m.get("role") for m in messages]
+            raise TemplateError(
+                f"the chat template failed on messages with roles {roles} ({type(exc).__name__}: {exc}); "
+                "use roles the template knows, or set data.chat_template"
+            ) from exc
+        if not isinstance(text, str):
+            raise TemplateError(
+                f"apply_chat_template returned {type(text).__name__}, not text; set data.chat_template"
+            )
+        return text
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def observation_ids(self, messages: Sequence[dict]) -> list[int]:
+        """The ids that follow a turn the policy ended with an end id: the rest of the template's
+        turn suffix, ``messages`` as the template renders them, and the next assistant header.
+
+        Raises:
+            TemplateError: the template does not preserve prefixes, or fails on ``messages``.
+        """
+        full = self.render([*_BASE, *messages], generation_prompt=True)
+        if not full.startswith(self._base):
+            raise TemplateError(
+                "the chat template does not preserve prefixes (rendering a conversation with more "
+                "messages changes the text of the earlier ones), so the ids of new messages cannot be "
+                "computed without re-rendering what the model saw; set data.chat_template to a template "
+                "that only appends"
+            )
+        return self._encode(self.after_end + full[len(self._base) :])
+
+
+def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -> str:
+    """``text`` with at most ``max_tokens`` tokens: when longer, its first and last
+    ``max_tokens // 2`` tokens around ``marker`` (deterministic; the end of a tool's output often
+    says what went wrong, the start what ran)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if len(ids) <= max_tokens:
+        return text
+    half = max(max_tokens // 2, 1)
+    return tokenizer.decode(ids[:half]) + marker + tokenizer.decode(ids[-half:])
