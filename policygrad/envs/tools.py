@@ -49,6 +49,8 @@ _SANDBOX_LOCK = threading.Lock()
 def shared_sandbox(isolation: str = "auto", limits: SandboxLimits | None = None) -> Sandbox:
     """The process's :class:`~policygrad.sandbox.Sandbox` for ``(isolation, limits)``, built on
     first use and shared by every episode after (building one probes the isolation: seconds).
+    Every environment that runs model-written code (tools, :mod:`policygrad.envs.code_feedback`)
+    takes its sandbox here.
 
     Args:
         isolation: ``"auto"``, ``"bwrap"``, ``"namespaces"`` or ``"none"`` (no isolation: the
@@ -69,7 +71,7 @@ def shared_sandbox(isolation: str = "auto", limits: SandboxLimits | None = None)
                 sandbox = Sandbox(isolation, limits)
             except SandboxUnavailable as exc:
                 raise SandboxUnavailable(
-                    f"environment tools need a sandbox and none is available with isolation={isolation!r}: "
+                    f"this environment runs model-written code in a sandbox and none is available with isolation={isolation!r}: "
                     f"{exc}. For the environment, set its option isolation (env.options.isolation) to an "
                     "available mode, or to 'none' to run tool calls without isolation (unsafe: as this "
                     "user, with resource limits only)"
