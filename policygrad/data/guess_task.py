@@ -52,7 +52,8 @@ class GuessTask:
 
     def __init__(self, difficulty: str = "medium", seed: int = 0, *, heldout_fraction: float = 0.2):
         if difficulty not in GUESS_LEVELS:
-            raise ValueError(f"unknown difficulty {difficulty!r}; valid difficulties: {', '.join(GUESS_LEVELS)}")
+            valid = ", ".join(GUESS_LEVELS)
+            raise ValueError(f"unknown difficulty {difficulty!r}; valid difficulties: {valid}")
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise TypeError(f"seed must be an int, got {type(seed).__name__}")
         if not 0.0 < heldout_fraction < 1.0:
@@ -132,4 +133,5 @@ class GuessTask:
         return f"secrets in {self.low}..{self.high}, {self.space_size} of them"
 
     def __repr__(self) -> str:
-        return f"GuessTask(difficulty={self.difficulty!r}, seed={self.seed}, heldout_fraction={self.heldout_fraction})"
+        return (f"GuessTask(difficulty={self.difficulty!r}, seed={self.seed}, "
+                f"heldout_fraction={self.heldout_fraction})")

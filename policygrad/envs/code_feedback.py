@@ -107,7 +107,8 @@ class CodeFeedbackEnv(Environment):
 
     def __init__(self, *, isolation: str = "auto", timeout_s: float = 10.0, partial_credit: bool = False,
                  memory_mb: int = 1024, max_feedback_chars: int = 2000):
-        if isinstance(max_feedback_chars, bool) or not isinstance(max_feedback_chars, int) or max_feedback_chars < 200:
+        if (isinstance(max_feedback_chars, bool) or not isinstance(max_feedback_chars, int)
+                or max_feedback_chars < 200):
             raise ValueError(f"max_feedback_chars must be an int of at least 200, got {max_feedback_chars!r}")
         self.sandbox = shared_sandbox(
             isolation, SandboxLimits(wall_time_s=float(timeout_s), memory_bytes=int(memory_mb) << 20)

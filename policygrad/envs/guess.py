@@ -51,7 +51,8 @@ class GuessEnv(Environment):
         self.low, self.high = _int_option("low", low), _int_option("high", high)
         if self.low > self.high:
             raise ValueError(f"low={low} must be at most high={high}")
-        if isinstance(turn_penalty, bool) or not isinstance(turn_penalty, (int, float)) or not turn_penalty >= 0:
+        if (isinstance(turn_penalty, bool) or not isinstance(turn_penalty, (int, float))
+                or not turn_penalty >= 0):
             raise ValueError(f"turn_penalty must be a non-negative number, got {turn_penalty!r}")
         self.turn_penalty = float(turn_penalty)
         self.secret: int | None = None
@@ -74,7 +75,8 @@ class GuessEnv(Environment):
         self.turns = 0
         self.found = False
         prompt = row.get("prompt")
-        return [{"role": "user", "content": prompt if isinstance(prompt, str) and prompt else guess_prompt(low, high)}]
+        text = prompt if isinstance(prompt, str) and prompt else guess_prompt(low, high)
+        return [{"role": "user", "content": text}]
 
     def step(self, action: str) -> StepResult:
         """Judge the first integer of ``action``: ``"Higher."``, ``"Lower."``, done when equal, or

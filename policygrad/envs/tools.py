@@ -71,7 +71,8 @@ def shared_sandbox(isolation: str = "auto", limits: SandboxLimits | None = None)
                 sandbox = Sandbox(isolation, limits)
             except SandboxUnavailable as exc:
                 raise SandboxUnavailable(
-                    f"this environment runs model-written code in a sandbox and none is available with isolation={isolation!r}: "
+                    "this environment runs model-written code in a sandbox and none is available with "
+                    f"isolation={isolation!r}: "
                     f"{exc}. For the environment, set its option isolation (env.options.isolation) to an "
                     "available mode, or to 'none' to run tool calls without isolation (unsafe: as this "
                     "user, with resource limits only)"
@@ -108,7 +109,8 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             calls.append(ToolCall(None, None, f"the tool call is not valid JSON ({exc})"))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            calls.append(ToolCall(None, None, 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'))
+            why = 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'
+            calls.append(ToolCall(None, None, why))
             continue
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):
@@ -311,7 +313,9 @@ class ToolEnv(Environment):
             raise ValueError(f"max_tool_calls must be a positive int, got {max_tool_calls!r}")
         if (isinstance(max_result_chars, bool) or not isinstance(max_result_chars, int)
                 or not 0 < max_result_chars <= _MAX_RESULT_CHARS):
-            raise ValueError(f"max_result_chars must be an int in [1, {_MAX_RESULT_CHARS}], got {max_result_chars!r}")
+            raise ValueError(
+                f"max_result_chars must be an int in [1, {_MAX_RESULT_CHARS}], got {max_result_chars!r}"
+            )
         self._functions: dict[str, Callable] = {}
         self._sources: dict[str, str] = {}
         for fn in functions:
@@ -393,7 +397,8 @@ class ToolEnv(Environment):
                 ok, text = self.call_tool(call)
             errors += not ok
             messages.append({"role": "tool", "content": text})
-        return StepResult(messages, 0.0, False, {"tool_calls": float(len(calls)), "tool_errors": float(errors)})
+        info = {"tool_calls": float(len(calls)), "tool_errors": float(errors)}
+        return StepResult(messages, 0.0, False, info)
 
     def call_tool(self, call: ToolCall) -> tuple[bool, str]:
         """Run one parsed call in the sandbox: ``(succeeded, message text)``; the text of a
