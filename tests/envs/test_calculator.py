@@ -61,8 +61,9 @@ def test_hostile_expressions_are_error_messages_not_crashes_or_hangs():
     env = CalculatorEnv(isolation=MODE, tool_timeout_s=10)  # a loaded machine starts slowly
     env.reset(ROW, seed=0)
     start = time.monotonic()
-    result = env.step(_call("__import__('os').system('touch /tmp/pwned')") + _call("9**9**9")
-                      + _call("10**999 * 10**999"))
+    result = env.step(
+        _call("__import__('os').system('touch /tmp/pwned')") + _call("9**9**9") + _call("10**999 * 10**999")
+    )
     assert time.monotonic() - start < 60  # each call is refused at once, not timed out
     texts = [m["content"] for m in result.observation]
     assert texts[0].startswith("error: ValueError: only numbers")

@@ -11,13 +11,19 @@ from policygrad.sandbox.runner import available_isolation
 pytestmark = pytest.mark.integration  # starts sandbox processes
 
 MODE = "auto" if available_isolation() else "none"
-TESTS = ["assert add(2, 3) == 5", "assert add(-1, 1) == 0", "assert add(10, 20) == 30",
-         "assert add(0, 7) == 7"]
+TESTS = [
+    "assert add(2, 3) == 5",
+    "assert add(-1, 1) == 0",
+    "assert add(10, 20) == 30",
+    "assert add(0, 7) == 7",
+]
 ROW = {"prompt": "Write add(a, b).", "tests": TESTS, "entry_point": "add"}
 CORRECT = "Here:\n```python\ndef add(a, b):\n    return a + b\n```"
-HUMANEVAL = {"prompt": 'def add(a, b):\n    """Return a + b."""\n',
-             "test": "def check(candidate):\n    assert candidate(2, 3) == 5, 'add(2, 3) should be 5'\n",
-             "entry_point": "add"}
+HUMANEVAL = {
+    "prompt": 'def add(a, b):\n    """Return a + b."""\n',
+    "test": "def check(candidate):\n    assert candidate(2, 3) == 5, 'add(2, 3) should be 5'\n",
+    "entry_point": "add",
+}
 
 
 def test_the_split():

@@ -56,8 +56,10 @@ def test_parse_tool_calls():
     text = "Let me add.\n" + _call("add", '{"a": 1, "b": 2}') + _call("add", '"{\\"a\\": 3}"')
     assert parse_tool_calls(text) == [("add", {"a": 1, "b": 2}, None), ("add", {"a": 3}, None)]
     assert parse_tool_calls("The answer is 3.") == []
-    bad = parse_tool_calls("<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
-                           '<tool_call>{"name": "add", "arguments": 3}</tool_call><tool_call>{"name": "a"')
+    bad = parse_tool_calls(
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"name": "add", "arguments": 3}</tool_call><tool_call>{"name": "a"'
+    )
     assert [c.error is not None for c in bad] == [True, True, True, True]
     assert "not valid JSON" in bad[0].error and "not closed" in bad[3].error and bad[2].name == "add"
 
@@ -82,16 +84,21 @@ def test_tool_schema_from_signature_and_docstring():
     assert env.tool_schemas() == [tool_schema(add)]
     prompt = env.system_prompt()
     assert "<tools>" in prompt and '"name": "add"' in prompt and "<tool_call>" in prompt
-    assert ToolEnv([add], isolation=MODE, describe_tools=False).reset({"prompt": "q"}, seed=0)[0]["content"] \
+    assert (
+        ToolEnv([add], isolation=MODE, describe_tools=False).reset({"prompt": "q"}, seed=0)[0]["content"]
         == env.instructions()
+    )
 
 
 def test_a_turn_with_calls_gets_tool_messages_and_one_without_is_done():
     env = ToolEnv([add, shout, fail], isolation=MODE)
     messages = env.reset({"prompt": "What is 2 + 3?"}, seed=0)
     assert [m["role"] for m in messages] == ["system", "user"] and messages[1]["content"] == "What is 2 + 3?"
-    turn = (_call("add", '{"a": 2, "b": 3}') + _call("shout", '{"text": "hi"}')
-            + _call("fail", '{"reason": "no"}'))
+    turn = (
+        _call("add", '{"a": 2, "b": 3}')
+        + _call("shout", '{"text": "hi"}')
+        + _call("fail", '{"reason": "no"}')
+    )
     result = check_step_result(env.step(turn))
     assert not result.done
     assert result.observation == [
@@ -108,8 +115,11 @@ def test_malformed_unknown_and_bad_arguments_are_error_messages():
     env = ToolEnv([add], isolation=MODE, max_tool_calls=4)
     env.reset({"prompt": "q"}, seed=0)
     result = env.step(
-        "<tool_call>{oops}</tool_call>" + _call("nope", "{}") + _call("add", '{"b": 1}')
-        + _call("add", '{"a": "x"}') + _call("add", '{"a": 1}')
+        "<tool_call>{oops}</tool_call>"
+        + _call("nope", "{}")
+        + _call("add", '{"b": 1}')
+        + _call("add", '{"a": "x"}')
+        + _call("add", '{"a": 1}')
     )
     texts = [m["content"] for m in result.observation]
     assert texts[0].startswith("error: the tool call is not valid JSON")
