@@ -2,6 +2,7 @@
 
     policygrad train [CONFIG.yaml] [--key=value ...] [--resume RUN_DIR]
     policygrad eval --model M --dataset D [--limit N] [--samples k] [--output FILE]
+    policygrad eval --env builtin:guess [--env-options JSON] [--max-turns N] [--limit N] ...
     policygrad memory --model M --algorithm A [--lora-rank r] [--batch B --seq-len T] ...
     policygrad lab {gradient-snr,kl-estimators,mismatch} [options]
     policygrad report RUN_DIR [RUN_DIR ...] [--output report.html]
@@ -148,7 +149,9 @@ def cmd_eval(argv: list[str]) -> int:
     from policygrad.trainer.evaluate import eval_output_path, evaluate_model
 
     p = OneLineArgumentParser(
-        prog="policygrad eval", description="Greedy accuracy, pass@k and maj@k of a model."
+        prog="policygrad eval",
+        description="Greedy accuracy, pass@k and maj@k of a model; with --env, the success of its "
+        "multi-turn episodes.",
     )
     p.add_argument(
         "--model",
@@ -158,9 +161,24 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--adapter", default=None, help="a PEFT adapter folder on top of --model")
     p.add_argument(
         "--dataset",
-        default="builtin:arithmetic",
-        help="JSONL path, Hub dataset id (openai/gsm8k), builtin:arithmetic, builtin:code (held-out split) "
-        "or humaneval",
+        default=None,
+        help="JSONL path, Hub dataset id (openai/gsm8k), builtin:arithmetic, builtin:code, builtin:guess "
+        "(held-out split) or humaneval (default builtin:arithmetic; with --env, the environment's task)",
+    )
+    p.add_argument(
+        "--env", default=None,
+        help="evaluate multi-turn episodes of this environment: builtin:guess, builtin:calculator, "
+        "builtin:code_feedback, package.module:Class or path/to/file.py:Class",
+    )
+    p.add_argument(
+        "--env-options", default=None,
+        help="""JSON object of the environment's options, e.g. '{"high": 50}'""",
+    )
+    p.add_argument(
+        "--max-turns", type=int, default=None, help="with --env: the most turns per episode (default 4)"
+    )
+    p.add_argument(
+        "--max-episode-tokens", type=int, default=None, help="with --env: the most tokens after the prompt"
     )
     p.add_argument("--dataset-config", default=None, help="the Hub dataset's config (openai/gsm8k: main)")
     p.add_argument("--split", default="test", help="split of a Hub dataset or dataset folder (default test)")
@@ -170,7 +188,7 @@ def cmd_eval(argv: list[str]) -> int:
     )
     p.add_argument("--k", default=None, help="comma-separated k <= n for pass@k and maj@k (default 1,n)")
     p.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the n samples")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=256, help="per completion (with --env: per turn)")
     p.add_argument(
         "--engine", default="auto", choices=("auto", "hf", "vllm"), help="auto: vllm when installed"
     )
@@ -187,7 +205,8 @@ def cmd_eval(argv: list[str]) -> int:
     )
     args = p.parse_args(argv)
     checks = (("--limit", args.limit), ("--batch-size", args.batch_size), ("--samples", args.samples),
-              ("--max-new-tokens", args.max_new_tokens))
+              ("--max-new-tokens", args.max_new_tokens), ("--max-turns", args.max_turns),
+              ("--max-episode-tokens", args.max_episode_tokens))
     for flag, value in checks:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -207,6 +226,15 @@ def cmd_eval(argv: list[str]) -> int:
 
         torch.set_num_threads(args.num_threads)
     check_temperature(args.temperature)
+    if args.env is not None:
+        return _eval_env(args, ks)
+    for flag, value in (("--env-options", args.env_options), ("--max-turns", args.max_turns),
+                        ("--max-episode-tokens", args.max_episode_tokens)):
+        if value is not None:
+            raise ValueError(
+                f"{flag} applies to multi-turn episodes only; give --env (an environment) or drop {flag}"
+            )
+    args.dataset = args.dataset or "builtin:arithmetic"
     data = DataConfig(
         dataset=args.dataset,
         difficulty=args.difficulty,
@@ -236,6 +264,85 @@ def cmd_eval(argv: list[str]) -> int:
         # Rows with code tests are judged by code_tests in the sandbox; maj@k has no answer to vote on.
         reward_fn=TaskReward({"isolation": args.isolation}),
         **({"answer_fn": None} if is_code_dataset(args.dataset) else {}),
+    )
+    print(json.dumps(result, indent=2))
+    return 0
+
+
+def _env_options(text: str | None) -> dict:
+    """``--env-options``: a JSON object (None: no options)."""
+    if text is None:
+        return {}
+    try:
+        options = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"--env-options {text!r} is not valid JSON ({exc.msg}, column {exc.colno}); give a JSON object, "
+            """e.g. --env-options '{"high": 50}'"""
+        ) from None
+    if not isinstance(options, dict):
+        raise ValueError(
+            f"--env-options must be a JSON object of the environment's options, got {type(options).__name__} "
+            f"{text!r}; e.g. --env-options '{{\"high\": 50}}'"
+        )
+    return options
+
+
+def _check_env(name: str, options: dict, raw: str | None) -> None:
+    """Build one environment of ``--env`` with ``--env-options`` (before any model loads), its
+    errors worded with the flags."""
+    from policygrad.envs.registry import check_environment_spec, environment_factory
+
+    try:
+        check_environment_spec(name)
+    except (ValueError, TypeError, OSError) as exc:
+        raise ValueError(f"--env: {str(exc).replace('env.name', '--env')}") from None
+    try:
+        environment_factory(name, options)
+    except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
+        text = str(exc).strip().replace("\n", " ").replace("env.options", "--env-options")
+        text = text.replace("env.name", "--env")
+        if "--env" not in text:  # the class's own complaint about an option
+            text = f"--env-options {raw or '{}'} do not fit {name}: {text}"
+        raise ValueError(f"{text}; give options {name} accepts") from None
+
+
+def _eval_env(args, ks: list[int]) -> int:
+    """``policygrad eval --env``: greedy (and sampled) episodes, success and pass@k."""
+    from policygrad.trainer.config import DataConfig
+    from policygrad.trainer.evaluate import default_env_dataset, eval_output_path, evaluate_env_model
+
+    options = _env_options(args.env_options)
+    dataset = args.dataset or default_env_dataset(args.env)
+    data = DataConfig(
+        dataset=dataset,
+        difficulty=args.difficulty,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        eval_dataset=dataset,
+        eval_size=args.limit,
+        dataset_config=args.dataset_config,
+        eval_split=args.split,
+    )
+    output = eval_output_path(args.output, dataset)
+    _check_env(args.env, options, args.env_options)
+    result = evaluate_env_model(
+        args.model,
+        data,
+        env=args.env,
+        env_options=options,
+        adapter=args.adapter,
+        limit=args.limit,
+        samples=args.samples,
+        ks=ks,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        max_turns=args.max_turns if args.max_turns is not None else 4,
+        max_episode_tokens=args.max_episode_tokens,
+        batch_size=args.batch_size,
+        output=output,
+        seed=args.seed,
+        engine=args.engine,
     )
     print(json.dumps(result, indent=2))
     return 0
@@ -308,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "usage: policygrad {train,eval,memory,lab,report} ...\n\n"
             "  train   run a training job (no arguments: the default GRPO job on the bundled model)\n"
-            "  eval    greedy accuracy / pass@k of a model on a dataset\n"
+            "  eval    greedy accuracy / pass@k of a model on a dataset (--env: of multi-turn episodes)\n"
             "  memory  the memory bill of an RL job (models, optimiser state, KV cache, logits)\n"
             "  lab     experiments: gradient-snr, kl-estimators, mismatch\n"
             "  report  one HTML page with a run's curves, config and completions\n"

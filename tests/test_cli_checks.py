@@ -42,6 +42,10 @@ CASES = {
         (["--dataset", "missing.jsonl"], "missing.jsonl"),
         (["--output", "no/such/folder/out.jsonl"], "--output"),
         (["--output", "."], "--output"),
+        (["--env", "builtin:nope"], "--env"),
+        (["--env", "builtin:guess", "--env-options", "{bad"], "--env-options"),
+        (["--env", "builtin:guess", "--env-options", '{"high": "x"}'], "--env-options"),
+        (["--max-turns", "2"], "--max-turns"),
     ],
     "memory": [
         (["--world-size", "0"], "--world-size"),

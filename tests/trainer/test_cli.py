@@ -276,6 +276,56 @@ def test_eval_errors(eos_model_dir, tmp_path, capsys):
     )
 
 
+def test_eval_env_plays_episodes_and_writes_every_one(eos_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"question": f"Say {i}.", "answer": str(i)} for i in range(4)])
+    out = tmp_path / "episodes.jsonl"
+    result = _eval(
+        [
+            "--env", "tests.trainer.test_evaluate:FindChar", "--env-options", '{"char": "v"}',
+            "--model", eos_model_dir, "--dataset", data, "--limit", "3", "--max-new-tokens", "6",
+            "--max-turns", "2", "--samples", "2", "--output", str(out),
+        ],
+        capsys,
+    )
+    assert (result["n"], result["output"]) == (3, str(out))
+    assert result["env"] == "tests.trainer.test_evaluate:FindChar"
+    with open(out, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    assert [r["prompt"] for r in records] == [f"Say {i}." for i in range(3)]
+    for rec in records:
+        assert rec["transcript"][0] == {"role": "user", "content": rec["prompt"]} and len(rec["samples"]) == 2
+    for r in [*records, *(s for rec in records for s in rec["samples"])]:
+        assert 1 <= r["turns"] <= 2 and r["stop_reason"] in ("done", "max_turns", "length")
+        assert r["final_answer"] == r["transcript"][-1]["content"] and r["success"] == (r["final_reward"] > 0)
+    assert result["success"] == pytest.approx(sum(r["success"] for r in records) / 3)
+    assert result["turns_mean"] == pytest.approx(sum(r["turns"] for r in records) / 3)
+    assert sum(v for k, v in result.items() if k.startswith("stop_")) == pytest.approx(1.0)
+    counted = [sum(s["success"] for s in r["samples"]) for r in records]
+    assert result["pass@2"] == pytest.approx(sum(pass_at_k(2, c, 2) for c in counted) / 3)
+
+
+def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
+    common = ["eval", "--model", eos_model_dir, "--engine", "hf"]
+    line = _fails([*common, "--env", "builtin:guess", "--env-options", "{high: 5}"], capsys)
+    assert line.startswith("error: --env-options '{high: 5}' is not valid JSON (")
+    assert "give a JSON object" in line
+    line = _fails([*common, "--env", "builtin:guess", "--env-options", "[1]"], capsys)
+    assert line.startswith("error: --env-options must be a JSON object")
+    line = _fails([*common, "--env", "builtin:guess", "--env-options", '{"hgh": 5}'], capsys)
+    assert "--env-options" in line and "'hgh'" in line and "give options builtin:guess accepts" in line
+    line = _fails([*common, "--env", "builtin:guess", "--env-options", '{"low": 9, "high": 2}'], capsys)
+    assert line.startswith("error: --env-options {\"low\": 9, \"high\": 2} do not fit builtin:guess: low=9")
+    line = _fails([*common, "--env", "builtin:nope"], capsys)
+    assert line.startswith("error: --env: unknown environment 'builtin:nope'; give builtin:guess, ")
+    line = _fails([*common, "--env", "tests.trainer.test_evaluate:NoSuchClass"], capsys)
+    assert "--env" in line and "NoSuchClass" in line
+    line = _fails([*common, "--max-turns", "3"], capsys)
+    assert line == (
+        "error: --max-turns applies to multi-turn episodes only; give --env (an environment) "
+        "or drop --max-turns"
+    )
+
+
 # ----------------------------------------------------------------------------- found by trying to break it
 
 
