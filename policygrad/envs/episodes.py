@@ -290,7 +290,7 @@ class EpisodeRunner:
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
             for e in group:
                 e.messages = list(messages)
-            texts.append(self.delta.render(messages, generation_prompt=True))
+            texts.append(self.delta.render(messages, generation_prompt=True, tools=_native_tools(group)))
         return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length)
 
     def run(
@@ -550,3 +550,16 @@ def _finite(value: Any) -> bool:
     except (TypeError, ValueError):
         return False
     return v == v and abs(v) != float("inf") and not isinstance(value, bool)
+
+
+def _native_tools(group: list[_Episode]) -> list[dict] | None:
+    """The JSON schemas of a tool environment that leaves its tools to the chat template
+    (``tool_schemas()`` with ``describe_tools`` False: the template's own tool format), else None."""
+    env = next((e.env for e in group if e.env is not None and e.stop is None), None)
+    if (
+        env is None
+        or getattr(env, "describe_tools", True)
+        or not callable(getattr(env, "tool_schemas", None))
+    ):
+        return None
+    return env.tool_schemas()

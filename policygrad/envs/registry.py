@@ -28,6 +28,10 @@ BUILTIN_ENVIRONMENTS = {
 }
 
 
+class NotAnEnvironment(TypeError):
+    """The spec built something without ``reset()`` and ``step()``."""
+
+
 def _forms() -> str:
     names = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_ENVIRONMENTS)
     return f"{names}, 'package.module:Class' or 'path/to/file.py:Class'"
@@ -119,7 +123,7 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
     def make() -> Environment:
         env = target(**options)
         if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
-            raise TypeError(
+            raise NotAnEnvironment(
                 f"env.name {spec!r} built a {type(env).__name__}, which has no reset()/step(); "
                 "subclass policygrad.envs.Environment"
             )
@@ -127,7 +131,9 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
 
     try:
         probe = make()
-    except TypeError as exc:
+    except NotAnEnvironment:
+        raise
+    except (TypeError, ValueError) as exc:  # the class refused the options (a name, a value)
         raise ValueError(f"env.options do not fit {spec!r}: {exc}") from exc
     close = getattr(probe, "close", None)
     if callable(close):

@@ -81,6 +81,15 @@ def engine_context(model, wanted: int) -> int:
     return min(wanted, int(limit)) if limit else wanted
 
 
+def _response_room(cfg: TrainConfig) -> int:
+    """The most tokens after a prompt: ``max_new_tokens``; an episode's actions and observations
+    (``max_episode_tokens``, else as many as the model's context holds)."""
+    r = cfg.rollout
+    if not cfg.env.name:
+        return r.max_new_tokens
+    return r.max_episode_tokens if r.max_episode_tokens is not None else 1 << 30
+
+
 def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> None:
     """What a run checks before it reads (or converts) any model: the engine's choice, the
     reward-function specs (``functions``: the objects given instead of ``reward.functions``) and
@@ -189,7 +198,7 @@ def build_engine(
         models.eos_ids,
         dtype=r.dtype if r.dtype != "auto" else str(dtype).removeprefix("torch."),
         seed=cfg.seed,
-        max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + r.max_new_tokens),
+        max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
         kv_cache_gb=r.vllm_kv_cache_gb,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         enable_prefix_caching=r.vllm_prefix_caching,
@@ -310,7 +319,7 @@ def build_objective(cfg: TrainConfig, kl):
         get_policy_loss(cfg.policy_loss_name),
         cfg.loss_options,
         agg_mode=cfg.agg_mode,
-        max_len=r.max_new_tokens,
+        max_len=r.max_new_tokens * (r.max_turns if cfg.env.name else 1),  # the most action tokens
         kl=kl,
         kl_kind=cfg.kl.resolved_kind(),
         kl_importance_weighted=cfg.kl.importance_weighted,
