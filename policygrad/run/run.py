@@ -28,7 +28,7 @@ from policygrad.trainer.config import TrainConfig
 from policygrad.trainer.distributed import Dist, NullLogger
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.trainer.evaluate import evaluate as evaluate_rows
-from policygrad.trainer.evaluate import write_jsonl
+from policygrad.trainer.evaluate import evaluate_episodes, write_jsonl
 from policygrad.trainer.export import export_merged, final_metrics, model_card
 from policygrad.trainer.factory import build_trainer, prepare_config
 from policygrad.trainer.health import UpdateWatch, check_finite_weights
@@ -186,6 +186,21 @@ class Run:
         if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg, trainer = self.config, self.trainer
+        if trainer.environment is not None:  # greedy episodes; success = a final reward > 0
+            out = evaluate_episodes(
+                trainer.environment,
+                rows,
+                samples=cfg.eval_samples,
+                ks=cfg.eval_ks,
+                temperature=cfg.eval_temperature,
+                seed=trainer.seeds.evaluation(trainer.step_idx),
+                batch_size=batch_size,
+            )
+            write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), out["records"])
+            m = out["metrics"]
+            scores = {"eval/accuracy": m["success"], "eval/turns_mean": m["turns_mean"]}
+            scores.update({f"eval/{k}": v for k, v in m.items() if k.startswith(("env/", "pass@"))})
+            return scores, out["records"]
         scores, records = evaluate_rows(
             trainer.engine,
             trainer.tokenizer,

@@ -98,6 +98,8 @@ METRICS: dict[str, str] = {
     "eval/pass@<k>": "held-out pass@k from eval_samples samples per problem (unbiased estimator)",
     "eval/maj@<k>": "held-out maj@k: the majority answer of k samples is correct",
     # resume
+    "eval/turns_mean": "held-out greedy episodes' mean turns (runs with an environment)",
+    "eval/env/<info>": "held-out greedy episodes' mean of StepResult.info[<info>] (runs with an environment)",
     "config/<field>": "an option changed on resume (optim.lr, ...): its new value, at the step resumed from",
     # multi-turn episodes (env.name)
     "episode/turns_mean": "mean policy turns per episode",
