@@ -175,13 +175,26 @@ def _fsync_tree(folder: str) -> None:
         fsync_dir(root)
 
 
-def _write_reason(exc: BaseException) -> str:
+# Below this much free space a failed write is most likely a full disk (torch.save then reports
+# only "unexpected pos", safetensors "StorageFull").
+LOW_DISK_BYTES = 1 << 30
+
+
+def _write_reason(exc: BaseException, folder: str | None = None) -> str:
     if isinstance(exc, OSError):
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{exc.strerror or exc}{where}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if "StorageFull" in text or "No space left" in text:  # safetensors reports the OS error as text
         return "No space left on device"
+    free = None
+    if folder is not None:
+        try:
+            free = shutil.disk_usage(folder).free
+        except OSError:
+            free = None
+    if free is not None and free < LOW_DISK_BYTES:
+        return f"the disk is probably full ({free / 2**20:.0f} MiB free; {type(exc).__name__}: {text[:120]})"
     return f"{type(exc).__name__}: {text[:200]}"
 
 
@@ -251,7 +264,8 @@ def save_checkpoint(
                 "again: the run starts over"
             )
         raise CheckpointSaveError(
-            f"could not write checkpoint {path}: {_write_reason(exc)}; nothing of it was kept and {then}"
+            f"could not write checkpoint {path}: {_write_reason(exc, parent)}; nothing of it was kept "
+            f"and {then}"
         ) from exc
     except BaseException:  # a second Ctrl-C: leave no half folder behind
         shutil.rmtree(tmp, ignore_errors=True)

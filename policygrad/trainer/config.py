@@ -465,6 +465,10 @@ def parse_overrides(args: list[str]) -> dict[str, Any]:
     while i < len(args):
         arg = args[i]
         if not arg.startswith("--"):
+            if arg.endswith((".yaml", ".yml")):  # a recipe given after the options
+                raise ConfigError(
+                    f"the config file {arg!r} must come first: policygrad train {arg} --key=value ..."
+                )
             raise ConfigError(f"expected --key=value, got {arg!r}")
         key, sep, raw = arg[2:].partition("=")
         if not sep:

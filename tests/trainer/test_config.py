@@ -143,6 +143,8 @@ def test_unknown_nested_key_in_yaml_is_named(tmp_path):
 def test_malformed_overrides_and_files():
     with pytest.raises(ConfigError, match=r"expected --key=value, got 'steps=3'"):
         load_config(None, ["steps=3"])
+    with pytest.raises(ConfigError, match=r"config file 'configs/rloo.yaml' must come first: policygrad"):
+        load_config(None, ["--steps=3", "configs/rloo.yaml"])
     with pytest.raises(ConfigError, match=r"--steps needs a value: --steps=VALUE"):
         load_config(None, ["--steps"])
     with pytest.raises(ConfigError, match=r"cannot set kl\.beta\.x: beta is not a section"):

@@ -82,6 +82,35 @@ def _save(run, step, model=None):
 # ----------------------------------------------------------------------------- checkpoints
 
 
+class TorchWriteFails:
+    """A model whose save fails the way torch.save does on a full disk: a RuntimeError that
+    never says so."""
+
+    def save_pretrained(self, folder, **_):
+        os.makedirs(folder, exist_ok=True)
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 261965440 vs 261965332"
+        )
+
+
+def test_a_failed_write_on_a_nearly_full_disk_says_the_disk_is_probably_full(tmp_path, monkeypatch):
+    import shutil as shutil_module
+
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        "policygrad.trainer.checkpoint.shutil.disk_usage", lambda _p: usage._replace(free=300 * 2**20)
+    )
+    with pytest.raises(
+        CheckpointSaveError, match=r"step_1: the disk is probably full \(300 MiB free; RuntimeError"
+    ):
+        _save(tmp_path, 1, TorchWriteFails())
+    monkeypatch.setattr(
+        "policygrad.trainer.checkpoint.shutil.disk_usage", lambda _p: usage._replace(free=50 * 2**30)
+    )
+    with pytest.raises(CheckpointSaveError, match=r"step_1: RuntimeError: \[enforce fail"):
+        _save(tmp_path, 1, TorchWriteFails())
+
+
 def test_a_checkpoint_is_complete_only_with_its_marker_and_sizes(tmp_path):
     path = _save(tmp_path, 1)
     assert checkpoint_problem(path) is None
