@@ -427,8 +427,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return COMMANDS[command](rest)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:
+        if not getattr(e, "reported", False):  # a run says itself how it stopped
+            print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:
         message = _error_message(command, e)

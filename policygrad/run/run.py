@@ -241,10 +241,21 @@ class Run:
                 return self._train(signals)
         except Stopped as stop:
             return self._stopped_at_once(stop.signal)
-        except KeyboardInterrupt:  # a second Ctrl-C
+        except KeyboardInterrupt as exc:  # a second Ctrl-C
             saved = self._saved_step
-            newest = checkpoint_path(self.run_dir, saved) if saved else None
-            log.warning("stopped at once; the newest checkpoint is %s", newest or "none (nothing was saved)")
+            if saved:
+                log.warning(
+                    "stopped at once; the newest checkpoint is %s; continue with: "
+                    "policygrad train --resume %s",
+                    checkpoint_path(self.run_dir, saved),
+                    self.run_dir,
+                )
+            else:
+                log.warning(
+                    "stopped at once, before any checkpoint was saved; run the same command again to "
+                    "start over"
+                )
+            exc.reported = True  # the command line adds no line of its own
             raise
         except OSError as exc:
             if exc.errno != errno.ENOSPC:

@@ -404,3 +404,19 @@ def test_under_torchrun_a_config_error_is_printed_by_rank_0_alone(monkeypatch, c
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == lines
         assert all(line.startswith("error: ") and "no_such_option" in line for line in err)
+
+
+def test_a_run_that_said_how_it_stopped_gets_no_second_interrupted_line(monkeypatch, capsys):
+    import policygrad.cli as cli
+
+    def stopped(_argv):
+        exc = KeyboardInterrupt()
+        exc.reported = True  # as Run.train marks a second Ctrl-C it has logged
+        raise exc
+
+    monkeypatch.setitem(cli.COMMANDS, "train", stopped)
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == ""
+    monkeypatch.setitem(cli.COMMANDS, "train", lambda _argv: (_ for _ in ()).throw(KeyboardInterrupt()))
+    assert main(["train"]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
