@@ -15,8 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from policygrad.envs import Environment, StepResult
+from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
+from policygrad.models.forward import policy_logprobs
 from policygrad.rollout import HFRolloutEngine, SamplingParams, VLLMRolloutEngine, vllm_available
-from tests.tiny import PAD_ID, make_tiny_llama
+from tests.tiny import CHAT_TEMPLATE, PAD_ID, make_tiny_llama
 
 pytestmark = pytest.mark.integration
 
@@ -539,3 +542,45 @@ def test_sync_weights_refuses_a_trained_copy_of_a_tied_weight_before_copying(set
     prompts = _prompts(tok, TEXTS)
     r = engine.generate(prompts, group_size=2, temperature=0.7, max_new_tokens=8, generator_seed=6)
     assert _abs_diff(model, r).max() < 1e-3  # still the engine's own weights
+
+
+class _Counter(Environment):
+    """Says "ok N" after turn N; done after the third turn."""
+
+    def reset(self, row, *, seed):  # noqa: ARG002 - the protocol's argument
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):  # noqa: ARG002 - the protocol's argument
+        self.turn += 1
+        return StepResult([{"role": "user", "content": f"ok {self.turn}"}], done=self.turn >= 3)
+
+
+@pytest.mark.parametrize("name", ["hf", "engine"])
+def test_episodes_on_either_engine_train_on_what_was_sampled(setup, name):
+    # Three-turn episodes, observations between the turns: the training forward of the assembled
+    # sequence (observations seen, not scored) gives the sampler's log-probs at every action token,
+    # which holds only if the ids, their positions and the masks are exactly what was sampled.
+    model, tok = setup["model"], setup["tok"]
+    tok.chat_template = CHAT_TEMPLATE
+    runner = EpisodeRunner(
+        _Counter,
+        setup[name],
+        tok,
+        EpisodeLimits(max_turns=3, max_new_tokens=5, max_context=512),
+        end_ids=MANY_EOS,
+        pad_id=tok.pad_token_id,
+    )
+    rows = [{"prompt": t} for t in TEXTS]
+    prompts, rollout, episodes, _ = runner.run(
+        rows, group_size=2, seeds=[1, 2, 3], per_prompt_seeds=True, sampling={"temperature": 0.7}
+    )
+    assert rollout.observation_mask is not None and rollout.observation_mask.sum() > 0
+    assert set(episodes.stop_reasons) <= {"done", "length"} and "done" in episodes.stop_reasons
+    with torch.no_grad():
+        trained, _ = policy_logprobs(model, rollout)
+    action = rollout.response_mask > 0
+    assert (trained - rollout.sampler_logprobs)[action].abs().max() < 1e-4
+    assert rollout.sampler_logprobs[rollout.observation_mask > 0].abs().sum() == 0
+    for row in range(rollout.batch_size):  # every sequence starts with its row's own prompt
+        assert rollout.prompt_ids[row, -len(prompts[row // 2]) :].tolist() == prompts[row // 2]
