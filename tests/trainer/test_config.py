@@ -519,3 +519,84 @@ def test_the_same_settings_are_accepted_where_they_act():
     # A function of the user's own may score programs: only the built-in answer/length rewards are refused.
     mine = load_config(None, [*code, "--reward.functions=[answer_correctness, my_rewards:passes]"])
     assert mine.reward.functions == ["answer_correctness", "my_rewards:passes"]
+
+
+# ----------------------------------------------------------------------------- environments
+
+ENV = "--env.name=builtin:guess"
+
+
+def test_reward_functions_default_depends_on_the_environment():
+    assert load_config(None, []).reward.functions == ["answer_correctness"]
+    with_env = load_config(None, [ENV])
+    assert with_env.reward.functions == []  # the environment's return is the reward
+    assert with_env.reward_components == ["env"]
+    # an explicit list is kept either way
+    both = load_config(None, [ENV, "--reward.functions=[answer_format]"])
+    assert both.reward.functions == ["answer_format"]
+    assert both.reward_components == ["env", "answer_format"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "fragments"),
+    [
+        (
+            ["--rollout.max_turns=3"],
+            ["rollout.max_turns applies to multi-turn episodes only; set env.name"],
+        ),
+        (
+            ["--rollout.env_workers=2"],
+            ["rollout.env_workers applies to multi-turn episodes only; set env.name"],
+        ),
+        (
+            ["--env.options={low: 1}"],
+            ["env.options is set but env.name is null"],
+        ),
+        (
+            [ENV, "--rollout.ignore_eos=true"],
+            ["rollout.ignore_eos with env.name would never end a turn"],
+        ),
+        (
+            [ENV, "--algorithm=remax"],
+            ["advantage estimator 'remax' needs", "which multi-turn episodes do not provide"],
+        ),
+        (
+            ["--reward.functions=[]"],
+            ["reward.functions is empty; give at least one reward function"],
+        ),
+        (
+            [ENV, "--drop_zero_variance_groups=true", "--dynamic_sampling.reward=answer_correctness"],
+            ["dynamic_sampling.reward='answer_correctness' is not a reward component; choose one of ['env']"],
+        ),
+    ],
+)
+def test_environment_settings_are_checked(overrides, fragments):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+def test_the_same_settings_are_accepted_with_an_environment():
+    cfg = load_config(None, [ENV, "--rollout.max_turns=3", "--env.options={low: 1, high: 8}"])
+    assert (cfg.rollout.max_turns, cfg.env.options) == (3, {"low": 1, "high": 8})
+    assert load_config(None, ["--algorithm=remax"]).algorithm == "remax"  # fine single-turn
+    # an environment needs no reward function
+    assert load_config(None, [ENV, "--reward.functions=[]"]).reward.functions == []
+
+
+def test_dynamic_sampling_with_an_environment_defaults_to_its_return():
+    cfg = load_config(None, [ENV, "--drop_zero_variance_groups=true"])
+    assert cfg.dynamic_sampling_reward == "env"
+    cfg = load_config(None, [ENV, "--drop_zero_variance_groups=true", "--reward.functions=[answer_format]"])
+    assert cfg.dynamic_sampling_reward == "env"  # the first component, before the functions
+    cfg = load_config(
+        None,
+        [
+            ENV,
+            "--drop_zero_variance_groups=true",
+            "--reward.functions=[answer_format]",
+            "--dynamic_sampling.reward=answer_format",
+        ],
+    )
+    assert cfg.dynamic_sampling_reward == "answer_format"

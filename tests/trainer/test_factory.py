@@ -10,9 +10,10 @@ import dataclasses
 import pytest
 import torch
 
+from policygrad.envs import Environment, StepResult
 from policygrad.trainer.config import ConfigError, ModelConfig
 from policygrad.trainer.distributed import Dist
-from policygrad.trainer.factory import build_trainer, prepare_config
+from policygrad.trainer.factory import build_trainer, prepare_config, read_chat_template
 from tests.trainer.conftest import config_with
 
 pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
@@ -24,6 +25,14 @@ def importable_reward(_prompts, completions, **_fields):
 
 def _config(tmp_path, **sections):
     return config_with(tmp_path, 'no/such-model-is-ever-read', **sections)
+
+
+class ImportableEnv(Environment):
+    def reset(self, row, *, seed):  # noqa: ARG002 - the protocol's arguments
+        return [{"role": "user", "content": "hi"}]
+
+    def step(self, action):  # noqa: ARG002
+        return StepResult(done=True)
 
 
 class InMemoryModel(torch.nn.Module):
@@ -106,6 +115,50 @@ def test_reward_specs_are_checked_before_any_model_without_running_user_code(tmp
         prepare_config(_config(tmp_path, reward={"functions": [f"{bad}:f"]}))
     with pytest.raises(ValueError, match="cannot import module 'no_such_module_xyz'"):
         prepare_config(_config(tmp_path), reward_functions=["no_such_module_xyz:f"])
+
+
+def test_an_environment_object_is_recorded_by_import_path_or_a_placeholder(tmp_path):
+    got, _ = prepare_config(_config(tmp_path), environment=ImportableEnv)
+    assert got.env.name == "tests.trainer.test_factory:ImportableEnv"
+    assert got.reward.functions == ["answer_correctness"]  # the rest is kept
+    again, _ = prepare_config(got)  # the recorded path is a spec that needs no object
+    assert again.env.name == got.env.name
+
+    class Local(ImportableEnv):
+        pass
+
+    got, _ = prepare_config(_config(tmp_path), environment=Local)
+    assert got.env.name == "<environment Local (not importable)>"
+    # resumed or rerun from config.yaml without the object: the placeholder is no spec
+    with pytest.raises(ConfigError) as info:
+        prepare_config(got)
+    message = str(info.value)
+    assert message.startswith("env.name='<environment Local (not importable)>' records an environment object")
+    assert "pass it again (policygrad.train(env=...))" in message
+    # given again, it is accepted
+    again, _ = prepare_config(got, environment=Local)
+    assert again.env.name == "<environment Local (not importable)>"
+
+
+def test_the_environment_spec_is_checked_before_any_model(tmp_path):
+    with pytest.raises(ValueError, match=r"^unknown environment 'builtin:nope'"):
+        prepare_config(_config(tmp_path, env={"name": "builtin:nope"}))
+    with pytest.raises(FileNotFoundError):
+        prepare_config(_config(tmp_path, env={"name": f"{tmp_path}/missing.py:Env"}))
+
+
+def test_read_chat_template_takes_text_or_a_file(tmp_path):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    assert read_chat_template(template) == template  # text as is
+    path = tmp_path / "chat.jinja"
+    path.write_text(template + "\n")
+    assert read_chat_template(str(path)) == template + "\n"  # the file's text, verbatim
+    with pytest.raises(ConfigError) as info:
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    assert "is neither a Jinja template nor an existing file" in str(info.value)
+    assert str(info.value).startswith("data.chat_template=")
+    with pytest.raises(ConfigError, match=r"^data.chat_template: cannot read "):
+        read_chat_template(str(tmp_path))  # a folder exists but is no file
 
 
 @pytest.mark.usefixtures("one_thread")
