@@ -94,7 +94,10 @@ def _load(spec: str) -> Any:
                 f"environment file {path!r} failed to load: {type(exc).__name__}: {exc}"
             ) from exc
     else:
-        module = importlib.import_module(target)
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise ValueError(f"cannot import {target!r} for env.name {spec!r} ({exc})") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):

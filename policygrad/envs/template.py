@@ -106,9 +106,9 @@ class ChatDelta:
 
 
 def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -> str:
-    """``text`` with at most ``max_tokens`` tokens: when longer, its first and last
-    ``max_tokens // 2`` tokens around ``marker`` (deterministic; the end of a tool's output often
-    says what went wrong, the start what ran)."""
+    """``text`` if it has at most ``max_tokens`` tokens, else its first and last
+    ``max(max_tokens // 2, 1)`` tokens around ``marker`` (the marker not counted; deterministic:
+    the end of a tool's output often says what went wrong, the start what ran)."""
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
         return text

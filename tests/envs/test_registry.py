@@ -119,6 +119,9 @@ def test_a_missing_file_is_file_not_found(tmp_path):
 def test_an_unimportable_module_is_named():
     with pytest.raises(ValueError, match=r"^cannot import module 'no_such_module_xyz' for env.name"):
         check_environment_spec("no_such_module_xyz:Env")
+    # A missing submodule of a package that exists shows when the factory imports it.
+    with pytest.raises(ValueError, match=r"^cannot import 'policygrad.no_such_mod' for env.name"):
+        environment_factory("policygrad.no_such_mod:X")
 
 
 # ----------------------------------------------------------------------------- user classes
