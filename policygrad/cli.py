@@ -145,7 +145,7 @@ def cmd_eval(argv: list[str]) -> int:
     from policygrad.data.sources import is_code_dataset
     from policygrad.lab.common import OneLineArgumentParser, check_temperature
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import DataConfig, RewardConfig, TrainConfig
+    from policygrad.trainer.config import RewardConfig, TrainConfig
     from policygrad.trainer.evaluate import eval_output_path, evaluate_model
 
     p = OneLineArgumentParser(
@@ -235,16 +235,7 @@ def cmd_eval(argv: list[str]) -> int:
                 f"{flag} applies to multi-turn episodes only; give --env (an environment) or drop {flag}"
             )
     args.dataset = args.dataset or "builtin:arithmetic"
-    data = DataConfig(
-        dataset=args.dataset,
-        difficulty=args.difficulty,
-        prompt_field=args.prompt_field,
-        answer_field=args.answer_field,
-        eval_dataset=args.dataset,
-        eval_size=args.limit,
-        dataset_config=args.dataset_config,
-        eval_split=args.split,
-    )
+    data = _eval_data(args, args.dataset)
     TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     # Every argument is checked before the dataset is read or a model is loaded (or converted).
     output = eval_output_path(args.output, args.dataset)
@@ -267,6 +258,22 @@ def cmd_eval(argv: list[str]) -> int:
     )
     print(json.dumps(result, indent=2))
     return 0
+
+
+def _eval_data(args, dataset: str):
+    """The data section of ``policygrad eval``: ``dataset``'s held-out rows, as the flags say."""
+    from policygrad.trainer.config import DataConfig
+
+    return DataConfig(
+        dataset=dataset,
+        difficulty=args.difficulty,
+        prompt_field=args.prompt_field,
+        answer_field=args.answer_field,
+        eval_dataset=dataset,
+        eval_size=args.limit,
+        dataset_config=args.dataset_config,
+        eval_split=args.split,
+    )
 
 
 def _env_options(text: str | None) -> dict:
@@ -300,7 +307,9 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
     try:
         environment_factory(name, options)
     except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
-        text = str(exc).strip().replace("\n", " ").replace("env.options", "--env-options")
+        text = str(exc).strip().replace("\n", " ")
+        text = text.replace("env.options do not fit", f"--env-options {raw or '{}'} do not fit")
+        text = text.replace("env.options", "--env-options")
         text = text.replace("env.name", "--env")
         if "--env" not in text:  # the class's own complaint about an option
             text = f"--env-options {raw or '{}'} do not fit {name}: {text}"
@@ -309,21 +318,11 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
 
 def _eval_env(args, ks: list[int]) -> int:
     """``policygrad eval --env``: greedy (and sampled) episodes, success and pass@k."""
-    from policygrad.trainer.config import DataConfig
     from policygrad.trainer.evaluate import default_env_dataset, eval_output_path, evaluate_env_model
 
     options = _env_options(args.env_options)
     dataset = args.dataset or default_env_dataset(args.env)
-    data = DataConfig(
-        dataset=dataset,
-        difficulty=args.difficulty,
-        prompt_field=args.prompt_field,
-        answer_field=args.answer_field,
-        eval_dataset=dataset,
-        eval_size=args.limit,
-        dataset_config=args.dataset_config,
-        eval_split=args.split,
-    )
+    data = _eval_data(args, dataset)
     output = eval_output_path(args.output, dataset)
     _check_env(args.env, options, args.env_options)
     result = evaluate_env_model(

@@ -137,7 +137,8 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
     except NotAnEnvironment:
         raise
     except (TypeError, ValueError) as exc:  # the class refused the options (a name, a value)
-        raise ValueError(f"env.options do not fit {spec!r}: {exc}") from exc
+        shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+        raise ValueError(f"env.options do not fit {shown}: {exc}") from exc
     close = getattr(probe, "close", None)
     if callable(close):
         close()

@@ -17,6 +17,7 @@ per row (and n sampled ones for pass@k) through an episode runner: success is a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -295,6 +296,27 @@ def evaluate(
     return metrics, records
 
 
+@contextlib.contextmanager
+def _eval_engine(cfg, limit: int):
+    """``(rows, models, engine, engine name, load seconds)`` of an evaluation: the first ``limit``
+    held-out rows, the model and the engine a training run of ``cfg`` would build; the engine is
+    closed on exit."""
+    t_load = time.perf_counter()
+    rows = build_eval_rows(cfg.data, seed=cfg.seed, at_most=True)[:limit]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = build.resolve_dtype(cfg.model.dtype, device)
+    models = load_eval_models(cfg, device=device, dtype=dtype)
+    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
+    try:
+        if models.weights_differ_from_path:
+            gen.sync_weights(models.policy)  # an engine with its own weights loaded the base
+        yield rows, models, gen, name, time.perf_counter() - t_load
+    finally:
+        close = getattr(gen, "close", None)
+        if callable(close):
+            close()
+
+
 def evaluate_model(
     model: str,
     data,
@@ -344,16 +366,7 @@ def evaluate_model(
         rollout=RolloutConfig(engine=engine, max_new_tokens=max_new_tokens, **(rollout or {})),
         reward=RewardConfig(functions=list(TaskReward.functions)),  # what judges rows of any kind
     )
-    t_load = time.perf_counter()
-    rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = build.resolve_dtype(cfg.model.dtype, device)
-    models = load_eval_models(cfg, device=device, dtype=dtype)
-    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
-    try:
-        if models.weights_differ_from_path:
-            gen.sync_weights(models.policy)  # an engine with its own weights loaded the base
-        load_seconds = time.perf_counter() - t_load
+    with _eval_engine(cfg, limit) as (rows, models, gen, name, load_seconds):
         t0 = time.perf_counter()
         metrics, records = evaluate(
             gen, models.tokenizer, rows, data=data, max_new_tokens=max_new_tokens,
@@ -361,10 +374,6 @@ def evaluate_model(
             reward_fn=reward_fn, answer_fn=answer_fn,
         )
         seconds = time.perf_counter() - t0
-    finally:
-        close = getattr(gen, "close", None)
-        if callable(close):
-            close()
     write_jsonl(output, records)
     return {
         "model": model,
@@ -582,28 +591,15 @@ def evaluate_env_model(
         env=EnvConfig(name=env, options=dict(env_options or {})),
     )
     build.check_before_models(cfg)
-    t_load = time.perf_counter()
-    rows = build_eval_rows(data, seed=seed, at_most=True)[:limit]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = build.resolve_dtype(cfg.model.dtype, device)
-    models = load_eval_models(cfg, device=device, dtype=dtype)
-    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
-    try:
-        if models.weights_differ_from_path:
-            gen.sync_weights(models.policy)  # an engine with its own weights loaded the base
+    with _eval_engine(cfg, limit) as (rows, models, gen, name, load_seconds):
         runner = build.build_environment(
             cfg, gen, models.tokenizer, max_context=_max_context(gen, models.policy)
         )
-        load_seconds = time.perf_counter() - t_load
         t0 = time.perf_counter()
         result = evaluate_episodes(
             runner, rows, samples=samples, ks=ks, temperature=temperature, seed=seed, batch_size=batch_size
         )
         seconds = time.perf_counter() - t0
-    finally:
-        close = getattr(gen, "close", None)
-        if callable(close):
-            close()
     write_jsonl(output, result["records"])
     return {
         "model": model,

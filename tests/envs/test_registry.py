@@ -183,7 +183,7 @@ def test_an_options_typo_names_env_options():
     with pytest.raises(ValueError) as info:
         environment_factory("builtin:guess", {"hihg": 7})
     message = str(info.value)
-    assert message.startswith("env.options do not fit 'builtin:guess': ")
+    assert message.startswith("env.options do not fit builtin:guess: ")
     assert "hihg" in message
 
 
@@ -192,7 +192,7 @@ def test_a_constructor_refusing_a_value_is_named_as_env_options():
         environment_factory(Picky, {"size": 0})
     assert str(info.value).startswith("env.options do not fit ")
     assert str(info.value).endswith(": size must be positive, got 0")
-    fragment = r"^env.options do not fit 'builtin:guess': low=9 must be at most high=2"
+    fragment = r"^env.options do not fit builtin:guess: low=9 must be at most high=2"
     with pytest.raises(ValueError, match=fragment):
         environment_factory("builtin:guess", {"low": 9, "high": 2})
 
