@@ -23,7 +23,7 @@ from policygrad.rewards.code import TaskReward
 from policygrad.run import stops
 from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
 from policygrad.trainer import rundir
-from policygrad.trainer.checkpoint import checkpoint_path, save_checkpoint
+from policygrad.trainer.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 from policygrad.trainer.config import TrainConfig
 from policygrad.trainer.distributed import Dist, NullLogger
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
@@ -503,6 +503,8 @@ class Run:
             if self._config_pending:
                 rundir.write_config(self.run_dir, self.config)
                 self._config_pending = False
+            if self.config.keep_checkpoints:
+                prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
         if trainer.strategy.shards_state:
             self.dist.barrier()  # the checkpoint is complete before any rank goes on
         self._saved_step = state["step"]

@@ -129,6 +129,23 @@ def find_checkpoints(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
     return None, skipped
 
 
+def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
+    """Delete the complete checkpoints of ``run_dir`` but the newest ``keep`` (>= 1); folders that
+    are not complete checkpoints (a save in progress, a killed one) are left alone. Returns the
+    deleted paths, oldest first."""
+    root = os.path.join(run_dir, "checkpoints")
+    if not os.path.isdir(root):
+        return []
+    steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
+    complete = [p for p in (os.path.join(root, f"step_{n}") for n in steps) if checkpoint_problem(p) is None]
+    deleted = []
+    for path in reversed(complete[keep:]):
+        shutil.rmtree(path)
+        log.info("deleted checkpoint %s (keep_checkpoints=%d)", path, keep)
+        deleted.append(path)
+    return deleted
+
+
 def latest_checkpoint(run_dir: str) -> str | None:
     """The newest complete ``checkpoints/step_N`` folder under ``run_dir`` (see
     :func:`checkpoint_problem`), or None. Logs which one it is and why newer ones were skipped."""

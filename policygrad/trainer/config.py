@@ -103,8 +103,10 @@ class TrainConfig:
     Checkpoints (``RUN_DIR/checkpoints/step_N``): every ``save_every`` steps (0: off) and every
     ``save_every_minutes`` minutes of training (0: off), on Ctrl-C / SIGTERM after the current
     step, on an error after the first completed step, and at the end, before the final
-    evaluation. ``overwrite``: replace the run in ``output_dir`` (only the files a run writes are
-    deleted, after the whole new config is validated); it is never saved in ``config.yaml``.
+    evaluation. ``keep_checkpoints``: after each save, delete this run's complete checkpoints
+    but the newest N (TRL's ``save_total_limit``; null: keep every one). ``overwrite``: replace
+    the run in ``output_dir`` (only the files a run writes are deleted, after the whole new config
+    is validated); it is never saved in ``config.yaml``.
     ``max_skipped_updates``: end the run with an error after this many consecutive steps that
     applied no update (every optimizer step skipped as non-finite, no token carried loss, or every
     gradient exactly 0: every advantage 0 and no other loss term);
@@ -135,6 +137,7 @@ class TrainConfig:
     eval_after: bool = True
     save_every: int = 0
     save_every_minutes: float = 10.0
+    keep_checkpoints: int | None = None
     max_skipped_updates: int = 20
     log_completions: int = 2
     drop_zero_variance_groups: bool = False
@@ -184,6 +187,8 @@ class TrainConfig:
         check_positive("save_every", self.save_every, allow_zero=True)
         self._validate_reporting_and_eval()
         check_positive("save_every_minutes", self.save_every_minutes, allow_zero=True)
+        if self.keep_checkpoints is not None:
+            check_positive("keep_checkpoints", self.keep_checkpoints)
         check_positive("max_skipped_updates", self.max_skipped_updates, allow_zero=True)
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
         for name in (*sections, "dynamic_sampling", "distributed", "env"):

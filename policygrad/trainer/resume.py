@@ -33,6 +33,7 @@ SESSION_OPTIONS = frozenset(
         "eval_after",
         "save_every",
         "save_every_minutes",
+        "keep_checkpoints",
         "max_skipped_updates",
         "log_completions",
         "num_threads",

@@ -24,6 +24,7 @@ from policygrad.trainer.checkpoint import (
     checkpoint_problem,
     find_checkpoints,
     latest_checkpoint,
+    prune_checkpoints,
     recover_interrupted_saves,
     save_checkpoint,
 )
@@ -430,3 +431,16 @@ def test_user_errors_end_in_one_line(error, expected, monkeypatch, capsys):
     monkeypatch.setenv("POLICYGRAD_DEBUG", "1")
     with pytest.raises(type(error)):
         cli.main(["train"])
+
+
+def test_keep_checkpoints_deletes_only_older_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step)
+    half = tmp_path / "checkpoints" / "step_5"
+    (half / "model").mkdir(parents=True)  # a save in progress (or killed): not this function's
+    deleted = prune_checkpoints(str(tmp_path), 2)
+    assert deleted == [str(tmp_path / "checkpoints" / f"step_{n}") for n in (1, 2)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3", "step_4", "step_5"]
+    assert prune_checkpoints(str(tmp_path), 2) == []  # nothing more to delete
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_4")
+    assert prune_checkpoints(str(tmp_path / "no_run"), 1) == []

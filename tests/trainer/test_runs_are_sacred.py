@@ -821,3 +821,13 @@ def test_a_full_disk_before_any_checkpoint_advises_a_new_start_not_resume(run_ya
     assert "--resume" not in line
     assert main(["train", cfg]) == 0
     assert _complete_steps(run) == [1]
+
+
+def test_keep_checkpoints_keeps_the_newest_and_a_resume_goes_on_from_it(run_yaml, capsys):
+    cfg, run = run_yaml("kept", steps=3, save_every=1, keep_checkpoints=2)
+    assert main(["train", cfg]) == 0
+    assert _complete_steps(run) == [2, 3]
+    assert main(["train", "--resume", run, "--steps=4"]) == 0
+    assert _complete_steps(run) == [3, 4]
+    assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
+    capsys.readouterr()
