@@ -116,3 +116,31 @@ def test_a_multi_turn_run_logs_its_episodes(eos_model_dir, rewards_py, tmp_path)
     assert stops == pytest.approx(1.0)
     assert last["env/x"] == 2.0
     assert last["episode/observation_tokens_mean"] > 0
+
+
+class Down(Environment):
+    """Every step fails: the tool server is down."""
+
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        raise ConnectionError("tool server unreachable")
+
+
+def test_past_the_error_budget_the_run_stops_with_one_line(eos_model_dir, rewards_py, tmp_path, capsys):
+    from policygrad.cli import main
+
+    tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", tmp_path / "down", steps=2)
+    tree["reward"] = {"functions": []}
+    tree["rollout"] = {**tree["rollout"], "max_new_tokens": 40, "env_error_budget": 0.5}
+    tree["env"] = {"name": "tests.envs.test_training:Down"}
+    path = tmp_path / "down.yaml"
+    path.write_text(__import__("yaml").safe_dump(tree))
+    assert main(["train", str(path)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    # Every episode whose turn ended reached step() and failed; the cut ones (no end id in 40
+    # tokens) failed too, as step() judges them as well: 100% > 50%.
+    assert len(err) == 1
+    assert "100% of this step's episodes failed in the environment (rollout.env_error_budget=0.5)" in err[0]
+    assert "first error: step() failed: ConnectionError: tool server unreachable" in err[0]
