@@ -318,7 +318,8 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
 
 def _eval_env(args, ks: list[int]) -> int:
     """``policygrad eval --env``: greedy (and sampled) episodes, success and pass@k."""
-    from policygrad.trainer.evaluate import default_env_dataset, eval_output_path, evaluate_env_model
+    from policygrad.trainer.episode_eval import default_env_dataset, evaluate_env_model
+    from policygrad.trainer.evaluate import eval_output_path
 
     options = _env_options(args.env_options)
     dataset = args.dataset or default_env_dataset(args.env)

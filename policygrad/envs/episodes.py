@@ -36,7 +36,15 @@ from policygrad.envs.base import (
     check_step_result,
 )
 from policygrad.envs.template import ChatDelta, cut_middle
-from policygrad.rollout.base import RESPONSE, ROW, Rollout, RolloutEngine, _pad, field_layouts, prompt_seed
+from policygrad.rollout.base import (
+    RESPONSE,
+    ROW,
+    Rollout,
+    RolloutEngine,
+    field_layouts,
+    pad_columns,
+    prompt_seed,
+)
 
 __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
 
@@ -127,7 +135,7 @@ class Episodes:
         def joined(name: str) -> torch.Tensor:
             values = [getattr(p, name) for p in parts]
             if name == "turn_rewards":
-                values = [_pad(v, width, left=False) for v in values]
+                values = [pad_columns(v, width, left=False) for v in values]
             return torch.cat(values)
 
         keys = sorted({k for p in parts for k in p.info})

@@ -296,7 +296,7 @@ class Rollout:
                     like = next(u for u in values if u is not None)
                     v = like.new_zeros(r._shape(layout))
                 if layout in _PAD_LEFT:
-                    v = _pad(v, widths[layout], left=_PAD_LEFT[layout])
+                    v = pad_columns(v, widths[layout], left=_PAD_LEFT[layout])
                 elif layout == GROUP:
                     v = v + offset
                 parts.append(v)
@@ -353,7 +353,7 @@ class Rollout:
         return dataclasses.replace(self, **changes)
 
 
-def _pad(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
+def pad_columns(t: torch.Tensor, width: int, *, left: bool) -> torch.Tensor:
     """``t`` [B, w] zero-padded to [B, width], on the left with ``left``."""
     extra = width - t.shape[1]
     return torch.nn.functional.pad(t, (extra, 0) if left else (0, extra))
@@ -511,3 +511,10 @@ class RolloutEngine(abc.ABC):
     @abc.abstractmethod
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Make the engine sample from ``model``'s current weights (call after every update)."""
+
+
+def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+    """Completion strings of a rollout: the policy's tokens only (``response_mask``), special
+    tokens dropped."""
+    ids = rollout.response_ids.masked_fill(rollout.response_mask == 0, tokenizer.pad_token_id)
+    return tokenizer.batch_decode(ids.tolist(), skip_special_tokens=True)

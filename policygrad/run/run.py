@@ -26,9 +26,10 @@ from policygrad.trainer import rundir
 from policygrad.trainer.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
 from policygrad.trainer.config import TrainConfig
 from policygrad.trainer.distributed import Dist, NullLogger
+from policygrad.trainer.episode_eval import evaluate_episodes
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.trainer.evaluate import evaluate as evaluate_rows
-from policygrad.trainer.evaluate import evaluate_episodes, write_jsonl
+from policygrad.trainer.evaluate import write_jsonl
 from policygrad.trainer.export import export_merged, final_metrics, model_card
 from policygrad.trainer.factory import build_trainer, prepare_config
 from policygrad.trainer.health import UpdateWatch, check_finite_weights

@@ -110,10 +110,21 @@ def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> N
         check_environment_spec(cfg.env.name)
 
 
-def build_environment(cfg: TrainConfig, engine, tokenizer, *, max_context: int | None, environment=None):
+def engine_context_limit(engine, policy) -> int | None:
+    """The most tokens (prompt and everything after it) ``engine`` takes: vLLM's
+    ``max_model_len``, else ``policy``'s ``max_position_embeddings`` (None: unknown)."""
+    limit = getattr(engine, "max_model_len", None)
+    if limit is None:
+        config = getattr(policy, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        limit = getattr(text, "max_position_embeddings", None)
+    return int(limit) if limit is not None else None
+
+
+def build_environment(cfg: TrainConfig, engine, tokenizer, policy, *, environment=None):
     """The :class:`~policygrad.envs.episodes.EpisodeRunner` of ``env`` (None without one):
     ``environment`` (an Environment class or factory) instead of ``env.name``, the episode limits
-    of ``rollout``, the engine's end and pad ids.
+    of ``rollout``, the engine's end and pad ids and context (:func:`engine_context_limit`).
 
     Raises:
         ValueError / TypeError: the environment cannot be built with ``env.options``.
@@ -127,7 +138,7 @@ def build_environment(cfg: TrainConfig, engine, tokenizer, *, max_context: int |
         max_new_tokens=r.max_new_tokens,
         max_episode_tokens=r.max_episode_tokens,
         max_observation_tokens=r.max_observation_tokens,
-        max_context=max_context,
+        max_context=engine_context_limit(engine, policy),
         step_timeout_s=r.env_step_timeout_s,
         workers=r.env_workers,
     )

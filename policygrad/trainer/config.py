@@ -33,21 +33,19 @@ from policygrad.core.advantages import (
 from policygrad.core.kl import KLPlacement, get_kl_placement
 from policygrad.core.losses import check_policy_loss_options, list_policy_losses, policy_loss_options
 from policygrad.data.sources import is_code_dataset
+from policygrad.trainer.config_rewards import CodeRewardConfig, RewardConfig, reward_component_names
 from policygrad.trainer.config_sections import (
     EPISODE_OPTIONS,
     MIN_TEMPERATURE,
-    CodeRewardConfig,
     ConfigError,
     DataConfig,
     EnvConfig,
     LoraConfig,
     ModelConfig,
-    RewardConfig,
     RolloutConfig,
     build_dataclass,
     check_choice,
     check_positive,
-    reward_component_names,
 )
 from policygrad.trainer.config_training import (
     ALGORITHMS,

@@ -165,9 +165,7 @@ def build_trainer(
         "policy_as_reference": m.policy_as_reference,
         "engine": engine,
         "engine_name": engine_name,
-        "environment": build.build_environment(
-            cfg, engine, m.tokenizer, max_context=_max_context(engine, m.policy), environment=environment
-        ),
+        "environment": build.build_environment(cfg, engine, m.tokenizer, m.policy, environment=environment),
     }
     if checkpoint is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
         strategy.sync_engine(engine, m.policy)  # a separate engine loaded the base weights
@@ -203,16 +201,6 @@ def build_trainer(
     )
     parts["kl_ctl"] = build.build_kl_controller(cfg)
     return Trainer(cfg, **parts)
-
-
-def _max_context(engine, policy) -> int | None:
-    """The engine's context in tokens: vLLM's ``max_model_len``, else the model's positions."""
-    limit = getattr(engine, "max_model_len", None)
-    if limit is None:
-        config = getattr(policy, "config", None)
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        limit = getattr(text, "max_position_embeddings", None)
-    return int(limit) if limit is not None else None
 
 
 def read_chat_template(value: str) -> str:

@@ -43,14 +43,13 @@ from policygrad.data.ptx import PtxData
 from policygrad.data.stream import PromptStream
 from policygrad.envs.episodes import EpisodeRunner
 from policygrad.models.forward import inference_logprobs
-from policygrad.rewards.scoring import EnvironmentScores, Scorer
-from policygrad.rollout.base import RolloutEngine
+from policygrad.rewards.scoring import Scorer
+from policygrad.rollout.base import RolloutEngine, decode_completions
 from policygrad.trainer.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.trainer.config import TrainConfig
 from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import CheckpointError, TrainingError
-from policygrad.trainer.evaluate import decode_completions
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.logging import peak_rss_gb
 from policygrad.trainer.metrics import batch_metrics, critic_metrics, episode_metrics, mismatch_metrics
@@ -58,7 +57,13 @@ from policygrad.trainer.objective import PolicyObjective
 from policygrad.trainer.precision import Precision
 from policygrad.trainer.runtime import release_free_memory, synced_clock
 from policygrad.trainer.seeds import Seeds
-from policygrad.trainer.stages import ESTIMATOR_INPUTS, SampledBatch, concat_batches, keep_groups_with_signal
+from policygrad.trainer.stages import (
+    ESTIMATOR_INPUTS,
+    SampledBatch,
+    concat_batches,
+    episode_batch,
+    keep_groups_with_signal,
+)
 from policygrad.trainer.strategy import Strategy
 from policygrad.trainer.update import PolicyStep, UpdateStats
 
@@ -255,7 +260,7 @@ class Trainer:
         seeds = self.seeds.prompts(self.step_idx, round_index, len(rows))
         rows, seeds = rows[share], seeds[share]
         if self.environment is not None:
-            return self.run_episodes(rows, seeds)
+            return episode_batch(self, rows, seeds)
         prompt_ids = encode_prompts(self.tokenizer, rows, self.config.data)
         rollout = self.engine.generate(
             prompt_ids,
@@ -267,52 +272,11 @@ class Trainer:
             prompt_seeds=seeds if r.per_prompt_seeds else None,
             ignore_eos=r.ignore_eos,
         )
-        completions = self.decode(rollout)
+        completions = decode_completions(self.tokenizer, rollout)
         scores = self.scorer(
             rows, completions, rollout.truncated, rollout.group_index, group_size=r.group_size
         )
         return SampledBatch(rows, prompt_ids, rollout, completions, scores)
-
-    def run_episodes(self, rows: list[dict[str, Any]], seeds: list[int]) -> SampledBatch:
-        """G multi-turn episodes of each row (:class:`~policygrad.envs.episodes.EpisodeRunner`),
-        scored: the environment's final rewards with the reward functions' scores of the final
-        answers; a row cut short goes through ``reward.truncation`` as a whole (under
-        ``penalty`` its turn rewards are dropped too).
-
-        Raises:
-            TrainingError: more than ``rollout.env_error_budget`` of the episodes failed.
-        """
-        r = self.config.rollout
-        prompt_ids, rollout, episodes, finals = self.environment.run(
-            rows,
-            group_size=r.group_size,
-            seeds=seeds,
-            per_prompt_seeds=r.per_prompt_seeds,
-            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
-        )
-        failed = float(self.dist.total(episodes.failed.sum())) / max(self.dist.total(len(finals)), 1)
-        if failed > r.env_error_budget:
-            first = next((e for e in episodes.errors if e is not None), "on another rank")
-            raise TrainingError(
-                f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
-                f"{r.env_error_budget}); first error: {first}"
-            )
-        if self.scorer.truncation == "penalty":
-            episodes.turn_rewards[episodes.truncated] = 0.0
-        env = EnvironmentScores(
-            final_rewards=episodes.final_rewards,
-            returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
-            failed=episodes.failed,
-            fields={"transcript": episodes.transcripts},
-        )
-        scores = self.scorer(
-            rows, finals, rollout.truncated, rollout.group_index, group_size=r.group_size, env=env
-        )
-        return SampledBatch(rows, prompt_ids, rollout, finals, scores, episodes)
-
-    def decode(self, rollout) -> list[str]:
-        """Completion strings of a rollout."""
-        return decode_completions(self.tokenizer, rollout)
 
     def on_policy(self, pretraining: bool) -> bool:
         """The update can use the training forward's own log-probs as the old ones: one epoch of

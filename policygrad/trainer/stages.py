@@ -21,8 +21,9 @@ import torch
 
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
 from policygrad.envs.episodes import Episodes
-from policygrad.rewards.scoring import Scores
-from policygrad.rollout.base import Rollout
+from policygrad.rewards.scoring import EnvironmentScores, Scores
+from policygrad.rollout.base import Rollout, decode_completions
+from policygrad.trainer.errors import TrainingError
 
 __all__ = [
     "ESTIMATOR_INPUTS",
@@ -82,6 +83,44 @@ def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
     )
 
 
+def episode_batch(trainer, rows: list[dict[str, Any]], seeds: list[int]) -> SampledBatch:
+    """The sample stage with an environment: G multi-turn episodes of each row
+    (:class:`~policygrad.envs.episodes.EpisodeRunner`), scored: the environment's final rewards
+    with the reward functions' scores of the final answers; a row cut short goes through
+    ``reward.truncation`` as a whole (under ``penalty`` its turn rewards are dropped too).
+
+    Raises:
+        TrainingError: more than ``rollout.env_error_budget`` of the episodes failed.
+    """
+    r = trainer.config.rollout
+    prompt_ids, rollout, episodes, finals = trainer.environment.run(
+        rows,
+        group_size=r.group_size,
+        seeds=seeds,
+        per_prompt_seeds=r.per_prompt_seeds,
+        sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+    )
+    failed = float(trainer.dist.total(episodes.failed.sum())) / max(trainer.dist.total(len(finals)), 1)
+    if failed > r.env_error_budget:
+        first = next((e for e in episodes.errors if e is not None), "on another rank")
+        raise TrainingError(
+            f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
+            f"{r.env_error_budget}); first error: {first}"
+        )
+    if trainer.scorer.truncation == "penalty":
+        episodes.turn_rewards[episodes.truncated] = 0.0
+    env = EnvironmentScores(
+        final_rewards=episodes.final_rewards,
+        returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
+        failed=episodes.failed,
+        fields={"transcript": episodes.transcripts},
+    )
+    scores = trainer.scorer(
+        rows, finals, rollout.truncated, rollout.group_index, group_size=r.group_size, env=env
+    )
+    return SampledBatch(rows, prompt_ids, rollout, finals, scores, episodes)
+
+
 def keep_groups_with_signal(batch: SampledBatch, component: str) -> list[int]:
     """Positions of the prompts whose samples do not all score the same on reward ``component``
     (its raw score: before normalisation and the truncation penalty; a row where the function
@@ -138,7 +177,7 @@ def greedy_baseline_rewards(trainer, batch: SampledBatch) -> torch.Tensor:
         top_p=r.top_p,
         top_k=r.top_k,
     )
-    completions = trainer.decode(greedy)
+    completions = decode_completions(trainer.tokenizer, greedy)
     return trainer.scorer.baseline(batch.rows, completions, greedy.truncated).repeat_interleave(
         batch.group_size
     )

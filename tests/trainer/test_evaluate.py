@@ -14,7 +14,8 @@ from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
 from policygrad.rollout.base import Rollout
 from policygrad.rollout.hf import HFRolloutEngine
 from policygrad.trainer.config import DataConfig
-from policygrad.trainer.evaluate import evaluate, evaluate_episodes, majority_at_k, pass_at_k, write_jsonl
+from policygrad.trainer.episode_eval import evaluate_episodes
+from policygrad.trainer.evaluate import evaluate, majority_at_k, pass_at_k, write_jsonl
 from tests.tiny import PAD_ID, make_tiny_tokenizer
 from tests.trainer.conftest import MANY_EOS
 
