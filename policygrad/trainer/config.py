@@ -35,7 +35,6 @@ from policygrad.core.losses import check_policy_loss_options, list_policy_losses
 from policygrad.data.sources import is_code_dataset
 from policygrad.trainer.config_rewards import CodeRewardConfig, RewardConfig, reward_component_names
 from policygrad.trainer.config_sections import (
-    EPISODE_OPTIONS,
     MIN_TEMPERATURE,
     ConfigError,
     DataConfig,
@@ -45,6 +44,7 @@ from policygrad.trainer.config_sections import (
     RolloutConfig,
     build_dataclass,
     check_choice,
+    check_episode_options,
     check_positive,
 )
 from policygrad.trainer.config_training import (
@@ -191,7 +191,6 @@ class TrainConfig:
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
         for name in (*sections, "dynamic_sampling", "distributed", "env"):
             getattr(self, name).validate(name)
-        self._validate_episodes()
         if self.eval_every and self.data.eval_size == 0:
             raise ConfigError(
                 f"eval_every={self.eval_every} with data.eval_size=0 would evaluate no problem; set "
@@ -207,6 +206,7 @@ class TrainConfig:
             )
         self._validate_policy_loss()
         self._validate_estimator()
+        check_episode_options(self)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch < self.optim.num_minibatches:
             raise ConfigError(
@@ -229,29 +229,6 @@ class TrainConfig:
                 f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
             )
         self._validate_dynamic_sampling()
-
-    def _validate_episodes(self) -> None:
-        r = self.rollout
-        if not self.env.name:
-            if not self.reward.functions:
-                raise ConfigError("reward.functions is empty; give at least one reward function")
-            defaults = RolloutConfig()
-            for name in EPISODE_OPTIONS:
-                if getattr(r, name) != getattr(defaults, name):
-                    raise ConfigError(
-                        f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) "
-                        f"or leave rollout.{name} at its default"
-                    )
-            return
-        if r.ignore_eos:
-            raise ConfigError(
-                "rollout.ignore_eos with env.name would never end a turn; set rollout.ignore_eos=false"
-            )
-        if self.estimator_spec.inputs:
-            raise ConfigError(
-                f"advantage estimator {self.estimator_name!r} needs {', '.join(self.estimator_spec.inputs)}, "
-                "which multi-turn episodes do not provide; use grpo, rloo, reinforce, reinforce_pp or gae"
-            )
 
     def _validate_reporting_and_eval(self) -> None:
         trackers = ("tensorboard", "wandb", "mlflow", "trackio", "none")

@@ -306,6 +306,39 @@ class RolloutConfig:
         return "vllm", "auto: vllm installed"
 
 
+def check_episode_options(config) -> None:
+    """The checks that tie ``env.name`` to the other sections of ``config`` (a ``TrainConfig``
+    whose sections and estimator are valid): without an environment the episode options keep
+    their defaults and some reward function scores; with one no option that would never end a
+    turn, and no advantage estimator that needs inputs episodes lack (ReMax's greedy baseline).
+
+    Raises:
+        ConfigError: naming the option and the fix.
+    """
+    rollout = config.rollout
+    if not config.env.name:
+        if not config.reward.functions:
+            raise ConfigError("reward.functions is empty; give at least one reward function")
+        defaults = RolloutConfig()
+        for name in EPISODE_OPTIONS:
+            if getattr(rollout, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) "
+                    f"or leave rollout.{name} at its default"
+                )
+        return
+    if rollout.ignore_eos:
+        raise ConfigError(
+            "rollout.ignore_eos with env.name would never end a turn; set rollout.ignore_eos=false"
+        )
+    spec = config.estimator_spec
+    if spec.inputs:
+        raise ConfigError(
+            f"advantage estimator {spec.name!r} needs {', '.join(spec.inputs)}, which "
+            "multi-turn episodes do not provide; use grpo, rloo, reinforce, reinforce_pp or gae"
+        )
+
+
 # ----------------------------------------------------------------------------------------------
 # Building a section, or the whole tree, from a YAML mapping.
 
