@@ -199,7 +199,11 @@ class Run:
             )
             write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), out["records"])
             m = out["metrics"]
-            scores = {"eval/accuracy": m["success"], "eval/turns_mean": m["turns_mean"]}
+            scores = {
+                "eval/accuracy": m["success"],
+                "eval/turns_mean": m["turns_mean"],
+                "eval/turns_to_success": m["turns_to_success"],
+            }
             scores.update({f"eval/{k}": v for k, v in m.items() if k.startswith(("env/", "pass@"))})
             return scores, out["records"]
         scores, records = evaluate_rows(

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from policygrad.envs.base import STOP_REASONS
 from policygrad.rollout.base import prompt_seed
 from policygrad.trainer import build
 from policygrad.trainer.config import EnvConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
@@ -83,16 +84,17 @@ def episode_metrics(records: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The summary of episode records (:func:`evaluate_episodes`'): ``success`` (fraction with
     final reward > 0), ``final_reward_mean``, ``turns_mean``, ``stop_<reason>`` for every reason of
     :data:`~policygrad.envs.base.STOP_REASONS` (they add up to 1), ``failed_frac`` and
-    ``env/<key>``, the mean of each ``info`` key over the episodes that gave it."""
-    from policygrad.envs.base import STOP_REASONS
-
+    ``env/<key>``, the mean of each ``info`` key over the episodes that gave it, and
+    ``turns_to_success`` (mean turns of the successful episodes; NaN when none succeeded)."""
     n = max(len(records), 1)
+    won = [r["turns"] for r in records if r["success"]]
     metrics = {
         "success": sum(r["success"] for r in records) / n,
         "final_reward_mean": sum(r["final_reward"] for r in records) / n,
         "turns_mean": sum(r["turns"] for r in records) / n,
         **{f"stop_{s}": sum(r["stop_reason"] == s for r in records) / n for s in STOP_REASONS},
         "failed_frac": sum(r["failed"] for r in records) / n,
+        "turns_to_success": sum(won) / len(won) if won else float("nan"),
     }
     for key in sorted({k for r in records for k in r["info"]}):
         given = [r["info"][key] for r in records if r["info"].get(key) is not None]

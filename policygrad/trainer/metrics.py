@@ -99,6 +99,7 @@ METRICS: dict[str, str] = {
     "eval/maj@<k>": "held-out maj@k: the majority answer of k samples is correct",
     # resume
     "eval/turns_mean": "held-out greedy episodes' mean turns (runs with an environment)",
+    "eval/turns_to_success": "held-out greedy episodes' mean turns among the successful ones (NaN: none)",
     "eval/env/<info>": "held-out greedy episodes' mean of StepResult.info[<info>] (runs with an environment)",
     "config/<field>": "an option changed on resume (optim.lr, ...): its new value, at the step resumed from",
     # multi-turn episodes (env.name)

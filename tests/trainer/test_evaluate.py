@@ -153,6 +153,9 @@ def test_evaluate_episodes_counts_agree_with_the_records(eos_model_dir):
     assert metrics["success"] == pytest.approx(sum(r["success"] for r in records) / 6)
     assert metrics["final_reward_mean"] == pytest.approx(metrics["success"])
     assert metrics["turns_mean"] == pytest.approx(sum(r["turns"] for r in records) / 6)
+    won = [r["turns"] for r in records if r["success"]]
+    assert won, "the scripted episodes include a success"
+    assert metrics["turns_to_success"] == pytest.approx(sum(won) / len(won))
     assert metrics["failed_frac"] == 0.0
     assert metrics["env/hit"] == pytest.approx(sum(r["info"]["hit"] for r in records) / 6)
     for k in ks:
