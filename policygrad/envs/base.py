@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "EnvironmentFailure",
     "StepResult",
     "check_messages",
+    "check_reward",
     "check_step_result",
 ]
 
@@ -119,23 +121,40 @@ def check_messages(messages: Any, what: str, *, allow_empty: bool = False) -> li
     return out
 
 
+# Rewards become float32 tensors: a larger magnitude would turn into infinity there.
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def check_reward(value: Any, what: str) -> float:
+    """``value`` as a float if it is a real number (not a bool, not a string) that float32 holds
+    finitely.
+
+    Raises:
+        EnvironmentFailure: anything else (names ``what``).
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise EnvironmentFailure(f"{what} must be a number, got {value!r:.60}")
+    out = float(value)
+    if not math.isfinite(out) or abs(out) > FLOAT32_MAX:
+        raise EnvironmentFailure(f"{what} must be finite and within float32's range, got {value!r:.60}")
+    return out
+
+
 def check_step_result(result: Any) -> StepResult:
-    """``result`` checked: a :class:`StepResult` with a finite float reward and numeric info.
+    """``result`` checked: a :class:`StepResult` with a finite float32 reward, a bool ``done``
+    and finite numeric info.
 
     Raises:
         EnvironmentFailure: anything else (names the field).
     """
     if not isinstance(result, StepResult):
         raise EnvironmentFailure(f"step() must return a StepResult, got {type(result).__name__}")
-    reward = result.reward
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real) or reward != reward:
-        raise EnvironmentFailure(f"StepResult.reward must be a finite number, got {reward!r}")
-    if abs(float(reward)) == float("inf"):
-        raise EnvironmentFailure(f"StepResult.reward must be a finite number, got {reward!r}")
+    reward = check_reward(result.reward, "StepResult.reward")
+    done = result.done
+    if isinstance(done, str) or not any(done is v or (done == v) is True for v in (True, False)):
+        raise EnvironmentFailure(f"StepResult.done must be True or False, got {done!r:.60}")
     info = {}
     for key, value in dict(result.info).items():
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise EnvironmentFailure(f"StepResult.info[{key!r}] must be a number, got {value!r:.60}")
-        info[str(key)] = float(value)
+        info[str(key)] = check_reward(value, f"StepResult.info[{key!r}]")
     observation = check_messages(result.observation, "StepResult.observation", allow_empty=True)
-    return StepResult(observation, float(reward), bool(result.done), info)
+    return StepResult(observation, reward, bool(done), info)

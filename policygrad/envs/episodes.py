@@ -33,6 +33,7 @@ from policygrad.envs.base import (
     Environment,
     EnvironmentFailure,
     check_messages,
+    check_reward,
     check_step_result,
 )
 from policygrad.envs.template import ChatDelta, cut_middle
@@ -184,7 +185,7 @@ def call_all(
     def target(i: int, fn: Callable[[], Any]) -> None:
         try:
             done.put((i, (True, fn())))
-        except Exception as exc:  # noqa: BLE001 - any failure of user code is the episode's error
+        except BaseException as exc:  # noqa: BLE001 - sys.exit() too: any end of user code fails the episode
             done.put((i, (False, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])))
 
     while pending or running:
@@ -490,13 +491,13 @@ class EpisodeRunner:
         scored = [e for e in episodes if e.stop != "error"]
         results = self._calls([lambda e=e: e.env.final_reward(e.stop) for e in scored])
         for e, (ok, value) in zip(scored, results):
-            reward = float(value) if ok and _finite(value) else None
-            if reward is None:
-                e.fail(
-                    f"final_reward() failed: {value}" if not ok else f"final_reward() returned {value!r:.60}"
-                )
-            else:
-                e.final = reward
+            if not ok:
+                e.fail(f"final_reward() failed: {value}")
+                continue
+            try:
+                e.final = check_reward(value, "final_reward()")
+            except EnvironmentFailure as exc:
+                e.fail(str(exc))
         self._calls(
             [e.env.close for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
         )
@@ -550,14 +551,6 @@ class EpisodeRunner:
             errors=[e.error for e in episodes],
             env_seconds=env_seconds,
         )
-
-
-def _finite(value: Any) -> bool:
-    try:
-        v = float(value)
-    except (TypeError, ValueError):
-        return False
-    return v == v and abs(v) != float("inf") and not isinstance(value, bool)
 
 
 def _native_tools(group: list[_Episode]) -> list[dict] | None:

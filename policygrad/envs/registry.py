@@ -132,14 +132,19 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
             )
         return env
 
+    shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     try:
         probe = make()
     except NotAnEnvironment:
         raise
     except (TypeError, ValueError) as exc:  # the class refused the options (a name, a value)
-        shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
         raise ValueError(f"env.options do not fit {shown}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - the user's constructor: one line, not a traceback
+        raise ValueError(f"env.name {shown} could not be built: {type(exc).__name__}: {exc}") from exc
     close = getattr(probe, "close", None)
     if callable(close):
-        close()
+        try:
+            close()
+        except Exception as exc:  # noqa: BLE001 - the user's close(): one line, not a traceback
+            raise ValueError(f"env.name {shown}: close() failed: {type(exc).__name__}: {exc}") from exc
     return make

@@ -109,6 +109,11 @@ def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -
     """``text`` if it has at most ``max_tokens`` tokens, else its first and last
     ``max(max_tokens // 2, 1)`` tokens around ``marker`` (the marker not counted; deterministic:
     the end of a tool's output often says what went wrong, the start what ran)."""
+    # A token is rarely longer than 32 characters: cut huge texts by characters first, so a
+    # megabyte of tool output is not tokenised whole.
+    span = max(max_tokens, 2) * 32
+    if len(text) > 2 * span:
+        text = text[:span] + text[-span:]
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     if len(ids) <= max_tokens:
         return text

@@ -108,6 +108,9 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         except ValueError as exc:
             calls.append(ToolCall(None, None, f"the tool call is not valid JSON ({exc})"))
             continue
+        except RecursionError:  # what the model wrote nests deeper than the parser goes
+            calls.append(ToolCall(None, None, "the tool call's JSON nests too deeply"))
+            continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             why = 'the tool call must be a JSON object {"name": ..., "arguments": {...}}'
             calls.append(ToolCall(None, None, why))
@@ -116,7 +119,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
         if isinstance(args, str):
             try:
                 args = json.loads(args) if args.strip() else {}
-            except ValueError:
+            except (ValueError, RecursionError):
                 pass
         if args is None:
             args = {}

@@ -274,3 +274,31 @@ def test_episodes_select_and_concat():
     picked = joined.select(torch.tensor([3, 0]))
     assert picked.turns.tolist() == [b.turns[1].item(), a.turns[0].item()]
     assert picked.transcripts == [b.transcripts[1], a.transcripts[0]]
+
+
+def test_sys_exit_in_an_environment_fails_its_episode_at_once():
+    import sys
+
+    class Exits(Replies):
+        def step(self, action):
+            sys.exit(0)
+
+    r, _ = runner(Exits, turns_script([enc("a") + [EOS_ID]]), step_timeout_s=None)
+    start = time.monotonic()
+    _, _, episodes, _ = run(r, G=2)
+    assert time.monotonic() - start < 10  # reported as it happens: no timeout to wait for, no hang
+    assert episodes.stop_reasons == ["error", "error"]
+    assert episodes.errors[0] == "step() failed: SystemExit: 0"
+
+
+@pytest.mark.parametrize("value", [1e39, "1", None, float("nan")])
+def test_a_final_reward_float32_cannot_hold_fails_the_episode(value):
+    class Huge(Replies):
+        def final_reward(self, stop_reason):
+            return value
+
+    r, _ = runner(Huge, turns_script([enc("a!") + [EOS_ID]]))
+    _, _, episodes, _ = run(r, G=1)
+    assert episodes.stop_reasons == ["error"] and episodes.final_rewards.tolist() == [0.0]
+    assert episodes.errors[0].startswith("final_reward() must be ")
+    assert torch.isfinite(episodes.final_rewards).all()

@@ -217,3 +217,26 @@ def test_a_factory_building_no_environment_says_to_subclass_and_is_not_an_option
 def test_any_object_with_reset_and_step_is_accepted():
     make = environment_factory(Duck)
     assert isinstance(make(), Duck)
+
+
+class BuildFails:
+    def __init__(self):
+        raise RuntimeError("ctor boom")
+
+
+class CloseFails(Environment):
+    def reset(self, row, *, seed):  # noqa: ARG002
+        return [{"role": "user", "content": "x"}]
+
+    def step(self, action):  # noqa: ARG002
+        return None
+
+    def close(self):
+        raise RuntimeError("close boom")
+
+
+def test_a_constructor_or_close_that_raises_is_one_line_at_start():
+    with pytest.raises(ValueError, match=r"^env\.name BuildFails could not be built: RuntimeError: ctor"):
+        environment_factory(BuildFails)
+    with pytest.raises(ValueError, match=r"^env\.name CloseFails: close\(\) failed: RuntimeError: close"):
+        environment_factory(CloseFails)

@@ -162,3 +162,10 @@ def test_bad_tools_and_options():
         ToolEnv([add], isolation=MODE, max_tool_calls=0)
     with pytest.raises(ValueError, match="wall_time_s"):
         ToolEnv([add], isolation=MODE, tool_timeout_s=0)
+
+
+def test_a_tool_call_nested_deeper_than_the_parser_goes_is_an_error_message():
+    # The model writes the text: a nesting no JSON parser follows must not fail the episode.
+    deep = "<tool_call>" + '{"a":' * 100_000 + "1" + "}" * 100_000 + "</tool_call>"
+    calls = parse_tool_calls(deep)
+    assert len(calls) == 1 and calls[0].error == "the tool call's JSON nests too deeply"
