@@ -86,10 +86,15 @@ def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
     if metrics.get("reward/zero_variance_group_frac") == 1:
         mean = metrics.get("reward/mean", float("nan"))
         code = "" if "code_tests" in functions else " (code rows: code_tests)"
+        scorer = f"reward.functions={functions}"
+        if config.env.name:  # episodes are scored by the environment first
+            scorer, code = f"the environment's rewards (env.name={config.env.name})", ""
+            if functions:
+                scorer += f" or reward.functions={functions}"
         return (
             f"every advantage was 0 at every step: the rewards gave each group's samples the same score "
             f"(reward/mean {mean:g}), so the gradient was exactly 0 and the weights did not move; make "
-            f"reward.functions={functions} tell the completions apart{code}, or set "
+            f"{scorer} tell the completions apart{code}, or set "
             "drop_zero_variance_groups=true to skip such groups"
         )
     return (

@@ -364,6 +364,12 @@ def test_steps_with_an_exactly_zero_gradient_are_not_updates():
         "not move; make reward.functions=['answer_correctness'] tell the completions apart (code rows: "
         "code_tests), or set drop_zero_variance_groups=true to skip such groups (max_skipped_updates=2)"
     )
+    # With an environment the episodes are scored by it first: the message names it.
+    env_cfg = load_config(None, {"max_skipped_updates": 2, "env": {"name": "builtin:guess"}})
+    watch = UpdateWatch(env_cfg)
+    watch.observe(flat)
+    with pytest.raises(TrainingError, match=r"make the environment's rewards \(env\.name=builtin:guess\)"):
+        watch.observe(flat)
     # Groups that vary but whose advantages still vanish: the cause is the gradient, named so.
     watch = UpdateWatch(cfg)
     watch.observe({**flat, "reward/zero_variance_group_frac": 0.5})
