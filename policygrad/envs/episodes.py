@@ -345,14 +345,10 @@ class EpisodeRunner:
                 if e.stop is None
             ]
         )
-        for e, (ok, value) in zip(live, opened):
-            if not ok:
-                e.fail(f"reset() failed: {value}")
-                continue
-            try:
-                e.messages = check_messages(value, "reset()")
-            except EnvironmentFailure as exc:
-                e.fail(str(exc))
+        for e, outcome in zip(live, opened):
+            messages = _accept(e, outcome, "reset()", lambda v: check_messages(v, "reset()"))
+            if messages is not None:
+                e.messages = messages
         env_seconds += time.perf_counter() - t
         groups = [episodes[i * G : (i + 1) * G] for i in range(len(rows))]
         prompts = self._prompt_ids(rows, groups)
@@ -438,13 +434,9 @@ class EpisodeRunner:
         t = time.perf_counter()
         results = self._calls([lambda e=e: e.env.step(e.last_action) for e, _ in live])
         seconds = time.perf_counter() - t
-        for (e, prompt), (ok, value) in zip(live, results):
-            try:
-                result = check_step_result(value) if ok else None
-            except EnvironmentFailure as exc:
-                ok, value = False, str(exc)
-            if not ok:
-                e.fail(f"step() failed: {value}")
+        for (e, prompt), outcome in zip(live, results):
+            result = _accept(e, outcome, "step()", check_step_result)
+            if result is None:
                 continue
             last = len(e.ids) - 1
             e.rewards[last] = e.rewards.get(last, 0.0) + result.reward
@@ -490,14 +482,10 @@ class EpisodeRunner:
         t = time.perf_counter()
         scored = [e for e in episodes if e.stop != "error"]
         results = self._calls([lambda e=e: e.env.final_reward(e.stop) for e in scored])
-        for e, (ok, value) in zip(scored, results):
-            if not ok:
-                e.fail(f"final_reward() failed: {value}")
-                continue
-            try:
-                e.final = check_reward(value, "final_reward()")
-            except EnvironmentFailure as exc:
-                e.fail(str(exc))
+        for e, outcome in zip(scored, results):
+            final = _accept(e, outcome, "final_reward()", lambda v: check_reward(v, "final_reward()"))
+            if final is not None:
+                e.final = final
         self._calls(
             [e.env.close for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
         )
@@ -551,6 +539,21 @@ class EpisodeRunner:
             errors=[e.error for e in episodes],
             env_seconds=env_seconds,
         )
+
+
+def _accept(e: _Episode, outcome: tuple[bool, Any], call: str, check: Callable[[Any], Any]) -> Any:
+    """The checked value of an environment call's ``outcome`` (from :func:`call_all`), or None
+    after failing episode ``e`` with one line that names ``call`` (what it raised, or why its
+    value was refused)."""
+    ok, value = outcome
+    if not ok:
+        e.fail(f"{call} failed: {value}")
+        return None
+    try:
+        return check(value)
+    except EnvironmentFailure as exc:
+        e.fail(str(exc) if str(exc).startswith(call) else f"{call} failed: {exc}")
+        return None
 
 
 def _native_tools(group: list[_Episode]) -> list[dict] | None:
