@@ -441,6 +441,7 @@ def truncated_importance_weights(
     level: str = "token",
     cap: float = 2.0,
     mode: str = "truncate",
+    floor: float | None = None,
 ) -> torch.Tensor:
     """Importance weights pi_train / pi_behavior correcting the train/inference mismatch, capped.
 
@@ -456,8 +457,9 @@ def truncated_importance_weights(
     then ``mode="truncate"``: ``min(w, cap)`` (truncated IS), or ``mode="mask"``: ``w`` where
     ``w <= cap`` and 0 where ``w > cap`` (the sample is dropped). Both are computed in log
     space (``exp(min(log w, log cap))``), so a sequence ratio that would overflow float32 is
-    still exact: it is capped or masked, never inf. Multiply the per-token policy loss by the
-    result.
+    still exact: it is capped or masked, never inf. With ``floor``, a weight below it is 0 in
+    either mode (the two-sided mask of IcePop, Ling team 2025: tokens whose ratio leaves
+    [floor, cap] carry no gradient). Multiply the per-token policy loss by the result.
 
     Args:
         behavior_logprobs: [B, T] log-probs of the sampled tokens under the rollout engine.
@@ -466,6 +468,7 @@ def truncated_importance_weights(
         level: one of :data:`IMPORTANCE_LEVELS`.
         cap: upper bound on the weight, > 0 (2.0 is a common choice).
         mode: one of :data:`IMPORTANCE_MODES`.
+        floor: None, or a lower bound in (0, ``cap``) below which a weight is 0.
 
     Returns:
         [B, T] detached weights in ``logprobs``' dtype (promoted with ``behavior_logprobs``),
@@ -487,6 +490,8 @@ def truncated_importance_weights(
     cap = check_number(cap, "cap")
     if not (math.isfinite(cap) and cap > 0):
         raise ValueError(f"cap must be a finite number > 0, got {cap}")
+    if floor is not None and not 0 < check_number(floor, "floor") < cap:
+        raise ValueError(f"floor must be in (0, cap={cap}), got {floor}")
     with torch.no_grad():
         mask = response_mask != 0
         dtype = torch.promote_types(logprobs.dtype, behavior_logprobs.dtype)
@@ -499,4 +504,6 @@ def truncated_importance_weights(
             weights = torch.exp(torch.clamp(log_w, max=log_cap))
         else:
             weights = torch.where(log_w > log_cap, zero, torch.exp(torch.clamp(log_w, max=log_cap)))
+        if floor is not None:  # IcePop's lower bound: tokens the sampler overrated are dropped
+            weights = torch.where(log_w < math.log(floor), zero, weights)
         return torch.where(mask, weights, zero)

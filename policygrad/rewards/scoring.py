@@ -220,6 +220,16 @@ class Scorer:
             RewardFunctionError, ValueError: from the reward functions (``on_error=raise``).
         """
         out = self.raw(rows, completions, repeat=group_size, fields=env.fields if env is not None else None)
+        return self.finish(out, truncated, group_index, env=env)
+
+    def finish(
+        self, out: RewardOutput, truncated: torch.Tensor, group_index: torch.Tensor, *, env=None
+    ) -> Scores:
+        """The second half of :meth:`__call__`: the reward functions' output ``out`` (from
+        :meth:`raw`) with the environment's scores, normalised (the normaliser's statistics
+        updated: with several processes a collective), through the truncation policy, failed rows
+        filled with their group's mean. Split from :meth:`raw` so that an asynchronous producer
+        calls the reward functions and the trainer's thread does the rest."""
         if env is not None:
             ok = ~env.failed
             valid = out.valid & ok
@@ -239,7 +249,10 @@ class Scorer:
     ) -> torch.Tensor:
         """float32 [n] scores of one completion per row (e.g. ReMax's greedy responses), through
         the same normalisation (its statistics not updated) and truncation policy."""
-        base = self.raw(rows, completions, repeat=1).rewards
+        return self.finish_baseline(self.raw(rows, completions, repeat=1).rewards, truncated)
+
+    def finish_baseline(self, base: torch.Tensor, truncated: torch.Tensor) -> torch.Tensor:
+        """:meth:`baseline` from the reward functions' weighted sums ``base`` (float32 [n])."""
         base = self.normalizer(base, update=False)
         base, _ = apply_truncation_policy(
             base, truncated, mode=self.truncation, penalty=self.truncation_penalty

@@ -132,7 +132,11 @@ class HFRolloutEngine(RolloutEngine):
         eos_token_ids: every id that ends a response; None -> ``eos_token_ids(tokenizer, model)``
             from :mod:`policygrad.models.loading`.
         shares_policy_weights: ``model`` is the trainer's live policy (True), or a copy it
-            receives through :meth:`sync_weights` after every update (an FSDP run's unsharded copy).
+            receives through :meth:`sync_weights` after every update (an FSDP run's unsharded
+            copy, or a copy the engine owns: ``copies_weights``).
+        copies_weights: ``model`` is the engine's own copy: :meth:`sync_weights` copies the
+            given model's parameters and buffers into it, in place (rollouts that run while the
+            policy trains, ``rollout.max_staleness``). Implies ``shares_policy_weights=False``.
         autocast: a context the model's forwards run in (the run's ``bf16-mixed`` autocast), or None.
 
     Raises:
@@ -147,8 +151,10 @@ class HFRolloutEngine(RolloutEngine):
         *,
         shares_policy_weights: bool = True,
         autocast: Callable[[], AbstractContextManager] | None = None,
+        copies_weights: bool = False,
     ):
-        self.shares_policy_weights = shares_policy_weights
+        self.shares_policy_weights = shares_policy_weights and not copies_weights
+        self.copies_weights = copies_weights
         self.autocast = autocast or contextlib.nullcontext  # e.g. the run's bf16 autocast
         if eos_token_ids is None:
             from policygrad.models.loading import eos_token_ids as find_eos
@@ -165,8 +171,22 @@ class HFRolloutEngine(RolloutEngine):
 
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Point the engine at ``model``. Generation already uses the live model object, so after an
-        optimizer step nothing needs copying; passing a different model object switches to it."""
-        self.model = model
+        optimizer step nothing needs copying; passing a different model object switches to it.
+        With ``copies_weights`` the engine keeps its own model and copies ``model``'s parameters
+        and buffers into it (same names and shapes).
+
+        Raises:
+            KeyError: ``copies_weights`` and ``model`` lacks one of the copy's tensors."""
+        if not self.copies_weights:
+            self.model = model
+            return
+        if model is self.model:
+            return
+        source = dict(model.named_parameters())
+        source.update(model.named_buffers())
+        with torch.no_grad():
+            for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
+                tensor.copy_(source[name])
 
     def _max_positions(self) -> int | None:
         config = getattr(_unwrap(self.model), "config", None)
@@ -234,16 +254,22 @@ class HFRolloutEngine(RolloutEngine):
         prompt_ids = torch.full((n, longest), pad, dtype=torch.long)
         prompt_mask = torch.zeros((n, longest), dtype=torch.long)
         for i, ids in enumerate(prompts):
-            prompt_ids[i, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            prompt_mask[i, longest - len(ids):] = 1
+            prompt_ids[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+            prompt_mask[i, longest - len(ids) :] = 1
         prompt_ids = prompt_ids.repeat_interleave(G, dim=0).to(device)
         prompt_mask = prompt_mask.repeat_interleave(G, dim=0).to(device)
         group_index = torch.arange(n, device=device).repeat_interleave(G)
 
         with self.autocast():
             sequences, logprobs = self._run_generate(
-                prompt_ids, prompt_mask, temperature=temperature, top_k=top_k, top_p=top_p,
-                max_new_tokens=int(max_new_tokens), greedy=greedy, generator_seed=generator_seed,
+                prompt_ids,
+                prompt_mask,
+                temperature=temperature,
+                top_k=top_k,
+                top_p=top_p,
+                max_new_tokens=int(max_new_tokens),
+                greedy=greedy,
+                generator_seed=generator_seed,
                 row_keys=None if greedy or prompt_seeds is None else sample_keys(prompt_seeds, G, device),
                 ignore_eos=ignore_eos,
             )
@@ -270,8 +296,20 @@ class HFRolloutEngine(RolloutEngine):
             sampling=request.sampling,
         )
 
-    def _run_generate(self, prompt_ids, prompt_mask, *, temperature, top_k, top_p, max_new_tokens, greedy,
-                      generator_seed, row_keys=None, ignore_eos=False):
+    def _run_generate(
+        self,
+        prompt_ids,
+        prompt_mask,
+        *,
+        temperature,
+        top_k,
+        top_p,
+        max_new_tokens,
+        greedy,
+        generator_seed,
+        row_keys=None,
+        ignore_eos=False,
+    ):
         """``sequences`` LongTensor [B, P + steps] and log-probs FloatTensor [B, steps]."""
         from transformers import GenerationConfig
         from transformers.generation.logits_process import LogitsProcessorList

@@ -200,6 +200,7 @@ def build_engine(
             models.eos_ids,
             shares_policy_weights=shares_policy_weights,
             autocast=precision.autocast if precision is not None else None,
+            copies_weights=not shares_policy_weights,  # FSDP's unsharded copy, or the copy of rollouts ahead
         )
         return engine, name
     r = cfg.rollout
@@ -335,9 +336,10 @@ def build_objective(cfg: TrainConfig, kl):
         kl_kind=cfg.kl.resolved_kind(),
         kl_importance_weighted=cfg.kl.importance_weighted,
         entropy_coef=cfg.loss.entropy_coef,
-        is_level=None if r.is_correction == "none" else r.is_correction,
+        is_level=None if r.resolved_is_correction() == "none" else r.resolved_is_correction(),
         is_cap=r.is_cap,
         is_mode=r.is_mode,
+        is_floor=r.is_floor,
     )
 
 

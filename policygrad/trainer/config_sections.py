@@ -213,10 +213,21 @@ class RolloutConfig:
     G samples (the cache is reset after every weight push).
 
     ``is_correction``: truncated importance sampling against the train/inference mismatch (Yao et
-    al. 2025, truncated importance sampling): ``none``, ``token`` or ``sequence`` weights
-    ``pi_trainer / pi_sampler``, capped at ``is_cap``; ``is_mode: truncate`` clips the weight at
-    the cap, ``mask`` drops the tokens (token) or sequences (sequence) above it. The policy loss
-    of every token is multiplied by its weight.
+    al. 2025, truncated importance sampling) and the lag of rollouts sampled ahead: ``none``,
+    ``token`` or ``sequence`` weights ``pi_trainer / pi_sampler``, capped at ``is_cap``;
+    ``is_mode: truncate`` clips the weight at the cap, ``mask`` drops the tokens (token) or
+    sequences (sequence) above it; ``is_floor`` (null: none) also drops those whose weight is
+    below it (IcePop's two-sided mask). The policy loss of every token is multiplied by its
+    weight. ``auto`` (the default): ``token`` when ``max_staleness`` > 0, else ``none``.
+
+    ``max_staleness`` (k, default 0): rollouts run ahead of training with a fixed lag: the batch
+    trained at step m is sampled with the weights after update max(0, m - k), in a background
+    thread (``async_executor: thread``; ``inline`` runs each job in the trainer's thread, the
+    same numbers without overlap) while the policy trains. A stale batch's old log-probs are
+    recomputed at the start of its step (the proximal policy) and the sampler's stay the
+    behaviour policy of the importance weights (AReaL's decoupled objective); ``is_correction:
+    none`` with k > 0 is accepted with a warning. 0 builds no pipeline (the synchronous step).
+    Needs an engine with its own weights (vllm; the hf engine samples from a copy of the policy).
 
     ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
     so its samples do not depend on the batch or rank it is in; always on with more than one
@@ -249,9 +260,12 @@ class RolloutConfig:
     vllm_kv_cache_gb: float = 1.0
     vllm_gpu_memory_utilization: float = 0.3
     vllm_prefix_caching: bool = True
-    is_correction: str = "none"
+    is_correction: str = "auto"
     is_cap: float = 2.0
     is_mode: str = "truncate"
+    is_floor: float | None = None
+    max_staleness: int = 0
+    async_executor: str = "thread"
     max_turns: int = 4
     max_episode_tokens: int | None = None
     max_observation_tokens: int | None = None
@@ -288,9 +302,27 @@ class RolloutConfig:
                 f"{path}.vllm_gpu_memory_utilization must be in (0, 1], "
                 f"got {self.vllm_gpu_memory_utilization!r}"
             )
-        check_choice(f"{path}.is_correction", self.is_correction, {"none", "token", "sequence"})
+        check_choice(f"{path}.is_correction", self.is_correction, {"auto", "none", "token", "sequence"})
         check_positive(f"{path}.is_cap", self.is_cap)
         check_choice(f"{path}.is_mode", self.is_mode, {"truncate", "mask"})
+        if self.is_floor is not None and not 0 < self.is_floor < self.is_cap:
+            raise ConfigError(
+                f"{path}.is_floor must be in (0, {path}.is_cap={self.is_cap}), got {self.is_floor!r} "
+                "(IcePop uses 0.5 with a cap of 2)"
+            )
+        check_positive(f"{path}.max_staleness", self.max_staleness, allow_zero=True)
+        check_choice(f"{path}.async_executor", self.async_executor, {"thread", "inline"})
+        if self.max_staleness and not self.per_prompt_seeds:
+            raise ConfigError(
+                f"{path}.max_staleness={self.max_staleness} needs per-prompt seeds (a batch sampled ahead "
+                f"must not depend on when it runs); drop {path}.per_prompt_seeds=false"
+            )
+
+    def resolved_is_correction(self) -> str:
+        """``is_correction`` with ``auto`` resolved: ``token`` when rollouts run ahead, else ``none``."""
+        if self.is_correction != "auto":
+            return self.is_correction
+        return "token" if self.max_staleness > 0 else "none"
 
     def resolved_engine(self) -> tuple[str, str]:
         """``(engine, why)``: ``auto`` becomes ``vllm`` when the vllm package is installed *and*

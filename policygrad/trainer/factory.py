@@ -11,7 +11,9 @@ the engine, the rewards, the critic and the optimizers.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import os
 from typing import Any
 
@@ -29,6 +31,8 @@ from policygrad.trainer.models import build_models, record_model_object
 from policygrad.trainer.precision import resolve_precision
 from policygrad.trainer.seeds import Seeds
 from policygrad.trainer.strategy import make_strategy
+
+log = logging.getLogger("policygrad")
 
 __all__ = ["build_trainer", "prepare_config"]
 
@@ -79,6 +83,15 @@ def prepare_config(
     if dist.active and not config.rollout.per_prompt_seeds:
         config = dataclasses.replace(
             config, rollout=dataclasses.replace(config.rollout, per_prompt_seeds=True)
+        )
+    r = config.rollout
+    if r.max_staleness > 0 and r.is_correction == "none":
+        log.warning(
+            "warning: rollout.max_staleness=%d trains on batches sampled by older weights, and "
+            "rollout.is_correction=none leaves the lag uncorrected (the clipped ratio is against the "
+            "recomputed old log-probs only); the default (auto) weights each token by pi_old / pi_sampler, "
+            "capped",
+            r.max_staleness,
         )
     build.check_before_models(config, reward_objects, environment)
     return config, reward_objects
@@ -135,6 +148,11 @@ def build_trainer(
         m.tokenizer.chat_template = read_chat_template(cfg.data.chat_template)
     engine_name, _ = cfg.rollout.resolved_engine()
     engine_models = strategy.prepare_models(m, engine_name=engine_name, precision=precision)
+    ahead = cfg.rollout.max_staleness > 0
+    if engine is None and ahead and engine_name != "vllm" and engine_models.policy is m.policy:
+        # sampling runs while the policy trains: the hf engine gets a copy, synced after each update
+        copy_ = copy.deepcopy(m.policy).requires_grad_(False).eval()
+        engine_models = dataclasses.replace(engine_models, policy=copy_)
     if engine is None:
         engine, engine_name = build.build_engine(
             cfg,
@@ -151,6 +169,12 @@ def build_trainer(
         )
     else:
         engine_name = type(engine).__name__
+    if ahead and engine.shares_policy_weights:
+        raise ConfigError(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} samples while the policy trains, and "
+            f"engine={type(engine).__name__} samples with the live policy (shares_policy_weights); give an "
+            "engine that holds its own weights, or let the run build its engine"
+        )
     parts: dict[str, Any] = {
         "dist": dist,
         "strategy": strategy,

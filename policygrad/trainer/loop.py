@@ -24,7 +24,6 @@ resolves registered parts, and each declares what it needs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import random
@@ -38,13 +37,12 @@ import torch
 from policygrad.core.advantages import AdvantageEstimator, monte_carlo_returns
 from policygrad.core.kl import AdaptiveKLController, FixedKLController, KLPlacement, kl_estimate
 from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
-from policygrad.data.chat import encode_prompts
 from policygrad.data.ptx import PtxData
 from policygrad.data.stream import PromptStream
 from policygrad.envs.episodes import EpisodeRunner
 from policygrad.models.forward import inference_logprobs
 from policygrad.rewards.scoring import Scorer
-from policygrad.rollout.base import RolloutEngine, decode_completions
+from policygrad.rollout.base import RolloutEngine
 from policygrad.trainer.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.trainer.config import TrainConfig
 from policygrad.trainer.critic import CriticTrainer
@@ -52,18 +50,19 @@ from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import CheckpointError, TrainingError
 from policygrad.trainer.experience import Experience
 from policygrad.trainer.logging import peak_rss_gb
-from policygrad.trainer.metrics import batch_metrics, critic_metrics, episode_metrics, mismatch_metrics
+from policygrad.trainer.metrics import (
+    async_metrics,
+    batch_metrics,
+    critic_metrics,
+    episode_metrics,
+    mismatch_metrics,
+)
 from policygrad.trainer.objective import PolicyObjective
+from policygrad.trainer.pipeline import RolloutPipeline
 from policygrad.trainer.precision import Precision
+from policygrad.trainer.production import finish, produce
 from policygrad.trainer.runtime import release_free_memory, synced_clock
 from policygrad.trainer.seeds import Seeds
-from policygrad.trainer.stages import (
-    ESTIMATOR_INPUTS,
-    SampledBatch,
-    concat_batches,
-    episode_batch,
-    keep_groups_with_signal,
-)
 from policygrad.trainer.strategy import Strategy
 from policygrad.trainer.update import PolicyStep, UpdateStats
 
@@ -113,15 +112,17 @@ class Trainer:
     kl_ctl: FixedKLController | AdaptiveKLController
     step_idx: int
     last_samples: list[dict[str, Any]]
+    pipeline: RolloutPipeline | None
 
     def __init__(self, config: TrainConfig, **parts: Any):
-        """``parts``: every annotated attribute above except ``config``, ``step_idx`` and
-        ``last_samples`` (see :func:`~policygrad.trainer.factory.build_trainer`).
+        """``parts``: every annotated attribute above except ``config``, ``step_idx``,
+        ``last_samples`` and ``pipeline`` (see :func:`~policygrad.trainer.factory.build_trainer`);
+        with ``rollout.max_staleness`` > 0 the trainer builds its :class:`RolloutPipeline`.
 
         Raises:
             TypeError: a part is missing or unknown.
         """
-        names = set(Trainer.__annotations__) - {"config", "step_idx", "last_samples"}
+        names = set(Trainer.__annotations__) - {"config", "step_idx", "last_samples", "pipeline"}
         if set(parts) != names:
             missing, unknown = sorted(names - set(parts)), sorted(set(parts) - names)
             raise TypeError(f"Trainer parts: missing {missing}, unknown {unknown}")
@@ -130,6 +131,18 @@ class Trainer:
             setattr(self, name, part)
         self.step_idx = 0
         self.last_samples = []  # the last step's completions, for display
+        r = config.rollout
+        self.pipeline = None  # max_staleness 0: today's synchronous step, no pipeline at all
+        if r.max_staleness > 0:
+            self.pipeline = RolloutPipeline(
+                lambda step, version: produce(self, step, version),
+                self.sync_engine,
+                self.stream,
+                max_staleness=r.max_staleness,
+                steps=config.steps,
+                executor=r.async_executor,
+                engine_owns_weights=not self.engine.shares_policy_weights,
+            )
 
     @property
     def critic(self) -> torch.nn.Module | None:
@@ -147,21 +160,30 @@ class Trainer:
         cfg = self.config
         t0 = time.perf_counter()
         torch.manual_seed(self.seeds.step(self.step_idx))
-        batch, sampled, metrics = self.sample()
-        inputs = {name: ESTIMATOR_INPUTS[name](self, batch) for name in self.estimator.spec.inputs}
+        if self.pipeline is None:
+            production = produce(self, self.step_idx, self.step_idx)
+            queue = waited = None
+        else:  # sampled ahead, with the weights of update max(0, step - max_staleness)
+            production, waited, queue = self.pipeline.take(self.step_idx)
+        batch, sampled, metrics, inputs = finish(self, production)
         release_free_memory()  # the sampler's temporaries go back to the OS before training
         t_gen = time.perf_counter()
-        metrics["time/generation_s"] = t_gen - t0
+        metrics["time/generation_s"] = t_gen - t0 if self.pipeline is None else production.seconds
         pretraining = self.critic is not None and self.step_idx < cfg.critic.pretrain_steps
         rollout = batch.rollout.to(self.device)
         ref = self._timed(metrics, "ref", self.kl.needs_reference, self.reference_logprobs, rollout)
-        old = self._timed(metrics, "old", not self.on_policy(pretraining), self.old_logprobs, rollout)
+        on_policy = self.on_policy(pretraining, batch.version)
+        old = self._timed(metrics, "old", not on_policy, self.old_logprobs, rollout)
         values = self.critic_trainer.values(rollout) if self.critic_trainer is not None else None
         exp = self.experience(batch, rollout, ref, old, values, inputs, train_policy=not pretraining)
         stats = self.update(exp)
         release_free_memory()  # and the training activations before the next rollout
         metrics["time/training_s"] = synced_clock(self.device) - t_gen
-        if stats.steps and not self.engine.shares_policy_weights:
+        if self.pipeline is not None:  # drain the job in flight, push the weights, start the next
+            synced = bool(stats.steps) and not self.engine.shares_policy_weights
+            times = self.pipeline.after_update(self.step_idx + 1, synced=synced)
+            metrics.update(async_metrics(self.step_idx, batch, exp, stats, production, waited, queue, times))
+        elif stats.steps and not self.engine.shares_policy_weights:
             t_sync = time.perf_counter()  # the engine holds its own weights: push the updated ones
             self.sync_engine()
             metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
@@ -215,74 +237,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # Stages.
 
-    def sample(self) -> tuple[SampledBatch, SampledBatch, dict[str, float]]:
-        """Take prompts, generate, score. With ``drop_zero_variance_groups`` (DAPO's dynamic
-        sampling), keep the groups whose ``dynamic_sampling.reward`` component varies and sample
-        more prompts, up to ``dynamic_sampling.max_extra_rounds`` more rounds, until
-        ``prompts_per_step`` groups are kept; then train on what there is.
-
-        Returns:
-            ``(batch to train on, everything sampled, dynamic-sampling metrics)``.
-        """
-        cfg = self.config
-        n = cfg.rollout.prompts_per_step
-        rounds = [self.generate_and_score(self.stream.take(n))]  # every rank takes all n, keeps its share
-        if not cfg.drop_zero_variance_groups:
-            return rounds[0], rounds[0], {}
-        component = cfg.dynamic_sampling_reward
-        kept = [keep_groups_with_signal(rounds[0], component)]
-        while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
-            rounds.append(self.generate_and_score(self.stream.take(n), len(rounds)))
-            kept.append(keep_groups_with_signal(rounds[-1], component))
-        chosen, need = [], n
-        for batch, groups in zip(rounds, kept):
-            if groups[:need]:
-                chosen.append(batch.select_groups(groups[:need]))
-                need -= len(chosen[-1].rows)
-        sampled = concat_batches(rounds)
-        metrics = {
-            "dynamic_sampling/groups_sampled": float(len(sampled.rows)),
-            "dynamic_sampling/groups_kept": float(n - need),
-            "dynamic_sampling/rounds": float(len(rounds)),
-        }
-        if not chosen:  # no group with signal: the first round's rows stay, none carries loss
-            nothing = dataclasses.replace(rounds[0].scores, valid=torch.zeros_like(rounds[0].scores.valid))
-            return dataclasses.replace(rounds[0], scores=nothing), sampled, metrics
-        return concat_batches(chosen), sampled, metrics
-
-    def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
-        """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
-        scored. With ``rollout.per_prompt_seeds`` (always with several processes) prompt i of the
-        step's ``round_index``-th round samples from its own seed (:meth:`Seeds.prompts`),
-        whichever rank or batch it is in."""
-        r = self.config.rollout
-        share = self.dist.share(len(rows))
-        seeds = self.seeds.prompts(self.step_idx, round_index, len(rows))
-        rows, seeds = rows[share], seeds[share]
-        if self.environment is not None:
-            return episode_batch(self, rows, seeds)
-        prompt_ids = encode_prompts(self.tokenizer, rows, self.config.data)
-        rollout = self.engine.generate(
-            prompt_ids,
-            group_size=r.group_size,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            prompt_seeds=seeds if r.per_prompt_seeds else None,
-            ignore_eos=r.ignore_eos,
-        )
-        completions = decode_completions(self.tokenizer, rollout)
-        scores = self.scorer(
-            rows, completions, rollout.truncated, rollout.group_index, group_size=r.group_size
-        )
-        return SampledBatch(rows, prompt_ids, rollout, completions, scores)
-
-    def on_policy(self, pretraining: bool) -> bool:
+    def on_policy(self, pretraining: bool, version: int | None = None) -> bool:
         """The update can use the training forward's own log-probs as the old ones: one epoch of
         one minibatch (or a frozen policy), unless the KL shapes the rewards from the sampler's
         log-probs and the sampler is a separate engine (its log-probs differ from the trainer's
-        by the mismatch, which would then sit in every reward)."""
+        by the mismatch, which would then sit in every reward), and only for a batch sampled by
+        the current weights (``version``, the updates applied when it was sampled, equal to
+        ``step_idx``; None: assume so). A stale batch's old log-probs are recomputed: the
+        proximal policy of the decoupled objective (Fu et al. 2025, AReaL, eq. 5), while the
+        sampler's log-probs stay the behaviour policy of the importance weights."""
+        if version is not None and version != self.step_idx:
+            return False
         o = self.config.optim
         exact = (o.ppo_epochs == 1 and o.num_minibatches == 1) or pretraining
         return exact and (self.engine.shares_policy_weights or not self.kl.shapes_rewards)
@@ -447,6 +412,9 @@ class Trainer:
             state["ptx_position"] = self.ptx_data.position
         if sharded:
             state["sharded"] = SHARDED_DIR
+        if self.pipeline is not None:  # the batches sampled ahead, and where their prompts end
+            state["pipeline"] = self.pipeline.state_dict()
+            state["data_position"] = state["pipeline"]["position"]
         return state
 
     def write_shards(self, path: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
@@ -463,6 +431,7 @@ class Trainer:
         """
         self.step_idx = state["step"]
         self.stream.position = state["data_position"]
+        self._load_pipeline_state(state, checkpoint)
         critic = self.critic_trainer
         if critic is not None and "critic" not in state:
             raise CheckpointError(
@@ -489,9 +458,25 @@ class Trainer:
         random.setstate(state["rng"]["python"])
         torch.set_rng_state(state["rng"]["torch"])
 
+    def _load_pipeline_state(self, state: dict[str, Any], checkpoint: str) -> None:
+        saved = state.get("pipeline")
+        k = self.config.rollout.max_staleness
+        if saved is None and self.pipeline is None:
+            return
+        if saved is None or self.pipeline is None or saved["max_staleness"] != k:
+            was = saved["max_staleness"] if saved is not None else 0
+            raise CheckpointError(
+                f"checkpoint {checkpoint} was written with rollout.max_staleness={was}; resume it with that "
+                f"value (this run has {k})"
+            )
+        self.pipeline.load_state_dict(saved)
+
     def close(self) -> None:
-        """Shut down the rollout engine (vLLM holds its own weights, KV cache and process state)
-        and the reward worker. Safe to call more than once."""
+        """Stop the rollout pipeline (the job in flight finishes first), shut down the rollout
+        engine (vLLM holds its own weights, KV cache and process state) and the reward worker.
+        Safe to call more than once."""
+        if self.pipeline is not None:
+            self.pipeline.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()

@@ -93,6 +93,14 @@ METRICS: dict[str, str] = {
     "mismatch/seq_ratio_max": "largest sequence ratio pi_trainer / pi_sampler",
     "mismatch/is_weight_mean": "mean truncated importance weight applied (rollout.is_correction)",
     "mismatch/is_capped_frac": "fraction of tokens whose importance ratio exceeded rollout.is_cap",
+    "mismatch/is_floored_frac": "fraction of tokens whose importance ratio fell below rollout.is_floor",
+    # rollouts sampled ahead (rollout.max_staleness > 0); mismatch/* then compare the proximal
+    # policy (the trainer at the start of the step) with the behaviour policy (the sampler)
+    "async/staleness": "updates between the weights that sampled this step's batch and the step",
+    "async/queue": "batches sampled ahead, finished and waiting, after this step took its own",
+    "async/overlap": "1 - generation_wait_s / generation_s: the generation hidden behind training",
+    "async/behaviour_kl": "k1 KL(behaviour || proximal): sampler minus trainer log-prob at step start",
+    "time/generation_wait_s": "seconds the trainer waited for rollouts (its batch, then the drain)",
     # evaluation
     "eval/accuracy": "greedy held-out accuracy (answer correctness)",
     "eval/pass@<k>": "held-out pass@k from eval_samples samples per problem (unbiased estimator)",
@@ -270,3 +278,36 @@ def episode_metrics(episodes, rollout) -> dict[str, float]:
         given = ~torch.isnan(values)
         out[f"env/{key}"] = values[given].mean().item() if given.any() else float("nan")
     return out
+
+
+def async_metrics(step, batch, exp, stats, production, waited, queue, times) -> dict[str, float]:
+    """The metrics of a step whose batch came from the rollout pipeline: its staleness, the
+    finished batches waiting, the trainer's wait (for its batch, then the drain after the update)
+    and the share of generation it hid, the weight push, and the k1 KL between the behaviour
+    policy (the sampler's log-probs) and the proximal one (the old log-probs recomputed at the
+    start of the step, or the first forward's when the batch was on-policy).
+
+    Args:
+        step: m; batch: the step's :class:`SampledBatch` (``version``); exp: its experience;
+        stats: the update's :class:`UpdateStats`; production: the pipeline's record (``seconds``);
+        waited, queue: from :meth:`RolloutPipeline.take`; times: from :meth:`RolloutPipeline.after_update`.
+    """
+    wait = waited + times.get("time/drain_wait_s", 0.0)
+    metrics = {
+        "async/staleness": float(step - batch.version),
+        "async/queue": float(queue),
+        "time/generation_wait_s": wait,
+        "async/overlap": min(1.0, max(0.0, 1.0 - wait / production.seconds))
+        if production.seconds > 0
+        else 0.0,
+    }
+    if "time/weight_sync_s" in times:
+        metrics["time/weight_sync_s"] = times["time/weight_sync_s"]
+    proximal = exp.old_logprobs if exp.old_logprobs is not None else stats.rollout_logprobs
+    mask = exp.rollout.response_mask > 0
+    if proximal is not None and stats.rollout_rows is not None and exp.old_logprobs is None:
+        mask = mask & stats.rollout_rows[:, None]
+    if proximal is not None and mask.any():
+        diff = torch.where(mask, exp.rollout.sampler_logprobs.float() - proximal.float(), 0.0)
+        metrics["async/behaviour_kl"] = masked_mean(diff, mask.float()).item()
+    return metrics

@@ -64,6 +64,7 @@ class PolicyObjective:
         is_level: str | None = None,
         is_cap: float = 2.0,
         is_mode: str = "truncate",
+        is_floor: float | None = None,
     ):
         self.policy_loss = policy_loss
         self.loss_options = dict(loss_options)
@@ -76,6 +77,7 @@ class PolicyObjective:
         self.is_level = is_level
         self.is_cap = is_cap
         self.is_mode = is_mode
+        self.is_floor = is_floor
 
     def reduce(self, loss_matrix: torch.Tensor, mask: torch.Tensor, counts: MinibatchCounts) -> torch.Tensor:
         """The scalar loss of a micro-batch: ``aggregate`` with the minibatch's counts."""
@@ -120,10 +122,16 @@ class PolicyObjective:
         if self.is_level is not None:
             sampler = micro.rollout.sampler_logprobs
             is_w = truncated_importance_weights(
-                sampler, old, mask, level=self.is_level, cap=self.is_cap, mode=self.is_mode
+                sampler,
+                old,
+                mask,
+                level=self.is_level,
+                cap=self.is_cap,
+                mode=self.is_mode,
+                floor=self.is_floor,
             )
             loss_mat = loss_mat * is_w
-            m.update(_is_metrics(sampler, old, mask, is_w, self.is_level, self.is_cap))
+            m.update(_is_metrics(sampler, old, mask, is_w, self.is_level, self.is_cap, self.is_floor))
         if micro.ref_logprobs is not None:
             kl_mat = self.kl.loss_term(
                 logprobs,
@@ -148,6 +156,7 @@ def _is_metrics(
     weights: torch.Tensor,
     level: str,
     cap: float,
+    floor: float | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token means of the importance weights actually applied and of the fraction of valid
     tokens whose raw ratio ``pi_trainer / pi_sampler`` (token level) or sequence ratio (sequence
@@ -158,7 +167,10 @@ def _is_metrics(
         if level == "sequence":
             log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
         capped = (log_ratio > math.log(cap)) & valid
-        return {
+        out = {
             "is_weight_mean": masked_mean(weights.float(), mask),
             "is_capped_frac": masked_mean(capped.float(), mask),
         }
+        if floor is not None:
+            out["is_floored_frac"] = masked_mean(((log_ratio < math.log(floor)) & valid).float(), mask)
+        return out

@@ -40,6 +40,7 @@ SESSION_OPTIONS = frozenset(
         "tensorboard",
         "progress",
         "distributed.strategy",  # how the same numbers are spread over ranks (see distributed.py)
+        "rollout.async_executor",  # thread or inline: the same numbers
     }
 )
 TRAINING_OPTIONS = frozenset(

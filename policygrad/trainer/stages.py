@@ -2,7 +2,7 @@
 sampling, and the providers of an advantage estimator's extra inputs.
 
 - :class:`SampledBatch`: n prompts, their B = n x G completions and their scores.
-- :func:`keep_groups_with_signal`: which groups a batch keeps under dynamic sampling (Yu et al.
+- :func:`groups_with_signal`: which groups a round keeps under dynamic sampling (Yu et al.
   2025, DAPO, section 3.2: a group whose task reward is the same for every sample gives a group
   baseline no signal), judged on a named reward component before normalisation and the truncation
   penalty.
@@ -21,15 +21,15 @@ import torch
 
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
 from policygrad.envs.episodes import Episodes
-from policygrad.rewards.scoring import EnvironmentScores, Scores
+from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout, decode_completions
-from policygrad.trainer.errors import TrainingError
 
 __all__ = [
     "ESTIMATOR_INPUTS",
     "SampledBatch",
+    "EstimatorInput",
     "concat_batches",
-    "keep_groups_with_signal",
+    "groups_with_signal",
     "register_estimator_input",
 ]
 
@@ -45,6 +45,7 @@ class SampledBatch:
     completions: list[str]
     scores: Scores
     episodes: Episodes | None = None  # multi-turn: what the environment said beyond the scores
+    version: int = 0  # the policy version (updates applied) whose weights sampled it
 
     @property
     def group_size(self) -> int:
@@ -64,6 +65,7 @@ class SampledBatch:
             [self.completions[r] for r in rows.tolist()],
             self.scores.select(rows),
             self.episodes.select(rows) if self.episodes is not None else None,
+            self.version,
         )
 
 
@@ -80,96 +82,70 @@ def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
         [c for b in batches for c in b.completions],
         Scores.concat([b.scores for b in batches]),
         Episodes.concat([b.episodes for b in batches]) if batches[0].episodes is not None else None,
+        batches[0].version,
     )
 
 
-def episode_batch(trainer, rows: list[dict[str, Any]], seeds: list[int]) -> SampledBatch:
-    """The sample stage with an environment: G multi-turn episodes of each row
-    (:class:`~policygrad.envs.episodes.EpisodeRunner`), scored: the environment's final rewards
-    with the reward functions' scores of the final answers; a row cut short goes through
-    ``reward.truncation`` as a whole (under ``penalty`` its turn rewards are dropped too).
+def groups_with_signal(
+    components: dict[str, torch.Tensor], group_index: torch.Tensor, n: int, group_size: int, component: str
+) -> list[int]:
+    """Positions of the n prompts whose G samples do not all score the same on reward
+    ``component`` of ``components`` (the reward functions' raw scores: before normalisation and
+    the truncation penalty; a row where the function failed, NaN, takes its group's mean, so it
+    decides nothing).
 
     Raises:
-        TrainingError: more than ``rollout.env_error_budget`` of the episodes failed.
+        KeyError: ``component`` is not one of ``components``.
     """
-    r = trainer.config.rollout
-    prompt_ids, rollout, episodes, finals = trainer.environment.run(
-        rows,
-        group_size=r.group_size,
-        seeds=seeds,
-        per_prompt_seeds=r.per_prompt_seeds,
-        sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
-    )
-    failed = float(trainer.dist.total(episodes.failed.sum())) / max(trainer.dist.total(len(finals)), 1)
-    if failed > r.env_error_budget:
-        first = next((e for e in episodes.errors if e is not None), "on another rank")
-        raise TrainingError(
-            f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
-            f"{r.env_error_budget}); first error: {first}"
-        )
-    if trainer.scorer.truncation == "penalty":
-        episodes.turn_rewards[episodes.truncated] = 0.0
-    env = EnvironmentScores(
-        final_rewards=episodes.final_rewards,
-        returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
-        failed=episodes.failed,
-        fields={"transcript": episodes.transcripts},
-    )
-    scores = trainer.scorer(
-        rows, finals, rollout.truncated, rollout.group_index, group_size=r.group_size, env=env
-    )
-    return SampledBatch(rows, prompt_ids, rollout, finals, scores, episodes)
-
-
-def keep_groups_with_signal(batch: SampledBatch, component: str) -> list[int]:
-    """Positions of the prompts whose samples do not all score the same on reward ``component``
-    (its raw score: before normalisation and the truncation penalty; a row where the function
-    failed takes its group's mean, so it decides nothing).
-
-    Raises:
-        KeyError: ``component`` is not one of the batch's reward components.
-    """
-    raw = batch.scores.components[component]
+    raw = components[component]
     missing = torch.isnan(raw)
-    group_index = batch.rollout.group_index.cpu()
+    group_index = group_index.cpu()
     if missing.any():
         raw = fill_with_group_mean(torch.where(missing, 0.0, raw), missing, group_index)
     varied = varied_group_rows(raw, group_index)
-    G = batch.group_size
-    return [i for i in range(len(batch.rows)) if bool(varied[i * G])]
+    return [i for i in range(n) if bool(varied[i * group_size])]
 
 
 # ----------------------------------------------------------------------------------------------
 # Inputs that estimators declare (``register_advantage_estimator(..., inputs=(...))``).
 
-EstimatorInput = Callable[[Any, SampledBatch], torch.Tensor]
+
+@dataclass(frozen=True)
+class EstimatorInput:
+    """The provider of an estimator input, in the two halves of the sample stage
+    (:mod:`policygrad.trainer.production`):
+
+    - ``sample(trainer, chosen) -> payload``: the producer's part (it may call the rollout
+      engine and the reward functions, nothing that needs the trainer's state or another rank);
+      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on.
+      The payload holds tensors, lists and numbers only (a checkpoint may keep it).
+    - ``finish(trainer, payload, batch) -> Tensor [B]``: the trainer's thread, with the finished
+      :class:`SampledBatch`.
+    """
+
+    sample: Callable[[Any, Any], Any]
+    finish: Callable[[Any, Any, SampledBatch], torch.Tensor]
+
+
 ESTIMATOR_INPUTS: dict[str, EstimatorInput] = {}
 
 
-def register_estimator_input(name: str) -> Callable[[EstimatorInput], EstimatorInput]:
-    """Register the provider of an estimator input: ``fn(trainer, batch) -> Tensor [B]``.
+def register_estimator_input(name: str, provider: EstimatorInput) -> EstimatorInput:
+    """Register the provider of estimator input ``name``.
 
     Raises:
         ValueError: ``name`` already has a provider.
     """
-
-    def decorator(fn: EstimatorInput) -> EstimatorInput:
-        if name in ESTIMATOR_INPUTS:
-            raise ValueError(f"estimator input {name!r} already has a provider")
-        ESTIMATOR_INPUTS[name] = fn
-        return fn
-
-    return decorator
+    if name in ESTIMATOR_INPUTS:
+        raise ValueError(f"estimator input {name!r} already has a provider")
+    ESTIMATOR_INPUTS[name] = provider
+    return provider
 
 
-@register_estimator_input("baseline_rewards")
-def greedy_baseline_rewards(trainer, batch: SampledBatch) -> torch.Tensor:
-    """float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li
-    et al. 2023, eq. 6), normalised with the run's statistics (not updated) and through the same
-    truncation policy, repeated over the prompt's G rows."""
+def _sample_greedy_baseline(trainer, chosen) -> dict[str, torch.Tensor]:
     r = trainer.config.rollout
     greedy = trainer.engine.generate(
-        batch.prompt_ids,
+        chosen.prompt_ids,
         group_size=1,
         max_new_tokens=r.max_new_tokens,
         greedy=True,
@@ -178,6 +154,18 @@ def greedy_baseline_rewards(trainer, batch: SampledBatch) -> torch.Tensor:
         top_k=r.top_k,
     )
     completions = decode_completions(trainer.tokenizer, greedy)
-    return trainer.scorer.baseline(batch.rows, completions, greedy.truncated).repeat_interleave(
-        batch.group_size
-    )
+    return {
+        "rewards": trainer.scorer.raw(chosen.rows, completions, repeat=1).rewards,
+        "truncated": greedy.truncated,
+    }
+
+
+def _finish_greedy_baseline(trainer, payload, batch: SampledBatch) -> torch.Tensor:
+    base = trainer.scorer.finish_baseline(payload["rewards"], payload["truncated"])
+    return base.repeat_interleave(batch.group_size)
+
+
+# float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li et al.
+# 2023, eq. 6), normalised with the run's statistics (not updated) and through the same truncation
+# policy, repeated over the prompt's G rows.
+register_estimator_input("baseline_rewards", EstimatorInput(_sample_greedy_baseline, _finish_greedy_baseline))

@@ -31,6 +31,7 @@ _METRIC_NAMES = {
     "kl_loss": "kl/loss_term",
     "is_weight_mean": "mismatch/is_weight_mean",
     "is_capped_frac": "mismatch/is_capped_frac",
+    "is_floored_frac": "mismatch/is_floored_frac",
 }
 
 

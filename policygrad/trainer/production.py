@@ -1,0 +1,303 @@
+"""The sample stage in two halves: what the rollout engine and the reward functions produce, and
+what the trainer's thread makes of it.
+
+- :func:`produce` (the **producer**): a step's prompts from the stream, G samples each from the
+  engine (or G episodes with an environment), the reward functions' raw output, DAPO's dynamic
+  sampling rounds (decided on raw reward components), and the sampled part of the estimator's
+  inputs (ReMax's greedy responses, scored). It touches no collective and no trainer state but
+  the prompt stream, so an asynchronous pipeline (:mod:`policygrad.trainer.pipeline`) may run
+  it in a background thread while the trainer updates the policy.
+- :func:`finish` (the **trainer's thread**): the episodes' error budget (summed over ranks),
+  normalisation (the normaliser's running statistics, a collective with several processes) and
+  the truncation policy, the groups kept, and the estimator inputs' finishing.
+
+A synchronous step is ``finish(trainer, produce(trainer, step, version))``: the same calls as
+before the split, with each round's normalisation moved after the last round's sampling (the
+normaliser never feeds sampling, and the dynamic-sampling decision reads raw components).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policygrad.data.chat import encode_prompts
+from policygrad.envs.episodes import Episodes
+from policygrad.rewards.registry import RewardOutput
+from policygrad.rewards.scoring import EnvironmentScores
+from policygrad.rollout.base import Rollout, SamplingParams, decode_completions
+from policygrad.trainer.errors import TrainingError
+from policygrad.trainer.stages import (
+    ESTIMATOR_INPUTS,
+    SampledBatch,
+    concat_batches,
+    groups_with_signal,
+)
+
+__all__ = ["Production", "RawRound", "finish", "produce", "production_from_state", "production_state"]
+
+
+@dataclass(frozen=True)
+class RawRound:
+    """One sampling round of n prompts before its scores are finished: the rows, their prompt
+    token ids, the B = n x G rollout, the decoded completions (an episode's final answer), the
+    reward functions' output (:class:`~policygrad.rewards.registry.RewardOutput`, not
+    normalised) and, with an environment, the episodes."""
+
+    rows: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    rollout: Rollout
+    completions: list[str]
+    rewards: RewardOutput
+    episodes: Episodes | None = None
+
+    @property
+    def group_size(self) -> int:
+        """G."""
+        return self.rollout.group_size
+
+
+@dataclass(frozen=True)
+class Production:
+    """What the producer made for one step.
+
+    Attributes:
+        step: the step whose batch this is.
+        version: the policy version that sampled it (the number of updates applied to the
+            weights the engine held; a synchronous step's batch has ``version == step``).
+        rounds: the sampling rounds (one without dynamic sampling).
+        kept: per round, the positions of the groups dynamic sampling keeps (None: off).
+        inputs: the estimator inputs' sampled parts, by name.
+        seconds: wall time of the production.
+    """
+
+    step: int
+    version: int
+    rounds: list[RawRound]
+    kept: list[list[int]] | None
+    inputs: dict[str, Any]
+    seconds: float
+
+
+def sample_round(trainer, step: int, rows: list[dict[str, Any]], round_index: int) -> RawRound:
+    """G samples (or episodes) of each of this rank's share of ``rows`` (all of them in one
+    process), with the reward functions' raw output. Prompt i of the step's ``round_index``-th
+    round samples from its own seed (:meth:`Seeds.prompts`), whichever rank or batch it is in
+    (torch's stream only when ``rollout.per_prompt_seeds`` is false: a resumed run recorded
+    with it)."""
+    r = trainer.config.rollout
+    share = trainer.dist.share(len(rows))
+    seeds = trainer.seeds.prompts(step, round_index, len(rows))
+    rows, seeds = rows[share], seeds[share]
+    if trainer.environment is not None:
+        prompt_ids, rollout, episodes, finals = trainer.environment.run(
+            rows,
+            group_size=r.group_size,
+            seeds=seeds,
+            per_prompt_seeds=r.per_prompt_seeds,
+            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
+        )
+        raw = trainer.scorer.raw(
+            rows, finals, repeat=r.group_size, fields={"transcript": episodes.transcripts}
+        )
+        return RawRound(rows, prompt_ids, rollout, finals, raw, episodes)
+    prompt_ids = encode_prompts(trainer.tokenizer, rows, trainer.config.data)
+    rollout = trainer.engine.generate(
+        prompt_ids,
+        group_size=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        prompt_seeds=seeds if r.per_prompt_seeds else None,
+        ignore_eos=r.ignore_eos,
+    )
+    completions = decode_completions(trainer.tokenizer, rollout)
+    raw = trainer.scorer.raw(rows, completions, repeat=r.group_size)
+    return RawRound(rows, prompt_ids, rollout, completions, raw)
+
+
+def produce(trainer, step: int, version: int) -> Production:
+    """The producer's half of step ``step``'s sample stage (see the module docstring), sampled
+    with the engine's current weights, which are policy version ``version``. With
+    ``drop_zero_variance_groups`` (DAPO's dynamic sampling) more rounds of ``prompts_per_step``
+    prompts are sampled, up to ``dynamic_sampling.max_extra_rounds``, until ``prompts_per_step``
+    groups whose ``dynamic_sampling.reward`` component varies are kept."""
+    cfg = trainer.config
+    start = time.perf_counter()
+    n = cfg.rollout.prompts_per_step
+    rounds = [sample_round(trainer, step, trainer.stream.take(n), 0)]  # every rank takes all n
+    kept = None
+    if cfg.drop_zero_variance_groups:
+        component = cfg.dynamic_sampling_reward
+        kept = [_kept(rounds[0], component)]
+        while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
+            rounds.append(sample_round(trainer, step, trainer.stream.take(n), len(rounds)))
+            kept.append(_kept(rounds[-1], component))
+    chosen = _chosen_rounds(rounds, kept)
+    inputs = {name: ESTIMATOR_INPUTS[name].sample(trainer, chosen) for name in trainer.estimator.spec.inputs}
+    return Production(step, version, rounds, kept, inputs, time.perf_counter() - start)
+
+
+def _kept(round_: RawRound, component: str) -> list[int]:
+    return groups_with_signal(
+        round_.rewards.components, round_.rollout.group_index, len(round_.rows), round_.group_size, component
+    )
+
+
+class _Chosen:
+    """The rows and prompt ids of the groups a production trains on (what an estimator input's
+    sampling half reads: ``rows``, ``prompt_ids``, ``group_size``)."""
+
+    def __init__(self, rows, prompt_ids, group_size):
+        self.rows, self.prompt_ids, self.group_size = rows, prompt_ids, group_size
+
+
+def _chosen_rounds(rounds: list[RawRound], kept: list[list[int]] | None) -> _Chosen:
+    G = rounds[0].group_size
+    positions = _chosen_positions(rounds, kept)
+    if positions is None:  # no dynamic sampling, or no group with signal: the first round stays
+        return _Chosen(rounds[0].rows, rounds[0].prompt_ids, G)
+    rows = [rounds[r].rows[i] for r, groups in positions for i in groups]
+    prompt_ids = [rounds[r].prompt_ids[i] for r, groups in positions for i in groups]
+    return _Chosen(rows, prompt_ids, G)
+
+
+def _chosen_positions(rounds, kept) -> list[tuple[int, list[int]]] | None:
+    """``[(round, its groups trained on)]``, the first ``prompts_per_step`` kept groups in order;
+    None without dynamic sampling or when no group has signal."""
+    if kept is None:
+        return None
+    need = len(rounds[0].rows)
+    chosen = []
+    for r, groups in enumerate(kept):
+        if groups[:need]:
+            chosen.append((r, groups[:need]))
+            need -= len(groups[:need])
+    return chosen or None
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer's thread.
+
+
+def finish_round(trainer, raw: RawRound) -> SampledBatch:
+    """One round's :class:`SampledBatch`: normalised (the run's statistics updated), through the
+    truncation policy; with an environment the episodes' error budget is checked first and a
+    row cut short goes through ``reward.truncation`` as a whole (under ``penalty`` its turn
+    rewards are dropped too).
+
+    Raises:
+        TrainingError: more than ``rollout.env_error_budget`` of the round's episodes failed.
+    """
+    r = trainer.config.rollout
+    env = None
+    episodes = raw.episodes
+    if episodes is not None:
+        failed = float(trainer.dist.total(episodes.failed.sum())) / max(
+            trainer.dist.total(len(raw.completions)), 1
+        )
+        if failed > r.env_error_budget:
+            first = next((e for e in episodes.errors if e is not None), "on another rank")
+            raise TrainingError(
+                f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
+                f"{r.env_error_budget}); first error: {first}"
+            )
+        if trainer.scorer.truncation == "penalty":
+            turn_rewards = episodes.turn_rewards.clone()
+            turn_rewards[episodes.truncated] = 0.0
+            episodes = dataclasses.replace(episodes, turn_rewards=turn_rewards)
+        env = EnvironmentScores(
+            final_rewards=episodes.final_rewards,
+            returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
+            failed=episodes.failed,
+            fields={"transcript": episodes.transcripts},
+        )
+    scores = trainer.scorer.finish(raw.rewards, raw.rollout.truncated, raw.rollout.group_index, env=env)
+    return SampledBatch(raw.rows, raw.prompt_ids, raw.rollout, raw.completions, scores, episodes)
+
+
+def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch, dict[str, float], dict]:
+    """The trainer's half of the sample stage.
+
+    Returns:
+        ``(batch to train on, everything sampled, dynamic-sampling metrics, estimator inputs)``;
+        the first has ``version`` = the production's.
+    """
+    rounds = [finish_round(trainer, raw) for raw in production.rounds]
+    version = production.version
+    if production.kept is None:
+        batch = dataclasses.replace(rounds[0], version=version)
+        return batch, batch, {}, _inputs(trainer, production, batch)
+    n = len(rounds[0].rows)
+    positions = _chosen_positions(production.rounds, production.kept)
+    sampled = concat_batches(rounds)
+    kept_groups = sum(len(groups) for _, groups in positions) if positions else 0
+    metrics = {
+        "dynamic_sampling/groups_sampled": float(len(sampled.rows)),
+        "dynamic_sampling/groups_kept": float(min(kept_groups, n)),
+        "dynamic_sampling/rounds": float(len(rounds)),
+    }
+    if positions is None:  # no group with signal: the first round's rows stay, none carries loss
+        nothing = dataclasses.replace(rounds[0].scores, valid=torch.zeros_like(rounds[0].scores.valid))
+        batch = dataclasses.replace(rounds[0], scores=nothing, version=version)
+    else:
+        batch = concat_batches([rounds[r].select_groups(groups) for r, groups in positions])
+        batch = dataclasses.replace(batch, version=version)
+    return batch, dataclasses.replace(sampled, version=version), metrics, _inputs(trainer, production, batch)
+
+
+def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:
+    return {
+        name: ESTIMATOR_INPUTS[name].finish(trainer, production.inputs[name], batch)
+        for name in trainer.estimator.spec.inputs
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints: a production as tensors, lists, dicts and numbers (``torch.load(weights_only=True)``).
+
+_TYPES = {
+    cls.__name__: cls for cls in (Production, RawRound, Rollout, SamplingParams, Episodes, RewardOutput)
+}
+
+
+def _encode(value):
+    if isinstance(value, RewardOutput):  # a NamedTuple: its fields by name
+        return {"__type__": "RewardOutput", **{k: _encode(v) for k, v in value._asdict().items()}}
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {"__type__": type(value).__name__, **fields}
+    if isinstance(value, dict):
+        return {k: _encode(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_encode(v) for v in value]
+    return value
+
+
+def _decode(value):
+    if isinstance(value, dict):
+        fields = {k: _decode(v) for k, v in value.items() if k != "__type__"}
+        kind = value.get("__type__")
+        return _TYPES[kind](**fields) if kind is not None else fields
+    if isinstance(value, list):
+        return [_decode(v) for v in value]
+    return value
+
+
+def production_state(production: Production) -> dict[str, Any]:
+    """``production`` as nested dicts, lists, tensors and numbers (tensors by reference)."""
+    return _encode(production)
+
+
+def production_from_state(state: dict[str, Any]) -> Production:
+    """The :class:`Production` that :func:`production_state` wrote.
+
+    Raises:
+        KeyError: a record of a type this version does not know.
+    """
+    return _decode(state)
