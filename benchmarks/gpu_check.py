@@ -21,6 +21,12 @@ token for forward and backward, 2 N per token of each no-grad pass and of genera
 parameters that multiply, attention's quadratic term left out, so MFU is a slight undercount);
 peak CUDA memory; and, after one more step at lr 1e-6, the share of float32 master weights that
 moved (and of their bf16 roundings, which is what bf16 weights stepped by AdamW would keep).
+Then (``--staleness-steps``, default 10; 0 skips it) the same config from the same initial
+weights runs at ``rollout.max_staleness`` 0 and 1, and the report's ``staleness`` part gives
+each one's median step time, the trainer's wait for rollouts, the share of generation hidden
+behind training (``async/overlap``), the sampler/trainer gap and the behaviour KL. The hf engine
+samples on the same device as the trainer, so the overlap it can reach is bounded by what the
+device runs concurrently; a separate inference device is where the lag pays most.
 The report is printed and written to ``--out`` as JSON.
 """
 
@@ -215,6 +221,7 @@ def _run(args, device, name, peak, shape, work) -> dict:
         "optim": {"lr": 1e-5, "micro_batch_size": args.micro_batch_size},
     }
     cfg = load_config(None, tree)
+    staleness_tree = {**tree, "rollout": dict(tree["rollout"])}
     run = Run(cfg, model=model, tokenizer=tokenizer, reward_functions=[even_share])
     trainer = run.trainer
     del model
@@ -280,9 +287,58 @@ def _run(args, device, name, peak, shape, work) -> dict:
     report["master_dtype"] = str(params_now[0].dtype).removeprefix("torch.")
     report["lr_1e-6_master_changed_frac"] = round(changed / total, 4)
     report["lr_1e-6_bf16_rounding_changed_frac"] = round(changed_bf16 / total, 4)
-    report["wall_s"] = round(time.perf_counter() - start, 1)
     run.close()
+    if args.staleness_steps:
+        del trainer, run
+        report["staleness"] = staleness_check(args, staleness_tree, work, tokenizer, device)
+    report["wall_s"] = round(time.perf_counter() - start, 1)
     return report
+
+
+def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
+    """The same config from the same initial weights at ``rollout.max_staleness`` 0 and 1,
+    ``--staleness-steps`` steps each (the first left out of the medians): step time, the
+    trainer's wait for rollouts, the share of generation hidden behind training, the sampler /
+    trainer gap (at k = 1: proximal vs behaviour) and the behaviour KL."""
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    for k in (0, 1):
+        model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "model"), dtype=torch.float32).to(
+            device
+        )
+        branch = {
+            **tree,
+            "steps": args.staleness_steps,
+            "output_dir": os.path.join(work, f"run_k{k}"),
+            "rollout": {**tree["rollout"], "max_staleness": k, "per_prompt_seeds": True},
+        }
+        run = Run(load_config(None, branch), model=model, tokenizer=tokenizer, reward_functions=[even_share])
+        rows = [run.trainer.step() for _ in range(args.staleness_steps)]
+        run.close()
+        del run, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        measured = rows[1:]
+
+        def med(key, measured=measured):
+            values = [float(r[key]) for r in measured if key in r]
+            return round(statistics.median(values), 4) if values else None
+
+        out[f"k{k}"] = {
+            "step_s_median": med("time/step_s"),
+            "generation_s_median": med("time/generation_s"),
+            "generation_wait_s_median": med("time/generation_wait_s") if k else med("time/generation_s"),
+            "overlap_median": med("async/overlap") if k else 0.0,
+            "staleness_by_step": [float(r.get("async/staleness", 0.0)) for r in rows],
+            "mismatch_logprob_abs_mean": med("mismatch/logprob_abs_mean"),
+            "behaviour_kl_median": med("async/behaviour_kl"),
+            "is_weight_mean_median": med("mismatch/is_weight_mean"),
+            "reward_mean_by_step": [round(float(r["reward/mean"]), 4) for r in rows],
+        }
+    k0, k1 = out["k0"]["step_s_median"], out["k1"]["step_s_median"]
+    out["step_time_k1_over_k0"] = round(k1 / k0, 3) if k0 and k1 else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -298,6 +354,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (the tiny shape)")
     p.add_argument("--out", default=None, help="JSON file for the report (default: print only)")
+    p.add_argument(
+        "--staleness-steps",
+        type=int,
+        default=10,
+        help="steps of each of the rollout.max_staleness 0 and 1 runs compared after the check (0: skip)",
+    )
     args = p.parse_args(argv)
     lows = {"steps": 2, "prompts": 1, "group_size": 2, "prompt_tokens": 1, "new_tokens": 1}
     lows["micro_batch_size"] = 1
@@ -305,6 +367,8 @@ def main(argv: list[str] | None = None) -> dict:
         if getattr(args, name) < low:
             why = " (the first step is warm-up)" if name == "steps" else ""
             p.error(f"--{name.replace('_', '-')} must be >= {low}{why}")
+    if args.staleness_steps and args.staleness_steps < 2:
+        p.error("--staleness-steps must be 0 or >= 2 (the first step is warm-up)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
     report = run(args)

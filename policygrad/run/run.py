@@ -187,6 +187,8 @@ class Run:
         if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg, trainer = self.config, self.trainer
+        if trainer.pipeline is not None:  # the engine samples one thing at a time: the job in flight first
+            trainer.pipeline.drain()
         if trainer.environment is not None:  # greedy episodes; success = a final reward > 0
             out = evaluate_episodes(
                 trainer.environment,

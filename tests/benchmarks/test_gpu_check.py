@@ -23,6 +23,7 @@ def test_gpu_check_runs_on_the_tiny_shape(tmp_path):
     out = tmp_path / "report.json"
     argv = ["--shape", "tiny", "--allow-cpu", "--steps", "2", "--prompts", "2", "--group-size", "4"]
     argv += ["--prompt-tokens", "16", "--new-tokens", "12", "--micro-batch-size", "4"]
+    argv += ["--staleness-steps", "3"]
     report = gpu_check.main([*argv, "--precision", "bf16-mixed", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["precision"] == "bf16-mixed" and report["master_dtype"] == "float32"
@@ -34,6 +35,10 @@ def test_gpu_check_runs_on_the_tiny_shape(tmp_path):
     # 6 N per trained token + 2 N per token of the reference pass (kl in the loss): 8 N x 8 x 28.
     n = report["multiplying_params"]
     assert report["training_flops_per_step"] == 8 * n * 8 * (16 + 12)
+    # max_staleness 1: step m trains the batch of weights max(0, m - 1)
+    assert report["staleness"]["k1"]["staleness_by_step"] == [0.0, 1.0, 1.0]
+    assert report["staleness"]["k0"]["staleness_by_step"] == [0.0, 0.0, 0.0]
+    assert report["staleness"]["step_time_k1_over_k0"] > 0
 
 
 def test_bf16_peaks_match_device_names():

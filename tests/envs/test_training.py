@@ -144,3 +144,39 @@ def test_past_the_error_budget_the_run_stops_with_one_line(eos_model_dir, reward
     assert len(err) == 1
     assert "100% of this step's episodes failed in the environment (rollout.env_error_budget=0.5)" in err[0]
     assert "first error: step() failed: ConnectionError: tool server unreachable" in err[0]
+
+
+def test_multi_turn_episodes_sampled_ahead_are_the_same_in_a_thread_and_inline(
+    eos_model_dir, rewards_py, tmp_path
+):
+    # Episodes (the engine and the environment's calls) run in the producer; the error budget and
+    # the scores' normalisation in the trainer's thread: thread == inline, bit for bit.
+    rows = {}
+    for executor in ("thread", "inline"):
+        tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", tmp_path / executor, steps=3)
+        tree["reward"] = {"functions": []}
+        tree["rollout"] = {
+            **tree["rollout"],
+            "max_turns": 3,
+            "max_new_tokens": 4,
+            "per_prompt_seeds": True,
+            "max_staleness": 1,
+            "async_executor": executor,
+        }
+        tree["env"] = {"name": "tests.envs.test_training:Echo"}
+        run = Run(load_config(None, tree))
+        try:
+            run.train()
+        finally:
+            run.close()
+        rows[executor] = [
+            {
+                k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in r.items()
+                if not k.startswith(("time/", "perf/", "memory/", "async/overlap", "async/queue"))
+            }
+            for r in _metrics(tmp_path / executor)
+        ]
+    assert rows["thread"] == rows["inline"]
+    assert [r["async/staleness"] for r in rows["thread"]] == [0.0, 1.0, 1.0]
+    assert all(r["episode/turns_mean"] >= 1.0 for r in rows["thread"])

@@ -10,6 +10,7 @@ import copy
 import gc
 import json
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -584,3 +585,19 @@ def test_episodes_on_either_engine_train_on_what_was_sampled(setup, name):
     assert rollout.sampler_logprobs[rollout.observation_mask > 0].abs().sum() == 0
     for row in range(rollout.batch_size):  # every sequence starts with its row's own prompt
         assert rollout.prompt_ids[row, -len(prompts[row // 2]) :].tolist() == prompts[row // 2]
+
+
+def test_a_generate_call_from_a_background_thread_samples_what_the_main_thread_does(setup):
+    # rollout.max_staleness runs the engine in the pipeline's thread: with per-prompt seeds a
+    # call samples the same tokens and log-probs whichever thread makes it.
+    engine, tok = setup["engine"], setup["tok"]
+    prompts = _prompts(tok, TEXTS)
+    kwargs = {"group_size": 2, "max_new_tokens": 6, "temperature": 0.7, "prompt_seeds": [11, 12, 13]}
+    here = engine.generate(prompts, **kwargs)
+    out = {}
+    thread = threading.Thread(target=lambda: out.update(r=engine.generate(prompts, **kwargs)))
+    thread.start()
+    thread.join()
+    there = out["r"]
+    assert torch.equal(here.response_ids, there.response_ids)
+    assert torch.equal(here.sampler_logprobs, there.sampler_logprobs)

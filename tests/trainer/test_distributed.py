@@ -4,7 +4,8 @@ normalisation, ppo with a critic, whitened advantages and two shuffled minibatch
 of 2 everywhere), with whole networks on every rank (ddp) and with FSDP2-sharded ones (fsdp);
 runs resume across world sizes (2 -> 1 and 1 -> 2 ranks equal 4 straight steps); an FSDP rank
 holds about half the parameter, gradient and optimizer bytes, as ``policygrad memory`` says; and
-a reward error on rank 1 ends every rank through torchrun.
+a reward error on rank 1 ends every rank through torchrun. Rollouts sampled ahead
+(``rollout.max_staleness: 1``) are a case too.
 
 The two ranks run every case in one pair of spawned processes (imports cost more than the runs on
 a 2-core machine); the 1-process runs happen in the test process."""
@@ -48,6 +49,9 @@ CASES = {
         # and the clip's kinks turn float noise of the sharded sums into ~2e-5 differences.
         "optim": {"ppo_epochs": 2, "num_minibatches": 2, "lr": 2e-4},
     },
+    # rollouts sampled ahead: one producer thread per rank, collectives only in the trainer's
+    # thread; step 2 trains a batch of the initial weights (recomputed old log-probs, IS weights)
+    "ahead": {"rollout": {"max_staleness": 1}, "kl": {"placement": "loss", "beta": 0.05}},
 }
 # Metrics compared between the runs: all but wall-clock, throughput and memory readings.
 VOLATILE = ("time/", "perf/", "memory/")

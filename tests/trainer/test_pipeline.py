@@ -287,3 +287,19 @@ def test_floor_drops_tokens_below_it_in_either_mode():
     assert w.tolist() == [[1.5, 0.25, 0.0]]
     with pytest.raises(ValueError, match="floor must be in"):
         truncated_importance_weights(sampler, lp, mask, cap=1.5, floor=1.5)
+
+
+def test_evaluations_between_steps_wait_for_the_job_in_flight(make_config, tmp_path):
+    # The engine samples one thing at a time: an evaluation drains the pipeline first, and
+    # evaluates the weights the engine now holds (the current ones), whichever executor runs.
+    rows = {}
+    for executor in ("thread", "inline"):
+        sections = _sections(
+            tmp_path, rollout={"max_staleness": 1, "async_executor": executor}, eval_every=1, steps=3
+        )
+        sections["data"] = {**sections["data"], "eval_dataset": sections["data"]["dataset"], "eval_size": 3}
+        run = Run(make_config(executor, **sections))
+        run.train()
+        rows[executor] = _rows(run.run_dir)
+    assert rows["thread"] == rows["inline"]
+    assert sum("eval/accuracy" in r for r in rows["thread"]) == 2  # after steps 1 and 2
