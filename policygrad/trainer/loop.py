@@ -252,9 +252,9 @@ class Trainer:
 
     def generate_and_score(self, rows: list[dict[str, Any]], round_index: int = 0) -> SampledBatch:
         """G completions of each of this rank's rows' prompts (all of ``rows`` in one process),
-        scored. With ``rollout.per_prompt_seeds`` (always with several processes) prompt i of the
-        step's ``round_index``-th round samples from its own seed (:meth:`Seeds.prompts`),
-        whichever rank or batch it is in."""
+        scored. Prompt i of the step's ``round_index``-th round samples from its own seed
+        (:meth:`Seeds.prompts`), whichever rank or batch it is in (``rollout.per_prompt_seeds``
+        false, torch's stream, only in a resumed run recorded with it)."""
         r = self.config.rollout
         share = self.dist.share(len(rows))
         seeds = self.seeds.prompts(self.step_idx, round_index, len(rows))
