@@ -24,7 +24,7 @@ from policygrad.run import stops
 from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
 from policygrad.trainer import rundir
 from policygrad.trainer.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
-from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.distributed import Dist, NullLogger
 from policygrad.trainer.episode_eval import evaluate_episodes
 from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
@@ -110,6 +110,11 @@ class Run:
         # 1. Read-only checks of the run directory (and the checkpoint to resume from).
         resume: Resume | None = None
         if resume_from is None:
+            if not cfg.rollout.per_prompt_seeds:
+                raise ConfigError(
+                    "rollout.per_prompt_seeds=false only continues a run recorded with it (--resume); a new "
+                    "run samples each prompt from its own seed, so drop the option"
+                )
             rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
         else:
             resume = check_resume(cfg, resume_from)

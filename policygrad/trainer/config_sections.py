@@ -229,9 +229,10 @@ class RolloutConfig:
     none`` with k > 0 is accepted with a warning. 0 builds no pipeline (the synchronous step).
     Needs an engine with its own weights (vllm; the hf engine samples from a copy of the policy).
 
-    ``per_prompt_seeds``: each prompt samples from its own seed (run seed, step, global position),
-    so its samples do not depend on the batch or rank it is in; always on with more than one
-    process. Off (the default) in one process keeps the earlier sampling stream.
+    ``per_prompt_seeds`` (true): each prompt samples from its own seed (run seed, step, global
+    position), so its samples do not depend on the batch or rank it is in and one process trains
+    on what N processes do. ``false`` (torch's global stream) only continues a run recorded with
+    it; a new run refuses it.
 
     ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
     id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
@@ -248,7 +249,7 @@ class RolloutConfig:
     loss) before the run stops. These options need ``env.name``."""
 
     engine: str = "auto"
-    per_prompt_seeds: bool = False
+    per_prompt_seeds: bool = True
     ignore_eos: bool = False
     prompts_per_step: int = 4
     group_size: int = 8

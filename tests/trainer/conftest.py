@@ -43,8 +43,8 @@ def flaky(prompts, completions, bad=None, **fields):
 
 def constant_if_same(prompts, completions, **fields):
     """1.0 for every sample of a prompt containing "same" (a zero-variance group), else
-    digit_fraction."""
-    scores = digit_fraction(prompts, completions)
+    length_fraction (which varies between a group's samples even when none holds a digit)."""
+    scores = length_fraction(prompts, completions)
     return [1.0 if "same" in p else s for p, s in zip(prompts, scores)]
 
 

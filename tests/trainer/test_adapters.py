@@ -85,7 +85,7 @@ def test_a_run_from_a_trained_adapter_starts_at_kl_zero_with_the_adapter_logprob
 def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     make_config, tmp_path, capsys, eos_model_dir
 ):
-    cfg = make_config("lora", steps=1, model={"lora": {"rank": 4, "alpha": 8.0}}, export_merged=True)
+    cfg = make_config("lora", steps=1, reward_fn="length_fraction", model={"lora": {"rank": 4, "alpha": 8.0}}, export_merged=True)
     run = Run(cfg)
     try:
         summary = run.train()
@@ -116,7 +116,7 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 2
     # ... and trains as model.name: the run starts from the adapter and keeps training it.
-    again = Run(make_config("again", steps=1, model={"name": str(folder)}))
+    again = Run(make_config("again", steps=1, reward_fn="length_fraction", model={"name": str(folder)}))
     try:
         again.train()
     finally:
@@ -125,7 +125,7 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
 
 
 def test_a_full_model_checkpoint_carries_a_model_card(make_config, tmp_path):
-    run = Run(make_config("full", steps=1))
+    run = Run(make_config("full", steps=1, reward_fn="length_fraction"))
     try:
         run.train()
     finally:

@@ -393,3 +393,32 @@ def test_a_reward_error_on_rank_1_ends_every_rank_once(eos_model_dir, rewards_py
     # rank 0, whose collective lost its peer, says so in one line instead of a traceback from gloo
     assert "another process of this run failed" in output, output[-3000:]
     assert "[rank0]: Traceback" not in output and "Connection closed by peer" not in output, output[-3000:]
+
+
+def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir, rewards_py, tmp_path):
+    """The conftest's tiny run with no sampling option (per-prompt seeds by default) trains the
+    same samples in one process and in 2 torchrun processes: every step's metrics (but wall-clock,
+    throughput and memory) and the final checkpoint's weights agree to 1e-5, as the cases above.
+    length_fraction scores the samples (digit_fraction gives a tiny random model's groups equal
+    rewards, and a run that applies no update fails)."""
+    trees = {}
+    for name in ("one", "two"):
+        tree = tiny_overrides(eos_model_dir, f"{rewards_py}:length_fraction", tmp_path / name)
+        tree["num_threads"] = 1  # as each rank: matmuls split over threads sum in another order
+        trees[name] = tree
+    assert "per_prompt_seeds" not in trees["two"]["rollout"]
+    train(load_config(None, trees["one"]))
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(trees["two"]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+        "-m", "policygrad", "train", str(config),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
+    assert_same_metrics(one, two)
+    steps = trees["one"]["steps"]
+    assert_same_weights(checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps))

@@ -38,6 +38,15 @@ def slow_digits(prompts, completions, **fields):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
+def slow_lengths(prompts, completions, **fields):
+    """Characters of the completion over 40, a quarter of a second late: a step lasts long enough
+    to be interrupted, and the score varies with the sampled length, so a tiny random model's
+    first groups train even when none of their samples holds a digit (slow_digits then scores
+    every sample 0 and a 1- or 2-step run applies no update)."""
+    time.sleep(0.25)
+    return [len(c) / 40 for c in completions]
+
+
 def sleeps_forever(prompts, completions, **fields):
     time.sleep(10_000)
 
@@ -83,9 +92,9 @@ def rewards_file(tmp_path) -> str:
 
 @pytest.fixture
 def run_yaml(eos_model_dir, rewards_file, tmp_path):
-    """``run_yaml(name, reward_fn="slow_digits", **sections)`` -> (config path, run dir)."""
+    """``run_yaml(name, reward_fn="slow_lengths", **sections)`` -> (config path, run dir)."""
 
-    def factory(name: str, *, reward_fn: str = "slow_digits", **sections):
+    def factory(name: str, *, reward_fn: str = "slow_lengths", **sections):
         tree = tiny_overrides(eos_model_dir, f"{rewards_file}:{reward_fn}", tmp_path / name, **sections)
         tree.setdefault("num_threads", 1)
         path = tmp_path / f"{name}.yaml"
@@ -353,7 +362,7 @@ def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint_and_ends_in_one
     ids=["lr", "prompt-length", "reward-file", "dataset", "context"],
 )
 def test_overwrite_with_an_invalid_config_leaves_the_old_run_byte_identical(bad, run_yaml, tmp_path, capsys):
-    cfg, run = run_yaml("old", reward_fn="slow_digits", steps=1)
+    cfg, run = run_yaml("old", steps=1)
     assert main(["train", cfg]) == 0
     (tmp_path / "old" / "notes.txt").write_text("mine")
     before = _snapshot(run)

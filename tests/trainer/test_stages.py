@@ -56,7 +56,7 @@ def test_the_filter_reads_the_outcome_not_the_shaped_score(make_config):
 
 
 def _same_then_varied(tmp_path) -> str:
-    # Rows 0-1: "same" prompts (every sample scores 1.0: no signal); rows 2-3: digit_fraction.
+    # Rows 0-1: "same" prompts (every sample scores 1.0: no signal); rows 2-3: length_fraction.
     rows = [{"prompt": f"the same {k}: 2+2?", "answer": "4"} for k in range(2)]
     rows += [{"prompt": f"What is {a}+1?", "answer": str(a + 1)} for a in (3, 8)]
     return write_jsonl(tmp_path / "same_then_varied.jsonl", rows)
