@@ -85,7 +85,13 @@ def test_a_run_from_a_trained_adapter_starts_at_kl_zero_with_the_adapter_logprob
 def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     make_config, tmp_path, capsys, eos_model_dir
 ):
-    cfg = make_config("lora", steps=1, reward_fn="length_fraction", model={"lora": {"rank": 4, "alpha": 8.0}}, export_merged=True)
+    cfg = make_config(
+        "lora",
+        steps=1,
+        reward_fn="length_fraction",
+        model={"lora": {"rank": 4, "alpha": 8.0}},
+        export_merged=True,
+    )
     run = Run(cfg)
     try:
         summary = run.train()
@@ -111,8 +117,19 @@ def test_a_lora_checkpoint_trains_evaluates_and_exports_with_model_cards(
     rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
     data = write_jsonl(tmp_path / "d.jsonl", rows)
     capsys.readouterr()
-    argv = ["eval", "--model", str(folder), "--dataset", data, "--max-new-tokens", "4", "--engine", "hf",
-            "--output", str(tmp_path / "e.jsonl")]
+    argv = [
+        "eval",
+        "--model",
+        str(folder),
+        "--dataset",
+        data,
+        "--max-new-tokens",
+        "4",
+        "--engine",
+        "hf",
+        "--output",
+        str(tmp_path / "e.jsonl"),
+    ]
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["n"] == 2
     # ... and trains as model.name: the run starts from the adapter and keeps training it.

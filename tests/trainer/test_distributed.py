@@ -307,8 +307,10 @@ def test_sharded_ppo_resumes_bitwise(two_rank_runs):
     assert rows == _rows(straight)
     a, b = checkpoint_weights(straight, 4), checkpoint_weights(resumed, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    one, two = (load_file(os.path.join(d, "checkpoints", "step_4", "critic", "value_model.safetensors"))
-                for d in (straight, resumed))
+    one, two = (
+        load_file(os.path.join(d, "checkpoints", "step_4", "critic", "value_model.safetensors"))
+        for d in (straight, resumed)
+    )
     assert one.keys() == two.keys() and all(torch.equal(one[k], two[k]) for k in one)
 
 
@@ -333,8 +335,10 @@ def test_fsdp_rank_holds_half_the_training_state(two_rank_runs, one_rank_runs, e
     shape = model_shape_from_config(eos_model_dir)
     planned = plan_memory(shape, "grpo", world_size=2, strategy="fsdp").item("policy").bytes
     assert abs(planned - two) <= 0.05 * two, (planned, two)
-    print(f"policy parameter + gradient + AdamW bytes: 1 rank {one}, largest FSDP rank of 2 {two} "
-          f"({two / one:.3f}x), policygrad memory --world-size 2 --strategy fsdp {planned}")
+    print(
+        f"policy parameter + gradient + AdamW bytes: 1 rank {one}, largest FSDP rank of 2 {two} "
+        f"({two / one:.3f}x), policygrad memory --world-size 2 --strategy fsdp {planned}"
+    )
     assert plan_memory(shape, "grpo").item("policy").bytes == one  # 16 B per trainable parameter
 
 
@@ -380,8 +384,15 @@ def test_a_reward_error_on_rank_1_ends_every_rank_once(eos_model_dir, rewards_py
     config.write_text(yaml.safe_dump(tree))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "-m", "policygrad", "train", str(config),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "policygrad",
+        "train",
+        str(config),
     ]
     # A rank left waiting in a collective would wait for the process group's timeout (30 minutes):
     # the subprocess's 5 minutes tell the two apart on a loaded machine too (the run ends in about
@@ -412,8 +423,15 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
     config.write_text(yaml.safe_dump(trees["two"]))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-        "-m", "policygrad", "train", str(config),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+        "-m",
+        "policygrad",
+        "train",
+        str(config),
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
@@ -421,4 +439,6 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
     assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
     assert_same_metrics(one, two)
     steps = trees["one"]["steps"]
-    assert_same_weights(checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps))
+    assert_same_weights(
+        checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps)
+    )

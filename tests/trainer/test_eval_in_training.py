@@ -15,7 +15,13 @@ pytestmark = pytest.mark.integration
 
 def test_eval_samples_log_pass_and_maj_at_k(make_config, tmp_path):
     cfg = make_config(
-        "run", steps=1, reward_fn="length_fraction", eval_before=True, eval_after=True, eval_samples=4, eval_k=[1, 4],
+        "run",
+        steps=1,
+        reward_fn="length_fraction",
+        eval_before=True,
+        eval_after=True,
+        eval_samples=4,
+        eval_k=[1, 4],
         data={"eval_size": 3},
     )
     run = Run(cfg)

@@ -288,7 +288,9 @@ def test_eos_trick_after_normalisation_in_the_trainer(make_config):
 
 
 def test_reward_whitening_scales_token_rewards_only(make_config):
-    run = Run(make_config("reward_whiten", reward_fn="length_fraction", **ppo_sections(reward={"whiten": True})))
+    run = Run(
+        make_config("reward_whiten", reward_fn="length_fraction", **ppo_sections(reward={"whiten": True}))
+    )
     shaped = []
     token_rewards = run.trainer.kl.token_rewards
     run.trainer.kl = copy.copy(run.trainer.kl)  # the registered placement, with a recording token_rewards
