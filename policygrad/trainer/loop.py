@@ -182,7 +182,11 @@ class Trainer:
         if self.pipeline is not None:  # drain the job in flight, push the weights, start the next
             synced = bool(stats.steps) and not self.engine.shares_policy_weights
             times = self.pipeline.after_update(self.step_idx + 1, synced=synced)
-            metrics.update(async_metrics(self.step_idx, batch, exp, stats, production, waited, queue, times))
+            metrics.update(
+                async_metrics(
+                    self.step_idx, batch, exp, stats, production, waited, queue, times, self.dist.total
+                )
+            )
         elif stats.steps and not self.engine.shares_policy_weights:
             t_sync = time.perf_counter()  # the engine holds its own weights: push the updated ones
             self.sync_engine()

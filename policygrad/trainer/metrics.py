@@ -280,7 +280,7 @@ def episode_metrics(episodes, rollout) -> dict[str, float]:
     return out
 
 
-def async_metrics(step, batch, exp, stats, production, waited, queue, times) -> dict[str, float]:
+def async_metrics(step, batch, exp, stats, production, waited, queue, times, total=float) -> dict[str, float]:
     """The metrics of a step whose batch came from the rollout pipeline: its staleness, the
     finished batches waiting, the trainer's wait (for its batch, then the drain after the update)
     and the share of generation it hid, the weight push, and the k1 KL between the behaviour
@@ -290,7 +290,8 @@ def async_metrics(step, batch, exp, stats, production, waited, queue, times) -> 
     Args:
         step: m; batch: the step's :class:`SampledBatch` (``version``); exp: its experience;
         stats: the update's :class:`UpdateStats`; production: the pipeline's record (``seconds``);
-        waited, queue: from :meth:`RolloutPipeline.take`; times: from :meth:`RolloutPipeline.after_update`.
+        waited, queue: from :meth:`RolloutPipeline.take`; times: from :meth:`RolloutPipeline.after_update`;
+        total: a local sum -> the sum over ranks (``Dist.total``), so the KL is of the global batch.
     """
     wait = waited + times.get("time/drain_wait_s", 0.0)
     metrics = {
@@ -307,7 +308,9 @@ def async_metrics(step, batch, exp, stats, production, waited, queue, times) -> 
     mask = exp.rollout.response_mask > 0
     if proximal is not None and stats.rollout_rows is not None and exp.old_logprobs is None:
         mask = mask & stats.rollout_rows[:, None]
-    if proximal is not None and mask.any():
+    if proximal is not None:
         diff = torch.where(mask, exp.rollout.sampler_logprobs.float() - proximal.float(), 0.0)
-        metrics["async/behaviour_kl"] = masked_mean(diff, mask.float()).item()
+        count = total(mask.sum().double())
+        if count > 0:
+            metrics["async/behaviour_kl"] = total(diff.double().sum()) / count
     return metrics
