@@ -311,7 +311,7 @@ def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
             **tree,
             "steps": args.staleness_steps,
             "output_dir": os.path.join(work, f"run_k{k}"),
-            "rollout": {**tree["rollout"], "max_staleness": k, "per_prompt_seeds": True},
+            "rollout": {**tree["rollout"], "max_staleness": k},
         }
         run = Run(load_config(None, branch), model=model, tokenizer=tokenizer, reward_functions=[even_share])
         rows = [run.trainer.step() for _ in range(args.staleness_steps)]

@@ -159,7 +159,6 @@ def test_multi_turn_episodes_sampled_ahead_are_the_same_in_a_thread_and_inline(
             **tree["rollout"],
             "max_turns": 3,
             "max_new_tokens": 4,
-            "per_prompt_seeds": True,
             "max_staleness": 1,
             "async_executor": executor,
         }

@@ -58,7 +58,6 @@ def _sections(tmp_path, **extra) -> dict:
         "save_every": 2,
         "data": {"dataset": data, "shuffle": True},
         "optim": {"lr": 5e-2},
-        "rollout": {"per_prompt_seeds": True},
     }
     for key, value in extra.items():
         sections[key] = {**sections.get(key, {}), **value} if isinstance(value, dict) else value
@@ -142,15 +141,11 @@ def test_staleness_one_thread_equals_inline_and_resume_equals_straight(make_conf
 
 
 def test_uncorrected_staleness_warns_and_auto_corrects(make_config, caplog):
-    cfg = make_config(rollout={"max_staleness": 1, "per_prompt_seeds": True})
+    cfg = make_config(rollout={"max_staleness": 1})
     assert cfg.rollout.resolved_is_correction() == "token"
     assert make_config().rollout.resolved_is_correction() == "none"
     with caplog.at_level(logging.WARNING, logger="policygrad"):
-        run = Run(
-            make_config(
-                "none", rollout={"max_staleness": 1, "is_correction": "none", "per_prompt_seeds": True}
-            )
-        )
+        run = Run(make_config("none", rollout={"max_staleness": 1, "is_correction": "none"}))
     run.close()
     assert "leaves the lag uncorrected" in caplog.text
 
