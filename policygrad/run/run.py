@@ -254,6 +254,12 @@ class Run:
         except Stopped as stop:
             return self._stopped_at_once(stop.signal)
         except KeyboardInterrupt as exc:  # a second Ctrl-C
+            pipeline = self.trainer.pipeline
+            if pipeline is not None and not pipeline.close(timeout=1.0):
+                # Stop at once: the job in flight may wait minutes for a reward call; closing the
+                # reward worker ends that call, and the thread with it.
+                self.trainer.scorer.close()
+                pipeline.close(timeout=10.0)
             saved = self._saved_step
             if saved:
                 log.warning(

@@ -280,12 +280,24 @@ class RolloutPipeline:
             job.done.set()
             self.jobs[job.step] = job
 
-    def close(self) -> None:
-        """Let the job in flight finish (its batch is dropped) and stop the thread. Idempotent."""
+    def close(self, *, timeout: float | None = None) -> bool:
+        """Let the job in flight finish (its batch is dropped) and stop the thread. Idempotent.
+
+        Args:
+            timeout: the most seconds to wait for the job in flight (None: as long as it takes,
+                a generation or a reward call); after it the thread is left to end alone (a
+                daemon thread), for a stop that must not wait: a second Ctrl-C.
+
+        Returns:
+            Whether the thread has ended (no thread: True).
+        """
         with self._wake:
             self._closed = True
             self._work.clear()
             self._wake.notify_all()
         if self._thread is not None:
-            self._thread.join()
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                return False
             self._thread = None
+        return True

@@ -298,3 +298,23 @@ def test_evaluations_between_steps_wait_for_the_job_in_flight(make_config, tmp_p
         rows[executor] = _rows(run.run_dir)
     assert rows["thread"] == rows["inline"]
     assert sum("eval/accuracy" in r for r in rows["thread"]) == 2  # after steps 1 and 2
+
+
+def test_close_without_waiting_abandons_the_job_in_flight():
+    """A second Ctrl-C stops at once: closing does not wait for a job that may run for minutes
+    (a slow reward call); the default close waits for it."""
+    stream, started, release = _Stream(), threading.Event(), threading.Event()
+
+    def produce(step, version):
+        started.set()
+        release.wait(30)
+        return production.Production(step, version, [], None, {}, 0.0)
+
+    pipe = RolloutPipeline(produce, lambda: None, stream, max_staleness=1, steps=4, executor="thread")
+    pipe._start()  # the jobs of steps 0 and 1 on the initial weights; step 0's blocks
+    assert started.wait(10)
+    start = time.perf_counter()
+    assert not pipe.close(timeout=0.1)  # the job in flight goes on alone
+    assert time.perf_counter() - start < 5
+    release.set()
+    assert pipe.close()  # then it ends; idempotent
