@@ -431,8 +431,8 @@ class Run:
             return
         if step == state["step"] and self._optimizer_steps() != steps_then:
             log.warning(
-                "note: the error came during the update of step %d, so that step cannot be saved; the newest "
-                "checkpoint is of step %s",
+                "note: the error came during step %d, after an optimizer step of it, so that step cannot be "
+                "saved; the newest checkpoint is of step %s",
                 step + 1,
                 self._saved_step,
             )

@@ -228,7 +228,17 @@ class TrainConfig:
                 f"critic.pretrain_steps={self.critic.pretrain_steps} leaves no policy step out of "
                 f"steps={self.steps}; the first critic.pretrain_steps steps train only the critic"
             )
+        self._validate_staleness()
         self._validate_dynamic_sampling()
+
+    def _validate_staleness(self) -> None:
+        k = self.rollout.max_staleness
+        if self.steps and k >= self.steps:
+            raise ConfigError(
+                f"rollout.max_staleness={k} is not below steps={self.steps}: every batch would be sampled by "
+                f"the initial weights, and the {k} batches after the last step (kept for a resume) would "
+                "cost more sampling than the run; use a max_staleness below steps (1 or 2 is typical)"
+            )
 
     def _validate_reporting_and_eval(self) -> None:
         trackers = ("tensorboard", "wandb", "mlflow", "trackio", "none")
@@ -493,4 +503,3 @@ def load_config(path: str | None = None, overrides: list[str] | dict[str, Any] |
         over = parse_overrides(overrides) if isinstance(overrides, list) else overrides
         data = _merge(data, over)
     return build_dataclass(TrainConfig, data)
-

@@ -76,8 +76,8 @@ def test_an_error_during_the_update_cannot_save_that_step(caplog):
         run._save_after_error(({"step": 3}, (4, 0)), RuntimeError("x"))
     assert run.saved == []
     assert (
-        "the error came during the update of step 4, so that step cannot be saved; the newest checkpoint "
-        "is of step 2" in _warnings(caplog)
+        "the error came during step 4, after an optimizer step of it, so that step cannot be saved; the "
+        "newest checkpoint is of step 2" in _warnings(caplog)
     )
 
 

@@ -185,6 +185,8 @@ def test_staleness_needs_per_prompt_seeds_and_a_sane_floor(make_config):
         make_config(rollout={"max_staleness": -1})
     with pytest.raises(ConfigError, match=r"rollout.is_floor must be in \(0, rollout.is_cap=2.0\)"):
         make_config(rollout={"is_floor": 2.5})
+    with pytest.raises(ConfigError, match="rollout.max_staleness=4 is not below steps=4"):
+        make_config(steps=4, rollout={"max_staleness": 4})
     with pytest.raises(ConfigError, match="rollout.async_executor"):
         make_config(rollout={"async_executor": "process"})
 
