@@ -48,6 +48,8 @@ def run_side(k: int, args, work: str) -> dict:
     cmd = [sys.executable, "-m", "policygrad", "train", f"--steps={args.steps}", "--max_minutes=null"]
     cmd += [f"--output_dir={out}", "--progress=false", f"--rollout.max_staleness={k}", f"--seed={args.seed}"]
     cmd += [f"--{o}" for o in args.pg_override]
+    if k:
+        cmd += [f"--{o}" for o in args.k1_override]
     start = time.perf_counter()
     with open(os.path.join(work, f"k{k}.log"), "w", encoding="utf-8") as log:
         done = subprocess.run(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, check=False)
@@ -92,6 +94,14 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="steps per side (the first is warm-up)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-override", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--k1-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an override for the max_staleness=1 side only, e.g. num_threads=1 (one core each for "
+        "generation and training)",
+    )
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--update-readme", action="store_true")
     args = p.parse_args()
@@ -106,6 +116,7 @@ def main() -> int:
         "machine": machine,
         "steps": args.steps,
         "overrides": args.pg_override,
+        "k1_overrides": args.k1_override,
         "sides": sides,
     }
     path = args.output or RESULTS_DIR / f"{today()}-staleness.json"
@@ -126,7 +137,8 @@ def main() -> int:
         for s in sides
     ]
     table = markdown_table(header, rows)
-    body = f"{table}\n\n{machine_line(machine)}; {args.steps} steps per side; `{path.name}`."
+    extra = f"; k = 1 side: {', '.join(args.k1_override)}" if args.k1_override else ""
+    body = f"{table}\n\n{machine_line(machine)}; {args.steps} steps per side{extra}; `{path.name}`."
     print(body)
     if args.update_readme:
         update_readme_section("staleness", body)
