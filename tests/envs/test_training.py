@@ -98,16 +98,21 @@ def test_a_one_turn_environment_trains_like_its_reward_function(eos_model_dir, r
     assert b[-1]["episode/turns_mean"] == 1.0
 
 
-def test_a_multi_turn_run_logs_its_episodes(eos_model_dir, rewards_py, tmp_path):
-    tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", tmp_path / "m", steps=2)
+def _train_echo(model_dir, rewards_py, out, *, steps: int, **rollout) -> None:
+    """A run of the Echo environment: episodes of up to 3 turns of 4 new tokens."""
+    tree = tiny_overrides(model_dir, f"{rewards_py}:digit_fraction", out, steps=steps)
     tree["reward"] = {"functions": []}
-    tree["rollout"] = {**tree["rollout"], "max_turns": 3, "max_new_tokens": 4}
+    tree["rollout"] = {**tree["rollout"], "max_turns": 3, "max_new_tokens": 4, **rollout}
     tree["env"] = {"name": "tests.envs.test_training:Echo"}
     run = Run(load_config(None, tree))
     try:
         run.train()
     finally:
         run.close()
+
+
+def test_a_multi_turn_run_logs_its_episodes(eos_model_dir, rewards_py, tmp_path):
+    _train_echo(eos_model_dir, rewards_py, tmp_path / "m", steps=2)
     last = _metrics(tmp_path / "m")[-1]
     assert 1.0 <= last["episode/turns_mean"] <= 3.0
     stops = sum(
@@ -153,21 +158,9 @@ def test_multi_turn_episodes_sampled_ahead_are_the_same_in_a_thread_and_inline(
     # the scores' normalisation in the trainer's thread: thread == inline, bit for bit.
     rows = {}
     for executor in ("thread", "inline"):
-        tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", tmp_path / executor, steps=3)
-        tree["reward"] = {"functions": []}
-        tree["rollout"] = {
-            **tree["rollout"],
-            "max_turns": 3,
-            "max_new_tokens": 4,
-            "max_staleness": 1,
-            "async_executor": executor,
-        }
-        tree["env"] = {"name": "tests.envs.test_training:Echo"}
-        run = Run(load_config(None, tree))
-        try:
-            run.train()
-        finally:
-            run.close()
+        _train_echo(
+            eos_model_dir, rewards_py, tmp_path / executor, steps=3, max_staleness=1, async_executor=executor
+        )
         rows[executor] = [
             {
                 k: ("nan" if isinstance(v, float) and math.isnan(v) else v)

@@ -152,6 +152,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def torchrun_train(config) -> subprocess.CompletedProcess:
+    """``policygrad train CONFIG`` in 2 torchrun processes of one thread each (5 minutes at most)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        f"--master_port={free_port()}",
+    ]
+    command += ["-m", "policygrad", "train", str(config)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
 @pytest.fixture(scope="module")
 def two_rank_runs(eos_model_dir, rewards_py, tmp_path_factory):
     """Every case run by 2 gloo processes with each strategy (rank 0's metrics and weights), the
@@ -389,22 +403,10 @@ def test_a_reward_error_on_rank_1_ends_every_rank_once(eos_model_dir, rewards_py
     tree["data"] = {**tree["data"], "dataset": data, "shuffle": False}
     config = tmp_path / "run.yaml"
     config.write_text(yaml.safe_dump(tree))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "policygrad",
-        "train",
-        str(config),
-    ]
     # A rank left waiting in a collective would wait for the process group's timeout (30 minutes):
     # the subprocess's 5 minutes tell the two apart on a loaded machine too (the run ends in about
     # 8 s on an idle 2-core machine; 65 s was seen with five other jobs running).
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun_train(config)
     output = done.stdout + done.stderr
     assert done.returncode != 0
     assert output.count("cannot score this row") == 1, output[-3000:]
@@ -428,19 +430,7 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
     train(load_config(None, trees["one"]))
     config = tmp_path / "two.yaml"
     config.write_text(yaml.safe_dump(trees["two"]))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "-m",
-        "policygrad",
-        "train",
-        str(config),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun_train(config)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
