@@ -172,21 +172,15 @@ class HFRolloutEngine(RolloutEngine):
     def sync_weights(self, model: torch.nn.Module) -> None:
         """Point the engine at ``model``. Generation already uses the live model object, so after an
         optimizer step nothing needs copying; passing a different model object switches to it.
-        With ``copies_weights`` the engine keeps its own model and copies ``model``'s parameters
-        and buffers into it (same names and shapes).
+        With ``copies_weights`` the engine keeps its own model and loads ``model``'s state dict
+        into it, in place (same architecture).
 
         Raises:
-            KeyError: ``copies_weights`` and ``model`` lacks one of the copy's tensors."""
+            RuntimeError: ``copies_weights`` and ``model``'s state has other names or shapes."""
         if not self.copies_weights:
             self.model = model
-            return
-        if model is self.model:
-            return
-        source = dict(model.named_parameters())
-        source.update(model.named_buffers())
-        with torch.no_grad():
-            for name, tensor in [*self.model.named_parameters(), *self.model.named_buffers()]:
-                tensor.copy_(source[name])
+        elif model is not self.model:
+            self.model.load_state_dict(model.state_dict())
 
     def _max_positions(self) -> int | None:
         config = getattr(_unwrap(self.model), "config", None)

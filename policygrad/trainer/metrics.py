@@ -304,11 +304,13 @@ def async_metrics(step, batch, exp, stats, production, waited, queue, times, tot
     }
     if "time/weight_sync_s" in times:
         metrics["time/weight_sync_s"] = times["time/weight_sync_s"]
-    proximal = exp.old_logprobs if exp.old_logprobs is not None else stats.rollout_logprobs
-    mask = exp.rollout.response_mask > 0
-    if proximal is not None and stats.rollout_rows is not None and exp.old_logprobs is None:
-        mask = mask & stats.rollout_rows[:, None]
+    # UpdateStats holds the proximal log-probs: the recomputed old ones, or the first forward's
+    # over the rows it recorded (rollout_rows) when the batch was on-policy.
+    proximal, rows = stats.rollout_logprobs, stats.rollout_rows
     if proximal is not None:
+        mask = exp.rollout.response_mask > 0
+        if rows is not None:
+            mask = mask & rows[:, None]
         diff = torch.where(mask, exp.rollout.sampler_logprobs.float() - proximal.float(), 0.0)
         count = total(mask.sum().double())
         if count > 0:

@@ -185,11 +185,11 @@ def _chosen_positions(rounds, kept) -> list[tuple[int, list[int]]] | None:
 # The trainer's thread.
 
 
-def finish_round(trainer, raw: RawRound) -> SampledBatch:
-    """One round's :class:`SampledBatch`: normalised (the run's statistics updated), through the
-    truncation policy; with an environment the episodes' error budget is checked first and a
-    row cut short goes through ``reward.truncation`` as a whole (under ``penalty`` its turn
-    rewards are dropped too).
+def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
+    """One round's :class:`SampledBatch` (sampled by policy ``version``): normalised (the run's
+    statistics updated), through the truncation policy; with an environment the episodes' error
+    budget is checked first and a row cut short goes through ``reward.truncation`` as a whole
+    (under ``penalty`` its turn rewards are dropped too).
 
     Raises:
         TrainingError: more than ``rollout.env_error_budget`` of the round's episodes failed.
@@ -218,7 +218,7 @@ def finish_round(trainer, raw: RawRound) -> SampledBatch:
             fields={"transcript": episodes.transcripts},
         )
     scores = trainer.scorer.finish(raw.rewards, raw.rollout.truncated, raw.rollout.group_index, env=env)
-    return SampledBatch(raw.rows, raw.prompt_ids, raw.rollout, raw.completions, scores, episodes)
+    return SampledBatch(raw.rows, raw.prompt_ids, raw.rollout, raw.completions, scores, episodes, version)
 
 
 def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch, dict[str, float], dict]:
@@ -228,27 +228,23 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
         ``(batch to train on, everything sampled, dynamic-sampling metrics, estimator inputs)``;
         the first has ``version`` = the production's.
     """
-    rounds = [finish_round(trainer, raw) for raw in production.rounds]
-    version = production.version
+    rounds = [finish_round(trainer, raw, production.version) for raw in production.rounds]
     if production.kept is None:
-        batch = dataclasses.replace(rounds[0], version=version)
-        return batch, batch, {}, _inputs(trainer, production, batch)
-    n = len(rounds[0].rows)
+        return rounds[0], rounds[0], {}, _inputs(trainer, production, rounds[0])
     positions = _chosen_positions(production.rounds, production.kept)
     sampled = concat_batches(rounds)
     kept_groups = sum(len(groups) for _, groups in positions) if positions else 0
     metrics = {
         "dynamic_sampling/groups_sampled": float(len(sampled.rows)),
-        "dynamic_sampling/groups_kept": float(min(kept_groups, n)),
+        "dynamic_sampling/groups_kept": float(kept_groups),
         "dynamic_sampling/rounds": float(len(rounds)),
     }
     if positions is None:  # no group with signal: the first round's rows stay, none carries loss
         nothing = dataclasses.replace(rounds[0].scores, valid=torch.zeros_like(rounds[0].scores.valid))
-        batch = dataclasses.replace(rounds[0], scores=nothing, version=version)
+        batch = dataclasses.replace(rounds[0], scores=nothing)
     else:
         batch = concat_batches([rounds[r].select_groups(groups) for r, groups in positions])
-        batch = dataclasses.replace(batch, version=version)
-    return batch, dataclasses.replace(sampled, version=version), metrics, _inputs(trainer, production, batch)
+    return batch, sampled, metrics, _inputs(trainer, production, batch)
 
 
 def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:
