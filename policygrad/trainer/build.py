@@ -340,6 +340,7 @@ def build_objective(cfg: TrainConfig, kl):
         is_cap=r.is_cap,
         is_mode=r.is_mode,
         is_floor=r.is_floor,
+        positive_lm_coef=cfg.loss.positive_lm_coef,
     )
 
 

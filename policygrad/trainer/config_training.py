@@ -156,7 +156,20 @@ class LossConfig:
 
     Setting an option in both places is an error; an option the loss does not declare, or a bad
     value, is refused when the config is built. ``entropy_coef`` (>= 0) adds -coef x entropy to
-    the loss: a bonus for keeping the policy's entropy up."""
+    the loss: a bonus for keeping the policy's entropy up.
+
+    ``entropy_target`` (null: a fixed ``entropy_coef``): an adaptive coefficient (He et al. 2025,
+    Skywork-OR1's adaptive entropy control) that starts at ``entropy_coef``, moves by
+    ``entropy_coef_delta`` per step up while the policy's mean token entropy is below the target
+    and down (to 0 at least) while above, and applies the bonus only while below (Skywork-OR1:
+    target 0.2, delta 0.005, start 0). The policy losses ``clip_cov`` and ``kl_cov`` (Cui et al.
+    2025) fight entropy collapse at the tokens that cause it; ``entropy/*`` metrics show the
+    entropy and the log-prob/advantage covariance that lowers it.
+
+    ``positive_lm_coef`` (0: off): VAPO's positive-example language-model loss (Yue et al. 2025,
+    section 4.3, coefficient 0.1): ``coef x`` the mean negative log-likelihood of the tokens of
+    the step's best samples (those whose score is the batch's highest, when some sample scored
+    lower: with a 0/1 verifier, the correct ones), added to the policy loss."""
 
     policy_loss: str | None = None
     agg_mode: str | None = None
@@ -165,6 +178,9 @@ class LossConfig:
     dual_clip: float | None = None
     options: dict[str, Any] = field(default_factory=dict)
     entropy_coef: float = 0.0
+    entropy_target: float | None = None
+    entropy_coef_delta: float = 0.005
+    positive_lm_coef: float = 0.0
 
     def validate(self, path: str) -> None:
         if self.agg_mode is not None:
@@ -177,6 +193,19 @@ class LossConfig:
             allow_zero=True,
             why=": it weights an entropy bonus (the loss subtracts coef x entropy), and a negative one "
             "would push the policy toward collapse; use 0 (no bonus) or a small positive value such as 0.01",
+        )
+        if self.entropy_target is not None:
+            check_positive(
+                f"{path}.entropy_target",
+                self.entropy_target,
+                why=": a mean token entropy in nats (Skywork-OR1 uses 0.2); null keeps entropy_coef fixed",
+            )
+        check_positive(f"{path}.entropy_coef_delta", self.entropy_coef_delta)
+        check_positive(
+            f"{path}.positive_lm_coef",
+            self.positive_lm_coef,
+            allow_zero=True,
+            why=": it weights a likelihood loss on the best samples (VAPO uses 0.1); 0 turns it off",
         )
         for key in self.options:
             if not isinstance(key, str):

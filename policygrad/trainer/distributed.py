@@ -267,6 +267,7 @@ class Dist:
             maxima = self.reduce(torch.tensor([stats.maxima[k] for k in keys], dtype=torch.float64), "max")
             out.maxima = dict(zip(keys, maxima.tolist()))
         out.weight = self.total(stats.weight)
+        out.entropy_before = self.reduce(torch.tensor(stats.entropy_before, dtype=torch.float64)).tolist()
         out.nonfinite_tokens = int(self.total(stats.nonfinite_tokens))
         if stats.losses:
             out.losses = self.reduce(torch.tensor(stats.losses, dtype=torch.float64)).tolist()

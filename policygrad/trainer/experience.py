@@ -27,8 +27,9 @@ PER_TOKEN_FIELDS = (  # the [B, T] fields (or None), e.g. for gathering over ran
     "returns",
     "critic_mask",
     "behaviour_logprobs",
+    "cov_selected",
 )
-PER_ROW_FIELDS = ("non_score_rewards",)  # the [B] fields (or None)
+PER_ROW_FIELDS = ("non_score_rewards", "positive")  # the [B] fields (or None)
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,10 @@ class Experience:
             old ones, or the sampler's when the update is on-policy), or None.
         non_score_rewards: [B] the KL part of each sequence's reward (its token rewards' sum
             minus the score), or None.
+        cov_selected: [B, T] bool, the tokens a covariance loss (``clip_cov``, ``kl_cov``) acts on,
+            selected over the step's whole batch; None for the other losses.
+        positive: [B] float, 1 on the samples VAPO's positive-example LM loss trains on
+            (``loss.positive_lm_coef``); None when it is off.
         kl_coef: beta of this step (the KL controller's value when it was sampled).
         train_policy: False in the critic-pretraining steps (the policy is frozen).
     """
@@ -68,6 +73,8 @@ class Experience:
     critic_mask: torch.Tensor | None = None
     behaviour_logprobs: torch.Tensor | None = None
     non_score_rewards: torch.Tensor | None = None
+    cov_selected: torch.Tensor | None = None
+    positive: torch.Tensor | None = None
     kl_coef: float = 0.0
     train_policy: bool = True
 

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from policygrad.core.advantages import AdvantageEstimator, monte_carlo_returns
+from policygrad.core.entropy import AdaptiveEntropyController, covariance_selection, token_covariance
 from policygrad.core.kl import AdaptiveKLController, FixedKLController, KLPlacement, kl_estimate
 from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.ptx import PtxData
@@ -57,7 +58,7 @@ from policygrad.trainer.metrics import (
     episode_metrics,
     mismatch_metrics,
 )
-from policygrad.trainer.objective import PolicyObjective
+from policygrad.trainer.objective import PolicyObjective, positive_samples
 from policygrad.trainer.pipeline import RolloutPipeline
 from policygrad.trainer.precision import Precision
 from policygrad.trainer.production import finish, produce
@@ -113,16 +114,25 @@ class Trainer:
     step_idx: int
     last_samples: list[dict[str, Any]]
     pipeline: RolloutPipeline | None
+    entropy_ctl: AdaptiveEntropyController | None
 
     def __init__(self, config: TrainConfig, **parts: Any):
         """``parts``: every annotated attribute above except ``config``, ``step_idx``,
-        ``last_samples`` and ``pipeline`` (see :func:`~policygrad.trainer.factory.build_trainer`);
-        with ``rollout.max_staleness`` > 0 the trainer builds its :class:`RolloutPipeline`.
+        ``last_samples``, ``pipeline`` and ``entropy_ctl`` (see
+        :func:`~policygrad.trainer.factory.build_trainer`); with ``rollout.max_staleness`` > 0 the
+        trainer builds its :class:`RolloutPipeline`, with ``loss.entropy_target`` its
+        :class:`~policygrad.core.entropy.AdaptiveEntropyController`.
 
         Raises:
             TypeError: a part is missing or unknown.
         """
-        names = set(Trainer.__annotations__) - {"config", "step_idx", "last_samples", "pipeline"}
+        names = set(Trainer.__annotations__) - {
+            "config",
+            "step_idx",
+            "last_samples",
+            "pipeline",
+            "entropy_ctl",
+        }
         if set(parts) != names:
             missing, unknown = sorted(names - set(parts)), sorted(set(parts) - names)
             raise TypeError(f"Trainer parts: missing {missing}, unknown {unknown}")
@@ -131,6 +141,13 @@ class Trainer:
             setattr(self, name, part)
         self.step_idx = 0
         self.last_samples = []  # the last step's completions, for display
+        loss = config.loss
+        self.entropy_ctl = None
+        if loss.entropy_target is not None:
+            self.entropy_ctl = AdaptiveEntropyController(
+                loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta
+            )
+            self.objective.entropy_coef = self.entropy_ctl.value
         r = config.rollout
         self.pipeline = None  # max_staleness 0: today's synchronous step, no pipeline at all
         if r.max_staleness > 0:
@@ -194,6 +211,7 @@ class Trainer:
         everything = self.dist.gather_experience(exp)  # data-parallel: every rank's rows
         metrics.update(self.advance_kl_controller(everything))
         metrics.update(self.step_metrics(batch, sampled, everything, stats))
+        metrics.update(self.advance_entropy_controller(metrics))
         metrics["time/step_s"] = time.perf_counter() - t0
         tokens = int(exp.rollout.response_mask.sum().item())
         metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
@@ -232,6 +250,10 @@ class Trainer:
             )
         )
         metrics.update(sampled.scores.metrics)
+        if exp.behaviour_logprobs is not None:
+            usable = exp.loss_mask * torch.isfinite(exp.behaviour_logprobs).to(exp.loss_mask)
+            cov = token_covariance(exp.behaviour_logprobs, exp.advantages, usable)
+            metrics["entropy/cov"] = masked_mean(cov, usable).item()
         if sampled.episodes is not None:
             metrics.update(episode_metrics(sampled.episodes, sampled.rollout))
         metrics.update(stats.metrics(**self._update_metric_options()))
@@ -323,6 +345,12 @@ class Trainer:
             )
         if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
             advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
+        cov_selected = (
+            self.cov_selection(advantages, behaviour, loss_mask) if self.objective.token_selection else None
+        )
+        positive = (
+            positive_samples(scores, batch.scores.valid, self.dist) if cfg.loss.positive_lm_coef else None
+        )
         return Experience(
             rows=torch.arange(rollout.batch_size),
             rollout=rollout,
@@ -335,9 +363,33 @@ class Trainer:
             critic_mask=loss_mask,
             behaviour_logprobs=behaviour,
             non_score_rewards=non_score,
+            cov_selected=cov_selected,
+            positive=positive,
             kl_coef=beta,
             train_policy=train_policy,
         )
+
+    def cov_selection(self, advantages, logprobs, loss_mask) -> torch.Tensor:
+        """The tokens a covariance loss acts on this step (bool [B, T], this rank's rows): chosen
+        once over every rank's batch, from the covariance of the advantages with the log-probs of
+        the policy before the update (the old ones, else the sampler's), so neither micro-batches,
+        minibatches nor the number of ranks change which tokens they are (Cui et al. 2025, sec. 5)."""
+        d = self.dist
+        options = {**self.objective.policy_loss.options, **self.objective.loss_options}
+        mode = self.objective.token_selection
+        usable = loss_mask * torch.isfinite(logprobs).to(loss_mask)  # a top-k/top-p edge token: -inf
+        every = [d.gather_rows(t) for t in (advantages, logprobs, usable)]
+        cov = token_covariance(every[1], every[0], every[2])
+        if mode == "clip_cov":
+            ratio, band = (
+                options["clip_cov_ratio"],
+                {"lb": options["clip_cov_lb"], "ub": options["clip_cov_ub"]},
+            )
+        else:
+            ratio, band = options["kl_cov_ratio"], {}
+        selected = covariance_selection(cov, every[2], mode=mode, ratio=ratio, **band)
+        offset = d.rank_offsets(advantages.shape[0])
+        return selected[offset : offset + advantages.shape[0], : advantages.shape[1]]
 
     def update(self, exp: Experience) -> UpdateStats:
         """``ppo_epochs`` x ``num_minibatches`` minibatch views of ``exp``: per minibatch one
@@ -376,6 +428,15 @@ class Trainer:
             self.kl_ctl.update(masked_sum(kl_tokens, response_mask, dim=-1).mean().item(), exp.batch_size)
         return {"kl/ref": masked_mean(kl_tokens, response_mask).item(), "kl/coef": exp.kl_coef}
 
+    def advance_entropy_controller(self, metrics: dict[str, Any]) -> dict[str, float]:
+        """``entropy/coef`` (the entropy bonus's coefficient this step) and, with
+        ``loss.entropy_target``, one adaptive-controller step from the policy's mean entropy
+        before the update (``entropy/mean``; it stands still when the policy did not train)."""
+        out = {"entropy/coef": float(self.objective.entropy_coef)}
+        if self.entropy_ctl is not None and "entropy/mean" in metrics:
+            self.objective.entropy_coef = self.entropy_ctl.update(metrics["entropy/mean"])
+        return out
+
     def _update_metric_options(self) -> dict[str, Any]:
         critic = self.critic_trainer
         return {
@@ -405,6 +466,7 @@ class Trainer:
             "optimizer": None if sharded else self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "kl_controller": self.kl_ctl.state_dict(),
+            **({"entropy_controller": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {}),
             "reward_normalizer": self.scorer.normalizer.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         }
@@ -453,6 +515,9 @@ class Trainer:
                 group["fused"] = fused
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        if self.entropy_ctl is not None and "entropy_controller" in state:
+            self.entropy_ctl.load_state_dict(state["entropy_controller"])
+            self.objective.entropy_coef = self.entropy_ctl.value
         if "reward_normalizer" in state:
             self.scorer.normalizer.load_state_dict(state["reward_normalizer"])
         if critic is not None:

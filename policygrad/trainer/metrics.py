@@ -68,6 +68,13 @@ METRICS: dict[str, str] = {
     "policy/ratio_mean": "mean importance ratio pi / pi_old",
     "policy/ratio_max": "largest importance ratio pi / pi_old",
     "policy/entropy": "mean entropy of the sampled distribution per valid token",
+    "policy/positive_lm_nll": "mean NLL of the positive samples' tokens (loss.positive_lm_coef)",
+    "policy/positive_frac": "fraction of the update's tokens in positive samples (loss.positive_lm_coef)",
+    # entropy (Cui et al. 2025: the covariance of log-prob and advantage drives its change)
+    "entropy/mean": "mean entropy per valid token of the policy before the step's first optimizer step",
+    "entropy/cov": "covariance of sampled log-prob and advantage over valid tokens (> 0 lowers entropy)",
+    "entropy/coef": "the entropy bonus's coefficient this step (loss.entropy_coef or its adaptive value)",
+    "entropy/cov_selected_frac": "fraction of tokens the clip_cov / kl_cov loss acted on",
     "policy/nonfinite_tokens": "sampled tokens the trainer gives log-prob -inf (left out of the loss)",
     "optim/steps": "policy optimizer steps applied this step",
     "optim/skipped_nonfinite": "policy optimizer steps skipped for a non-finite loss or gradient",

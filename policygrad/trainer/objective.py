@@ -13,24 +13,52 @@ import torch
 
 from policygrad.core.kl import KLPlacement
 from policygrad.core.logprobs import truncated_importance_weights
+from policygrad.core.losses import SELECTION_ARG
 from policygrad.core.masking import aggregate, masked_mean
 from policygrad.trainer.experience import Experience
 
-__all__ = ["MinibatchCounts", "PolicyObjective"]
+__all__ = ["MinibatchCounts", "PolicyObjective", "positive_samples"]
+
+
+def positive_samples(scores: torch.Tensor, valid: torch.Tensor, dist=None) -> torch.Tensor:
+    """The samples VAPO's positive-example LM loss trains on (Yue et al. 2025, section 4.3):
+    float [B], 1 where a valid sample's score is the highest of the step's batch (over every rank
+    with ``dist``), provided some valid sample scored lower (with a 0/1 verifier: the correct
+    ones; a batch of equal scores has none)."""
+    neg = torch.tensor(-torch.inf, dtype=scores.dtype, device=scores.device)
+    pos = torch.tensor(torch.inf, dtype=scores.dtype, device=scores.device)
+    hi = torch.where(valid, scores, neg).max() if scores.numel() else neg
+    lo = torch.where(valid, scores, pos).min() if scores.numel() else pos
+    if dist is not None and dist.active:
+        hi, lo = dist.reduce(hi, "max"), dist.reduce(lo, "min")
+    if not bool(hi > lo):
+        return torch.zeros_like(scores, dtype=torch.float32)
+    return (valid & (scores == hi)).float()
 
 
 @dataclass(frozen=True)
 class MinibatchCounts:
     """The normalisers of a minibatch, shared by its micro-batches (and, later, summed over
-    ranks): valid tokens and sequences with at least one valid token, as 0-d tensors."""
+    ranks): valid tokens and sequences with at least one valid token, as 0-d tensors;
+    ``num_positive_tokens`` the valid tokens of the positive-example LM loss's samples (None
+    when it is off)."""
 
     num_tokens: torch.Tensor
     num_seqs: torch.Tensor
+    num_positive_tokens: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, loss_mask: torch.Tensor) -> MinibatchCounts:
-        """Counts of a [B, T] loss mask."""
-        return cls(loss_mask.sum(), (loss_mask.sum(-1) > 0).sum())
+    def of(cls, loss_mask: torch.Tensor, positive: torch.Tensor | None = None) -> MinibatchCounts:
+        """Counts of a [B, T] loss mask (and of its rows flagged by ``positive`` [B])."""
+        pos = None if positive is None else (loss_mask * positive[:, None].to(loss_mask)).sum()
+        return cls(loss_mask.sum(), (loss_mask.sum(-1) > 0).sum(), pos)
+
+    def reduced(self, reduce) -> MinibatchCounts:
+        """The counts summed over ranks with ``reduce`` (None: unchanged)."""
+        if reduce is None:
+            return self
+        pos = None if self.num_positive_tokens is None else reduce(self.num_positive_tokens)
+        return MinibatchCounts(reduce(self.num_tokens), reduce(self.num_seqs), pos)
 
 
 class PolicyObjective:
@@ -41,6 +69,10 @@ class PolicyObjective:
     plus ``beta x`` the KL placement's loss term (none unless the KL sits in the loss), minus
     ``entropy_coef x`` entropy; then :func:`~policygrad.core.masking.aggregate` with the
     minibatch's counts, so the summed gradient of the micro-batches equals the minibatch's.
+    A covariance loss (``clip_cov``, ``kl_cov``) gets the step's token selection
+    (``micro.cov_selected``). With ``positive_lm_coef``, VAPO's positive-example LM loss
+    (Yue et al. 2025, section 4.3): ``coef x`` the summed negative log-likelihood of the positive
+    samples' tokens over the minibatch's count of them, added to the aggregated loss.
 
     A token the sampler drew but the trainer's top-k/top-p set excludes has log-prob -inf here
     (the two sides' last bits disagree at the set's edge): it cannot be trained on, so it leaves
@@ -65,6 +97,7 @@ class PolicyObjective:
         is_cap: float = 2.0,
         is_mode: str = "truncate",
         is_floor: float | None = None,
+        positive_lm_coef: float = 0.0,
     ):
         self.policy_loss = policy_loss
         self.loss_options = dict(loss_options)
@@ -78,6 +111,12 @@ class PolicyObjective:
         self.is_cap = is_cap
         self.is_mode = is_mode
         self.is_floor = is_floor
+        self.positive_lm_coef = positive_lm_coef
+
+    @property
+    def token_selection(self) -> str | None:
+        """The covariance selection the policy loss acts on (``clip_cov``/``kl_cov``), or None."""
+        return getattr(self.policy_loss, "token_selection", None)
 
     def reduce(self, loss_matrix: torch.Tensor, mask: torch.Tensor, counts: MinibatchCounts) -> torch.Tensor:
         """The scalar loss of a micro-batch: ``aggregate`` with the minibatch's counts."""
@@ -118,7 +157,10 @@ class PolicyObjective:
         nonfinite = int(dropped.sum()) if dropped.any() else 0
         if nonfinite:
             mask = mask * usable.to(mask)
-        loss_mat, m = self.policy_loss(logprobs, old, micro.advantages, mask, **self.loss_options)
+        options = self.loss_options
+        if self.token_selection is not None and micro.cov_selected is not None:
+            options = {**options, SELECTION_ARG: micro.cov_selected}
+        loss_mat, m = self.policy_loss(logprobs, old, micro.advantages, mask, **options)
         if self.is_level is not None:
             sampler = micro.rollout.sampler_logprobs
             is_w = truncated_importance_weights(
@@ -146,7 +188,14 @@ class PolicyObjective:
         if self.entropy_coef:
             loss_mat = loss_mat - self.entropy_coef * torch.where(mask > 0, entropy, 0.0)
         m = {**m, "entropy": masked_mean(entropy.detach(), mask), "nonfinite_tokens": nonfinite}
-        return self.reduce(loss_mat, mask, counts), m, mask
+        loss = self.reduce(loss_mat, mask, counts)
+        if self.positive_lm_coef and micro.positive is not None:
+            positive = mask * micro.positive[:, None].to(mask)
+            nll = -torch.where(positive > 0, logprobs, 0.0).sum()
+            loss = loss + self.positive_lm_coef * nll / counts.num_positive_tokens.clamp_min(1)
+            m["positive_lm_nll"] = masked_mean(-logprobs.detach(), positive)
+            m["positive_frac"] = masked_mean(positive, mask)
+        return loss, m, mask
 
 
 def _is_metrics(

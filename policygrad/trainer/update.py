@@ -32,6 +32,7 @@ _METRIC_NAMES = {
     "is_weight_mean": "mismatch/is_weight_mean",
     "is_capped_frac": "mismatch/is_capped_frac",
     "is_floored_frac": "mismatch/is_floored_frac",
+    "cov_selected_frac": "entropy/cov_selected_frac",
 }
 
 
@@ -49,6 +50,7 @@ class UpdateStats:
     sums: dict[str, float] = field(default_factory=dict)
     maxima: dict[str, float] = field(default_factory=dict)
     weight: float = 0.0
+    entropy_before: list[float] = field(default_factory=lambda: [0.0, 0.0])  # token-weighted sum, tokens
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     steps: int = 0
@@ -76,6 +78,9 @@ class UpdateStats:
     def add_micro(self, metrics: dict[str, Any], weight: float) -> None:
         """Token-weighted sums of a backpropagated micro-batch's loss metrics."""
         self.weight += weight
+        if not self.steps and "entropy" in metrics:  # the policy that sampled, before any update
+            self.entropy_before[0] += float(metrics["entropy"]) * weight
+            self.entropy_before[1] += weight
         for key, value in metrics.items():
             if key.startswith("num_"):
                 continue  # counts, not per-token averages
@@ -132,6 +137,8 @@ class UpdateStats:
         for key, value in self.timers.items():
             out[f"time/{key}_s"] = value
         out["policy/nonfinite_tokens"] = self.nonfinite_tokens
+        if self.entropy_before[1] > 0:
+            out["entropy/mean"] = self.entropy_before[0] / self.entropy_before[1]
         out["optim/steps"] = self.steps
         out["optim/skipped_nonfinite"] = self.skipped
         out["optim/grad_norm"] = _mean(self.grad_norms)
@@ -210,10 +217,8 @@ class PolicyStep:
             ``(rows, log-probs [b, T_micro])`` of the first forward (the ratio's denominator,
             the policy's log-probs before the update); else ``[]``.
         """
-        counts = MinibatchCounts.of(mb.loss_mask)
         reduce = self.strategy.reduce
-        if reduce is not None:
-            counts = MinibatchCounts(reduce(counts.num_tokens), reduce(counts.num_seqs))
+        counts = MinibatchCounts.of(mb.loss_mask, mb.positive).reduced(reduce)
         micros = list(mb.micro_batches(self.micro_batch_size))
         first_logprobs, kl = [], KLMeter()
         self.step.zero()

@@ -43,9 +43,9 @@ def _token_grads(loss_matrix, lp):
 
 
 def test_registry_lists_and_errors(monkeypatch):
-    assert {"vanilla", "ppo", "gspo", "cispo"} <= set(list_policy_losses())
+    assert {"vanilla", "ppo", "gspo", "cispo", "clip_cov", "kl_cov"} <= set(list_policy_losses())
     assert get_policy_loss("ppo") is losses.ppo_loss
-    with pytest.raises(ValueError, match="cispo, gspo, ppo, vanilla"):
+    with pytest.raises(ValueError, match="cispo, clip_cov, gspo, kl_cov, ppo, vanilla"):
         get_policy_loss("trpo")
     with pytest.raises(ValueError, match="already registered"):
         register_policy_loss("ppo")
@@ -101,11 +101,23 @@ def test_losses_declare_their_options_with_the_papers_defaults():
     assert policy_loss_options("gspo") == {"clip_low": 3e-4, "clip_high": 4e-4}
     assert policy_loss_options("cispo") == {"clip_low": None, "clip_high": 0.28}
     assert policy_loss_options("vanilla") == {}
+    # Clip-Cov / KL-Cov (Cui et al. 2025, section 5 and its 7B settings): detach 2e-4 of the tokens
+    # with covariance in [1, 5] under PPO's 0.2 band; penalise the top 2e-3 with coefficient 1.
+    # The trainer's ``selected`` keyword is not an option a config may set.
+    assert policy_loss_options("clip_cov") == {
+        "clip_low": 0.2,
+        "clip_high": 0.2,
+        "clip_cov_ratio": 2e-4,
+        "clip_cov_lb": 1.0,
+        "clip_cov_ub": 5.0,
+    }
+    assert policy_loss_options("kl_cov") == {"kl_cov_ratio": 2e-3, "kl_cov_coef": 1.0}
     assert get_policy_loss("gspo").options == {"clip_low": 3e-4, "clip_high": 4e-4}
     # a copy: editing it changes nothing registered
     policy_loss_options("ppo")["clip_low"] = 0.5
     assert policy_loss_options("ppo")["clip_low"] == 0.2
-    with pytest.raises(ValueError, match="unknown policy loss 'trpo'; registered: cispo, gspo, ppo, vanilla"):
+    registered = "cispo, clip_cov, gspo, kl_cov, ppo, vanilla"
+    with pytest.raises(ValueError, match=f"unknown policy loss 'trpo'; registered: {registered}"):
         policy_loss_options("trpo")
 
 

@@ -52,6 +52,16 @@ CASES = {
     # rollouts sampled ahead: one producer thread per rank, collectives only in the trainer's
     # thread; step 2 trains a batch of the initial weights (recomputed old log-probs, IS weights)
     "ahead": {"rollout": {"max_staleness": 1}, "kl": {"placement": "loss", "beta": 0.05}},
+    # Clip-Cov's token selection and the positive-example LM loss's sample selection are made over
+    # every rank's batch, the adaptive entropy coefficient from every rank's entropy
+    "entropy": {
+        "loss": {
+            "policy_loss": "clip_cov",
+            "options": {"clip_cov_ratio": 0.25, "clip_cov_lb": -1e9},
+            "positive_lm_coef": 0.5,
+            "entropy_target": 1e3,
+        }
+    },
 }
 # Metrics compared between the runs: all but wall-clock, throughput and memory readings.
 VOLATILE = ("time/", "perf/", "memory/", "async/queue", "async/overlap")  # the last two: timing
@@ -279,8 +289,11 @@ def test_two_ranks_equal_one_rank(name, strategy, two_rank_runs, one_rank_runs, 
     for m1 in one["metrics"]:
         for key in ("reward/mean", "policy/loss", "optim/grad_norm", "policy/clipfrac"):
             assert key in m1, key
-        if name != "rloo_normalized":
+        if name not in ("rloo_normalized", "entropy"):
             assert "kl/ref" in m1
+        if name == "entropy":  # a quarter of the tokens detached; some samples positive
+            assert m1["entropy/cov_selected_frac"] == pytest.approx(0.25, abs=0.05)
+            assert m1["policy/positive_frac"] > 0 and "entropy/mean" in m1
         if name == "ppo":
             assert "critic/vf_loss" in m1 and m1["optim/steps"] == 4  # 2 epochs x 2 minibatches
     assert_same_metrics(one["metrics"], two["metrics"])

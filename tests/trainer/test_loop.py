@@ -292,7 +292,7 @@ def test_first_minibatch_ratio_is_one(ppo_epochs, num_minibatches, micro_batch_s
                 "num_minibatches": num_minibatches,
                 "micro_batch_size": micro_batch_size,
                 "lr": 5e-2,
-            }
+            },
         )
     )
     recomputed = []
@@ -345,6 +345,8 @@ def _resume_sections(tmp_path, lora: bool) -> dict:
     if lora:
         sections["model"] = {"lora": {"rank": 4, "alpha": 8.0}}
         sections["kl"] = {"placement": "loss", "beta": 0.05}
+    else:  # an adaptive entropy coefficient whose target is never reached: 0.01 + 0.005 per step
+        sections["loss"].update(entropy_target=1e3, entropy_coef_delta=0.005)
     return sections
 
 
@@ -390,6 +392,12 @@ def test_resume_equals_a_straight_run_bitwise(lora, make_config, tmp_path, monke
     assert same_tree(_optimizer_state(a.optimizer), _optimizer_state(b.optimizer))
     assert resumed.trainer.kl_ctl.state_dict() == straight.trainer.kl_ctl.state_dict()
     assert resumed.trainer.scheduler.state_dict() == straight.trainer.scheduler.state_dict()
+    coefs = [r["entropy/coef"] for r in rows if "entropy/coef" in r]
+    if lora:
+        assert resumed.trainer.entropy_ctl is None and coefs == [0.01] * 4
+    else:
+        assert coefs == pytest.approx([0.01, 0.015, 0.02, 0.025], abs=1e-12)
+        assert resumed.trainer.entropy_ctl.state_dict() == straight.trainer.entropy_ctl.state_dict()
 
 
 def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
@@ -400,18 +408,39 @@ def test_resume_without_a_checkpoint_says_so(make_config, tmp_path):
 # ----------------------------------------------------------------------------- gradient accumulation
 
 
-def _one_step_gradients(make_config, name, algorithm, micro_batch_size, *, local_counts=False):
+def _one_step_gradients(
+    make_config,
+    name,
+    algorithm,
+    micro_batch_size,
+    *,
+    local_counts=False,
+    loss=None,
+    epochs=1,
+    hook=None,
+    reward_fn="digit_fraction",
+    lr=1.0,
+):
     # eps = 1 and lr = 1 make AdamW's first step w - g / (|g| + 1) ~ w - g (sensitive to the
     # gradient's scale, unlike the sign-like step of a small eps); no clipping.
     run = Run(
         make_config(
             name,
             algorithm=algorithm,
-            optim={"micro_batch_size": micro_batch_size, "lr": 1.0, "eps": 1.0, "max_grad_norm": 1e9},
-            loss={"entropy_coef": 0.01},
+            optim={
+                "micro_batch_size": micro_batch_size,
+                "lr": lr,
+                "eps": 1.0,
+                "max_grad_norm": 1e9,
+                "ppo_epochs": epochs,
+            },
+            loss={"entropy_coef": 0.01, **(loss or {})},
             kl={"placement": "loss", "beta": 0.1},
+            reward_fn=reward_fn,
         )
     )
+    if hook is not None:
+        hook(run)
     grads = {}
 
     def record(_optimizer, _args, _kwargs):
@@ -452,6 +481,48 @@ def test_gradient_accumulation_equals_the_full_batch(algorithm, make_config):
     # does) changes the gradient by far more than the tolerance above.
     wrong, _ = _one_step_gradients(make_config, "wrong", algorithm, 2, local_counts=True)
     assert _relative_error(wrong, full_grads) > 0.1  # measured 2.8 to 3
+
+
+def _without_step_selection(run):
+    # What a per-micro-batch selection would do (verl's): the loss picks its tokens from each
+    # micro-batch it is given instead of receiving the step's selection.
+    run.trainer.cov_selection = lambda *_: None
+
+
+@pytest.mark.parametrize(
+    "name, loss, epochs",
+    [
+        # every token is in the band and a quarter of them are detached, so the selection matters
+        (
+            "clip_cov",
+            {"policy_loss": "clip_cov", "options": {"clip_cov_ratio": 0.25, "clip_cov_lb": -1e9}},
+            1,
+        ),
+        # the KL-Cov penalty is |log r|: 0 with gradient 0 at the first epoch (r = 1); the second
+        # has r != 1 (a small first step, so the float noise of the first epoch's sums, which lr = 1
+        # would amplify, stays below the tolerance; the penalty's gradient, sign(log r), does not shrink)
+        ("kl_cov", {"policy_loss": "kl_cov", "options": {"kl_cov_ratio": 0.25}}, 2),
+        ("positive_lm", {"positive_lm_coef": 0.5}, 1),
+    ],
+)
+def test_micro_batches_do_not_change_the_entropy_losses(name, loss, epochs, make_config):
+    """Clip-Cov and KL-Cov select their tokens once over the step's batch, and the positive-example
+    LM loss is normalised by the minibatch's count of positive tokens: micro-batches of 2 or 3
+    rows give the full batch's gradient (to float32 summation order). Scored by length, so every
+    group's samples differ and carry advantages."""
+    kw = {"epochs": epochs, "reward_fn": "length_fraction", "lr": 1.0 if epochs == 1 else 1e-3}
+    full, full_weights = _one_step_gradients(make_config, "full", "grpo", 8, loss=loss, **kw)
+    for micro in (2, 3):
+        grads, weights = _one_step_gradients(make_config, f"m{micro}", "grpo", micro, loss=loss, **kw)
+        assert _relative_error(grads, full) < 1e-5
+        for k in full_weights:  # measured up to 1.3e-6 (positive_lm)
+            torch.testing.assert_close(weights[k], full_weights[k], atol=3e-6, rtol=0)
+    plain, _ = _one_step_gradients(make_config, "plain", "grpo", 8, **kw)
+    assert _relative_error(plain, full) > 1e-3  # the option changes the gradient
+    if name != "positive_lm":  # control: selecting per micro-batch changes it
+        hook = _without_step_selection
+        wrong, _ = _one_step_gradients(make_config, "wrong", "grpo", 2, loss=loss, hook=hook, **kw)
+        assert _relative_error(wrong, full) > 1e-3
 
 
 # ----------------------------------------------------------------------------- non-finite loss

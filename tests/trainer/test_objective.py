@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import inspect
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from policygrad.run import Run
 from policygrad.trainer import ConfigError
-from policygrad.trainer.objective import MinibatchCounts
+from policygrad.trainer.objective import MinibatchCounts, positive_samples
 
 pytestmark = pytest.mark.integration
 
@@ -128,3 +129,60 @@ def test_vanilla_takes_no_options(make_config):
     assert metrics["clipfrac"] == 0.0
     with pytest.raises(ConfigError, match="policy loss 'vanilla' has no option 'clip_low'"):
         make_config("bad", loss={"policy_loss": "vanilla", "clip_low": 0.2})
+
+
+def test_positive_example_lm_loss_by_hand(make_config):
+    # VAPO's positive-example LM loss with coefficient 0.1 on two rows of two tokens, row 0
+    # positive. Zero advantages make the vanilla policy loss 0, so the loss is
+    #   0.1 x (-(-1) - (-2)) / 2 positive tokens = 0.15,
+    # with gradient -0.1 / 2 = -0.05 on each positive token and 0 on the others. Split into one
+    # micro-batch per row with the minibatch's counts, the two losses add up to the same 0.15.
+    run = Run(make_config(loss={"policy_loss": "vanilla", "positive_lm_coef": 0.1}))
+    objective = run.trainer.objective
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -4.0]], requires_grad=True)
+    mask, positive = torch.ones(2, 2), torch.tensor([1.0, 0.0])
+    counts = MinibatchCounts.of(mask, positive)
+    assert int(counts.num_positive_tokens) == 2
+
+    def micro(rows):
+        return SimpleNamespace(
+            loss_mask=mask[rows],
+            advantages=torch.zeros(len(rows), 2),
+            ref_logprobs=None,
+            cov_selected=None,
+            positive=positive[rows],
+        )
+
+    loss, metrics, _ = objective(logprobs, torch.zeros(2, 2), logprobs.detach(), micro([0, 1]), counts)
+    assert float(loss) == pytest.approx(0.15, abs=1e-7)
+    assert float(metrics["positive_lm_nll"]) == pytest.approx(1.5) and float(metrics["positive_frac"]) == 0.5
+    loss.backward()
+    torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.05, -0.05], [0.0, 0.0]]), rtol=0, atol=1e-7)
+    parts = [
+        objective(logprobs[[r]], torch.zeros(1, 2), logprobs[[r]].detach(), micro([r]), counts)[0]
+        for r in (0, 1)
+    ]
+    assert float(sum(parts)) == pytest.approx(0.15, abs=1e-7)
+
+
+def test_positive_samples_are_the_best_valid_ones():
+    # scores 1, 0, 1 (invalid), 0.5: the best valid score is 1 (row 0 only), and 0 < 1, so row 0.
+    scores, valid = torch.tensor([1.0, 0.0, 1.0, 0.5]), torch.tensor([True, True, False, True])
+    assert positive_samples(scores, valid).tolist() == [1.0, 0.0, 0.0, 0.0]
+    # a 0/1 verifier: every correct sample
+    assert positive_samples(torch.tensor([1.0, 0.0, 1.0]), torch.ones(3, dtype=torch.bool)).tolist() == [
+        1,
+        0,
+        1,
+    ]
+    # all equal: nothing is better than anything, no positive sample
+    assert positive_samples(torch.zeros(4), torch.ones(4, dtype=torch.bool)).tolist() == [0.0] * 4
+
+
+def test_entropy_options_are_checked(make_config):
+    with pytest.raises(ConfigError, match="loss.entropy_target must be > 0"):
+        make_config(loss={"entropy_target": 0.0})
+    with pytest.raises(ConfigError, match="loss.positive_lm_coef must be >= 0"):
+        make_config(loss={"positive_lm_coef": -0.1})
+    with pytest.raises(ConfigError, match="kl_cov_ratio|ratio must be in"):
+        make_config(loss={"policy_loss": "kl_cov", "options": {"kl_cov_ratio": 2.0}})

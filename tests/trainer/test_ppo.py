@@ -161,6 +161,7 @@ def test_recipes_load_with_their_papers_settings():
         and vapo.estimator_options["critic_lam"] == 1.0
     )
     assert vapo.loss.clip_high == 0.28 and vapo.agg_mode == "token-mean" and vapo.critic.pretrain_steps > 0
+    assert vapo.loss.positive_lm_coef == 0.1
 
 
 # ----------------------------------------------------------------------------- GAE with a critic
