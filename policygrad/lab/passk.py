@@ -300,10 +300,10 @@ def plot_passk(result: PassKResult, path: str) -> str:
     """pass@k against k (log2 x axis), one line per model; greedy accuracy as a dotted line."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
-    for m in result.models:
+    for m, style in zip(result.models, ("o-", "s--")):  # two styles: equal curves stay visible
         color = _COLORS.get(m.label)
         ys = [m.pass_at_k[k] for k in result.ks]
-        ax.plot(result.ks, ys, "o-", color=color, label=f"{m.label}: {m.model}")
+        ax.plot(result.ks, ys, style, color=color, label=f"{m.label}: {m.model}", ms=5)
         ax.axhline(m.greedy_accuracy, ls=":", lw=1, color=color, label=f"{m.label} greedy")
     ax.set_xscale("log", base=2)
     ax.set_xticks(result.ks)
@@ -312,7 +312,7 @@ def plot_passk(result: PassKResult, path: str) -> str:
     ax.set_ylim(-0.02, 1.02)
     ax.set(xlabel="k (samples drawn)", ylabel="pass@k", title=f"pass@k on {result.settings['dataset']}")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)  # off the curves
     fig.tight_layout()
     return save_figure(fig, path)
 
@@ -354,7 +354,10 @@ def render_html(result: PassKResult, png: bytes) -> str:
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
         f"<title>policygrad lab passk</title><style>{_CSS}</style></head><body>",
         "<h1>pass@k: base vs trained</h1>",
-        f"<p>base: <code>{esc(base.model)}</code><br>trained: <code>{esc(trained.model)}</code></p>",
+        "<p>" + "<br>".join(
+            f"{m.label}: <code>{esc(m.model)}</code> ({esc(m.engine)}, {m.seconds:.0f} s generating and "
+            f"scoring, {m.load_seconds:.0f} s loading)" for m in (base, trained)
+        ) + "</p>",
         "<p class='muted'>Unbiased pass@k (Chen et al. 2021) from n samples per problem. A trained model "
         "above the base at k = 1 but level with or below it at large k is consistent with RL selecting "
         "answers the base could already sample (Yue et al. 2025).</p>",
