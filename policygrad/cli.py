@@ -4,7 +4,7 @@
     policygrad eval --model M --dataset D [--limit N] [--samples k] [--output FILE]
     policygrad eval --env builtin:guess [--env-options JSON] [--max-turns N] [--limit N] ...
     policygrad memory --model M --algorithm A [--lora-rank r] [--batch B --seq-len T] ...
-    policygrad lab {gradient-snr,kl-estimators,mismatch} [options]
+    policygrad lab {gradient-snr,kl-estimators,mismatch,passk} [options]
     policygrad report RUN_DIR [RUN_DIR ...] [--output report.html]
 
 A user's mistake (bad config, missing file, bad data) prints one clear ``error:`` line and exits
@@ -348,11 +348,12 @@ def _eval_env(args, ks: list[int]) -> int:
     return 0
 
 
-LAB_USAGE = """usage: policygrad lab {gradient-snr,kl-estimators,mismatch} [options]
+LAB_USAGE = """usage: policygrad lab {gradient-snr,kl-estimators,mismatch,passk} [options]
 
   gradient-snr    gradient signal-to-noise and cosine to a reference of advantage estimators
   kl-estimators   bias and spread of k1/k2/k3, and which KL each placement's gradient follows
   mismatch        sampler vs trainer and bf16 vs fp32 log-prob mismatch, growth with length
+  passk           pass@k vs k of a base and a trained model: does RL teach or select? (also HTML)
 
 Each prints a table and writes a JSON result and a PNG plot under --output-dir (lab-results/).
 """
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
             "  train   run a training job (no arguments: the default GRPO job on the bundled model)\n"
             "  eval    greedy accuracy / pass@k of a model on a dataset (--env: of multi-turn episodes)\n"
             "  memory  the memory bill of an RL job (models, optimiser state, KV cache, logits)\n"
-            "  lab     experiments: gradient-snr, kl-estimators, mismatch\n"
+            "  lab     experiments: gradient-snr, kl-estimators, mismatch, passk\n"
             "  report  one HTML page with a run's curves, config and completions\n"
         )
         return 0 if argv else 0

@@ -10,6 +10,8 @@ built on policygrad's own models and estimators.
   Shah et al. 2025).
 - :mod:`~policygrad.lab.mismatch`: sampler/trainer and bf16/fp32 log-prob mismatch
   (``policygrad lab mismatch``; Yao et al. 2025, Qi et al. 2025).
+- :mod:`~policygrad.lab.passk`: pass@k of a base and a trained model against k, does RL teach or
+  select (``policygrad lab passk``; Yue et al. 2025); also writes an HTML page.
 - :mod:`~policygrad.lab.report`: one HTML page about one or more runs (``policygrad report``).
 
 Each command prints a table, writes a JSON result and a PNG plot under ``--output-dir``
@@ -21,6 +23,7 @@ LAB_COMMANDS = {
     "gradient-snr": "policygrad.lab.gradient_snr",
     "kl-estimators": "policygrad.lab.kl_estimators",
     "mismatch": "policygrad.lab.mismatch",
+    "passk": "policygrad.lab.passk",
 }
 """``policygrad lab <name>`` -> the module whose ``main(argv)`` runs it."""
 

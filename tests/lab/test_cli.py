@@ -29,5 +29,6 @@ def test_unknown_experiment_is_one_error_line(capsys):
     assert main(["lab", "mismatches"]) == 2
     err = capsys.readouterr().err
     assert err == (
-        "error: unknown lab experiment 'mismatches'; choose one of gradient-snr, kl-estimators, mismatch\n"
+        "error: unknown lab experiment 'mismatches'; choose one of gradient-snr, kl-estimators, mismatch, "
+        "passk\n"
     )
