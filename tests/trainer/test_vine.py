@@ -286,3 +286,38 @@ def test_a_vineppo_step_trains_and_reports_the_extra_sampling(make_config):
     assert m["vineppo/extra_sequences"] == 2 * (2 + 8 * m["vineppo/splits_mean"])
     assert 0 < m["vineppo/extra_tokens"] <= m["vineppo/extra_sequences"] * 6
     assert m["time/vineppo_s"] > 0
+
+
+@pytest.mark.integration
+def test_vineppo_with_rollouts_ahead_and_dynamic_sampling(make_config, tmp_path):
+    from policygrad.trainer.production import production_from_state, production_state
+
+    options = {"rollouts": 2, "split": "fixed", "segment_tokens": 3, "max_splits": 1}
+    sections = {
+        "advantage": {"estimator": "vineppo", "options": options},
+        "kl": {"placement": "reward", "beta": 0.1},
+    }
+    # Sampled ahead: the producer thread samples the value rollouts with the batch's weights.
+    ahead = Run(make_config("ahead", reward_fn="length_fraction", rollout={"max_staleness": 1}, **sections))
+    try:
+        metrics = [ahead.trainer.step() for _ in range(2)]
+    finally:
+        ahead.close()
+    assert all(m["vineppo/extra_sequences"] > 0 and math.isfinite(m["policy/loss"]) for m in metrics)
+    # Dynamic sampling: the value rollouts are of the groups kept, in the batch's order.
+    run = Run(make_config("dynamic", reward_fn="length_fraction", drop_zero_variance_groups=True, **sections))
+    try:
+        m = run.trainer.step()
+        groups = m["dynamic_sampling/groups_kept"] or 2  # none kept: the first round's stay
+        assert m["vineppo/extra_sequences"] == 2 * (groups + 4 * groups * m["vineppo/splits_mean"])
+        # the payload is tensors, lists and numbers: a checkpoint of a production keeps it
+        from policygrad.trainer.production import produce
+
+        prod = produce(run.trainer, 1, 1)
+        path = tmp_path / "state.pt"
+        torch.save(production_state(prod), path)
+        back = production_from_state(torch.load(path, weights_only=True))
+        assert back.inputs["vine_values"]["splits"] == prod.inputs["vine_values"]["splits"]
+        assert torch.equal(back.inputs["vine_values"]["rewards"], prod.inputs["vine_values"]["rewards"])
+    finally:
+        run.close()
