@@ -5,7 +5,7 @@ of 2 everywhere), with whole networks on every rank (ddp) and with FSDP2-sharded
 runs resume across world sizes (2 -> 1 and 1 -> 2 ranks equal 4 straight steps); an FSDP rank
 holds about half the parameter, gradient and optimizer bytes, as ``policygrad memory`` says; and
 a reward error on rank 1 ends every rank through torchrun. Rollouts sampled ahead
-(``rollout.max_staleness: 1``) are a case too.
+(``rollout.max_staleness: 1``) are a case too, and VinePPO's value rollouts sampled ahead.
 
 The two ranks run every case in one pair of spawned processes (imports cost more than the runs on
 a 2-core machine); the 1-process runs happen in the test process."""
@@ -52,6 +52,16 @@ CASES = {
     # rollouts sampled ahead: one producer thread per rank, collectives only in the trainer's
     # thread; step 2 trains a batch of the initial weights (recomputed old log-probs, IS weights)
     "ahead": {"rollout": {"max_staleness": 1}, "kl": {"placement": "loss", "beta": 0.05}},
+    # VinePPO's value rollouts: each rank samples its rows' continuations in its producer thread
+    # (ahead), seeded by content, so 2 ranks sample what 1 process does
+    "vineppo_ahead": {
+        "advantage": {
+            "estimator": "vineppo",
+            "options": {"rollouts": 2, "split": "fixed", "segment_tokens": 2, "max_splits": 2},
+        },
+        "rollout": {"max_staleness": 1},
+        "kl": {"placement": "reward", "beta": 0.05},
+    },
 }
 # Metrics compared between the runs: all but wall-clock, throughput and memory readings.
 VOLATILE = ("time/", "perf/", "memory/", "async/queue", "async/overlap")  # the last two: timing
