@@ -171,7 +171,7 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
         ignore_eos=r.ignore_eos,
     )
     lengths = more.response_lengths.tolist()
-    truncated = more.truncated.clone()
+    truncated = more.truncated.cpu().clone()
     texts_ids, tokens = [], 0
     for j, (i, g, p) in enumerate(s for s in states for _ in range(K)):
         room = r.max_new_tokens - p
@@ -227,6 +227,8 @@ def finish_vine_values(trainer, payload: dict[str, Any], batch: SampledBatch) ->
     values = state_values(trainer, payload)
     splits = payload["splits"]
     B, T = batch.rollout.response_mask.shape
+    if len(splits) != B:  # the producer's rows are the batch's, in its order
+        raise RuntimeError(f"vineppo: value rollouts of {len(splits)} rows for a batch of {B}")
     n_prompt = payload["prompt_states"]
     if o["prompt_value"] == "rollouts":
         first = values[:n_prompt].repeat_interleave(G)
