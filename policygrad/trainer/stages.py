@@ -118,7 +118,8 @@ class EstimatorInput:
 
     - ``sample(trainer, chosen) -> payload``: the producer's part (it may call the rollout
       engine and the reward functions, nothing that needs the trainer's state or another rank);
-      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on.
+      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on,
+      the ``step``, and their ``rollout`` (B rows in the batch's order).
       The payload holds tensors, lists and numbers only (a checkpoint may keep it).
     - ``finish(trainer, payload, batch) -> Tensor [B]`` (or [B, T]): the trainer's thread, with
       the finished :class:`SampledBatch`.
