@@ -616,8 +616,8 @@ def plan_memory(
         vine_rollouts, vine_splits: K and S of an algorithm with VinePPO's value rollouts
             (``advantage.options.rollouts`` / ``max_splits``): every step samples up to
             ``B x (S + 1) x K`` more sequences (K from each of at most S split points of a response
-            and from its prompt), in one engine call, so with ``inference_engine`` their KV
-            cache is priced as one more item.
+            and from its prompt), counted in the table; no more memory (the trainer samples them
+            in calls of at most B sequences, after the batch's, so the KV cache above holds them).
 
     Returns:
         :class:`MemoryPlan`; its ``table`` is filled, no file is written.
@@ -699,10 +699,7 @@ def plan_memory(
         )
     extra_sequences = extra_tokens = 0
     if needs.value_rollouts and batch is not None:
-        extra_sequences, extra_tokens, kv = _value_rollouts(
-            shape, local_batch, seq_len, vine_rollouts, vine_splits, inference_engine
-        )
-        items += kv
+        extra_sequences, extra_tokens = _value_rollouts(local_batch, seq_len, vine_rollouts, vine_splits)
     total = sum(it.bytes for it in items)
     sft_items = _model_items("policy", p, True, lora)
     if strategy == SHARDED and world_size > 1:
@@ -731,11 +728,10 @@ def plan_memory(
     return plan
 
 
-def _value_rollouts(
-    shape: ModelShape, batch: int, seq_len: int, rollouts: int, splits: int, inference_engine: bool
-) -> tuple[int, int, list[MemoryItem]]:
+def _value_rollouts(batch: int, seq_len: int, rollouts: int, splits: int) -> tuple[int, int]:
     """VinePPO's value rollouts of one rank's ``batch`` sequences: (sequences, a bound on their
-    tokens, the KV-cache item when an engine holds them).
+    tokens). They hold no memory beyond the batch's: the trainer samples them in engine calls of
+    at most ``batch`` sequences of at most ``seq_len`` tokens, after the batch's own.
 
     Raises:
         ValueError: ``rollouts`` < 1 or ``splits`` < 0 (names the option).
@@ -744,19 +740,7 @@ def _value_rollouts(
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
     sequences = batch * (splits + 1) * rollouts
-    tokens = sequences * seq_len  # a bound: a continuation is shorter than the whole sequence
-    if not inference_engine:
-        return sequences, tokens, []
-    item = MemoryItem(
-        "KV cache (VinePPO rollouts)",
-        "activation",
-        None,
-        None,
-        shape.kv_cache_bytes(sequences, seq_len),
-        f"B {batch} x (S {splits} + 1) x K {rollouts} = {sequences} sequences x T {seq_len}, one "
-        "engine call (hf holds them at once; vLLM pages them within its cache pool)",
-    )
-    return sequences, tokens, [item]
+    return sequences, sequences * seq_len  # a bound: a continuation is shorter than the whole sequence
 
 
 _SHARDED = ("policy", "reference", "critic")  # what the trainer's fsdp strategy shards
@@ -822,7 +806,7 @@ def memory_table(plan: MemoryPlan) -> str:
         lines.append(
             f"VinePPO value rollouts per step: up to {plan.value_rollout_sequences:,} sequences, "
             f"{plan.value_rollout_tokens:,} tokens (the batch: {-(-plan.batch // plan.world_size):,} "
-            "sequences)"
+            "sequences; sampled that many at a time, so no more memory)"
         )
     return "\n".join(lines)
 

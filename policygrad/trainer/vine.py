@@ -5,7 +5,8 @@ for LLM Reasoning Through Refined Credit Assignment", section 4, eq. 5).
 - :func:`split_points`: where a response is cut into steps (after a newline, or every L tokens),
   at most S points per response.
 - The producer's half (:func:`sample_vine`): K continuations from each prompt plus response
-  prefix, with the rollout engine (the policy that sampled the batch), in one ``generate`` call;
+  prefix, with the rollout engine (the policy that sampled the batch), in calls of at most the
+  batch's number of sequences;
   each is cut to the response budget left after its prefix and scored by the reward functions.
   It touches no trainer state and no collective (it may run ahead, see
   :mod:`policygrad.trainer.production`).
@@ -121,7 +122,8 @@ def _chosen_splits(trainer, rollout) -> list[list[int]]:
 
 
 def sample_vine(trainer, chosen) -> dict[str, Any]:
-    """The producer's half: K continuations of every state and their raw rewards.
+    """The producer's half: K continuations of every state and their raw rewards, sampled in
+    engine calls of at most the batch's number of sequences.
 
     The states, in order: with ``prompt_value="rollouts"`` each prompt (once per group), then for
     every row its split points. Each continuation may use the response budget left after its
@@ -152,7 +154,6 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
     for i, g, p in states:
         response = rollout.response_ids[i * G + g, :p].tolist() if p else []
         prefixes.append(list(chosen.prompt_ids[i]) + response)
-    budget = r.max_new_tokens - min(p for _, _, p in states)
     seeds = None
     if r.per_prompt_seeds:
         step = getattr(chosen, "step", 0)
@@ -160,27 +161,35 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
             prompt_seed(trainer.seeds.run, step, _VINE_SEED, g, p, zlib.crc32(str(ids).encode()))
             for (_, g, p), ids in zip(states, prefixes)
         ]
-    more = trainer.engine.generate(
-        prefixes,
-        group_size=K,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=budget,
-        prompt_seeds=seeds,
-        ignore_eos=r.ignore_eos,
-    )
-    lengths = more.response_lengths.tolist()
-    truncated = more.truncated.cpu().clone()
+    # Calls of at most the batch's own number of sequences: the engine never holds more than it
+    # did for the batch (hf keeps a call's KV cache at once), and vLLM's per-step prefill stays
+    # near the batch's (on CPU it fails on a seeded request whose prefill is split over steps).
+    per_call = max(1, rollout.batch_size // K)
+    continuations: list[list[int]] = []
+    truncated: list[bool] = []
+    for first in range(0, len(states), per_call):
+        part = slice(first, first + per_call)
+        more = trainer.engine.generate(
+            prefixes[part],
+            group_size=K,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens - min(p for _, _, p in states[part]),
+            prompt_seeds=seeds[part] if seeds is not None else None,
+            ignore_eos=r.ignore_eos,
+        )
+        lengths = more.response_lengths.tolist()
+        continuations += [more.response_ids[j, : lengths[j]].tolist() for j in range(len(lengths))]
+        truncated += more.truncated.cpu().tolist()
     texts_ids, tokens = [], 0
     for j, (i, g, p) in enumerate(s for s in states for _ in range(K)):
         room = r.max_new_tokens - p
-        n = lengths[j]
-        if n > room:  # past the response's own budget: cut where the response would have been
-            n, truncated[j] = room, True
-        tokens += n
+        if len(continuations[j]) > room:  # past the response's own budget: cut where it would have been
+            continuations[j], truncated[j] = continuations[j][:room], True
+        tokens += len(continuations[j])
         head = rollout.response_ids[i * G + g, :p].tolist() if p else []
-        texts_ids.append(head + more.response_ids[j, :n].tolist())
+        texts_ids.append(head + continuations[j])
     completions = trainer.tokenizer.batch_decode(texts_ids, skip_special_tokens=True)
     rows = [chosen.rows[i] for i, _, _ in states]
     raw = trainer.scorer.raw(rows, completions, repeat=K)

@@ -214,12 +214,13 @@ def test_monte_carlo_values_of_a_scripted_engine_give_the_advantages_by_hand():
     trainer, chosen, sampled = _fake_trainer([], responses)
     payload = sample_vine(trainer, chosen)
     # States: the prompt (K = 4 from it), then row 0's "a\n" and "a\nb\n": 3 x 4 continuations
-    # of 2 tokens each (a letter and EOS), in one generate call.
+    # of 2 tokens each (a letter and EOS). A call holds at most the batch's 2 sequences, so one
+    # state each, with the budget its prefix leaves.
     assert payload["splits"] == [[2, 4], []]
     assert payload["prompt_states"] == 1 and payload["sequences"] == 12 and payload["tokens"] == 24
-    (request,) = trainer.engine.requests
-    assert request.group_size == 4 and request.max_new_tokens == 8  # the prompt's whole budget
-    assert [TOK.decode(p) for p in request.prompts] == ["Q?", "Q?a\n", "Q?a\nb\n"]
+    requests = trainer.engine.requests
+    assert [TOK.decode(p) for r in requests for p in r.prompts] == ["Q?", "Q?a\n", "Q?a\nb\n"]
+    assert [(r.group_size, r.max_new_tokens) for r in requests] == [(4, 8), (4, 6), (4, 4)]
 
     batch = SimpleNamespace(group_size=2, rollout=sampled)
     values = finish_vine_values(trainer, payload, batch)
@@ -245,9 +246,8 @@ def test_monte_carlo_values_of_a_scripted_engine_give_the_advantages_by_hand():
 
 @pytest.mark.unit
 def test_a_continuation_past_the_response_budget_is_cut_and_truncated():
-    # Row 0 "x\n" + 6 letters (8 tokens = the budget, no EOS). The call's budget is the prompt
-    # state's 8; the state "x\n" leaves 6, and every continuation from it runs 9 (the engine cuts
-    # them at 8): each is cut at 6 and counts as truncated (scores -1 here).
+    # Row 0 "x\n" + 6 letters (8 tokens = the budget, no EOS). The state "x\n" leaves 6 tokens and
+    # every continuation from it runs 9: each is cut at 6 and counts as truncated (scores -1 here).
     responses = [ids("x\nzzzzzz"), ids("cc") + [EOS_ID]]
     trainer, chosen, sampled = _fake_trainer([], responses)
     payload = sample_vine(trainer, chosen)
