@@ -28,6 +28,9 @@ options). :func:`estimator_spec` returns them as an :class:`EstimatorSpec`, and
 :func:`check_estimator_options` validates a configuration's options before training starts, so
 the trainer never needs to test an estimator's name.
 
+``vineppo`` (Kazemnejad et al. 2024) takes the Monte-Carlo values of states inside each response
+as trainer-supplied inputs and gives each segment between two of them its own advantage.
+
 Sequence-level estimators (``reinforce``, ``rloo``, ``grpo``, ``remax``) put the sequence's
 advantage on every valid token and its reward ``R_i`` as the return on every valid token. No
 estimator whitens its output except ``reinforce_pp``, whose definition includes whitening; for
@@ -35,7 +38,7 @@ the others, whitening is the separate, optional :func:`policygrad.core.masking.m
 
 Sources, cited on each estimator: REINFORCE with a baseline (Williams 1992); RLOO (Kool et al.
 2019; Ahmadian et al. 2024); GRPO (Shao et al. 2024) and Dr.GRPO (Liu et al. 2025); ReMax (Li
-et al. 2023); REINFORCE++ (Hu 2025); GAE (Schulman et al. 2015b).
+et al. 2023); REINFORCE++ (Hu 2025); GAE (Schulman et al. 2015b); VinePPO (Kazemnejad et al. 2024).
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ from .masking import masked_sum, masked_whiten
 
 __all__ = [
     "GRPO_SCALES",
+    "VINEPPO_DEFAULTS",
+    "VINEPPO_PROMPT_VALUES",
+    "VINEPPO_SPLITS",
     "AdvantageEstimator",
     "EstimatorSpec",
     "check_estimator_options",
@@ -733,6 +739,140 @@ def reinforce_pp_advantages(
         group_mean = rewards - centered
         shifted = returns - group_mean[:, None]
     return masked_whiten(shifted, response_mask, reduce=batch_reduce), returns
+
+
+VINEPPO_SPLITS = ("newline", "fixed")
+VINEPPO_PROMPT_VALUES = ("rollouts", "group")
+VINEPPO_DEFAULTS: dict[str, Any] = {
+    "rollouts": 9,
+    "split": "newline",
+    "segment_tokens": 64,
+    "max_splits": 8,
+    "prompt_value": "rollouts",
+}
+"""``vineppo``'s options and their defaults (K = 9 Monte-Carlo rollouts per state as in Kazemnejad
+et al. 2024, steps cut at newlines; ``max_splits`` bounds the cost and is not in the paper)."""
+
+
+def _check_vineppo_options(rollouts, split, segment_tokens, max_splits, prompt_value) -> None:
+    def whole(value, name, low, why):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+            raise ValueError(f"vineppo: {name} must be an int >= {low} ({why}), got {value!r}")
+
+    whole(rollouts, "rollouts", 1, "K continuations sampled from each split point; the paper uses 9")
+    if split not in VINEPPO_SPLITS:
+        raise ValueError(
+            f"vineppo: split must be one of {', '.join(VINEPPO_SPLITS)} (steps end at a newline, or "
+            f"every segment_tokens tokens), got {split!r}"
+        )
+    whole(segment_tokens, "segment_tokens", 1, "the length of a step with split=fixed")
+    whole(max_splits, "max_splits", 0, "the most split points in one response; 0: the prompt's value only")
+    if prompt_value not in VINEPPO_PROMPT_VALUES:
+        raise ValueError(
+            f"vineppo: prompt_value must be one of {', '.join(VINEPPO_PROMPT_VALUES)} (K rollouts from the "
+            f"prompt, or the mean reward of the group's other samples), got {prompt_value!r}"
+        )
+
+
+def _vineppo_min_group_size(options: dict[str, Any]) -> int:
+    # prompt_value=group estimates V(prompt) from the row's G - 1 siblings: it needs one.
+    return 2 if options.get("prompt_value") == "group" else 1
+
+
+@register_advantage_estimator(
+    "vineppo", inputs=("vine_values", "vine_segments"), min_group_size=_vineppo_min_group_size
+)
+def vineppo_advantages(
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    group_index: torch.Tensor,  # noqa: ARG001 (the estimator signature)
+    values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
+    rollouts: int = 9,
+    split: str = "newline",
+    segment_tokens: int = 64,
+    max_splits: int = 8,
+    prompt_value: str = "rollouts",
+    vine_values: torch.Tensor | None = None,
+    vine_segments: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """VinePPO: advantages from Monte-Carlo values of the states between a response's steps
+    (Kazemnejad et al. 2024, "VinePPO: Unlocking RL Potential for LLM Reasoning Through Refined
+    Credit Assignment", eq. 5 for the value estimate and the one-step advantage of eq. 2 with
+    gamma = 1).
+
+    A response is cut at split points ``0 = s_0 < s_1 < ... < s_n`` (token offsets) into
+    segments; ``V(s_i)`` is the mean reward of K continuations the policy samples from the
+    prompt plus the response's first ``s_i`` tokens (the trainer supplies them, see
+    :mod:`policygrad.trainer.vine`). Every token of segment i gets the segment's advantage::
+
+        A_i = sum_{t in segment i} r_t + V(s_{i+1}) - V(s_i),   V(s_{n+1}) = 0 (the end)
+
+    so without per-token terms ``A_i = V(s_{i+1}) - V(s_i)`` and the last segment gets
+    ``R - V(s_n)`` (its outcome reward sits on its last token). Per-token terms (a KL penalty in
+    the reward) count in the segment they fall in. The returns are ``A + V(s_i)``.
+
+    The options decide how the trainer samples (they are checked here, and the computation reads
+    the inputs only):
+
+    Args:
+        rollouts: K >= 1 continuations per split point, default 9 (the paper's).
+        split: ``"newline"`` (a step ends after a token whose text holds a newline, the paper's
+            reasoning steps) or ``"fixed"`` (every ``segment_tokens`` tokens).
+        segment_tokens: the step length with ``split="fixed"``, default 64.
+        max_splits: at most this many split points inside a response (evenly spaced over the
+            candidates), default 8; 0 keeps only the prompt's value.
+        prompt_value: ``"rollouts"`` (V(s_0) from K continuations of the prompt, once per prompt)
+            or ``"group"`` (the mean score of the row's G - 1 siblings; needs G >= 2).
+        vine_values: [B, T] float, ``V(s_i)`` on every token of segment i (supplied by the
+            trainer); a [B] tensor is the one-segment case (the value of the prompt).
+        vine_segments: [B, T], the segment index i of every token (0, 1, ... along the row,
+            integer-valued); a [B] tensor means one segment.
+
+    Returns:
+        advantages [B, T] and returns [B, T] in ``token_rewards``' dtype, 0 on masked tokens.
+
+    Raises:
+        ValueError: a bad option (names it and the valid values); ``vine_values`` or
+            ``vine_segments`` missing or of a shape other than [B, T] or [B].
+        TypeError: an input that is not a tensor.
+    """
+    _check_vineppo_options(rollouts, split, segment_tokens, max_splits, prompt_value)
+    B, T = token_rewards.shape
+    dtype, device = token_rewards.dtype, token_rewards.device
+    inputs = {"vine_values": vine_values, "vine_segments": vine_segments}
+    for name, tensor in inputs.items():
+        if tensor is None:
+            raise ValueError(f"vineppo: {name} is required (the trainer supplies it: a [B, T] tensor)")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"vineppo: {name} must be a tensor [B, T], got {type(tensor).__name__}")
+        if tensor.shape not in ((B, T), (B,)):
+            raise ValueError(
+                f"vineppo: {name} must have shape [B, T] = {(B, T)} or [B], got {tuple(tensor.shape)}"
+            )
+    v = vine_values.to(device=device, dtype=dtype)
+    seg = vine_segments.to(device=device)
+    if v.dim() == 1:
+        v = v[:, None].expand(B, T)
+    seg = torch.zeros(B, T, dtype=torch.long, device=device) if seg.dim() == 1 else seg.round().long()
+    seg = torch.where(response_mask, seg.clamp_min(0), torch.zeros_like(seg))
+    n = int(seg.max().item()) + 1 if seg.numel() else 1
+    # Columns: the n segments, the end state (never written: value 0), and one that masked tokens
+    # write to, so that nothing at a masked position reaches a segment.
+    index = torch.where(response_mask, seg, torch.full_like(seg, n + 1))
+    zero = torch.zeros((), dtype=dtype, device=device)
+    sums = torch.zeros(B, n + 2, dtype=dtype, device=device)
+    sums.scatter_add_(1, index, torch.where(response_mask, token_rewards, zero))
+    start = torch.zeros(B, n + 2, dtype=dtype, device=device)  # V(s_i): every token of i holds it
+    start.scatter_(1, index, torch.where(response_mask, v, zero))
+    seen = torch.zeros(B, n + 2, dtype=torch.bool, device=device)
+    seen.scatter_(1, index, response_mask)
+    # V(s_{i+1}): the next segment's value, 0 after the row's last segment (the response ended).
+    following = torch.where(seen[:, 1 : n + 1], start[:, 1 : n + 1], zero)
+    per_segment = sums[:, :n] + following - start[:, :n]
+    advantages = per_segment.gather(1, seg)
+    returns = advantages + start.gather(1, seg)
+    return torch.where(response_mask, advantages, zero), torch.where(response_mask, returns, zero)
 
 
 @register_advantage_estimator("gae", needs_values=True)

@@ -79,11 +79,14 @@ class AlgorithmModels:
         critic: a trainable value model the size of the policy (actor-critic).
         reference: a frozen reference for the KL term (can be dropped with ``reference=False``).
         description: one line for the table.
+        value_rollouts: the estimator samples K extra continuations from states inside each
+            response every step (VinePPO's Monte-Carlo values, Kazemnejad et al. 2024).
     """
 
     critic: bool
     reference: bool
     description: str
+    value_rollouts: bool = False
 
 
 SFT_MODELS = AlgorithmModels(
@@ -98,13 +101,17 @@ def algorithm_models() -> Mapping[str, AlgorithmModels]:
     (:data:`policygrad.trainer.config.ALGORITHMS`), so a new preset has a bill: a critic when the
     preset trains one, and a reference (for a KL to it) for every RL algorithm."""
     # imported here: trainer.config loads torch, and this module must import without it
+    from policygrad.core.advantages import estimator_spec
     from policygrad.trainer.config import ALGORITHMS
 
     table = {"sft": SFT_MODELS}
     for name, preset in ALGORITHMS.items():
         critic = "a critic" if preset.critic else "no critic"
         table[name] = AlgorithmModels(
-            critic=preset.critic, reference=True, description=f"{preset.estimator} advantages, {critic}"
+            critic=preset.critic,
+            reference=True,
+            description=f"{preset.estimator} advantages, {critic}",
+            value_rollouts="vine_values" in estimator_spec(preset.estimator).inputs,
         )
     return types.MappingProxyType(table)
 
@@ -412,6 +419,8 @@ class MemoryPlan:
     table: str = ""
     json_path: str | None = None
     png_path: str | None = None
+    value_rollout_sequences: int = 0
+    value_rollout_tokens: int = 0
 
     def item(self, component: str) -> MemoryItem:
         """The item named ``component``.
@@ -430,6 +439,9 @@ class MemoryPlan:
         d["shape"].pop("linear_shapes", None)
         d["shape"].pop("param_rows", None)
         d.pop("table", None)
+        if not self.value_rollout_sequences:  # only VinePPO samples them
+            d.pop("value_rollout_sequences")
+            d.pop("value_rollout_tokens")
         d["state_gb"] = self.state_bytes / 1e9
         d["total_gb"] = self.total_bytes / 1e9
         d["sft_state_gb"] = self.sft_state_bytes / 1e9
@@ -580,6 +592,8 @@ def plan_memory(
     reward_params: int | None = None,
     world_size: int = 1,
     strategy: str = "ddp",
+    vine_rollouts: int = 9,
+    vine_splits: int = 8,
 ) -> MemoryPlan:
     """The memory bill of ``algorithm`` on a model of ``shape`` (see the module docstring).
 
@@ -599,6 +613,11 @@ def plan_memory(
         world_size: ranks N (every figure is one rank's).
         strategy: ``ddp`` (whole models on every rank) or ``fsdp`` (policy, critic and reference
             sharded N ways; the reward model and the engine's copy whole).
+        vine_rollouts, vine_splits: K and S of an algorithm with VinePPO's value rollouts
+            (``advantage.options.rollouts`` / ``max_splits``): every step samples up to
+            ``B x (S + 1) x K`` more sequences (K from each of at most S split points of a response
+            and from its prompt), counted in the table; no more memory (the trainer samples them
+            in calls of at most B sequences, after the batch's, so the KV cache above holds them).
 
     Returns:
         :class:`MemoryPlan`; its ``table`` is filled, no file is written.
@@ -678,6 +697,9 @@ def plan_memory(
                 f"{local_batch} x {seq_len} x {shape.vocab_size} x 2 B (bf16), if materialised",
             )
         )
+    extra_sequences = extra_tokens = 0
+    if needs.value_rollouts and batch is not None:
+        extra_sequences, extra_tokens = _value_rollouts(local_batch, seq_len, vine_rollouts, vine_splits)
     total = sum(it.bytes for it in items)
     sft_items = _model_items("policy", p, True, lora)
     if strategy == SHARDED and world_size > 1:
@@ -699,9 +721,26 @@ def plan_memory(
         ratio_to_sft=state_bytes / sft,
         world_size=world_size,
         strategy=strategy,
+        value_rollout_sequences=extra_sequences,
+        value_rollout_tokens=extra_tokens,
     )
     plan.table = memory_table(plan)
     return plan
+
+
+def _value_rollouts(batch: int, seq_len: int, rollouts: int, splits: int) -> tuple[int, int]:
+    """VinePPO's value rollouts of one rank's ``batch`` sequences: (sequences, a bound on their
+    tokens). They hold no memory beyond the batch's: the trainer samples them in engine calls of
+    at most ``batch`` sequences of at most ``seq_len`` tokens, after the batch's own.
+
+    Raises:
+        ValueError: ``rollouts`` < 1 or ``splits`` < 0 (names the option).
+    """
+    for name, value, low in (("--vine-rollouts", rollouts, 1), ("--vine-splits", splits, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    sequences = batch * (splits + 1) * rollouts
+    return sequences, sequences * seq_len  # a bound: a continuation is shorter than the whole sequence
 
 
 _SHARDED = ("policy", "reference", "critic")  # what the trainer's fsdp strategy shards
@@ -763,6 +802,12 @@ def memory_table(plan: MemoryPlan) -> str:
         f"with KV cache and logits:          {_gb(plan.total_bytes)} GB "
         "(activations and fragmentation not counted; GB = 1e9 bytes)",
     ]
+    if plan.value_rollout_sequences:
+        lines.append(
+            f"VinePPO value rollouts per step: up to {plan.value_rollout_sequences:,} sequences, "
+            f"{plan.value_rollout_tokens:,} tokens (the batch: {-(-plan.batch // plan.world_size):,} "
+            "sequences; sampled that many at a time, so no more memory)"
+        )
     return "\n".join(lines)
 
 
@@ -890,6 +935,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-reference", action="store_true", help="no KL to a reference: drop it")
     p.add_argument("--critic-params", default=None, help="critic size (default: the policy's)")
     p.add_argument("--reward-params", default=None, help="reward-model size (default: the policy's)")
+    p.add_argument("--vine-rollouts", type=int, default=9, help="VinePPO: K rollouts per state (default 9)")
+    p.add_argument(
+        "--vine-splits", type=int, default=8, help="VinePPO: S split points per response (default 8)"
+    )
     p.add_argument("--world-size", type=int, default=1, help="ranks N (torchrun processes): figures per rank")
     p.add_argument(
         "--strategy",
@@ -947,6 +996,8 @@ def main(argv: list[str]) -> str:
         output_dir=output_dir,
         lora_targets=targets,
         reference=False if args.no_reference else None,
+        vine_rollouts=args.vine_rollouts,
+        vine_splits=args.vine_splits,
         **options,
     )
     lines = [plan.table]

@@ -322,6 +322,12 @@ class TrainConfig:
         except (ValueError, TypeError) as e:
             raise ConfigError(f"advantage.options: {e}") from None
         spec = self.estimator_spec
+        if "vine_values" in spec.inputs and self.reward.whiten:
+            raise ConfigError(
+                "reward.whiten=true rescales the per-token rewards but not VinePPO's Monte-Carlo values "
+                f"(advantage estimator {name!r}), so the two would not be on one scale; set "
+                "reward.whiten=false (advantage.whiten=true rescales the advantages instead)"
+            )
         need = spec.min_group_size(options)
         if self.rollout.group_size >= need:
             return

@@ -65,6 +65,7 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
         "grpo", {"scale": "none"}, "ppo", "seq-mean-token-sum-norm", "Liu et al. 2025"
     ),
     "reinforce_pp": AlgorithmPreset("reinforce_pp", {}, "ppo", "token-mean", "Hu 2025 (REINFORCE++)"),
+    "vineppo": AlgorithmPreset("vineppo", {}, "ppo", "token-mean", "Kazemnejad et al. 2024 (VinePPO)"),
     "ppo": AlgorithmPreset(
         "gae",
         {"gamma": 1.0, "lam": 0.95},
@@ -128,7 +129,9 @@ class KLConfig:
 class AdvantageConfig:
     """Overrides of the algorithm preset's estimator. ``estimator: null`` keeps the preset's;
     ``options`` are merged over the preset's options (``gae``: ``gamma``, ``lam``, ``critic_lam``
-    for VC-PPO's decoupled GAE, ``length_adaptive_alpha`` for VAPO's length-adaptive lam).
+    for VC-PPO's decoupled GAE, ``length_adaptive_alpha`` for VAPO's length-adaptive lam;
+    ``vineppo``: ``rollouts`` K, ``split`` newline|fixed, ``segment_tokens`` L, ``max_splits`` S,
+    ``prompt_value`` rollouts|group, see :func:`~policygrad.core.advantages.vineppo_advantages`).
     ``whiten``: whiten advantages over the valid tokens of the batch after estimation
     (``masked_whiten``); ``null`` keeps the preset's choice (on for ``ppo``, off otherwise)."""
 

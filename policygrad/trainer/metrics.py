@@ -47,6 +47,10 @@ METRICS: dict[str, str] = {
     "dynamic_sampling/groups_sampled": "groups generated this step, over all rounds",
     "dynamic_sampling/groups_kept": "groups with signal in the filtered reward that the update trains on",
     "dynamic_sampling/rounds": "generation rounds this step (1 + extra rounds used to refill the batch)",
+    # VinePPO's Monte-Carlo values (advantage estimator vineppo)
+    "vineppo/extra_tokens": "tokens generated for the value rollouts this step, beyond the batch's",
+    "vineppo/extra_sequences": "value rollouts sampled this step (K per state)",
+    "vineppo/splits_mean": "mean split points per response (states inside it whose value is estimated)",
     # responses
     "response/length_mean": "mean response length in tokens (the first EOS included)",
     "response/length_max": "longest response in tokens",
@@ -128,7 +132,8 @@ METRICS: dict[str, str] = {
     "env/failed_frac": "fraction of episodes whose environment raised or timed out (no loss on them)",
     "env/<info>": "mean over episodes of each episode's mean of StepResult.info[<info>]",
     # time, throughput, memory (volatile: they differ between identical runs)
-    "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline)",
+    "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline, VinePPO's rollouts)",
+    "time/vineppo_s": "seconds sampling and scoring VinePPO's value rollouts (part of generation)",
     "time/ref_logprobs_s": "seconds of the reference log-prob pass (0: not needed)",
     "time/old_logprobs_s": "seconds of the old log-prob pass (0: exactly on-policy)",
     "time/forward_s": "seconds of the policy's training forwards",

@@ -19,6 +19,7 @@ normaliser never feeds sampling, and the dynamic-sampling decision reads raw com
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -139,6 +140,7 @@ def produce(trainer, step: int, version: int) -> Production:
             rounds.append(sample_round(trainer, step, trainer.stream.take(n), len(rounds)))
             kept.append(_kept(rounds[-1], component))
     chosen = _chosen_rounds(rounds, kept)
+    chosen.step = step
     inputs = {name: ESTIMATOR_INPUTS[name].sample(trainer, chosen) for name in trainer.estimator.spec.inputs}
     return Production(step, version, rounds, kept, inputs, time.perf_counter() - start)
 
@@ -151,20 +153,34 @@ def _kept(round_: RawRound, component: str) -> list[int]:
 
 class _Chosen:
     """The rows and prompt ids of the groups a production trains on (what an estimator input's
-    sampling half reads: ``rows``, ``prompt_ids``, ``group_size``)."""
+    sampling half reads: ``rows``, ``prompt_ids``, ``group_size``; ``step``; and ``rollout``,
+    their B rows' samples in the batch's order, gathered on first use)."""
 
-    def __init__(self, rows, prompt_ids, group_size):
+    def __init__(self, rows, prompt_ids, group_size, rounds=None, positions=None):
         self.rows, self.prompt_ids, self.group_size = rows, prompt_ids, group_size
+        self._rounds, self._positions = rounds, positions
+        self.step = 0
+
+    @functools.cached_property
+    def rollout(self) -> Rollout:
+        if self._positions is None:
+            return self._rounds[0].rollout
+        G = self.group_size
+        parts = [
+            self._rounds[r].rollout.select([i * G + g for i in groups for g in range(G)])
+            for r, groups in self._positions
+        ]
+        return parts[0] if len(parts) == 1 else Rollout.concat(parts)
 
 
 def _chosen_rounds(rounds: list[RawRound], kept: list[list[int]] | None) -> _Chosen:
     G = rounds[0].group_size
     positions = _chosen_positions(rounds, kept)
     if positions is None:  # no dynamic sampling, or no group with signal: the first round stays
-        return _Chosen(rounds[0].rows, rounds[0].prompt_ids, G)
+        return _Chosen(rounds[0].rows, rounds[0].prompt_ids, G, rounds)
     rows = [rounds[r].rows[i] for r, groups in positions for i in groups]
     prompt_ids = [rounds[r].prompt_ids[i] for r, groups in positions for i in groups]
-    return _Chosen(rows, prompt_ids, G)
+    return _Chosen(rows, prompt_ids, G, rounds, positions)
 
 
 def _chosen_positions(rounds, kept) -> list[tuple[int, list[int]]] | None:
@@ -230,7 +246,8 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
     """
     rounds = [finish_round(trainer, raw, production.version) for raw in production.rounds]
     if production.kept is None:
-        return rounds[0], rounds[0], {}, _inputs(trainer, production, rounds[0])
+        inputs = _inputs(trainer, production, rounds[0])
+        return rounds[0], rounds[0], _input_metrics(trainer, production), inputs
     positions = _chosen_positions(production.rounds, production.kept)
     sampled = concat_batches(rounds)
     kept_groups = sum(len(groups) for _, groups in positions) if positions else 0
@@ -244,7 +261,9 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
         batch = dataclasses.replace(rounds[0], scores=nothing)
     else:
         batch = concat_batches([rounds[r].select_groups(groups) for r, groups in positions])
-    return batch, sampled, metrics, _inputs(trainer, production, batch)
+    inputs = _inputs(trainer, production, batch)
+    metrics.update(_input_metrics(trainer, production))
+    return batch, sampled, metrics, inputs
 
 
 def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:
@@ -252,6 +271,15 @@ def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, t
         name: ESTIMATOR_INPUTS[name].finish(trainer, production.inputs[name], batch)
         for name in trainer.estimator.spec.inputs
     }
+
+
+def _input_metrics(trainer, production: Production) -> dict[str, float]:
+    """The metrics of the estimator inputs that report some (VinePPO's extra sampling)."""
+    out: dict[str, float] = {}
+    for name in trainer.estimator.spec.inputs:
+        if ESTIMATOR_INPUTS[name].metrics is not None:
+            out.update(ESTIMATOR_INPUTS[name].metrics(trainer, production.inputs[name]))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@ sampling, and the providers of an advantage estimator's extra inputs.
   baseline no signal), judged on a named reward component before normalisation and the truncation
   penalty.
 - :data:`ESTIMATOR_INPUTS`: registered providers of the inputs an estimator declares (ReMax's
-  ``baseline_rewards``: the score of a greedy response to each prompt, Li et al. 2023, eq. 6).
+  ``baseline_rewards``: the score of a greedy response to each prompt, Li et al. 2023, eq. 6;
+  VinePPO's Monte-Carlo values, :mod:`policygrad.trainer.vine`).
 """
 
 from __future__ import annotations
@@ -117,14 +118,18 @@ class EstimatorInput:
 
     - ``sample(trainer, chosen) -> payload``: the producer's part (it may call the rollout
       engine and the reward functions, nothing that needs the trainer's state or another rank);
-      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on.
+      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on,
+      the ``step``, and their ``rollout`` (B rows in the batch's order).
       The payload holds tensors, lists and numbers only (a checkpoint may keep it).
-    - ``finish(trainer, payload, batch) -> Tensor [B]``: the trainer's thread, with the finished
-      :class:`SampledBatch`.
+    - ``finish(trainer, payload, batch) -> Tensor [B]`` (or [B, T]): the trainer's thread, with
+      the finished :class:`SampledBatch`.
+    - ``metrics(trainer, payload) -> dict``, optional: the trainer's thread, the step metrics of
+      the extra sampling (it may sum over ranks).
     """
 
     sample: Callable[[Any, Any], Any]
     finish: Callable[[Any, Any, SampledBatch], torch.Tensor]
+    metrics: Callable[[Any, Any], dict[str, float]] | None = None
 
 
 ESTIMATOR_INPUTS: dict[str, EstimatorInput] = {}
@@ -169,3 +174,6 @@ def _finish_greedy_baseline(trainer, payload, batch: SampledBatch) -> torch.Tens
 # 2023, eq. 6), normalised with the run's statistics (not updated) and through the same truncation
 # policy, repeated over the prompt's G rows.
 register_estimator_input("baseline_rewards", EstimatorInput(_sample_greedy_baseline, _finish_greedy_baseline))
+
+# VinePPO's providers register themselves (the module imports this one's names).
+from policygrad.trainer import vine as _vine  # noqa: E402, F401

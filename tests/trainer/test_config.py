@@ -225,7 +225,7 @@ def test_overrides_of_the_preset():
         (
             ["--algorithm=ppo2"],
             "algorithm='ppo2' is not valid; choose one of ['dr_grpo', 'grpo', 'ppo', 'reinforce', "
-            "'reinforce_pp', 'remax', 'rloo']",
+            "'reinforce_pp', 'remax', 'rloo', 'vineppo']",
         ),
         (["--algorithm=rloo", "--rollout.group_size=1"], "algorithm='rloo' needs rollout.group_size >= 2"),
         (["--algorithm=grpo", "--rollout.group_size=1"], "algorithm='grpo' needs rollout.group_size >= 2"),
