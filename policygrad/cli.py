@@ -235,7 +235,7 @@ def cmd_eval(argv: list[str]) -> int:
                 f"{flag} applies to multi-turn episodes only; give --env (an environment) or drop {flag}"
             )
     args.dataset = args.dataset or "builtin:arithmetic"
-    data = _eval_data(args, args.dataset)
+    data = eval_data_config(args, args.dataset)
     TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     # Every argument is checked before the dataset is read or a model is loaded (or converted).
     output = eval_output_path(args.output, args.dataset)
@@ -260,7 +260,7 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
-def _eval_data(args, dataset: str):
+def eval_data_config(args, dataset: str):
     """The data section of ``policygrad eval``: ``dataset``'s held-out rows, as the flags say."""
     from policygrad.trainer.config import DataConfig
 
@@ -323,7 +323,7 @@ def _eval_env(args, ks: list[int]) -> int:
 
     options = _env_options(args.env_options)
     dataset = args.dataset or default_env_dataset(args.env)
-    data = _eval_data(args, dataset)
+    data = eval_data_config(args, dataset)
     output = eval_output_path(args.output, dataset)
     _check_env(args.env, options, args.env_options)
     result = evaluate_env_model(

@@ -180,7 +180,7 @@ def measure(
     """
     # The sampling helpers of policygrad eval, so both commands draw the same completions.
     from policygrad.rewards.verifiers import answer_correctness
-    from policygrad.trainer.evaluate import _complete, _score, greedy_eval
+    from policygrad.trainer.evaluate import greedy_eval, sample_completions, score_completions
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
@@ -191,11 +191,11 @@ def measure(
         engine, tokenizer, rows, data=data, max_new_tokens=max_new_tokens, batch_size=batch_size,
         reward_fn=reward_fn,
     )
-    texts = _complete(
+    texts = sample_completions(
         engine, tokenizer, rows, data=data, n=samples, greedy=False, temperature=temperature,
         max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
     ) if rows else []
-    rewards = _score(reward_fn, rows, texts, samples) if rows else []
+    rewards = score_completions(reward_fn, rows, texts, samples) if rows else []
     correct = [sum(r > 0.5 for r in rewards[i * samples : (i + 1) * samples]) for i in range(len(rows))]
     greedy_correct = [rec["reward"] > 0.5 for rec in greedy]
     return ModelPassK(
@@ -320,7 +320,7 @@ def plot_passk(result: PassKResult, path: str) -> str:
 def render_html(result: PassKResult, png: bytes) -> str:
     """A self-contained page: the settings, the plot (embedded PNG), the pass@k table, coverage
     and the per-problem correct counts."""
-    from policygrad.lab.report import _CSS  # the look of policygrad report
+    from policygrad.lab.report import REPORT_CSS  # the look of policygrad report
 
     esc = html.escape
     base, trained = result.models
@@ -352,7 +352,7 @@ def render_html(result: PassKResult, png: bytes) -> str:
     caption = "pass@k against k (log2 axis); dotted: greedy accuracy"
     return "\n".join([
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>policygrad lab passk</title><style>{_CSS}</style></head><body>",
+        f"<title>policygrad lab passk</title><style>{REPORT_CSS}</style></head><body>",
         "<h1>pass@k: base vs trained</h1>",
         "<p>" + "<br>".join(
             f"{m.label}: <code>{esc(m.model)}</code> ({esc(m.engine)}, {m.seconds:.0f} s generating and "
@@ -569,7 +569,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> str:
     """``policygrad lab passk --base M --trained M ...``: every flag is checked before a model
     loads."""
-    from policygrad.cli import _eval_data  # the rows policygrad eval picks for the same flags
+    from policygrad.cli import eval_data_config  # the rows policygrad eval picks for the same flags
     from policygrad.rewards.code import TaskReward
     from policygrad.trainer.config import RewardConfig, TrainConfig
 
@@ -582,7 +582,7 @@ def main(argv: list[str]) -> str:
     set_threads(args.threads)
     check_temperature(args.temperature)
     output_dir = check_output_dir(args.output_dir)
-    data = _eval_data(args, args.dataset)
+    data = eval_data_config(args, args.dataset)
     TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     t0 = time.perf_counter()
     result = run_passk(

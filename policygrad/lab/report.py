@@ -286,7 +286,7 @@ def _samples(rows: list[dict[str, Any]], k: int) -> tuple[list[dict], list[dict]
     return best[:k], worst[:k]
 
 
-_CSS = """
+REPORT_CSS = """
 body { font-family: -apple-system, Segoe UI, Helvetica, Arial, sans-serif; margin: 2em auto;
        max-width: 1100px; color: #222; }
 h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 1.6em; }
@@ -330,7 +330,7 @@ def render_report(runs: Sequence[Run], *, samples: int = 3) -> tuple[str, list[s
     labels = ", ".join(r.label for r in runs)
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>policygrad report: {html.escape(labels)}</title><style>{_CSS}</style></head><body>",
+        f"<title>policygrad report: {html.escape(labels)}</title><style>{REPORT_CSS}</style></head><body>",
         f"<h1>policygrad report: {html.escape(labels)}</h1>",
         "<p class='muted'>" + "<br>".join(html.escape(os.path.abspath(r.path)) for r in runs) + "</p>",
         "<h2>Summary</h2>",

@@ -47,6 +47,8 @@ __all__ = [
     "greedy_eval",
     "majority_at_k",
     "pass_at_k",
+    "sample_completions",
+    "score_completions",
     "write_jsonl",
 ]
 
@@ -154,11 +156,13 @@ def eval_output_path(output: str | None, dataset: str | None) -> str:
     return output
 
 
-def _complete(
+def sample_completions(
     engine, tokenizer, rows, *, data, n: int, greedy: bool, temperature: float, max_new_tokens: int,
     batch_size: int | None, seed: int,
 ) -> list[str]:
-    """n completions per row (rows' completions contiguous), ``batch_size`` rows per call (None: all)."""
+    """n completions per row (rows' completions contiguous), ``batch_size`` rows per call (None: all);
+    sampled (``greedy`` False) with a per-call seed derived from ``seed``, so the same seed draws the
+    same completions (``policygrad eval --samples`` and ``policygrad lab passk`` share it)."""
     prompt_ids = encode_prompts(tokenizer, rows, data)
     step = batch_size or max(len(rows), 1)
     out: list[str] = []
@@ -177,7 +181,8 @@ def _complete(
     return out
 
 
-def _score(reward_fn: RewardFn, rows, completions: list[str], repeat: int) -> list[float]:
+def score_completions(reward_fn: RewardFn, rows, completions: list[str], repeat: int) -> list[float]:
+    """``reward_fn``'s score of each completion, ``repeat`` contiguous completions per row."""
     prompts = [r["prompt"] for r in rows for _ in range(repeat)]
     return [float(x) for x in reward_fn(prompts, completions, **row_fields_from_rows(rows, repeat=repeat))]
 
@@ -208,11 +213,11 @@ def greedy_eval(
         fraction of rewards > 0.5.
     """
     reward_fn = reward_fn or answer_correctness
-    completions = _complete(
+    completions = sample_completions(
         engine, tokenizer, rows, data=data, n=1, greedy=True, temperature=1.0,
         max_new_tokens=max_new_tokens, batch_size=batch_size, seed=0,
     )
-    rewards = _score(reward_fn, rows, completions, 1) if rows else []
+    rewards = score_completions(reward_fn, rows, completions, 1) if rows else []
     return [
         {"prompt": row["prompt"], "answer": row.get("answer"), "completion": c, "reward": r}
         for row, c, r in zip(rows, completions, rewards)
@@ -264,11 +269,11 @@ def evaluate(
     for k in ks:
         if not 1 <= k <= samples:
             raise ValueError(f"--k {k}: each k must be in 1 .. --samples {samples}")
-    texts = _complete(
+    texts = sample_completions(
         engine, tokenizer, rows, data=data, n=samples, greedy=False, temperature=temperature,
         max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
     )
-    rewards = _score(reward_fn, rows, texts, samples)
+    rewards = score_completions(reward_fn, rows, texts, samples)
     sums = dict.fromkeys([f"pass@{k}" for k in ks] + ([f"maj@{k}" for k in ks] if answer_fn else []), 0.0)
     for i, rec in enumerate(records):
         mine = slice(i * samples, (i + 1) * samples)
