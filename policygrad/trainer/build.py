@@ -299,8 +299,9 @@ def optimizer_steps(cfg: TrainConfig) -> int:
     return max(1, cfg.steps * cfg.optim.ppo_epochs * cfg.optim.num_minibatches)
 
 
-def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy):
-    """The policy's AdamW, its schedule and the :class:`~policygrad.trainer.optim.OptimizerStep`."""
+def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy, scaler=None):
+    """The policy's AdamW, its schedule and the :class:`~policygrad.trainer.optim.OptimizerStep`
+    (``scaler``: fp16-mixed's ``torch.amp.GradScaler``, or None)."""
     o = cfg.optim
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_adamw(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -309,7 +310,13 @@ def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy
         optimizer,
         scheduler,
         OptimizerStep(
-            optimizer, scheduler, params, max_grad_norm=o.max_grad_norm, device=device, strategy=strategy
+            optimizer,
+            scheduler,
+            params,
+            max_grad_norm=o.max_grad_norm,
+            device=device,
+            strategy=strategy,
+            scaler=scaler,
         ),
     )
 

@@ -236,6 +236,8 @@ class Trainer:
             metrics.update(episode_metrics(sampled.episodes, sampled.rollout))
         metrics.update(stats.metrics(**self._update_metric_options()))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        if self.policy_step.step.scaler is not None:  # fp16-mixed
+            metrics["optim/loss_scale"] = self.policy_step.step.loss_scale
         return metrics
 
     # ------------------------------------------------------------------------------------------
@@ -408,6 +410,9 @@ class Trainer:
             "reward_normalizer": self.scorer.normalizer.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         }
+        scaler = self.policy_step.step.scaler
+        if scaler is not None:  # fp16-mixed: the loss scale and its growth count, for an exact resume
+            state["grad_scaler"] = scaler.state_dict()
         if self.critic_trainer is not None:
             state["critic"] = self.critic_trainer.state_dict()
             if sharded:
@@ -457,6 +462,15 @@ class Trainer:
             self.scorer.normalizer.load_state_dict(state["reward_normalizer"])
         if critic is not None:
             critic.scheduler.load_state_dict(state["critic"]["scheduler"])
+            if critic.step.scaler is not None and state["critic"].get("grad_scaler"):
+                critic.step.scaler.load_state_dict(state["critic"]["grad_scaler"])
+        scaler = self.policy_step.step.scaler
+        if scaler is not None:
+            if state.get("grad_scaler"):
+                scaler.load_state_dict(state["grad_scaler"])
+            else:  # a checkpoint of another precision: the scale starts over
+                start = scaler.get_scale()
+                log.warning("note: checkpoint %s has no fp16 loss scale; starting from %g", checkpoint, start)
         if self.ptx_data is not None:
             self.ptx_data.position = state.get("ptx_position", 0)
         random.setstate(state["rng"]["python"])
