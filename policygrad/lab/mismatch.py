@@ -485,6 +485,8 @@ def mismatch_table(result: MismatchResult) -> str:
         f"per-token log-ratio delta = log pi_train(fp32 full forward) - log pi_other at the sampled tokens; "
         f"{pairs[0].n_sequences} sequences, {pairs[0].n_tokens} tokens (mean length {s['mean_length']:.1f})"
     )
+    if result.precisions:
+        head += "; a 'P: a vs b' pair is log pi_b - log pi_a, both computed in precision P except fp32"
     dist = format_table(
         ["pair", "mean", "sigma", "mean |d|", "p50 |d|", "p99 |d|", "max |d|"],
         [[p.name, p.mean, p.std, p.abs_mean, p.abs_p50, p.abs_p99, p.abs_max] for p in pairs],
