@@ -232,7 +232,8 @@ def test_fp16_mixed_moves_float32_master_weights_like_a_float32_run(make_config,
     assert cosine >= 0.9, cosine
 
 
-def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypatch):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypatch, algorithm):
     """A scaler that grows every step (growth_interval 1, from 2**13) makes the scale a function
     of the whole history: 2**14, 2**15, ... until fp16 gradients overflow, when a step is skipped
     and the scale halves. A resume that lost the scaler's state would restart at 2**13 and log a
@@ -254,6 +255,8 @@ def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypa
         "model": {"precision": "fp16-mixed"},
         "optim": {"lr": 1e-3, "micro_batch_size": 4},
     }
+    if algorithm == "ppo":  # the critic's own scaler is saved with the critic's state
+        sections.update(algorithm="ppo", critic={"lr": 1e-2}, kl={"placement": "reward", "beta": 0.1})
     straight = Run(make_config("straight", **sections))
     straight.train()
     cfg = make_config("resumed", save_every=2, **sections)
@@ -277,6 +280,12 @@ def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypa
     assert len(scales) == 4 and scales[0] == 2.0**14 and len(set(scales)) > 1
     a, b = resumed.trainer.policy_step.step.scaler, straight.trainer.policy_step.step.scaler
     assert a.state_dict() == b.state_dict()
+    if algorithm == "ppo":
+        a, b = resumed.trainer.critic_trainer, straight.trainer.critic_trainer
+        assert a.step.scaler.state_dict() == b.step.scaler.state_dict()
+        assert a.state_dict()["grad_scaler"]["scale"] == b.step.scaler.get_scale() != 2.0**13
+        for x, y in zip(resumed.trainer.critic.parameters(), straight.trainer.critic.parameters()):
+            assert torch.equal(x, y)
     for x, y in zip(resumed.trainer.policy.parameters(), straight.trainer.policy.parameters()):
         assert torch.equal(x, y)
 
