@@ -45,6 +45,7 @@ __all__ = [
     "policy_optimizer",
     "resolve_dtype",
     "seed_everything",
+    "vllm_auto_dtype",
 ]
 
 log = logging.getLogger("policygrad")
@@ -208,7 +209,7 @@ def build_engine(
         models.model_path,
         models.tokenizer,
         models.eos_ids,
-        dtype=r.dtype if r.dtype != "auto" else str(dtype).removeprefix("torch."),
+        dtype=r.dtype if r.dtype != "auto" else vllm_auto_dtype(dtype, precision),
         seed=cfg.seed,
         max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
         kv_cache_gb=r.vllm_kv_cache_gb,
@@ -216,6 +217,15 @@ def build_engine(
         enable_prefix_caching=r.vllm_prefix_caching,
     )
     return engine, name
+
+
+def vllm_auto_dtype(dtype: torch.dtype, precision: Precision | None) -> str:
+    """``rollout.dtype: auto`` for vLLM: ``float16`` when the policy trains in ``fp16-mixed`` on
+    CUDA (the sampler then rounds as the trainer's fp16 compute does: Qi et al. 2025 run both
+    sides in fp16), else ``model.dtype`` resolved (``dtype``), as before ``fp16-mixed`` existed."""
+    if precision is not None and precision.name == "fp16-mixed" and precision.device_type == "cuda":
+        return "float16"
+    return str(dtype).removeprefix("torch.")
 
 
 def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, functions=None, reduce=None):

@@ -91,8 +91,9 @@ class ModelConfig:
     ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
     ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
     opt-in), ``fp16-mixed`` (float32 parameters, fp16 compute under autocast, dynamic loss
-    scaling; the ``optim/loss_scale`` metric; Qi et al. 2025 trace much of the sampler/trainer
-    mismatch to bf16 rounding) or ``auto`` (bf16-mixed on CUDA with bf16 or with
+    scaling; the ``optim/loss_scale`` metric; on CUDA the vLLM engine's ``rollout.dtype: auto``
+    is then float16; Qi et al. 2025 trace much of the sampler/trainer mismatch to bf16 rounding)
+    or ``auto`` (bf16-mixed on CUDA with bf16 or with
     ``dtype=bfloat16``, else fp32); see :mod:`policygrad.trainer.precision`.
 
     ``lm_head_dtype``: ``auto`` (or null, the default: the LM head computes as the body does) or
