@@ -202,6 +202,25 @@ def test_fp32_head_run_gives_policy_reference_and_sampler_the_float32_head(make_
     assert ("optim/loss_scale" in metrics) == (precision == "fp16-mixed")
 
 
+def test_fp32_head_with_lora_reference_is_the_policy_with_adapters_off(make_config):
+    """A LoRA run's reference is the policy itself with the adapter disabled: it shares the
+    float32 head (the base model's, not adapted), and the first KL is exactly 0."""
+    cfg = make_config(
+        "head-lora",
+        steps=1,
+        model={"precision": "bf16-mixed", "lm_head_dtype": "float32", "lora": {"rank": 4, "alpha": 8.0}},
+        kl={"placement": "loss", "beta": 0.1, "kind": "k3"},
+    )
+    run = Run(cfg)
+    try:
+        assert run.trainer.reference is None
+        assert type(run.trainer.policy.get_base_model().lm_head) is Float32Head
+        metrics = run.trainer.step()
+    finally:
+        run.close()
+    assert metrics["kl/loss_term"] == 0.0 and metrics["optim/steps"] == 1
+
+
 def test_default_head_is_the_plain_linear(make_config):
     run = Run(make_config(model={"precision": "bf16-mixed"}))
     try:
