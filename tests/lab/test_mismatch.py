@@ -112,8 +112,8 @@ def test_parse_precisions_keeps_order_and_refuses_unknown_names():
 
 def test_gap_per_precision_orders_bf16_above_fp32_head_above_fp16(tiny_lm, tmp_path, monkeypatch):
     """Each precision samples and recomputes in itself. fp32's recompute is the float32 forward
-    itself (delta exactly 0); bf16 keeps 8 significant bits, fp16 11 (unit roundoff 2**-9 against
-    2**-12 after rounding to nearest: 8x finer), so fp16-mixed's distance from fp32 is well below
+    itself (delta exactly 0); bf16 keeps 8 significant bits, fp16 11 (unit roundoff 2**-8 against
+    2**-11 with rounding to nearest: 8x finer), so fp16-mixed's distance from fp32 is well below
     bf16-mixed's (measured 3.5e-5 against 2.7e-4 mean |delta|; asserted: below half); the
     float32 head removes the head's bf16 rounding and leaves the body's (measured 1.1e-4)."""
     import policygrad.lab.mismatch as mismatch

@@ -268,9 +268,9 @@ def test_float32_head_under_bf16_autocast_is_fp32_on_the_bf16_body(fused):
     The reference is computed by hand: hidden states from the decoder under the same bf16
     autocast (the same kernels, so the same numbers), then ``hidden @ W^T`` and the log-softmax
     in float32 outside autocast. The kernel's blocked log-sum-exp differs from
-    ``torch.log_softmax`` by float32 rounding only: |log p| < 10 here, float32's unit roundoff
-    is 2**-24 = 6e-8, a few roundings per term -> atol 1e-5. A bf16 head instead rounds each
-    logit's inputs to 8 significant bits (relative 2**-9 = 2e-3 per input): on logits of size
+    ``torch.log_softmax`` by float32 rounding only: log-probs of order log V = 4.6 (V = 100),
+    unit roundoff 2**-24 = 6e-8, a few roundings per term -> atol 1e-5. A bf16 head instead rounds each
+    logit's inputs to 8 significant bits (relative 2**-8 = 3.9e-3 per input): on logits of size
     ~1 (initializer_range 0.5, hidden 32) that is ~1e-3 nats per token, so the plain head must
     differ from the float32 reference by more than 1e-4 somewhere, and match its own bf16 hand
     computation instead."""
