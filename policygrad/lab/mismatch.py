@@ -21,6 +21,20 @@ independent per-token differences, i.e. a random walk), and the std of the seque
 importance weight ``W_t = exp(S_t)`` with and without truncation at ``cap``
 (:func:`policygrad.core.logprobs.truncated_importance_weights`, ``level="sequence"`` on the first
 t tokens), plus the token-level weights ``min(exp(delta_t), cap)``: fraction truncated and spread.
+
+With ``--precisions`` (e.g. ``fp32,bf16-mixed,bf16-mixed+fp32-head,fp16-mixed``) it also measures
+the gap per training precision (``model.precision``, ``+fp32-head`` adding
+``model.lm_head_dtype: float32``), the way a run in that precision sees it: the hf engine samples
+under the precision's autocast (float32 weights, bf16/fp16 compute, the float32 head where asked)
+and the trainer recomputes under the same autocast, giving two pairs per precision:
+
+- ``P: sampler vs trainer``: the sampler's log-probs against the trainer's recompute, both in P
+  (what a run's ``mismatch/*`` metrics and its importance correction see);
+- ``P: trainer vs fp32``: P's recompute against the float32 full forward of the same tokens (how
+  far P's arithmetic is from exact).
+
+A precision the device cannot run (fp16 without float16 autocast, bf16 on a GPU without it) is
+skipped with a line saying why. Each precision samples its own tokens from the same seed.
 """
 
 from __future__ import annotations
@@ -54,6 +68,7 @@ from policygrad.lab.common import (
 )
 from policygrad.models.forward import policy_logprobs
 from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.trainer.precision import resolve_precision, unsupported_reason
 
 DEFAULT_PROMPTS = (
     "Write a short story about a lighthouse keeper.",
@@ -63,6 +78,35 @@ DEFAULT_PROMPTS = (
 )
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+PRECISION_NAMES = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
+"""``model.precision`` values ``--precisions`` takes; ``NAME+fp32-head`` adds the float32 head to a
+mixed one."""
+HEAD_SUFFIX = "+fp32-head"
+
+
+def parse_precisions(text: str | Sequence[str]) -> list[str]:
+    """``--precisions``: comma-separated ``model.precision`` values (:data:`PRECISION_NAMES`), a
+    mixed one optionally with ``+fp32-head``; duplicates dropped, order kept.
+
+    Raises:
+        ValueError: an unknown name, or ``+fp32-head`` on a precision without autocast (one line
+            naming it and the valid forms)."""
+    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t) for t in text]
+    out: list[str] = []
+    for item in items:
+        if not item:
+            continue
+        base = item.removesuffix(HEAD_SUFFIX)
+        if base not in PRECISION_NAMES or (item != base and base not in ("bf16-mixed", "fp16-mixed")):
+            raise ValueError(
+                f"--precisions: {item!r} is not valid; use {', '.join(PRECISION_NAMES)}, or "
+                f"bf16-mixed{HEAD_SUFFIX} / fp16-mixed{HEAD_SUFFIX} (the float32 head needs an autocast "
+                "around it)"
+            )
+        if item not in out:
+            out.append(item)
+    return out
 
 
 @dataclasses.dataclass
@@ -209,7 +253,10 @@ class MismatchResult:
 
     Fields:
         pairs: :class:`PairStats` per compared pair, keyed by name (``sampler vs recompute``,
-            ``bf16 vs fp32``).
+            ``bf16 vs fp32``, and per measured precision P ``P: sampler vs trainer`` and
+            ``P: trainer vs fp32``).
+        precisions: the measured precisions, in order; skipped: ``{precision: why}`` for those
+            the device cannot run.
         deltas: per pair, the valid per-token deltas (for the histogram; not in the JSON).
         cap: the truncation cap; settings: run settings.
         table: printed text; json_path, png_path: files written (or None).
@@ -219,17 +266,31 @@ class MismatchResult:
     deltas: dict[str, list[float]]
     cap: float
     settings: dict[str, Any]
+    precisions: list[str] = dataclasses.field(default_factory=list)
+    skipped: dict[str, str] = dataclasses.field(default_factory=dict)
     table: str = ""
     json_path: str | None = None
     png_path: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict (without the raw deltas)."""
-        return {
+        """JSON-ready dict (without the raw deltas); with measured precisions, also
+        ``precisions`` (``{P: {"sampler_vs_trainer": pair, "trainer_vs_fp32": pair}}``) and
+        ``skipped`` (``{P: why}``)."""
+        out = {
             "cap": self.cap,
             "settings": self.settings,
             "pairs": {k: dataclasses.asdict(v) for k, v in self.pairs.items()},
         }
+        if self.precisions or self.skipped:
+            out["precisions"] = {
+                p: {
+                    "sampler_vs_trainer": dataclasses.asdict(self.pairs[f"{p}: sampler vs trainer"]),
+                    "trainer_vs_fp32": dataclasses.asdict(self.pairs[f"{p}: trainer vs fp32"]),
+                }
+                for p in self.precisions
+            }
+            out["skipped"] = dict(self.skipped)
+        return out
 
 
 def run_mismatch(
@@ -243,9 +304,11 @@ def run_mismatch(
     sampler_dtype: str = "float32",
     cap: float = 2.0,
     seed: int = 0,
+    precisions: str | Sequence[str] = (),
     output_dir: str | None = DEFAULT_OUTPUT_DIR,
 ) -> MismatchResult:
-    """Measure the sampler/recompute and bf16/fp32 mismatches (module docstring).
+    """Measure the sampler/recompute and bf16/fp32 mismatches, and per training precision
+    (module docstring).
 
     Args:
         model: a float32 causal LM (not modified; a bfloat16 deep copy is made).
@@ -255,6 +318,8 @@ def run_mismatch(
         sampler_dtype: ``float32`` (default) or ``bfloat16``: the weights the sampler decodes with.
         cap: importance-weight cap (> 0), 2 by default.
         seed: sampling seed.
+        precisions: training precisions to measure (:func:`parse_precisions`: names or one
+            comma-separated string); empty: none (the two pairs above only).
         output_dir: folder for ``mismatch.json`` / ``.png``; None writes nothing.
 
     Returns:
@@ -262,8 +327,9 @@ def run_mismatch(
 
     Raises:
         ValueError: unknown ``sampler_dtype`` (lists the valid ones); a model not in float32;
-            bad counts or ``cap``.
+            bad counts or ``cap``; an unknown precision.
     """
+    precisions = parse_precisions(precisions)
     if sampler_dtype not in _DTYPES:
         raise ValueError(f"unknown sampler dtype {sampler_dtype!r}; valid: {', '.join(_DTYPES)}")
     check_positive_int(samples_per_prompt, "samples_per_prompt")
@@ -303,6 +369,16 @@ def run_mismatch(
         stats, valid = pair_stats(name, behaviour, "full forward, fp32", other, lp32, mask, cap=cap)
         pairs[name] = stats
         deltas[name] = valid.tolist()
+    measured, skipped = [], {}
+    for spec in precisions:
+        sampling = dict(temperature=temperature, max_new_tokens=max_new_tokens, generator_seed=seed)
+        why = _precision_pairs(
+            model, tokenizer, prompt_ids, spec, samples_per_prompt, sampling, cap, pairs, deltas
+        )
+        if why is None:
+            measured.append(spec)
+        else:
+            skipped[spec] = why
     result = MismatchResult(
         pairs=pairs,
         deltas=deltas,
@@ -316,6 +392,8 @@ def run_mismatch(
             "seed": seed,
             "mean_length": float(mask.sum(-1).float().mean()),
         },
+        precisions=measured,
+        skipped=skipped,
     )
     result.table = mismatch_table(result)
     if output_dir is not None:
@@ -323,6 +401,80 @@ def run_mismatch(
         result.json_path = write_json(os.path.join(out, "mismatch.json"), result.to_dict())
         result.png_path = plot_mismatch(result, os.path.join(out, "mismatch.png"))
     return result
+
+
+def _precision_pairs(
+    model, tokenizer, prompt_ids, spec, group_size, sampling, cap, pairs, deltas
+) -> str | None:
+    """Sample and recompute in precision ``spec`` (module docstring); adds its two pairs to
+    ``pairs`` / ``deltas``. Returns why the device cannot run it, or None when measured."""
+    name = spec.removesuffix(HEAD_SUFFIX)
+    device = next(model.parameters()).device
+    why = unsupported_reason(name, device)
+    if why is not None:
+        return why
+    precision = resolve_precision(name, device, lm_head_dtype="float32" if spec != name else None)
+    net = model
+    if precision.param_dtype != torch.float32 or precision.head_dtype is not None:
+        net = copy.deepcopy(model).to(precision.param_dtype).eval()  # the caller's model stays as it is
+        precision.prepare_head(net)
+    was_training = model.training
+    model.eval()
+    try:
+        engine = HFRolloutEngine(net, tokenizer, autocast=precision.autocast)
+        rollout = engine.generate(prompt_ids, group_size=group_size, **sampling)
+        scoring = {"temperature": sampling["temperature"], "top_k": 0, "top_p": 1.0}
+        with torch.no_grad():
+            with precision.autocast():
+                trainer, _ = policy_logprobs(net, rollout, **scoring)
+            exact, _ = policy_logprobs(model, rollout, **scoring)
+    finally:
+        model.train(was_training)
+    mask = rollout.response_mask
+    for pair, behaviour, behaviour_lp, target, target_lp in (
+        (
+            "sampler vs trainer",
+            f"sampler ({spec}, KV cache)",
+            rollout.sampler_logprobs,
+            f"trainer ({spec})",
+            trainer,
+        ),
+        ("trainer vs fp32", f"trainer ({spec})", trainer, "full forward, fp32", exact),
+    ):
+        key = f"{spec}: {pair}"
+        pairs[key], valid = pair_stats(key, behaviour, target, behaviour_lp, target_lp, mask, cap=cap)
+        deltas[key] = valid.tolist()
+    return None
+
+
+def precision_table(result: MismatchResult) -> str:
+    """One row per measured precision: the sampler/trainer gap in it, and its distance from
+    float32; then a line per skipped precision saying why."""
+    rows = []
+    for p in result.precisions:
+        st, tf = result.pairs[f"{p}: sampler vs trainer"], result.pairs[f"{p}: trainer vs fp32"]
+        rows.append(
+            [p, st.n_tokens, st.abs_mean, st.abs_p99, st.abs_max, st.seq_weight_std, tf.abs_mean, tf.abs_max]
+        )
+    lines = ["sampler/trainer gap per training precision (each samples and recomputes in that precision)"]
+    if rows:
+        lines.append(
+            format_table(
+                [
+                    "precision",
+                    "tokens",
+                    "mean |d|",
+                    "p99 |d|",
+                    "max |d|",
+                    "seq W std",
+                    "vs fp32 mean |d|",
+                    "vs fp32 max |d|",
+                ],
+                rows,
+            )
+        )
+    lines += [f"skipped {p}: {why}" for p, why in result.skipped.items()]
+    return "\n".join(lines)
 
 
 def mismatch_table(result: MismatchResult) -> str:
@@ -333,6 +485,8 @@ def mismatch_table(result: MismatchResult) -> str:
         f"per-token log-ratio delta = log pi_train(fp32 full forward) - log pi_other at the sampled tokens; "
         f"{pairs[0].n_sequences} sequences, {pairs[0].n_tokens} tokens (mean length {s['mean_length']:.1f})"
     )
+    if result.precisions:
+        head += "; a 'P: a vs b' pair is log pi_b - log pi_a, both computed in precision P except fp32"
     dist = format_table(
         ["pair", "mean", "sigma", "mean |d|", "p50 |d|", "p99 |d|", "max |d|"],
         [[p.name, p.mean, p.std, p.abs_mean, p.abs_p50, p.abs_p99, p.abs_max] for p in pairs],
@@ -386,6 +540,8 @@ def mismatch_table(result: MismatchResult) -> str:
             )
         )
         lines.append("")
+    if result.precisions or result.skipped:
+        lines.append(precision_table(result))
     return "\n".join(lines).rstrip()
 
 
@@ -443,6 +599,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--sampler-dtype", default="float32", help="float32 or bfloat16 weights for the sampler")
     p.add_argument("--cap", type=float, default=2.0, help="importance-weight truncation")
+    p.add_argument(
+        "--precisions",
+        default="",
+        help="also measure these training precisions, comma-separated: fp32, bf16-mixed, fp16-mixed, "
+        "bf16-pure, a mixed one with +fp32-head (e.g. fp32,bf16-mixed,bf16-mixed+fp32-head,fp16-mixed)",
+    )
     add_run_args(p)
     return p
 
@@ -462,6 +624,7 @@ def main(argv: list[str]) -> str:
     check_positive_int(args.samples_per_prompt, "--samples-per-prompt")
     check_positive_int(args.max_new_tokens, "--max-new-tokens")
     check_temperature(args.temperature)
+    precisions = parse_precisions(args.precisions)
     output_dir = check_output_dir(args.output_dir)  # a file there is refused before the model loads
     model, tokenizer = load_lab_model(args.model)
     result = run_mismatch(
@@ -474,6 +637,7 @@ def main(argv: list[str]) -> str:
         sampler_dtype=args.sampler_dtype,
         cap=args.cap,
         seed=args.seed,
+        precisions=precisions,
         output_dir=output_dir,
     )
     lines = [result.table]

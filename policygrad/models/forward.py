@@ -8,7 +8,9 @@
   sampled distribution, from hidden states block by block where the model allows it;
 - :func:`inference_logprobs`: the same without autograd, in micro-batches (old and reference
   log-probs);
-- :func:`lm_loss`: next-token negative log-likelihood of text (the PPO-ptx term).
+- :func:`lm_loss`: next-token negative log-likelihood of text (the PPO-ptx term);
+- :class:`Float32Head` / :func:`float32_head`: an output head that computes in float32 under a
+  bf16/fp16 autocast (``model.lm_head_dtype: float32``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from policygrad.rollout.base import Rollout, SamplingParams
 __all__ = [
     "PACK_ROW_TOKENS",
     "PLAIN_HEAD_MODEL_TYPES",
+    "Float32Head",
     "call_as_forward",
+    "float32_head",
     "inference_logprobs",
     "is_sharded_root",
     "lm_loss",
@@ -90,17 +94,54 @@ def response_hidden(model, rollout: Rollout, *, share_prompts: bool = True) -> t
 PLAIN_HEAD_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
 
+class Float32Head(torch.nn.Linear):
+    """The LM head computing in float32 inside a bf16/fp16 autocast region: the hidden states
+    (float32, or the autocast dtype) are upcast and ``hidden @ W^T + b`` runs with autocast off,
+    so the logits, and the log-softmax after them, keep float32's 24 mantissa bits instead of
+    bf16's 8 (ScaleRL, Khatri et al. 2025, "The Art of Scaling RL Compute"). The weights stay
+    what they are (float32 master weights under a mixed precision); outside autocast it equals
+    ``torch.nn.Linear`` on float32 inputs. Made by :func:`float32_head` (a class swap: the
+    parameters, the state dict and ``save_pretrained`` are unchanged, and a deep copy keeps it).
+
+    Shapes: input [..., H] (any floating dtype), output [..., V] float32.
+    """
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        with torch.autocast(hidden.device.type, enabled=False):
+            return torch.nn.functional.linear(hidden.float(), self.weight.float(), bias)
+
+
+def float32_head(model) -> torch.nn.Module:
+    """Swap ``model``'s output head (``get_output_embeddings()``, of the base model when peft
+    wraps it) to :class:`Float32Head`, in place; tied embeddings stay tied (only the head's
+    forward changes). Returns the head.
+
+    Raises:
+        ValueError: the head is not a plain ``torch.nn.Linear`` (nothing else is converted)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    if type(head) is torch.nn.Linear:
+        head.__class__ = Float32Head
+    elif not isinstance(head, Float32Head):
+        raise ValueError(
+            f"model.lm_head_dtype=float32 needs an output head that is a torch.nn.Linear; "
+            f"{type(base).__name__}'s is {type(head).__name__}: unset model.lm_head_dtype"
+        )
+    return head
+
+
 def plain_output_head(model):
     """``(decoder, lm_head)`` when ``model``'s logits are exactly ``lm_head(decoder(...)[0])``
-    with ``lm_head`` a plain ``torch.nn.Linear`` (model type in :data:`PLAIN_HEAD_MODEL_TYPES`,
-    peft-wrapped or not, lm_head not adapted); None otherwise."""
+    with ``lm_head`` a plain ``torch.nn.Linear`` or :class:`Float32Head` (model type in
+    :data:`PLAIN_HEAD_MODEL_TYPES`, peft-wrapped or not, lm_head not adapted); None otherwise."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if config is None or getattr(config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
         return None
     head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
     decoder = base.get_decoder() if hasattr(base, "get_decoder") else None
-    if type(head) is not torch.nn.Linear or decoder is None or decoder is base:
+    if type(head) not in (torch.nn.Linear, Float32Head) or decoder is None or decoder is base:
         return None
     return decoder, head
 
@@ -384,6 +425,10 @@ def policy_logprobs(
     the forward (:meth:`~policygrad.rollout.base.Rollout.attention_mask`) but are not scored:
     log-prob and entropy are read at the ``response_mask`` positions only.
 
+    A :class:`Float32Head` (``model.lm_head_dtype: float32``) computes the head's matmul and the
+    log-softmax in float32 with autocast off, on the (upcast) hidden states of the body's
+    autocast forward.
+
     An FSDP2-sharded ``model`` runs this as its own forward (:func:`call_as_forward`), with one
     decoder call per batch (no prompt sharing): each call all-gathers every layer, so the number
     of calls must not depend on the data, or the ranks' collectives would not pair up."""
@@ -412,14 +457,25 @@ def policy_logprobs(
         if hidden_valid is None:
             hidden = _response_outputs(model, rollout, share_prompts=share_prompts, decoder=decoder)
             hidden_valid = hidden[valid]
-        lp, ent = logprobs_from_hidden(
-            hidden_valid,
-            lm_head.weight,
-            rollout.response_ids[valid],
-            temperature=temperature,
-            bias=lm_head.bias,
-            with_entropy=bool(with_entropy),
-        )
+        if type(lm_head) is Float32Head:  # the head's matmul in float32, outside the autocast
+            with torch.autocast(hidden_valid.device.type, enabled=False):
+                lp, ent = logprobs_from_hidden(
+                    hidden_valid.float(),
+                    lm_head.weight.float(),
+                    rollout.response_ids[valid],
+                    temperature=temperature,
+                    bias=None if lm_head.bias is None else lm_head.bias.float(),
+                    with_entropy=bool(with_entropy),
+                )
+        else:
+            lp, ent = logprobs_from_hidden(
+                hidden_valid,
+                lm_head.weight,
+                rollout.response_ids[valid],
+                temperature=temperature,
+                bias=lm_head.bias,
+                with_entropy=bool(with_entropy),
+            )
         logprobs = lp.new_zeros(valid.shape).masked_scatter(valid, lp)
         entropy = None
         if with_entropy:

@@ -45,6 +45,7 @@ __all__ = [
     "policy_optimizer",
     "resolve_dtype",
     "seed_everything",
+    "vllm_auto_dtype",
 ]
 
 log = logging.getLogger("policygrad")
@@ -208,7 +209,7 @@ def build_engine(
         models.model_path,
         models.tokenizer,
         models.eos_ids,
-        dtype=r.dtype if r.dtype != "auto" else str(dtype).removeprefix("torch."),
+        dtype=r.dtype if r.dtype != "auto" else vllm_auto_dtype(dtype, precision),
         seed=cfg.seed,
         max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
         kv_cache_gb=r.vllm_kv_cache_gb,
@@ -216,6 +217,15 @@ def build_engine(
         enable_prefix_caching=r.vllm_prefix_caching,
     )
     return engine, name
+
+
+def vllm_auto_dtype(dtype: torch.dtype, precision: Precision | None) -> str:
+    """``rollout.dtype: auto`` for vLLM: ``float16`` when the policy trains in ``fp16-mixed`` on
+    CUDA (the sampler then rounds as the trainer's fp16 compute does: Qi et al. 2025 run both
+    sides in fp16), else ``model.dtype`` resolved (``dtype``), as before ``fp16-mixed`` existed."""
+    if precision is not None and precision.name == "fp16-mixed" and precision.device_type == "cuda":
+        return "float16"
+    return str(dtype).removeprefix("torch.")
 
 
 def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, functions=None, reduce=None):
@@ -299,8 +309,9 @@ def optimizer_steps(cfg: TrainConfig) -> int:
     return max(1, cfg.steps * cfg.optim.ppo_epochs * cfg.optim.num_minibatches)
 
 
-def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy):
-    """The policy's AdamW, its schedule and the :class:`~policygrad.trainer.optim.OptimizerStep`."""
+def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy, scaler=None):
+    """The policy's AdamW, its schedule and the :class:`~policygrad.trainer.optim.OptimizerStep`
+    (``scaler``: fp16-mixed's ``torch.amp.GradScaler``, or None)."""
     o = cfg.optim
     params = [p for p in policy.parameters() if p.requires_grad]
     optimizer = make_adamw(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
@@ -309,7 +320,13 @@ def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy
         optimizer,
         scheduler,
         OptimizerStep(
-            optimizer, scheduler, params, max_grad_norm=o.max_grad_norm, device=device, strategy=strategy
+            optimizer,
+            scheduler,
+            params,
+            max_grad_norm=o.max_grad_norm,
+            device=device,
+            strategy=strategy,
+            scaler=scaler,
         ),
     )
 

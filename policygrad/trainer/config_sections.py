@@ -90,8 +90,18 @@ class ModelConfig:
     (a copy of the starting policy, computing as it does), follow ``precision``: ``fp32``,
     ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
     ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
-    opt-in) or ``auto`` (bf16-mixed on CUDA with bf16 or with ``dtype=bfloat16``, else
-    fp32); see :mod:`policygrad.trainer.precision`.
+    opt-in), ``fp16-mixed`` (float32 parameters, fp16 compute under autocast, dynamic loss
+    scaling; the ``optim/loss_scale`` metric; on CUDA the vLLM engine's ``rollout.dtype: auto``
+    is then float16; Qi et al. 2025 trace much of the sampler/trainer mismatch to bf16 rounding)
+    or ``auto`` (bf16-mixed on CUDA with bf16 or with
+    ``dtype=bfloat16``, else fp32); see :mod:`policygrad.trainer.precision`.
+
+    ``lm_head_dtype``: ``auto`` (or null, the default: the LM head computes as the body does) or
+    ``float32``: under ``bf16-mixed`` / ``fp16-mixed`` the head's matmul, the logits and the
+    log-probs run in float32 while the body runs under the autocast (ScaleRL's fp32 head, Khatri
+    et al. 2025), for the trainer's forwards, the reference and the hf engine's sampling (vLLM
+    keeps ``dtype``). Under ``fp32`` it is accepted and changes nothing (the head already is
+    float32); ``bf16-pure`` (bf16 head weights) refuses it.
 
     ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
     weights (transformers' ``trust_remote_code``). Off by default, and never asked interactively:
@@ -107,6 +117,7 @@ class ModelConfig:
     name: str = "bundled:smollm2-135m-instruct"
     dtype: str = "auto"
     precision: str = "auto"
+    lm_head_dtype: str | None = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
@@ -116,7 +127,16 @@ class ModelConfig:
         if not isinstance(self.name, str) or not self.name:
             raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
         check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
-        check_choice(f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure"})
+        check_choice(
+            f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure", "fp16-mixed"}
+        )
+        if self.lm_head_dtype is not None:
+            check_choice(f"{path}.lm_head_dtype", self.lm_head_dtype, {"auto", "float32"})
+        if self.lm_head_dtype == "float32" and self.precision == "bf16-pure":
+            raise ConfigError(
+                f"{path}.lm_head_dtype=float32 with {path}.precision=bf16-pure: the head's weights are "
+                f"bfloat16 there; set {path}.precision=bf16-mixed or unset {path}.lm_head_dtype"
+            )
         self.lora.validate(f"{path}.lora")
         if self.adapter is not None and self.lora.rank > 0:
             raise ConfigError(

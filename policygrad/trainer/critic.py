@@ -74,6 +74,7 @@ class CriticTrainer:
             max_grad_norm=max_grad_norm,
             device=device,
             strategy=self.strategy,
+            scaler=self.precision.grad_scaler(),  # fp16-mixed: the value loss is scaled too
         )
 
     def _values(self, rollout) -> torch.Tensor:
@@ -140,10 +141,16 @@ class CriticTrainer:
         }
 
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer and scheduler state (the weights are saved by ``ValueModel.save``)."""
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        """Optimizer and scheduler state (the weights are saved by ``ValueModel.save``), and the
+        loss scaler's under fp16-mixed (``grad_scaler``)."""
+        state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        if self.step.scaler is not None:
+            state["grad_scaler"] = self.step.scaler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if self.step.scaler is not None and state.get("grad_scaler"):
+            self.step.scaler.load_state_dict(state["grad_scaler"])

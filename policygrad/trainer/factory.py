@@ -133,7 +133,9 @@ def build_trainer(
         train_source = build_train_source(cfg.data, seed=cfg.seed)
     device = dist.device
     dtype = build.resolve_dtype(cfg.model.dtype, device)
-    precision = resolve_precision(cfg.model.precision, device, model_dtype=cfg.model.dtype)
+    precision = resolve_precision(
+        cfg.model.precision, device, model_dtype=cfg.model.dtype, lm_head_dtype=cfg.model.lm_head_dtype
+    )
     m = build_models(
         cfg,
         device=device,
@@ -146,6 +148,8 @@ def build_trainer(
     )
     if cfg.data.chat_template:
         m.tokenizer.chat_template = read_chat_template(cfg.data.chat_template)
+    precision.prepare_head(m.policy)  # model.lm_head_dtype=float32 (else nothing)
+    precision.prepare_head(m.reference)
     engine_name, _ = cfg.rollout.resolved_engine()
     engine_models = strategy.prepare_models(m, engine_name=engine_name, precision=precision)
     ahead = cfg.rollout.max_staleness > 0
@@ -210,7 +214,7 @@ def build_trainer(
     parts["kl"] = cfg.kl_placement
     parts["objective"] = build.build_objective(cfg, parts["kl"])
     optimizer, scheduler, optimizer_step = build.policy_optimizer(
-        cfg, m.policy, device=device, strategy=strategy
+        cfg, m.policy, device=device, strategy=strategy, scaler=precision.grad_scaler()
     )
     parts.update(optimizer=optimizer, scheduler=scheduler)
     parts["policy_step"] = build.build_policy_step(

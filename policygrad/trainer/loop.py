@@ -258,6 +258,8 @@ class Trainer:
             metrics.update(episode_metrics(sampled.episodes, sampled.rollout))
         metrics.update(stats.metrics(**self._update_metric_options()))
         metrics["optim/lr"] = self.scheduler.get_last_lr()[0]
+        if self.policy_step.step.scaler is not None:  # fp16-mixed
+            metrics["optim/loss_scale"] = self.policy_step.step.loss_scale
         return metrics
 
     # ------------------------------------------------------------------------------------------
@@ -470,6 +472,9 @@ class Trainer:
             "reward_normalizer": self.scorer.normalizer.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
         }
+        scaler = self.policy_step.step.scaler
+        if scaler is not None:  # fp16-mixed: the loss scale and its growth count, for an exact resume
+            state["grad_scaler"] = scaler.state_dict()
         if self.critic_trainer is not None:
             state["critic"] = self.critic_trainer.state_dict()
             if sharded:
@@ -514,18 +519,34 @@ class Trainer:
             for group in optimizer.param_groups:
                 group["fused"] = fused
         self.scheduler.load_state_dict(state["scheduler"])
+        self._load_controllers(state)
+        if critic is not None:
+            critic.scheduler.load_state_dict(state["critic"]["scheduler"])
+            if critic.step.scaler is not None and state["critic"].get("grad_scaler"):
+                critic.step.scaler.load_state_dict(state["critic"]["grad_scaler"])
+        self._load_loss_scale(state, checkpoint)
+        if self.ptx_data is not None:
+            self.ptx_data.position = state.get("ptx_position", 0)
+        random.setstate(state["rng"]["python"])
+        torch.set_rng_state(state["rng"]["torch"])
+
+    def _load_controllers(self, state: dict[str, Any]) -> None:
+        """The KL and entropy coefficients' controllers and the reward normaliser."""
         self.kl_ctl.load_state_dict(state["kl_controller"])
         if self.entropy_ctl is not None and "entropy_controller" in state:
             self.entropy_ctl.load_state_dict(state["entropy_controller"])
             self.objective.entropy_coef = self.entropy_ctl.value
         if "reward_normalizer" in state:
             self.scorer.normalizer.load_state_dict(state["reward_normalizer"])
-        if critic is not None:
-            critic.scheduler.load_state_dict(state["critic"]["scheduler"])
-        if self.ptx_data is not None:
-            self.ptx_data.position = state.get("ptx_position", 0)
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
+
+    def _load_loss_scale(self, state: dict[str, Any], checkpoint: str) -> None:
+        scaler = self.policy_step.step.scaler
+        if scaler is not None:
+            if state.get("grad_scaler"):
+                scaler.load_state_dict(state["grad_scaler"])
+            else:  # a checkpoint of another precision: the scale starts over
+                start = scaler.get_scale()
+                log.warning("note: checkpoint %s has no fp16 loss scale; starting from %g", checkpoint, start)
 
     def _load_pipeline_state(self, state: dict[str, Any], checkpoint: str) -> None:
         saved = state.get("pipeline")

@@ -85,6 +85,7 @@ METRICS: dict[str, str] = {
     "optim/grad_norm": "mean gradient norm before clipping",
     "optim/lr": "the policy's learning rate after this step",
     "optim/early_stopped": "1 when optim.target_kl stopped the update",
+    "optim/loss_scale": "fp16-mixed's dynamic loss scale after this step (halved at each skipped step)",
     "ptx/loss": "mean PPO-ptx language-modelling loss",
     # critic
     "critic/vf_loss": "token-weighted value loss of the critic steps",

@@ -11,6 +11,7 @@ Hutter 2019, decoupled weight decay)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import torch
 
 from policygrad.trainer.runtime import synced_clock
+
+log = logging.getLogger(__name__)
 
 
 def make_adamw(
@@ -117,9 +120,27 @@ class OptimizerStep:
             ``collective`` strategy (FSDP) every loss is backpropagated even after a non-finite
             one, since each backward is a collective every rank must join, and the step is then
             skipped on all ranks.
+        scaler: a ``torch.amp.GradScaler`` (``model.precision: fp16-mixed``), or None (no loss
+            scaling: the step is exactly as without this argument). Each loss is multiplied by
+            the scale before its backward; :meth:`apply` divides the (rank-summed) gradients by
+            it before clipping, and a step whose gradient norm is not finite is skipped and the
+            scale multiplied by the backoff factor (0.5), with a log line (Micikevicius et al.
+            2018, "Mixed Precision Training", dynamic loss scaling). The skip follows the
+            gradient norm, not the scaler's per-device record, so every rank agrees on it.
     """
 
-    def __init__(self, optimizer, scheduler, params, *, max_grad_norm: float, device: torch.device, strategy):
+    def __init__(
+        self,
+        optimizer,
+        scheduler,
+        params,
+        *,
+        max_grad_norm: float,
+        device: torch.device,
+        strategy,
+        scaler: torch.amp.GradScaler | None = None,
+    ):
+        self.scaler = scaler
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.params = list(params)
@@ -153,7 +174,10 @@ class OptimizerStep:
             if not self.strategy.collective:
                 return False
         start = synced_clock(self.device)
-        loss.backward()
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward()  # fp16 gradients of the scaled loss: no underflow
+        else:
+            loss.backward()
         self.outcome.backward_s += synced_clock(self.device) - start
         if count and self.finite:
             self.outcome.loss = self.outcome.loss + loss.item()
@@ -171,6 +195,8 @@ class OptimizerStep:
         out = self.outcome
         finite = self.strategy.sync_gradients(self.params, self.finite)
         start = time.perf_counter()
+        if finite and self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # after the rank sum: every rank unscales the same sum
         if finite:
             norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
             out.grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -179,6 +205,33 @@ class OptimizerStep:
             self.optimizer.step()
             self.scheduler.step()
             out.applied = True
+        if self.scaler is not None:
+            self._update_scale(finite)
         self.optimizer.zero_grad(set_to_none=True)
         out.optimizer_s = synced_clock(self.device) - start
         return out
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The scaler's current loss scale, or None without a scaler."""
+        return None if self.scaler is None else float(self.scaler.get_scale())
+
+    def _update_scale(self, applied: bool) -> None:
+        """The scaler's end of a step: a clean step counts towards growth (``update()`` reads the
+        zero overflow ``unscale_`` recorded); a skipped one backs the scale off and restarts the
+        growth count, whatever this rank's own shard of the gradients held."""
+        scaler = self.scaler
+        if applied:
+            scaler.update()
+            return
+        old = scaler.get_scale()
+        scaler.scale(torch.zeros((), device=self.device))  # creates the scale if no loss was scaled yet
+        scaler.update(old * scaler.get_backoff_factor())  # also clears the per-step unscale_ record
+        state = scaler.state_dict()
+        state["_growth_tracker"] = 0
+        scaler.load_state_dict(state)
+        log.warning(
+            "note: non-finite gradients under fp16 loss scaling; step skipped, loss scale %g -> %g",
+            old,
+            scaler.get_scale(),
+        )

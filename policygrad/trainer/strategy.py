@@ -121,13 +121,21 @@ class FSDP(Single):
         computes as the policy does, or the first KL is not 0).
 
         Raises:
-            ConfigError: the policy is a LoRA adapter (a LoRA run trains an adapter every rank holds).
+            ConfigError: the policy is a LoRA adapter (a LoRA run trains an adapter every rank holds);
+                fp16-mixed or an fp32 head (FSDP2's mixed-precision policy casts every gathered
+                weight, the head's too, and its gradient shards would need a sharded scaler).
         """
         if is_peft_model(models.policy):
             raise ConfigError(
                 f"distributed.strategy=fsdp shards full fine-tuning, and model.name={self.model_name!r} is "
                 "a LoRA adapter; a LoRA run trains a small adapter every rank can hold: set "
                 "distributed.strategy=ddp"
+            )
+        if precision.loss_scaling or precision.head_dtype is not None:
+            field = "model.precision=fp16-mixed" if precision.loss_scaling else "model.lm_head_dtype=float32"
+            raise ConfigError(
+                f"{field} is not supported with distributed.strategy=fsdp; use distributed.strategy=ddp, "
+                "or model.precision=bf16-mixed without model.lm_head_dtype"
             )
         self.full_policy = copy.deepcopy(models.policy).requires_grad_(False).eval()
         if engine_name == "vllm":

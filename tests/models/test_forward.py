@@ -17,6 +17,8 @@ import torch
 
 from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.models.forward import (
+    Float32Head,
+    float32_head,
     packed_response_hidden,
     plain_output_head,
     policy_logprobs,
@@ -246,3 +248,88 @@ def test_forwards_default_to_the_rollouts_sampling_params_bit_for_bit(truncation
             assert not torch.equal(ref, old)  # truncation changed the numbers
     with pytest.raises(TypeError, match="either sampling= or temperature="):
         policy_logprobs(model, rollout, sampling=sampling, temperature=0.7)
+
+
+# ----------------------------------------------------------------------------- fp32 LM head
+
+
+def _hand_logprobs(hidden, weight, tokens, temperature):
+    """log softmax(hidden @ W^T / T) at ``tokens``, plainly: the head in the dtype of its inputs."""
+    return torch.log_softmax((hidden @ weight.t()).float() / temperature, dim=-1).gather(-1, tokens[:, None])[
+        :, 0
+    ]
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-head", "logits"])
+def test_float32_head_under_bf16_autocast_is_fp32_on_the_bf16_body(fused):
+    """``model.lm_head_dtype: float32`` under ``bf16-mixed``: the body's matmuls run in bf16, the
+    head's in float32 on the body's own hidden states.
+
+    The reference is computed by hand: hidden states from the decoder under the same bf16
+    autocast (the same kernels, so the same numbers), then ``hidden @ W^T`` and the log-softmax
+    in float32 outside autocast. The kernel's blocked log-sum-exp differs from
+    ``torch.log_softmax`` by float32 rounding only: log-probs of order log V = 4.6 (V = 100),
+    unit roundoff 2**-24 = 6e-8, a few roundings per term -> atol 1e-5. A bf16 head instead rounds each
+    logit's inputs to 8 significant bits (relative 2**-8 = 3.9e-3 per input): on logits of size
+    ~1 (initializer_range 0.5, hidden 32) that is ~1e-3 nats per token, so the plain head must
+    differ from the float32 reference by more than 1e-4 somewhere, and match its own bf16 hand
+    computation instead."""
+    model, _ = make_tiny_llama(seed=0, initializer_range=0.5)
+    model.eval()
+    rollout = _rollout()
+    valid = rollout.response_mask > 0
+    body_dtypes, head_dtypes = [], []
+    body = model.model.layers[0].mlp.down_proj.register_forward_hook(
+        lambda _m, _i, o: body_dtypes.append(o.dtype)
+    )
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = response_hidden(model, rollout, share_prompts=False)
+        bf16_lp, _ = policy_logprobs(model, rollout, share_prompts=False, fused_head=fused)
+    with torch.no_grad():
+        bf16_hand = _hand_logprobs(
+            hidden[valid].bfloat16(), model.lm_head.weight.bfloat16(), rollout.response_ids[valid], 1.0
+        )
+        fp32_hand = _hand_logprobs(
+            hidden[valid].float(), model.lm_head.weight, rollout.response_ids[valid], 1.0
+        )
+    assert type(model.lm_head) is torch.nn.Linear  # today's behaviour without the option
+    torch.testing.assert_close(bf16_lp[valid], bf16_hand, atol=1e-5, rtol=0)
+    assert (bf16_lp[valid] - fp32_hand).abs().max() > 1e-4
+
+    head = float32_head(model)
+    assert (
+        type(head) is Float32Head and head is model.lm_head and head.weight is model.model.embed_tokens.weight
+    )
+    hook = head.register_forward_hook(lambda _m, _i, o: head_dtypes.append(o.dtype))
+    body_dtypes.clear()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _ = policy_logprobs(model, rollout, share_prompts=False, fused_head=fused)
+    body.remove(), hook.remove()
+    assert body_dtypes and set(body_dtypes) == {torch.bfloat16}  # the body computed in bf16
+    if not fused:
+        assert head_dtypes and set(head_dtypes) == {torch.float32}  # the head module gave fp32 logits
+    assert lp.dtype == torch.float32
+    torch.testing.assert_close(lp[valid], fp32_hand, atol=1e-5, rtol=0)
+    assert bool((lp[~valid] == 0).all()) or not fused
+
+
+def test_float32_head_trains_like_linear_outside_autocast_and_refuses_other_heads():
+    """Outside autocast a Float32Head is the same float32 Linear: same log-probs and gradients
+    bit for bit (the class swap changes nothing else; the state dict is the same)."""
+    plain, _ = make_tiny_llama(seed=0)
+    swapped, _ = make_tiny_llama(seed=0)
+    float32_head(swapped)
+    assert plain.state_dict().keys() == swapped.state_dict().keys()
+    rollout = _rollout()
+    grads = []
+    for model in (plain, swapped):
+        lp, _ = policy_logprobs(model, rollout)
+        lp.sum().backward()
+        grads.append((lp.detach(), model.lm_head.weight.grad.clone()))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    assert float32_head(swapped) is swapped.lm_head  # idempotent
+    swapped.lm_head = torch.nn.Identity()
+    with pytest.raises(
+        ValueError, match="lm_head_dtype=float32 needs an output head that is a torch.nn.Linear"
+    ):
+        float32_head(swapped)

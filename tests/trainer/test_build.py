@@ -25,7 +25,7 @@ pytestmark = pytest.mark.unit
 
 
 def _config(tmp_path, **sections):
-    return config_with(tmp_path, 'org/model', **sections)
+    return config_with(tmp_path, "org/model", **sections)
 
 
 def _draws():
@@ -146,3 +146,16 @@ def test_build_objective_carries_the_configs_choices(tmp_path):
 
 def test_no_ptx_stream_without_a_coefficient(tmp_path):
     assert build.build_ptx(_config(tmp_path), tokenizer=None) is None
+
+
+def test_vllm_auto_dtype_follows_fp16_mixed_on_cuda_only():
+    from policygrad.trainer.precision import Precision
+
+    fp16_cuda = Precision("fp16-mixed", torch.float32, torch.float16, "cuda", loss_scaling=True)
+    fp16_cpu = Precision("fp16-mixed", torch.float32, torch.float16, "cpu", loss_scaling=True)
+    bf16_cuda = Precision("bf16-mixed", torch.float32, torch.bfloat16, "cuda")
+    assert build.vllm_auto_dtype(torch.bfloat16, fp16_cuda) == "float16"
+    # Everything else keeps model.dtype, as before fp16-mixed existed.
+    assert build.vllm_auto_dtype(torch.float32, fp16_cpu) == "float32"
+    assert build.vllm_auto_dtype(torch.bfloat16, bf16_cuda) == "bfloat16"
+    assert build.vllm_auto_dtype(torch.bfloat16, None) == "bfloat16"

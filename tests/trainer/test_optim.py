@@ -198,3 +198,56 @@ def test_lr_schedule_cosine_and_constant():
     g = lr_schedule(_cfg("constant", warmup=4), total=8)
     assert [g(k) for k in (0, 3, 4, 100)] == [0.25, 1.0, 1.0, 1.0]
     assert lr_schedule(_cfg("linear"), total=1)(0) == 1.0 and lr_schedule(_cfg("linear"), total=1)(1) == 0.0
+
+
+# ----------------------------------------------------------------------------- fp16 loss scaling
+
+
+def _scaled_step(p, scaler):
+    opt = torch.optim.SGD([p], lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+    return OptimizerStep(
+        opt, sched, [p], max_grad_norm=100.0, device=CPU, strategy=Single(Dist()), scaler=scaler
+    )
+
+
+def test_loss_scaling_unscales_before_the_step_and_skips_an_overflow_halving_the_scale(caplog):
+    # Scale 2**4, growth every 2 clean steps. loss = 3 p: the backward sees 16 * 3 = 48, the step
+    # sees 48 / 16 = 3 (powers of two: exact), so SGD lr 0.1 moves p = 1 to 1 - 0.3 = 0.7.
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    scaler = torch.amp.GradScaler("cpu", init_scale=16.0, growth_interval=2)
+    step = _scaled_step(p, scaler)
+    step.zero()
+    assert step.backward(3 * p.sum())
+    out = step.apply()
+    assert out.applied and out.grad_norm == 3.0 and out.loss == 3.0
+    assert p.item() == pytest.approx(0.7) and step.loss_scale == 16.0
+    # loss = 1e38 p (finite: 7e37): the scaled gradient 16e38 overflows float32 (max 3.4e38) to
+    # inf -> the step is skipped,
+    # p stays 0.7, the scale halves to 8 and the growth count restarts.
+    step.zero()
+    step.backward(1e38 * p.sum())
+    with caplog.at_level("WARNING"):
+        out = step.apply()
+    assert not out.applied and p.item() == pytest.approx(0.7) and p.grad is None
+    assert step.loss_scale == 8.0 and scaler.state_dict()["_growth_tracker"] == 0
+    assert "loss scale 16 -> 8" in caplog.text
+    # Two clean steps at scale 8: the second doubles it back to 16 (growth_interval 2).
+    for expected in (8.0, 16.0):
+        step.zero()
+        step.backward(p.sum())
+        assert step.apply().applied and step.loss_scale == expected
+    assert p.item() == pytest.approx(0.5)
+
+
+def test_a_nonfinite_loss_before_any_scaled_loss_still_backs_the_scale_off():
+    # The first loss is NaN: nothing was scaled or backpropagated; the scale still halves (65536 -> 32768).
+    p = torch.nn.Parameter(torch.tensor([1.0]))
+    step = _scaled_step(p, torch.amp.GradScaler("cpu"))
+    step.zero()
+    assert not step.backward(p.sum() * float("nan"))
+    assert not step.apply().applied and step.loss_scale == 32768.0 and p.item() == 1.0
+
+
+def test_without_a_scaler_the_step_reports_no_loss_scale():
+    assert _step(_net()).loss_scale is None

@@ -3,12 +3,18 @@ autocast (CPU autocast here), against a float32 run and the pure-bf16 opt-in."""
 
 from __future__ import annotations
 
+import json
+import math
+import os
+
 import pytest
 import torch
 
+from policygrad.models.forward import Float32Head
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rollout import HFRolloutEngine
 from policygrad.run import Run
+from policygrad.trainer.config import ConfigError
 from policygrad.trainer.precision import resolve_precision
 
 pytestmark = pytest.mark.integration
@@ -129,3 +135,189 @@ def test_reference_computes_like_the_policy_so_the_first_kl_is_zero(make_config,
     else:
         assert metrics["kl/ref"] == 0.0
         assert metrics["reward/non_score"] == 0.0
+
+
+# ----------------------------------------------------------------------------- fp32 head, fp16-mixed
+
+
+def test_resolve_precision_fp16_and_the_head():
+    cpu = torch.device("cpu")
+    fp16 = resolve_precision("fp16-mixed", cpu)  # torch's CPU autocast has float16
+    assert (fp16.param_dtype, fp16.autocast_dtype, fp16.loss_scaling) == (torch.float32, torch.float16, True)
+    assert isinstance(fp16.grad_scaler(), torch.amp.GradScaler) and fp16.grad_scaler().get_scale() == 2.0**16
+    mixed = resolve_precision("bf16-mixed", cpu)
+    assert mixed.head_dtype is None and mixed.grad_scaler() is None and not mixed.loss_scaling
+    assert resolve_precision("bf16-mixed", cpu, lm_head_dtype="float32").head_dtype == torch.float32
+    assert resolve_precision("fp16-mixed", cpu, lm_head_dtype="float32").head_dtype == torch.float32
+    # fp32: the head already is float32 -> accepted, nothing to do (no class swap).
+    assert resolve_precision("fp32", cpu, lm_head_dtype="float32") == resolve_precision("fp32", cpu)
+    assert resolve_precision("auto", cpu, lm_head_dtype=None) == resolve_precision("auto", cpu)
+    with pytest.raises(ConfigError, match="model.lm_head_dtype=float32 with model.precision=bf16-pure"):
+        resolve_precision("bf16-pure", cpu, lm_head_dtype="float32")
+    with pytest.raises(ValueError, match="model.lm_head_dtype='float16' is not valid"):
+        resolve_precision("bf16-mixed", cpu, lm_head_dtype="float16")
+
+
+def test_fp16_mixed_is_refused_where_autocast_has_no_float16(monkeypatch):
+    import policygrad.trainer.precision as precision
+
+    monkeypatch.setattr(precision, "unsupported_reason", lambda *_: "no float16 here")
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.precision=fp16-mixed needs float16 autocast \(no float16 here\); use a GPU",
+    ):
+        precision.resolve_precision("fp16-mixed", torch.device("cpu"))
+
+
+def test_config_names_the_head_field_and_refuses_it_with_bf16_pure(make_config):
+    with pytest.raises(
+        ConfigError, match=r"model.lm_head_dtype='bf16' is not valid; choose one of \['auto', 'float32'\]"
+    ):
+        make_config(model={"lm_head_dtype": "bf16"})
+    with pytest.raises(ConfigError, match="model.lm_head_dtype=float32 with model.precision=bf16-pure"):
+        make_config(model={"lm_head_dtype": "float32", "precision": "bf16-pure"})
+    assert make_config(model={"lm_head_dtype": None}).model.lm_head_dtype is None  # YAML null: auto
+    assert make_config().model.lm_head_dtype == "auto"
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_fp32_head_run_gives_policy_reference_and_sampler_the_float32_head(make_config, precision):
+    """The policy, the reference and the hf engine (sampling with the live policy) all carry the
+    float32 head, so the reference computes as the policy does and the first KL is exactly 0."""
+    cfg = make_config(
+        f"head-{precision}",
+        steps=1,
+        model={"precision": precision, "lm_head_dtype": "float32"},
+        kl={"placement": "loss", "beta": 0.1, "kind": "k3"},
+    )
+    run = Run(cfg)
+    try:
+        trainer = run.trainer
+        assert type(trainer.policy.lm_head) is Float32Head and type(trainer.reference.lm_head) is Float32Head
+        assert trainer.engine.model is trainer.policy
+        metrics = trainer.step()
+    finally:
+        run.close()
+    assert metrics["kl/loss_term"] == 0.0
+    assert ("optim/loss_scale" in metrics) == (precision == "fp16-mixed")
+
+
+def test_fp32_head_with_lora_reference_is_the_policy_with_adapters_off(make_config):
+    """A LoRA run's reference is the policy itself with the adapter disabled: it shares the
+    float32 head (the base model's, not adapted), and the first KL is exactly 0."""
+    cfg = make_config(
+        "head-lora",
+        steps=1,
+        model={"precision": "bf16-mixed", "lm_head_dtype": "float32", "lora": {"rank": 4, "alpha": 8.0}},
+        kl={"placement": "loss", "beta": 0.1, "kind": "k3"},
+    )
+    run = Run(cfg)
+    try:
+        assert run.trainer.reference is None
+        assert type(run.trainer.policy.get_base_model().lm_head) is Float32Head
+        metrics = run.trainer.step()
+    finally:
+        run.close()
+    assert metrics["kl/loss_term"] == 0.0 and metrics["optim/steps"] == 1
+
+
+def test_default_head_is_the_plain_linear(make_config):
+    run = Run(make_config(model={"precision": "bf16-mixed"}))
+    try:
+        assert type(run.trainer.policy.lm_head) is torch.nn.Linear
+        assert run.trainer.policy_step.step.scaler is None
+    finally:
+        run.close()
+
+
+def test_fp16_mixed_moves_float32_master_weights_like_a_float32_run(make_config, eos_model_dir):
+    """fp16-mixed trains the float32 master weights in the direction of a float32 run. fp16 keeps
+    11 significant bits (unit roundoff 2**-11 = 4.9e-4, 8x finer than bf16's 2**-8), so the same
+    bounds as bf16-mixed's test hold with room: grad norm within 5e-2, update cosine >= 0.9."""
+    _, before32, after32, m32 = run_steps(make_config, eos_model_dir, "fp32")
+    run, before, after, fp16 = run_steps(make_config, eos_model_dir, "fp16-mixed")
+    assert all(p.dtype == torch.float32 for p in run.trainer.policy.parameters())
+    assert run.trainer.policy_step.step.scaler is not None
+    changed = sum(int((after[k] != before[k]).sum()) for k in before)
+    assert changed / sum(p.numel() for p in before.values()) >= 0.99
+    for a, b in zip(fp16, m32):
+        assert a["optim/steps"] == 1 and a["optim/skipped_nonfinite"] == 0
+        assert a["optim/loss_scale"] == 2.0**16  # no overflow; growth only after 2000 clean steps
+        assert a["optim/grad_norm"] == pytest.approx(b["optim/grad_norm"], rel=5e-2)
+        assert "optim/loss_scale" not in b
+    d16 = torch.cat([(after[k] - before[k]).flatten() for k in before])
+    d32 = torch.cat([(after32[k] - before32[k]).flatten() for k in before])
+    cosine = torch.nn.functional.cosine_similarity(d16, d32, dim=0).item()
+    assert cosine >= 0.9, cosine
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypatch, algorithm):
+    """A scaler that grows every step (growth_interval 1, from 2**13) makes the scale a function
+    of the whole history: 2**14, 2**15, ... until fp16 gradients overflow, when a step is skipped
+    and the scale halves. A resume that lost the scaler's state would restart at 2**13 and log a
+    different optim/loss_scale (and skip other steps): resumed must equal straight."""
+    from policygrad.trainer.loop import Trainer
+    from policygrad.trainer.precision import Precision
+
+    monkeypatch.setattr(
+        Precision,
+        "grad_scaler",
+        lambda self: (
+            torch.amp.GradScaler(self.device_type, init_scale=2.0**13, growth_interval=1)
+            if self.loss_scaling
+            else None
+        ),
+    )
+    sections = {
+        "steps": 4,
+        "model": {"precision": "fp16-mixed"},
+        "optim": {"lr": 1e-3, "micro_batch_size": 4},
+    }
+    if algorithm == "ppo":  # the critic's own scaler is saved with the critic's state
+        sections.update(algorithm="ppo", critic={"lr": 1e-2}, kl={"placement": "reward", "beta": 0.1})
+    straight = Run(make_config("straight", **sections))
+    straight.train()
+    cfg = make_config("resumed", save_every=2, **sections)
+    step = Trainer.step
+
+    def dies_at_step_4(self):
+        if self.step_idx == 3:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).train()
+    monkeypatch.setattr(Trainer, "step", step)
+    resumed = Run(cfg, resume_from=cfg.output_dir)
+    assert resumed.trainer.step_idx == 2
+    resumed.train()
+    rows, straight_rows = _metrics_rows(cfg.output_dir), _metrics_rows(straight.run_dir)
+    assert rows == straight_rows
+    scales = [r["optim/loss_scale"] for r in straight_rows if "optim/loss_scale" in r]
+    assert len(scales) == 4 and scales[0] == 2.0**14 and len(set(scales)) > 1
+    a, b = resumed.trainer.policy_step.step.scaler, straight.trainer.policy_step.step.scaler
+    assert a.state_dict() == b.state_dict()
+    if algorithm == "ppo":
+        a, b = resumed.trainer.critic_trainer, straight.trainer.critic_trainer
+        assert a.step.scaler.state_dict() == b.step.scaler.state_dict()
+        assert a.state_dict()["grad_scaler"]["scale"] == b.step.scaler.get_scale() != 2.0**13
+        for x, y in zip(resumed.trainer.critic.parameters(), straight.trainer.critic.parameters()):
+            assert torch.equal(x, y)
+    for x, y in zip(resumed.trainer.policy.parameters(), straight.trainer.policy.parameters()):
+        assert torch.equal(x, y)
+
+
+def _metrics_rows(run_dir) -> list[dict]:
+    volatile = ("time/", "memory/", "perf/")
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [
+        {
+            k: ("nan" if isinstance(v, float) and math.isnan(v) else v)
+            for k, v in r.items()
+            if not k.startswith(volatile)
+        }
+        for r in rows
+    ]

@@ -9,6 +9,7 @@ import torch
 from policygrad.trainer import strategy as strategy_module
 from policygrad.trainer.config import ConfigError, load_config
 from policygrad.trainer.distributed import Dist
+from policygrad.trainer.precision import Precision
 from policygrad.trainer.strategy import DDP, FSDP, Single, make_strategy
 
 pytestmark = pytest.mark.unit
@@ -135,3 +136,29 @@ def test_fsdp_refuses_a_loaded_lora_policy(monkeypatch):
     with pytest.raises(ConfigError, match=r"model\.name='org/adapter' is a LoRA adapter.*strategy=ddp"):
         fsdp.prepare_models(Models(), engine_name="hf", precision=None)
     assert fsdp.full_policy is None  # nothing was copied or sharded
+
+
+@pytest.mark.parametrize(
+    ("precision", "field"),
+    [
+        (
+            Precision("fp16-mixed", torch.float32, torch.float16, "cpu", loss_scaling=True),
+            "model.precision=fp16-mixed",
+        ),
+        (
+            Precision("bf16-mixed", torch.float32, torch.bfloat16, "cpu", torch.float32),
+            "model.lm_head_dtype=float32",
+        ),
+    ],
+)
+def test_fsdp_refuses_fp16_loss_scaling_and_the_fp32_head(precision, field):
+    # FSDP2's mixed-precision policy casts every gathered weight (the head's too) to the compute
+    # dtype, and its sharded gradients would need a sharded scaler: refused, naming the field.
+    class Models:
+        policy = torch.nn.Linear(2, 2)
+        reference = None
+
+    fsdp = FSDP(FakeDist(), model_name="org/model")
+    with pytest.raises(ConfigError, match=f"^{field} is not supported with distributed.strategy=fsdp; use"):
+        fsdp.prepare_models(Models(), engine_name="hf", precision=precision)
+    assert fsdp.full_policy is None
