@@ -169,3 +169,32 @@ def config_with(tmp_path, model_name: str, **sections):
     for key, value in sections.items():
         tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
     return load_config(None, tree)
+
+
+def interrupted_and_resumed(make_config, monkeypatch, sections: dict, *, dies_at: int, save_every: int = 2):
+    """A straight run of ``sections`` (``straight``), and the same config (``cfg``, output
+    ``resumed``) saving every ``save_every`` steps and killed by a KeyboardInterrupt at the start
+    of step index ``dies_at``, then resumed from its newest checkpoint (``resumed``: the Run after
+    ``train()``). Returns ``(straight, cfg, resumed)``; ``resumed.trainer.step_idx`` was
+    ``save_every * (dies_at // save_every)`` when it restarted (checked)."""
+    from policygrad.run import Run
+    from policygrad.trainer.loop import Trainer
+
+    straight = Run(make_config("straight", **sections))
+    straight.train()
+    cfg = make_config("resumed", save_every=save_every, **sections)
+    step = Trainer.step
+
+    def dies(self):
+        if self.step_idx == dies_at:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", dies)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).train()
+    monkeypatch.setattr(Trainer, "step", step)
+    resumed = Run(cfg, resume_from=cfg.output_dir)
+    assert resumed.trainer.step_idx == save_every * (dies_at // save_every)
+    resumed.train()
+    return straight, cfg, resumed

@@ -25,10 +25,9 @@ from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.rewards.reward_model import RewardModel
 from policygrad.run import Run
 from policygrad.trainer.config import ConfigError, load_config
-from policygrad.trainer.loop import Trainer
 from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
 from tests.tiny import make_tiny_llama
-from tests.trainer.conftest import write_jsonl
+from tests.trainer.conftest import interrupted_and_resumed, write_jsonl
 from tests.trainer.test_loop import comparable, model_weights, poison_masked_positions, same_tree
 
 pytestmark = pytest.mark.integration
@@ -524,23 +523,7 @@ def test_resume_restores_the_critic_and_normalizer(make_config, monkeypatch):
         optim={"ppo_epochs": 2, "num_minibatches": 2, "schedule": "cosine"},
         critic={"clip_range": 0.2},
     )
-    straight = Run(make_config("straight", **sections))
-    straight.train()
-    cfg = make_config("resumed", save_every=2, **sections)
-    step = Trainer.step
-
-    def dies_at_step_3(self):
-        if self.step_idx == 2:
-            raise KeyboardInterrupt
-        return step(self)
-
-    monkeypatch.setattr(Trainer, "step", dies_at_step_3)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg).train()
-    monkeypatch.setattr(Trainer, "step", step)
-    resumed = Run(cfg, resume_from=cfg.output_dir)
-    assert resumed.trainer.step_idx == 2
-    resumed.train()
+    straight, cfg, resumed = interrupted_and_resumed(make_config, monkeypatch, sections, dies_at=2)
     assert same_tree(model_weights(resumed.trainer.critic), model_weights(straight.trainer.critic))
     assert same_tree(model_weights(resumed.trainer.policy), model_weights(straight.trainer.policy))
     assert resumed.trainer.scorer.normalizer.state_dict() == straight.trainer.scorer.normalizer.state_dict()

@@ -16,6 +16,7 @@ from policygrad.rollout import HFRolloutEngine
 from policygrad.run import Run
 from policygrad.trainer.config import ConfigError
 from policygrad.trainer.precision import resolve_precision
+from tests.trainer.conftest import interrupted_and_resumed
 
 pytestmark = pytest.mark.integration
 
@@ -257,7 +258,6 @@ def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypa
     of the whole history: 2**14, 2**15, ... until fp16 gradients overflow, when a step is skipped
     and the scale halves. A resume that lost the scaler's state would restart at 2**13 and log a
     different optim/loss_scale (and skip other steps): resumed must equal straight."""
-    from policygrad.trainer.loop import Trainer
     from policygrad.trainer.precision import Precision
 
     monkeypatch.setattr(
@@ -276,23 +276,7 @@ def test_fp16_mixed_resume_restores_the_loss_scale_exactly(make_config, monkeypa
     }
     if algorithm == "ppo":  # the critic's own scaler is saved with the critic's state
         sections.update(algorithm="ppo", critic={"lr": 1e-2}, kl={"placement": "reward", "beta": 0.1})
-    straight = Run(make_config("straight", **sections))
-    straight.train()
-    cfg = make_config("resumed", save_every=2, **sections)
-    step = Trainer.step
-
-    def dies_at_step_4(self):
-        if self.step_idx == 3:
-            raise KeyboardInterrupt
-        return step(self)
-
-    monkeypatch.setattr(Trainer, "step", dies_at_step_4)
-    with pytest.raises(KeyboardInterrupt):
-        Run(cfg).train()
-    monkeypatch.setattr(Trainer, "step", step)
-    resumed = Run(cfg, resume_from=cfg.output_dir)
-    assert resumed.trainer.step_idx == 2
-    resumed.train()
+    straight, cfg, resumed = interrupted_and_resumed(make_config, monkeypatch, sections, dies_at=3)
     rows, straight_rows = _metrics_rows(cfg.output_dir), _metrics_rows(straight.run_dir)
     assert rows == straight_rows
     scales = [r["optim/loss_scale"] for r in straight_rows if "optim/loss_scale" in r]
