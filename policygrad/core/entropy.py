@@ -100,7 +100,7 @@ def covariance_selection(
 
     - ``mode="kl_cov"``: the ``floor(ratio * N)`` valid tokens with the largest ``cov`` (eq. 9;
       ties go to the earlier token in row-major order).
-    - ``mode="clip_cov"``: ``max(floor(ratio * N), 1)`` tokens drawn uniformly without
+    - ``mode="clip_cov"``: ``max(floor(ratio * N), 1)`` tokens (none at ``ratio`` 0) drawn uniformly without
       replacement from the valid (and ``eligible``) tokens with ``lb <= cov <= ub`` (eq. 8), all
       of them when fewer qualify. The draw is a fixed function of each token's (row id, position)
       (``rows``: the row ids, default ``arange(B)``), so a token is chosen or not whatever
@@ -139,11 +139,13 @@ def covariance_selection(
         n_valid = int(mask.sum())
         count = int(ratio * n_valid)
         selected = torch.zeros_like(mask)
+        finite = mask & torch.isfinite(cov)  # a NaN would sort above every number
         if mode == "kl_cov":
-            score = torch.where(mask, cov.double(), -torch.inf).reshape(-1)
+            score = torch.where(finite, cov.double(), -torch.inf).reshape(-1)
+            count = min(count, int(finite.sum()))
         else:
-            count = max(count, 1) if n_valid else 0
-            band = mask & (cov >= lb) & (cov <= ub)
+            count = max(count, 1) if n_valid and ratio > 0 else 0
+            band = finite & (cov >= lb) & (cov <= ub)
             if eligible is not None:
                 band = band & eligible
             keys = _uniform_keys(rows if rows is not None else torch.arange(cov.shape[0]), cov.shape[1])

@@ -80,8 +80,10 @@ def parse_ks(text: str | None, n: int) -> list[int]:
         ks = sorted({int(k) for k in text.split(",") if k.strip()})
     except ValueError:
         raise ValueError(f"--k {text!r} must be comma-separated integers, e.g. --k 1,4,16") from None
+    if not ks:
+        raise ValueError(f"--k {text!r} names no k; give comma-separated integers, e.g. --k 1,4,16")
     bad = [k for k in ks if not 1 <= k <= n]
-    if bad or not ks:
+    if bad:
         raise ValueError(
             f"--k {text}: each k must be in 1 .. --samples {n} (pass@k needs at least k samples per "
             f"problem); drop {', '.join(map(str, bad))} or raise --samples"

@@ -125,8 +125,10 @@ def float32_head(model) -> torch.nn.Module:
         head.__class__ = Float32Head
     elif not isinstance(head, Float32Head):
         raise ValueError(
-            f"model.lm_head_dtype=float32 needs an output head that is a torch.nn.Linear; "
-            f"{type(base).__name__}'s is {type(head).__name__}: unset model.lm_head_dtype"
+            f"model.lm_head_dtype=float32 needs an output head that is a plain torch.nn.Linear; "
+            f"{type(base).__name__}'s is {type(head).__module__}.{type(head).__qualname__} (a LoRA "
+            "adapter on lm_head is one): drop lm_head from model.lora.target_modules or unset "
+            "model.lm_head_dtype"
         )
     return head
 

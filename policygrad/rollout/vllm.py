@@ -108,6 +108,7 @@ class _DropMessages(logging.Filter):
 # ids); its seeding of the global RNGs is undone by the constructor; it tries to stop the trainer
 # from changing torch's thread count (the constructor puts torch.set_num_threads back); and a
 # reload leaves layers without checkpoint tensors (rotary cache, a tied output head) as they are.
+_CPU_BATCHED_TOKENS = 4096  # tokens per scheduler step on CPU (vLLM's default is 2048 or 4096)
 _TOKENIZER_NOTES = ("Chat template warmup failed", "because tokenizer is not initialized")
 _START_NOTES = {
     "vllm.engine.arg_utils": ("The global random seed is set",),
@@ -364,6 +365,12 @@ class VLLMRolloutEngine(RolloutEngine):
         if self.on_cpu:
             if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
                 kwargs["kv_cache_memory_bytes"] = int(float(kv_cache_gb) * _GIB)
+            # A prompt whose prefill is split over scheduler steps makes vLLM rewind its request's
+            # seeded generator, which a CPU generator cannot do ("CPU Generator does not use
+            # offset"): every sampled request here is seeded, so a batch whose prompts exceed one
+            # step's token budget would crash. Unsplit prefills wait for the next step instead.
+            kwargs["enable_chunked_prefill"] = False
+            kwargs["max_num_batched_tokens"] = max(self.max_model_len, _CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
         with _quiet(_START_NOTES):

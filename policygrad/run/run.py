@@ -107,7 +107,10 @@ class Run:
         self._saved_step: int | None = None  # the step of the newest checkpoint on disk
         self._steps_done = False  # train() finished its steps (a signal then has nothing to wait for)
         self._summary: dict[str, Any] = {"run_dir": self.run_dir}  # train()'s summary so far
-        # 1. Read-only checks of the run directory (and the checkpoint to resume from).
+        # 1. Read-only checks of the run directory (and the checkpoint to resume from), once every
+        # rank is here: a rank must not read the folder's lock while rank 0 of the same job is
+        # still releasing it from a Run before this one (one process group, two runs in turn).
+        self.dist.barrier()
         resume: Resume | None = None
         if resume_from is None:
             if not cfg.rollout.per_prompt_seeds:

@@ -204,6 +204,11 @@ class LossConfig:
                 why=": a mean token entropy in nats (Skywork-OR1 uses 0.2); null keeps entropy_coef fixed",
             )
         check_positive(f"{path}.entropy_coef_delta", self.entropy_coef_delta)
+        if self.entropy_target is None and self.entropy_coef_delta != LossConfig.entropy_coef_delta:
+            raise ConfigError(
+                f"{path}.entropy_coef_delta={self.entropy_coef_delta!r} has no effect without "
+                f"{path}.entropy_target (the adaptive coefficient's target entropy); set one, or drop it"
+            )
         check_positive(
             f"{path}.positive_lm_coef",
             self.positive_lm_coef,

@@ -25,6 +25,7 @@ def positive_samples(scores: torch.Tensor, valid: torch.Tensor, dist=None) -> to
     float [B], 1 where a valid sample's score is the highest of the step's batch (over every rank
     with ``dist``), provided some valid sample scored lower (with a 0/1 verifier: the correct
     ones; a batch of equal scores has none)."""
+    scores = scores.float()
     neg = torch.tensor(-torch.inf, dtype=scores.dtype, device=scores.device)
     pos = torch.tensor(torch.inf, dtype=scores.dtype, device=scores.device)
     hi = torch.where(valid, scores, neg).max() if scores.numel() else neg

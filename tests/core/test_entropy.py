@@ -69,8 +69,21 @@ def test_clip_cov_draws_from_the_band_only_and_at_least_one():
     eligible[0, 0] = False
     only = covariance_selection(COV, MASK, mode="clip_cov", ratio=0.5, lb=0.5, ub=1.5, eligible=eligible)
     assert only.tolist() == [[False, False, True, False], [False, False, False, False]]
-    # an empty band selects nothing
+    # an empty band selects nothing, and neither does ratio 0 (Clip-Cov off)
     assert not covariance_selection(COV, MASK, mode="clip_cov", ratio=0.5, lb=2.0, ub=5.0).any()
+    assert not covariance_selection(COV, MASK, mode="clip_cov", ratio=0.0).any()
+
+
+def test_a_nan_covariance_is_never_selected():
+    # A NaN on a valid token (e.g. a NaN advantage) would sort above every number in KL-Cov's
+    # ranking and sits in no band: neither selection picks it. With (0, 0) NaN, KL-Cov's top 2 of
+    # the other tokens are 1.867 at (1, 2) and 0.633 at (0, 2).
+    cov = COV.clone()
+    cov[0, 0] = NAN
+    top = covariance_selection(cov, MASK, mode="kl_cov", ratio=0.34)
+    assert top.tolist() == [[False, False, True, False], [False, False, True, False]]
+    band = covariance_selection(cov, MASK, mode="clip_cov", ratio=0.5, lb=-10.0, ub=10.0)
+    assert not band[0, 0] and int(band.sum()) == 3  # floor(0.5 x 6 valid) of the 5 finite ones
 
 
 def test_clip_cov_draw_depends_on_the_token_not_on_the_batch_it_is_in():

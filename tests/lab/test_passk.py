@@ -67,6 +67,8 @@ def test_parse_ks():
         parse_ks("1,8", 4)
     with pytest.raises(ValueError, match="must be comma-separated integers"):
         parse_ks("1,two", 4)
+    with pytest.raises(ValueError, match="--k ',' names no k"):
+        parse_ks(",", 4)
 
 
 def _fixed_measure(label, greedy, sampled):

@@ -330,6 +330,8 @@ def test_float32_head_trains_like_linear_outside_autocast_and_refuses_other_head
     assert float32_head(swapped) is swapped.lm_head  # idempotent
     swapped.lm_head = torch.nn.Identity()
     with pytest.raises(
-        ValueError, match="lm_head_dtype=float32 needs an output head that is a torch.nn.Linear"
+        ValueError,
+        match=r"needs an output head that is a plain torch.nn.Linear; LlamaForCausalLM's is "
+        r"torch.nn.modules.linear.Identity \(a LoRA adapter on lm_head is one\)",
     ):
         float32_head(swapped)

@@ -436,6 +436,21 @@ def test_generator_seed_decides_the_result_and_leaves_the_global_rng_alone(setup
     torch.testing.assert_close(alone.sampler_logprobs, a.sampler_logprobs[:4, :n], rtol=0, atol=1e-5)
 
 
+def test_seeded_batch_larger_than_one_scheduler_step(setup):
+    # 12 prompts of 400 tokens x 2 samples = 9,600 prefill tokens, over one step's budget (4,096 on
+    # CPU): vLLM used to split a prompt's prefill over two steps and then rewind that request's
+    # seeded generator, which a CPU generator cannot do ("CPU Generator does not use offset"). The
+    # first prompt's samples must still be those it gets alone.
+    engine = setup["engine"]
+    prompts = [[(7 * i + j) % 90 + 5 for j in range(400)] for i in range(12)]
+    kwargs = dict(group_size=2, temperature=1.0, max_new_tokens=4, generator_seed=3)
+    batch = engine.generate(prompts, **kwargs)
+    assert batch.response_ids.shape[0] == 24
+    alone = engine.generate(prompts[:1], **kwargs)
+    n = alone.response_ids.shape[1]
+    assert torch.equal(alone.response_ids, batch.response_ids[:2, :n])
+
+
 def test_global_seed_makes_rollouts_reproducible_without_generator_seed(setup):
     tok, engine = setup["tok"], setup["engine"]
     prompts = _prompts(tok, TEXTS)

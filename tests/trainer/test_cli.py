@@ -53,7 +53,7 @@ def test_unknown_algorithm(capsys):
     line = _fails(["train", "--algorithm=ppo2"], capsys)
     assert line == (
         "error: algorithm='ppo2' is not valid; choose one of "
-        "['dr_grpo', 'grpo', 'ppo', 'reinforce', 'reinforce_pp', 'remax', 'rloo']"
+        "['dr_grpo', 'grpo', 'ppo', 'reinforce', 'reinforce_pp', 'remax', 'rloo', 'vineppo']"
     )
 
 

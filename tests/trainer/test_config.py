@@ -324,7 +324,10 @@ def test_cispo_explicit_null_means_no_upper_bound(tmp_path):
         ),
         (
             ["--loss.policy_loss=trpo"],
-            ["loss.policy_loss='trpo' is not valid; choose one of ['cispo', 'gspo', 'ppo', 'vanilla']"],
+            [
+                "loss.policy_loss='trpo' is not valid; choose one of "
+                "['cispo', 'clip_cov', 'gspo', 'kl_cov', 'ppo', 'vanilla']"
+            ],
         ),
     ],
 )

@@ -175,6 +175,13 @@ def test_positive_samples_are_the_best_valid_ones():
         0,
         1,
     ]
+    # integer scores work as floats
+    assert positive_samples(torch.tensor([0, 1, 1, 0]), torch.ones(4, dtype=torch.bool)).tolist() == [
+        0,
+        1,
+        1,
+        0,
+    ]
     # all equal: nothing is better than anything, no positive sample
     assert positive_samples(torch.zeros(4), torch.ones(4, dtype=torch.bool)).tolist() == [0.0] * 4
 
@@ -182,6 +189,10 @@ def test_positive_samples_are_the_best_valid_ones():
 def test_entropy_options_are_checked(make_config):
     with pytest.raises(ConfigError, match="loss.entropy_target must be > 0"):
         make_config(loss={"entropy_target": 0.0})
+    with pytest.raises(
+        ConfigError, match="loss.entropy_coef_delta=0.01 has no effect without loss.entropy_target"
+    ):
+        make_config(loss={"entropy_coef_delta": 0.01})
     with pytest.raises(ConfigError, match="loss.positive_lm_coef must be >= 0"):
         make_config(loss={"positive_lm_coef": -0.1})
     with pytest.raises(ConfigError, match="kl_cov_ratio|ratio must be in"):
