@@ -154,7 +154,7 @@ def test_positive_example_lm_loss_by_hand(make_config):
         )
 
     loss, metrics, _ = objective(logprobs, torch.zeros(2, 2), logprobs.detach(), micro([0, 1]), counts)
-    assert float(loss) == pytest.approx(0.15, abs=1e-7)
+    assert float(loss.detach()) == pytest.approx(0.15, abs=1e-7)
     assert float(metrics["positive_lm_nll"]) == pytest.approx(1.5) and float(metrics["positive_frac"]) == 0.5
     loss.backward()
     torch.testing.assert_close(logprobs.grad, torch.tensor([[-0.05, -0.05], [0.0, 0.0]]), rtol=0, atol=1e-7)
@@ -162,7 +162,7 @@ def test_positive_example_lm_loss_by_hand(make_config):
         objective(logprobs[[r]], torch.zeros(1, 2), logprobs[[r]].detach(), micro([r]), counts)[0]
         for r in (0, 1)
     ]
-    assert float(sum(parts)) == pytest.approx(0.15, abs=1e-7)
+    assert float(sum(parts).detach()) == pytest.approx(0.15, abs=1e-7)
 
 
 def test_positive_samples_are_the_best_valid_ones():
