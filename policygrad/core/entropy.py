@@ -26,6 +26,7 @@ from .checks import as_bool_mask, check_2d, check_floating, check_real, check_sa
 __all__ = [
     "COVARIANCE_SELECTIONS",
     "AdaptiveEntropyController",
+    "check_selection_options",
     "covariance_selection",
     "token_covariance",
 ]
@@ -83,6 +84,26 @@ def _uniform_keys(rows: torch.Tensor, width: int) -> torch.Tensor:
     return h.double() / float(0x80000000)
 
 
+def check_selection_options(
+    mode: str, ratio: float, lb: float = 1.0, ub: float = 5.0
+) -> tuple[float, float, float]:
+    """Validate :func:`covariance_selection`'s options; returns ``(ratio, lb, ub)`` as floats.
+
+    Raises:
+        TypeError: a non-number. ValueError: unknown ``mode`` (lists the valid ones); ``ratio``
+        outside [0, 1]; ``lb > ub``.
+    """
+    if mode not in COVARIANCE_SELECTIONS:
+        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(COVARIANCE_SELECTIONS)}")
+    ratio = check_real(ratio, "ratio")
+    if not 0.0 <= ratio <= 1.0:
+        raise ValueError(f"ratio must be in [0, 1] (a fraction of the valid tokens), got {ratio}")
+    lb, ub = check_real(lb, "lb"), check_real(ub, "ub")
+    if lb > ub:
+        raise ValueError(f"lb must be <= ub (a covariance band), got lb={lb}, ub={ub}")
+    return ratio, lb, ub
+
+
 def covariance_selection(
     cov: torch.Tensor,
     response_mask: torch.Tensor,
@@ -126,14 +147,7 @@ def covariance_selection(
     cov = check_tensor(cov, "cov")
     check_2d(cov, "cov")
     check_same_shape(cov, "cov", response_mask=response_mask)
-    if mode not in COVARIANCE_SELECTIONS:
-        raise ValueError(f"unknown mode {mode!r}; valid modes: {', '.join(COVARIANCE_SELECTIONS)}")
-    ratio = check_real(ratio, "ratio")
-    if not 0.0 <= ratio <= 1.0:
-        raise ValueError(f"ratio must be in [0, 1] (a fraction of the valid tokens), got {ratio}")
-    lb, ub = check_real(lb, "lb"), check_real(ub, "ub")
-    if lb > ub:
-        raise ValueError(f"lb must be <= ub (a covariance band), got lb={lb}, ub={ub}")
+    ratio, lb, ub = check_selection_options(mode, ratio, lb, ub)
     mask = as_bool_mask(cov, response_mask, "cov", "response_mask")
     with torch.no_grad():
         n_valid = int(mask.sum())

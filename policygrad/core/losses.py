@@ -54,7 +54,7 @@ from .checks import (
     check_temperature,
     check_tensor,
 )
-from .entropy import covariance_selection, token_covariance
+from .entropy import check_selection_options, covariance_selection, token_covariance
 from .logprobs import row_blocks
 from .masking import masked_mean, masked_sum
 
@@ -573,14 +573,7 @@ def clip_cov_loss(
         )
 
     # the options are checked even when the trainer supplies the selection
-    covariance_selection(
-        torch.zeros(1, 1),
-        torch.ones(1, 1),
-        mode="clip_cov",
-        ratio=clip_cov_ratio,
-        lb=clip_cov_lb,
-        ub=clip_cov_ub,
-    )
+    check_selection_options("clip_cov", clip_cov_ratio, clip_cov_lb, clip_cov_ub)
     chosen = _selected_tokens(selected, mask, select)
     loss = torch.where(chosen, torch.zeros((), dtype=loss.dtype, device=loss.device), loss)
     metrics["cov_selected_frac"] = masked_mean(chosen.float(), mask)
@@ -627,7 +620,7 @@ def kl_cov_loss(
     kl_cov_coef = check_number(kl_cov_coef, "kl_cov_coef")
     if not (math.isfinite(kl_cov_coef) and kl_cov_coef >= 0):
         raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {kl_cov_coef}")
-    covariance_selection(torch.zeros(1, 1), torch.ones(1, 1), mode="kl_cov", ratio=kl_cov_ratio)
+    check_selection_options("kl_cov", kl_cov_ratio)
     mask, lp, (old, adv) = _prepare(
         "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
     )

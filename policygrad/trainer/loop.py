@@ -380,16 +380,17 @@ class Trainer:
         options = {**self.objective.policy_loss.options, **self.objective.loss_options}
         mode = self.objective.token_selection
         usable = loss_mask * torch.isfinite(logprobs).to(loss_mask)  # a top-k/top-p edge token: -inf
-        every = [d.gather_rows(t) for t in (advantages, logprobs, usable)]
-        cov = token_covariance(every[1], every[0], every[2])
+        adv_all, logprobs_all, usable_all = (d.gather_rows(t) for t in (advantages, logprobs, usable))
+        cov = token_covariance(logprobs_all, adv_all, usable_all)
         if mode == "clip_cov":
-            ratio, band = (
-                options["clip_cov_ratio"],
-                {"lb": options["clip_cov_lb"], "ub": options["clip_cov_ub"]},
-            )
+            choice = {
+                "ratio": options["clip_cov_ratio"],
+                "lb": options["clip_cov_lb"],
+                "ub": options["clip_cov_ub"],
+            }
         else:
-            ratio, band = options["kl_cov_ratio"], {}
-        selected = covariance_selection(cov, every[2], mode=mode, ratio=ratio, **band)
+            choice = {"ratio": options["kl_cov_ratio"]}
+        selected = covariance_selection(cov, usable_all, mode=mode, **choice)
         offset = d.rank_offsets(advantages.shape[0])
         return selected[offset : offset + advantages.shape[0], : advantages.shape[1]]
 
