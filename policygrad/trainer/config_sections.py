@@ -512,8 +512,14 @@ def build_dataclass(cls, data: dict[str, Any], prefix: str = ""):
     unknown = sorted(set(data) - set(types))
     if unknown:
         where = f"{prefix}." if prefix else ""
+        # loss and advantage take the registered loss's or estimator's own options by name
+        hint = (
+            f" (an option of the chosen function goes in {where}options.{unknown[0]})"
+            if "options" in types
+            else ""
+        )
         raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}"
+            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}{hint}"
         )
     kwargs = {}
     for name, value in data.items():

@@ -126,6 +126,9 @@ def test_wrong_types_name_the_dotted_field(override, message):
         ("--stepz=3", "unknown config key stepz; valid keys here: "),
         ("--kl.bta=1", "unknown config key kl.bta; valid keys here: beta, controller, horizon"),
         ("--model.lora.rnk=4", "unknown config key model.lora.rnk; valid keys here: alpha, dropout, rank"),
+        # a section that takes a registered function's options says where they go
+        ("--loss.clip_cov_ratio=2", "(an option of the chosen function goes in loss.options.clip_cov_ratio)"),
+        ("--advantage.rollouts=4", "(an option of the chosen function goes in advantage.options.rollouts)"),
     ],
 )
 def test_unknown_keys_are_named_with_their_section(override, message):
