@@ -300,9 +300,13 @@ class Worker:
         name: a label for messages.
         log_path: file that receives the worker's stderr.
         threads: intra-op threads the worker should use (exported as OMP/MKL_NUM_THREADS).
+        env: extra environment variables of the worker (e.g. ``LD_PRELOAD``); they win.
     """
 
-    def __init__(self, argv: list[str], *, name: str, log_path: Path, threads: int):
+    def __init__(
+        self, argv: list[str], *, name: str, log_path: Path, threads: int, env: dict[str, str] | None = None
+    ):
+        extra_env = env
         self.name = name
         self.log_path = Path(log_path)
         env = dict(os.environ)
@@ -317,6 +321,7 @@ class Worker:
             }
         )
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH")) if p)
+        env.update(extra_env or {})
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
             argv,

@@ -1,0 +1,314 @@
+"""Speed levers of a policygrad GRPO step, each measured on and off side by side.
+
+```bash
+python benchmarks/levers.py                               # every lever, 3 measured steps per variant
+python benchmarks/levers.py --lever allocator --lever precision --steps 5
+python benchmarks/levers.py --update-readme
+```
+
+The step is ``benchmarks/grpo_vs_trl.py``'s policygrad side at equal length (the bundled
+SmolLM2-135M-Instruct, 4 prompts x G = 4, every response exactly 64 tokens, vLLM rollouts,
+``optim.micro_batch_size=4``, beta = 0 unless ``--beta``). For one lever, every variant is a
+worker process of its own, loaded one after the other; after one unmeasured warm-up step each,
+the measured steps alternate between the variants (A, B, A, B, ...), so a drift of a shared
+machine hits all of them alike. Reported per variant: the median step time and its phases, the
+peak RSS, and the ratio to the lever's first variant (today's default).
+
+Levers:
+
+- ``allocator``: glibc's malloc as it comes, glibc told by ``mallopt`` to serve blocks under
+  1 GB from its heap and keep freed memory (no fresh, page-faulting mmap per large tensor), and
+  jemalloc and tcmalloc preloaded with ``LD_PRELOAD``
+  (Debian's ``libjemalloc2`` / ``libtcmalloc-minimal4``; a variant whose library is missing is
+  left out, and said so).
+- ``precision``: ``model.precision`` fp32 against bf16-mixed (autocast; fast only on CPUs with
+  AVX512-BF16 or AMX).
+- ``rollout_dtype``: under bf16-mixed, the vLLM engine's weights in float32 against bfloat16.
+- ``lean_mlp``: the SwiGLU/RMSNorm layers that save their inputs only and recompute the rest in
+  the backward (policygrad's default) against the plain autograd layers.
+- ``checkpointing``: ``model.gradient_checkpointing`` off against on (every layer's forward
+  recomputed in the backward; TRL's default).
+- ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
+  affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
+  threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
+
+Writes ``benchmarks/results/<date>-levers.json`` and prints one markdown table per lever.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import (  # noqa: E402
+    RESULTS_DIR,
+    SPLITS,
+    Worker,
+    add_common_options,
+    add_other,
+    as_float,
+    fmt,
+    log_dir,
+    machine_description,
+    machine_line,
+    markdown_table,
+    median,
+    policygrad_config,
+    policygrad_splits,
+    run_main,
+    serve_policygrad,
+    today,
+    update_readme_section,
+    warn_if_busy,
+    write_json,
+)
+from grpo_vs_trl import policygrad_settings  # noqa: E402
+
+README_SECTION = "levers"
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
+
+
+def find_library(name: str) -> str | None:
+    """The first existing ``<dir>/<name>`` of the usual library folders, or None."""
+    for d in LIB_DIRS:
+        path = os.path.join(d, name)
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def variants(lever: str) -> list[dict[str, Any]]:
+    """The variants of one lever, today's default first: label, config overrides, environment,
+    and a patch the worker applies before it builds the trainer."""
+    if lever == "allocator":
+        out = [{"label": "glibc malloc"}, {"label": "glibc, memory kept (mallopt)", "patch": "mallopt"}]
+        for label, lib in (("jemalloc", "libjemalloc.so.2"), ("tcmalloc", "libtcmalloc_minimal.so.4")):
+            path = find_library(lib)
+            if path is None:
+                print(f"note: {lib} not found; the {label} variant is left out", file=sys.stderr)
+            else:
+                out.append({"label": label, "env": {"LD_PRELOAD": path}})
+        return out
+    if lever == "precision":
+        return [
+            {"label": "fp32", "overrides": ["model.precision=fp32"]},
+            {"label": "bf16-mixed", "overrides": ["model.precision=bf16-mixed"]},
+        ]
+    if lever == "rollout_dtype":
+        bf16 = "model.precision=bf16-mixed"
+        return [
+            {"label": "vLLM float32", "overrides": [bf16, "rollout.dtype=float32"]},
+            {"label": "vLLM bfloat16", "overrides": [bf16, "rollout.dtype=bfloat16"]},
+        ]
+    if lever == "lean_mlp":
+        return [{"label": "lean SwiGLU/RMSNorm"}, {"label": "plain autograd layers", "patch": "plain_mlp"}]
+    if lever == "checkpointing":
+        return [
+            {"label": "gradient checkpointing off", "overrides": ["model.gradient_checkpointing=false"]},
+            {"label": "gradient checkpointing on", "overrides": ["model.gradient_checkpointing=true"]},
+        ]
+    if lever == "binding":
+        return [
+            {"label": "vLLM threads bound"},
+            {"label": "vLLM threads unbound", "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
+            {"label": "vLLM and torch bound", "env": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}},
+        ]
+    raise ValueError(f"unknown lever {lever!r}")
+
+
+LEVERS = ("allocator", "precision", "rollout_dtype", "lean_mlp", "checkpointing", "binding")
+
+
+def serve(spec: dict[str, Any]) -> None:
+    """Worker: apply the variant's patch, then serve policygrad steps."""
+    if spec.get("patch") == "mallopt":
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        # M_MMAP_THRESHOLD (-3): blocks under 1 GB come from the heap, not fresh mmaps (which
+        # page-fault on first touch); M_TRIM_THRESHOLD (-1): freed heap memory is kept for reuse.
+        libc.mallopt(-3, 1 << 30)
+        libc.mallopt(-1, (1 << 31) - 1)
+    if spec.get("patch") == "plain_mlp":
+        import policygrad.trainer.models as models
+
+        models.use_memory_efficient_mlp = lambda _model: 0
+    serve_policygrad(spec)
+
+
+def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:
+    base = policygrad_settings(
+        beta=args.beta,
+        seed=args.seed,
+        engine=args.pg_engine,
+        threads=args.threads,
+        steps=args.warmup + args.steps,
+        output_dir="",
+    )
+    found = variants(lever)
+    sides: list[dict[str, Any]] = []
+    workers: list[Worker] = []
+    scratch = Path(tempfile.mkdtemp(prefix=f"pg-levers-{lever}-"))
+    try:
+        for i, v in enumerate(found):
+            overrides = ["rollout.ignore_eos=true", *args.pg_override, *v.get("overrides", [])]
+            policygrad_config({**base, "output_dir": str(scratch / "check")}, overrides)  # fail early
+            spec = {
+                "config": {**base, "output_dir": str(scratch / f"run{i}")},
+                "overrides": overrides,
+                "threads": args.threads,
+                "patch": v.get("patch"),
+            }
+            path = scratch / f"spec{i}.json"
+            path.write_text(json.dumps(spec), encoding="utf-8")
+            _say(f"[{lever}] starting '{v['label']}'")
+            w = Worker(
+                [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(path)],
+                name=f"{lever}: {v['label']}",
+                log_path=logs / f"{lever}-{i}.log",
+                threads=args.threads,
+                env=v.get("env"),
+            )
+            workers.append(w)
+            ready = w.receive(args.load_timeout)
+            sides.append(
+                {
+                    **v,
+                    "ready": {k: ready.get(k) for k in ("engine", "dtype", "threads", "load_s")},
+                    "steps": [],
+                }
+            )
+        for k in range(args.warmup + args.steps):
+            for side, w in zip(sides, workers):
+                reply = w.request({"cmd": "step"}, args.step_timeout)
+                reply["warmup"] = k < args.warmup
+                reply["splits"] = add_other(policygrad_splits(reply))
+                side["steps"].append(reply)
+                _say(f"[{lever}] {side['label']:28s} step {k}: {reply['wall_s']:6.2f} s")
+    finally:
+        finals = [w.close() for w in workers]
+        import shutil
+
+        shutil.rmtree(scratch, ignore_errors=True)
+    for side, w, final in zip(sides, workers, finals):
+        measured = [s for s in side["steps"] if not s["warmup"]]
+        peaks = [as_float(s.get("peak_rss_gb")) for s in side["steps"]]
+        if final:
+            peaks.append(as_float(final.get("peak_rss_gb")))
+        side["summary"] = {key: median(s["splits"].get(key) for s in measured) for key, _ in SPLITS}
+        side["summary"]["step"] = median(s["splits"]["step"] for s in measured)
+        side["summary"]["peak_rss_gb"] = max((p for p in peaks if math.isfinite(p)), default=math.nan)
+        side["summary"]["peak_rss_tree_gb"] = w.tree_rss_peak_gb
+        for s in side["steps"]:  # keep the JSON small: the metrics the table and a reader need
+            s["metrics"] = {
+                k: v for k, v in s.get("metrics", {}).items() if k.startswith(("time/", "train/", "memory/"))
+            }
+    first = sides[0]["summary"]["step"]
+    for side in sides:
+        side["ratio_to_first"] = side["summary"]["step"] / first if first else math.nan
+    return {"lever": lever, "variants": sides}
+
+
+def lever_table(run: dict[str, Any]) -> str:
+    sides = run["variants"]
+    header = [run["lever"], *(s["label"] for s in sides)]
+    rows = [["**step time, median (s)**", *(f"**{fmt(s['summary']['step'])}**" for s in sides)]]
+    for key, label in SPLITS:
+        values = [as_float(s["summary"].get(key)) for s in sides]
+        if all(not math.isfinite(v) or v == 0 for v in values):
+            continue
+        rows.append([f"  {label}", *(fmt(v) for v in values)])
+    rows.append(["peak RSS (GB)", *(fmt(s["summary"]["peak_rss_gb"]) for s in sides)])
+    rows.append(["step time / first column", *(fmt(s["ratio_to_first"]) for s in sides)])
+    return markdown_table(header, rows)
+
+
+def report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    load = ", ".join(f"{x:.2f}" for x in result["machine"].get("loadavg_at_start") or [])
+    lines = [
+        f"Measured {result['date']} with `{result['command']}` on {machine_line(result['machine'])}; "
+        f"{s['threads']} threads; medians of {s['steps']} measured steps per variant after {s['warmup']} "
+        f"warm-up step(s), the variants alternating step by step; beta = {s['beta']:g}, every response "
+        f"64 tokens (load average {load} "
+        "at the start).",
+        "",
+    ]
+    for run in result["runs"]:
+        lines += [lever_table(run), ""]
+    return "\n".join(lines)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--lever", action="append", choices=LEVERS, help="a lever to measure (repeatable; default all)"
+    )
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=1, help="unmeasured warm-up steps per variant")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL coefficient (0: no reference model)")
+    add_common_options(parser, "levers")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        serve(json.loads(args.spec.read_text(encoding="utf-8")))
+        return 0
+    if args.steps < 1 or args.warmup < 0 or args.threads < 1:
+        parser.error("--steps must be >= 1, --warmup >= 0, --threads >= 1")
+    if args.pg_engine == "auto":
+        args.pg_engine = "vllm"
+    machine = machine_description()
+    warn_if_busy(machine)
+    logs = log_dir("levers")
+    _say(f"worker logs: {logs}")
+    started = time.perf_counter()
+    result: dict[str, Any] = {
+        "benchmark": "levers",
+        "date": today(),
+        "command": " ".join(["python", "benchmarks/levers.py", *sys.argv[1:]]),
+        "machine": machine,
+        "settings": {
+            "levers": args.lever or list(LEVERS),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "beta": args.beta,
+            "threads": args.threads,
+            "seed": args.seed,
+            "pg_engine": args.pg_engine,
+            "pg_overrides": args.pg_override,
+        },
+        "runs": [],
+    }
+    out = args.output or RESULTS_DIR / f"{result['date']}-levers.json"
+    for lever in args.lever or LEVERS:
+        result["runs"].append(run_lever(args, lever, logs))
+        write_json(out, result)  # what is measured survives a later lever's failure
+    result["wall_minutes"] = (time.perf_counter() - started) / 60
+    try:
+        result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+    except OSError:
+        pass
+    write_json(out, result)
+    text = report(result)
+    print(text)
+    _say(f"wrote {out} ({result['wall_minutes']:.1f} min)")
+    if args.update_readme:
+        update_readme_section(README_SECTION, text)
+    return 0
+
+
+if __name__ == "__main__":
+    run_main(main)
