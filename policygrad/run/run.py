@@ -309,6 +309,10 @@ class Run:
         interrupted, stopped_early = self._steps(signals, bar, start)
         bar.close()
         summary["steps"] = trainer.step_idx
+        recompute = getattr(trainer.policy_step, "recompute", None)
+        summary["gradient_checkpointing"] = (
+            recompute.enabled if recompute is not None else cfg.model.gradient_checkpointing is True
+        )
         summary["updates_applied"] = self.watch.applied
         summary["stopped_by_max_minutes"] = stopped_early
         summary["train_minutes"] = (time.perf_counter() - start) / 60

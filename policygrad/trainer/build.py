@@ -281,7 +281,7 @@ def build_critic(
         lora_alpha=c.lora.alpha,
         lora_dropout=c.lora.dropout,
         lora_target_modules=c.lora.target_modules,
-        gradient_checkpointing=cfg.model.gradient_checkpointing,
+        gradient_checkpointing=cfg.model.gradient_checkpointing is True,  # auto: see trainer.recompute
         device=device,
         trust_remote_code=cfg.model.trust_remote_code,
     )

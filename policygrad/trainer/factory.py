@@ -29,6 +29,7 @@ from policygrad.trainer.distributed import Dist
 from policygrad.trainer.loop import Trainer
 from policygrad.trainer.models import build_models, record_model_object
 from policygrad.trainer.precision import resolve_precision
+from policygrad.trainer.recompute import Recompute, pending_state_bytes
 from policygrad.trainer.seeds import Seeds
 from policygrad.trainer.strategy import make_strategy
 
@@ -228,7 +229,39 @@ def build_trainer(
         precision=precision,
     )
     parts["kl_ctl"] = build.build_kl_controller(cfg)
+    parts["policy_step"].recompute = build_recompute(
+        cfg, m.policy, parts["critic_trainer"], optimizer, precision=precision, device=device
+    )
     return Trainer(cfg, **parts)
+
+
+def build_recompute(cfg: TrainConfig, policy, critic_trainer, optimizer, *, precision, device):
+    """The :class:`~policygrad.trainer.recompute.Recompute` of ``model.gradient_checkpointing=auto``
+    (None for ``true`` / ``false``), the setting logged at start as the rollout engine is."""
+    setting = cfg.model.gradient_checkpointing
+    if setting != "auto":
+        log.info("gradient checkpointing: %s (model.gradient_checkpointing)", "on" if setting else "off")
+        return None
+    models, params = [policy], list(policy.parameters())
+    critic_optimizer = None
+    if critic_trainer is not None:
+        models.append(critic_trainer.critic)
+        critic_optimizer = critic_trainer.optimizer
+
+    def states() -> int:
+        pending = pending_state_bytes(params, optimizer)
+        if critic_trainer is not None:
+            pending += pending_state_bytes(critic_trainer.critic.parameters(), critic_optimizer)
+        return pending
+
+    recompute = Recompute.for_policy(policy, precision=precision.name, device=device, states=states)
+    if recompute is not None:
+        recompute.models = models
+    log.info(
+        "gradient checkpointing: off (model.gradient_checkpointing=auto: turned on at an update whose "
+        "micro-batch would not fit without it)"
+    )
+    return recompute
 
 
 def read_chat_template(value: str) -> str:

@@ -120,7 +120,7 @@ def build_models(
     use_memory_efficient_mlp(policy)
     if checkpoint is not None:
         load_policy_weights(policy, os.path.join(checkpoint, "model"))
-    if cfg.model.gradient_checkpointing:
+    if cfg.model.gradient_checkpointing is True:  # auto: decided at the updates (trainer.recompute)
         policy.gradient_checkpointing_enable()
     reference, as_reference = None, None
     if isinstance(start, FrozenStart):

@@ -49,6 +49,7 @@ TRAINING_OPTIONS = frozenset(
         "optim.max_grad_norm",
         "optim.target_kl",
         "optim.micro_batch_size",
+        "model.gradient_checkpointing",  # memory for time; without it the shared-prompt forward (rounding)
         "reward.on_error",
         "reward.timeout_s",
         "reward.isolation",

@@ -176,7 +176,9 @@ class PolicyStep:
         ptx, ptx_coef: PPO-ptx's text stream (None: off) and the weight of its LM loss.
 
     Attributes (seams): ``forward`` (the log-prob kernel, signature of
-    :func:`~policygrad.models.forward.policy_logprobs`) and ``objective``.
+    :func:`~policygrad.models.forward.policy_logprobs`) and ``objective``; ``recompute``: the
+    :class:`~policygrad.trainer.recompute.Recompute` of ``model.gradient_checkpointing=auto``,
+    asked before the first forward of every minibatch (None: the setting is fixed).
     """
 
     def __init__(
@@ -204,6 +206,7 @@ class PolicyStep:
         self.ptx = ptx
         self.ptx_coef = ptx_coef
         self.device = device
+        self.recompute = None
 
     def __call__(
         self, mb: Experience, stats: UpdateStats, *, idle: Experience | None = None
@@ -220,6 +223,12 @@ class PolicyStep:
         reduce = self.strategy.reduce
         counts = MinibatchCounts.of(mb.loss_mask, mb.positive).reduced(reduce)
         micros = list(mb.micro_batches(self.micro_batch_size))
+        if self.recompute is not None and micros:
+            sizes = [micro.rollout.trim() for micro in micros]
+            self.recompute.check(
+                max(r.batch_size for r in sizes),
+                max(r.prompt_ids.shape[1] + r.response_ids.shape[1] for r in sizes),
+            )
         first_logprobs, kl = [], KLMeter()
         self.step.zero()
         for _ in range(self.strategy.idle_passes(len(micros))):
