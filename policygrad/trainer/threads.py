@@ -256,6 +256,7 @@ def read_cpu_times(cpus: set[int], proc: str = "/proc") -> CpuTimes | None:
 # ----------------------------------------------------------------------------------------------
 # The trainer's governor.
 
+
 class ThreadGovernor:
     """torch's intra-op thread count for a run: ``num_threads`` when set (applied once, never
     changed), else adapted to the machine's load at start and between steps (see the module
