@@ -33,6 +33,11 @@ Design:
   numpy's global RNGs, replaces ``torch.set_num_threads`` with a no-op (CPU backend) and adds
   ``LD_PRELOAD`` for child processes; the constructor restores all of these (and the default dtype,
   thread count and grad mode, should they change), so a trainer in the same process is unaffected.
+- **Threads.** In-process, vLLM binds no thread: its CPU kernels (``vllm._C``) are OpenMP
+  regions of torch's libgomp, started by the thread that calls ``generate``, so that thread's
+  ``torch.set_num_threads`` count is vLLM's too, and a change between calls applies to the next.
+  ``VLLM_CPU_OMP_THREADS_BIND`` (every allowed CPU, or the first ``cpu_threads``) is read only by a
+  worker in another process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``), whose count it fixes at start.
   What stays while an engine is open: a world-size-1 ``torch.distributed`` process group, vLLM's
   own environment variables (``VLLM_*``, ``LOCAL_WORLD_SIZE``, ``TORCHINDUCTOR_COMPILE_THREADS``,
   ...), and on CPU a NUMA memory binding to the first allowed node (a no-op on one-node machines).
@@ -147,12 +152,15 @@ def _cpu_list(cpus) -> str:
     return ",".join(parts)
 
 
-def _set_env_defaults(cache_root: str) -> None:
-    """Environment for an in-process vLLM engine; a value the user has set is left alone."""
+def _set_env_defaults(cache_root: str, cpu_threads: int | None = None) -> None:
+    """Environment for an in-process vLLM engine; a value the user has set is left alone.
+    ``cpu_threads``: bind the first that many allowed CPUs (None: all of them)."""
     try:
         cpus = os.sched_getaffinity(0)
     except AttributeError:  # not Linux
         cpus = range(os.cpu_count() or 1)
+    if cpu_threads is not None:
+        cpus = sorted(cpus)[: max(1, cpu_threads)]
     defaults = {
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus),
@@ -276,6 +284,12 @@ class VLLMRolloutEngine(RolloutEngine):
             repeated system prompts). Cleared after every :meth:`sync_weights`.
         cache_dir: folder for vLLM's and torch inductor's caches; default
             ``$POLICYGRAD_HOME/vllm-cache``.
+        cpu_threads: on CPU, how many allowed CPUs ``VLLM_CPU_OMP_THREADS_BIND`` lists (the first
+            ones; None: all), unless the user set it. Only a worker in another process
+            (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) reads the bind list, and its OpenMP thread
+            count is that list's length, fixed at start. In-process (the default) nothing is
+            bound: vLLM's kernels are OpenMP regions of torch's own runtime, run by the thread
+            that calls :meth:`generate`, with that thread's ``torch.set_num_threads`` count.
 
     Attributes:
         llm: the ``vllm.LLM`` (None once closed).
@@ -304,6 +318,7 @@ class VLLMRolloutEngine(RolloutEngine):
         gpu_memory_utilization: float = 0.3,
         enable_prefix_caching: bool = True,
         cache_dir: str | None = None,
+        cpu_threads: int | None = None,
     ):
         start = time.perf_counter()
         eos_token_ids = _check_engine_args(
@@ -316,7 +331,7 @@ class VLLMRolloutEngine(RolloutEngine):
 
         if cache_dir is None:
             cache_dir = os.path.join(str(policygrad_home()), "vllm-cache")
-        _set_env_defaults(os.path.abspath(os.path.expanduser(cache_dir)))
+        _set_env_defaults(os.path.abspath(os.path.expanduser(cache_dir)), cpu_threads)
 
         self.model_path = model_path
         self.tokenizer = tokenizer

@@ -179,12 +179,15 @@ def build_engine(
     quiet: bool = False,
     precision: Precision | None = None,
     shares_policy_weights: bool = True,
+    cpu_threads: int | None = None,
 ):
     """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged
     (at debug level when ``quiet``: ``policygrad eval`` reports the engine in its result).
 
     The hf engine samples with ``models.policy`` under ``precision``'s autocast;
     ``shares_policy_weights`` False when that is a copy of the trained policy (FSDP).
+    ``cpu_threads``: the vllm engine's ``cpu_threads`` (the start-time thread count when the run
+    adapted it below torch's default; None: vLLM's worker binds every allowed CPU).
 
     Returns:
         ``(engine, name)``.
@@ -215,6 +218,7 @@ def build_engine(
         kv_cache_gb=r.vllm_kv_cache_gb,
         gpu_memory_utilization=r.vllm_gpu_memory_utilization,
         enable_prefix_caching=r.vllm_prefix_caching,
+        cpu_threads=cpu_threads,
     )
     return engine, name
 

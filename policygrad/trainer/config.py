@@ -122,7 +122,13 @@ class TrainConfig:
     ``eval_samples``: n > 1 sampled completions per held-out problem at ``eval_temperature``
     besides the greedy one, reported as pass@k (unbiased estimator) and maj@k for each k in
     ``eval_k`` (default [1, n]); 0 evaluates greedily only. ``export_merged``: at the end of
-    the run, also write ``RUN_DIR/merged_model``, the policy with any LoRA adapter merged in."""
+    the run, also write ``RUN_DIR/merged_model``, the policy with any LoRA adapter merged in.
+
+    ``num_threads``: torch's intra-op threads (and the in-process vLLM engine's), fixed for the
+    run. null: fitted to the machine's load, at start and before each step: torch's default
+    count, fewer when other processes hold cores of the affinity set or the cgroup's CPU quota
+    is lower (one ``note:`` line the first time; logged as ``perf/threads``; see
+    :mod:`policygrad.trainer.threads`). On a quiet machine that is torch's default."""
 
     algorithm: str = "grpo"
     steps: int = 300
@@ -171,7 +177,9 @@ class TrainConfig:
     def validate(self) -> None:
         check_choice("algorithm", self.algorithm, set(ALGORITHMS))
         if self.num_threads is not None and self.num_threads < 1:
-            raise ConfigError(f"num_threads must be >= 1 (or null: torch's default), got {self.num_threads}")
+            raise ConfigError(
+                f"num_threads must be >= 1 (or null: fitted to the machine's load), got {self.num_threads}"
+            )
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ConfigError(f"max_minutes must be > 0 (or null for no time limit), got {self.max_minutes}")
         if self.rollout.engine == "hf" and self.rollout.dtype != "auto":

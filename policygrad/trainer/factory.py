@@ -17,8 +17,6 @@ import logging
 import os
 from typing import Any
 
-import torch
-
 from policygrad.core.advantages import get_advantage_estimator
 from policygrad.data.sources import build_train_source
 from policygrad.data.stream import PromptStream
@@ -32,6 +30,7 @@ from policygrad.trainer.precision import resolve_precision
 from policygrad.trainer.recompute import Recompute, pending_state_bytes
 from policygrad.trainer.seeds import Seeds
 from policygrad.trainer.strategy import make_strategy
+from policygrad.trainer.threads import ThreadGovernor
 
 log = logging.getLogger("policygrad")
 
@@ -124,8 +123,7 @@ def build_trainer(
     Raises:
         ConfigError / ValueError / FileNotFoundError: a bad option, file or model, named.
     """
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    threads = ThreadGovernor(cfg.num_threads)  # num_threads, or a count that fits the machine's load
     build.seed_everything(cfg.seed)
     dist = Dist.current()  # rank and world size (one process: rank 0 of 1)
     dist.check(cfg)
@@ -165,6 +163,7 @@ def build_trainer(
             dtype=dtype,
             precision=precision,
             shares_policy_weights=engine_models.policy is m.policy,
+            cpu_threads=threads.threads if threads.threads < threads.default else None,
         )
     elif engine_models.policy is not m.policy and engine.shares_policy_weights:
         raise ConfigError(
@@ -182,6 +181,7 @@ def build_trainer(
         )
     parts: dict[str, Any] = {
         "dist": dist,
+        "threads": threads,
         "strategy": strategy,
         "precision": precision,
         "seeds": Seeds(cfg.seed),

@@ -65,6 +65,7 @@ from policygrad.trainer.production import finish, produce
 from policygrad.trainer.runtime import release_free_memory, synced_clock
 from policygrad.trainer.seeds import Seeds
 from policygrad.trainer.strategy import Strategy
+from policygrad.trainer.threads import ThreadGovernor
 from policygrad.trainer.update import PolicyStep, UpdateStats
 
 __all__ = ["Trainer", "TrainingError"]
@@ -80,6 +81,9 @@ class Trainer:
     :class:`policygrad.run.Run` owns one and does what surrounds the steps (the run directory,
     checkpoints, signals, evaluation, trackers). The trainer writes no file.
 
+    ``threads`` holds torch's thread count: ``num_threads``, or (null) a count that fits the
+    machine's load, re-read before each step (:mod:`policygrad.trainer.threads`).
+
     Seams (attributes a caller may replace): ``engine``, ``scorer`` (rewards ->
     :class:`~policygrad.rewards.scoring.Scores`), ``estimator`` (the registered advantage
     estimator), ``kl`` (the KL placement), ``objective`` and ``policy_step.forward``.
@@ -87,6 +91,7 @@ class Trainer:
 
     config: TrainConfig
     dist: Dist
+    threads: ThreadGovernor
     strategy: Strategy
     precision: Precision
     seeds: Seeds
@@ -175,6 +180,9 @@ class Trainer:
     def step(self) -> dict[str, Any]:
         """One RL step (see the module docstring). Returns the step's metrics."""
         cfg = self.config
+        threads = self.threads.check()  # the machine's load since the last step (num_threads: fixed)
+        if self.pipeline is not None:
+            self.pipeline.threads = threads  # its next job runs with the same count
         t0 = time.perf_counter()
         torch.manual_seed(self.seeds.step(self.step_idx))
         if self.pipeline is None:
@@ -215,6 +223,7 @@ class Trainer:
         metrics["time/step_s"] = time.perf_counter() - t0
         tokens = int(exp.rollout.response_mask.sum().item())
         metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
+        metrics["perf/threads"] = threads
         metrics["memory/peak_rss_gb"] = peak_rss_gb()
         if torch.cuda.is_available():
             metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
@@ -564,11 +573,12 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the rollout pipeline (the job in flight finishes first), shut down the rollout
-        engine (vLLM holds its own weights, KV cache and process state) and the reward worker.
-        Safe to call more than once."""
+        engine (vLLM holds its own weights, KV cache and process state) and the reward worker,
+        and put back an adapted thread count. Safe to call more than once."""
         if self.pipeline is not None:
             self.pipeline.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
         self.scorer.close()
+        self.threads.close()  # torch's count as the run found it (num_threads set: left as set)

@@ -145,6 +145,7 @@ METRICS: dict[str, str] = {
     "time/training_s": "seconds from the end of generation to the end of the update",
     "time/step_s": "seconds of the whole step",
     "perf/tokens_per_s": "response tokens of the step per second of the step",
+    "perf/threads": "torch's intra-op threads during the step (num_threads, or the count fitted to the load)",
     "memory/peak_rss_gb": "peak resident memory of the process, GB",
     "memory/peak_cuda_gb": "peak CUDA memory allocated, GB",
 }

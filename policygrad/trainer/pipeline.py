@@ -109,7 +109,9 @@ class RolloutPipeline:
         self._wake = threading.Condition(self._lock)
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._threads = torch.get_num_threads()
+        # torch's thread count for the jobs: the trainer's, updated between steps (num_threads null
+        # adapts it to the machine's load); the worker thread applies it before each job
+        self.threads = torch.get_num_threads()
 
     # ------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -156,7 +158,6 @@ class RolloutPipeline:
             self._wake.notify()
 
     def _worker(self) -> None:
-        torch.set_num_threads(self._threads)  # the trainer's count: the same kernels, the same sums
         while True:
             with self._wake:
                 while not self._work and not self._closed:
@@ -164,6 +165,8 @@ class RolloutPipeline:
                 if self._closed and not self._work:
                     return
                 job = self._work.pop(0)
+            if torch.get_num_threads() != self.threads:  # the trainer's count: same kernels, same sums
+                torch.set_num_threads(self.threads)
             self._run(job)
 
     def _wait(self, job: _Job) -> float:

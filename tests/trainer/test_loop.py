@@ -699,3 +699,18 @@ def test_a_row_whose_reward_failed_moves_no_group_statistic(make_config, tmp_pat
     assert m["reward/mean"] == 1.0  # over the valid rows only
     assert m["reward/zero_variance_group_frac"] == 1.0
     assert m["optim/grad_norm"] == 0.0
+
+
+@pytest.mark.parametrize("num_threads", [None, 1])
+def test_each_step_logs_its_thread_count_and_changes_none_at_torchs_count(
+    num_threads, make_config, monkeypatch
+):
+    # one_thread (this package's tests): torch's count is 1, so null fits the load within [1, 1]
+    run = Run(make_config("threads", num_threads=num_threads))
+    calls, real = [], torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (calls.append(n), real(n)))
+    metrics = [run.trainer.step() for _ in range(2)]
+    run.close()
+    assert [m["perf/threads"] for m in metrics] == [1, 1]
+    assert calls == []  # between steps nothing changes torch's count
+    assert run.trainer.threads.fixed is (num_threads is not None)
