@@ -11,7 +11,9 @@ SmolLM2-135M-Instruct, 4 prompts x G = 4, every response exactly 64 tokens, vLLM
 ``optim.micro_batch_size=4``, beta = 0 unless ``--beta``). For one lever, every variant is a
 worker process of its own, loaded one after the other; after one unmeasured warm-up step each,
 the measured steps alternate between the variants (A, B, A, B, ...), so a drift of a shared
-machine hits all of them alike. Reported per variant: the median step time and its phases, the
+machine hits all of them alike. Every worker runs with the allocator the ``policygrad`` command
+preloads on this machine (:mod:`policygrad.allocator`; the ``allocator`` lever sets its own).
+Reported per variant: the median step time and its phases, the
 peak RSS, and the ratio to the lever's first variant (today's default).
 
 Levers:
@@ -86,11 +88,22 @@ def find_library(name: str) -> str | None:
     return None
 
 
+def command_allocator() -> str | None:
+    """The allocator library the ``policygrad`` command preloads on this machine (None: glibc's);
+    every variant of the other levers runs with it, as a user's run does."""
+    from policygrad.allocator import plan_preload
+
+    return plan_preload(os.environ, sys.platform)
+
+
 def variants(lever: str) -> list[dict[str, Any]]:
-    """The variants of one lever, today's default first: label, config overrides, environment,
-    and a patch the worker applies before it builds the trainer."""
+    """The variants of one lever, the first without the lever's change: label, config
+    overrides, environment, and a patch the worker applies before it builds the trainer."""
     if lever == "allocator":
-        out = [{"label": "glibc malloc"}, {"label": "glibc, memory kept (mallopt)", "patch": "mallopt"}]
+        out = [
+            {"label": "glibc malloc", "env": {"LD_PRELOAD": ""}},
+            {"label": "glibc, memory kept (mallopt)", "patch": "mallopt", "env": {"LD_PRELOAD": ""}},
+        ]
         for label, lib in (("jemalloc", "libjemalloc.so.2"), ("tcmalloc", "libtcmalloc_minimal.so.4")):
             path = find_library(lib)
             if path is None:
@@ -176,7 +189,7 @@ def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:
                 name=f"{lever}: {v['label']}",
                 log_path=logs / f"{lever}-{i}.log",
                 threads=args.threads,
-                env=v.get("env"),
+                env={**args.base_env, **v.get("env", {})},
             )
             workers.append(w)
             ready = w.receive(args.load_timeout)
@@ -237,7 +250,8 @@ def report(result: dict[str, Any]) -> str:
     load = ", ".join(f"{x:.2f}" for x in result["machine"].get("loadavg_at_start") or [])
     lines = [
         f"Measured {result['date']} with `{result['command']}` on {machine_line(result['machine'])}; "
-        f"{s['threads']} threads; medians of {s['steps']} measured steps per variant after {s['warmup']} "
+        f"{s['threads']} threads, allocator {os.path.basename(s.get('allocator', 'glibc'))}; "
+        f"medians of {s['steps']} measured steps per variant after {s['warmup']} "
         f"warm-up step(s), the variants alternating step by step; beta = {s['beta']:g}, every response "
         f"64 tokens (load average {load} "
         "at the start).",
@@ -270,6 +284,8 @@ def main() -> int:
         parser.error("--steps must be >= 1, --warmup >= 0, --threads >= 1")
     if args.pg_engine == "auto":
         args.pg_engine = "vllm"
+    library = command_allocator()
+    args.base_env = {"LD_PRELOAD": library} if library else {}
     machine = machine_description()
     warn_if_busy(machine)
     logs = log_dir("levers")
@@ -289,6 +305,7 @@ def main() -> int:
             "seed": args.seed,
             "pg_engine": args.pg_engine,
             "pg_overrides": args.pg_override,
+            "allocator": library or "glibc",
         },
         "runs": [],
     }

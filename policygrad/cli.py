@@ -44,7 +44,14 @@ def _user_errors():
     # OSError covers missing files and unwritable folders; ImportError and SyntaxError come from a
     # user's reward-function file. POLICYGRAD_DEBUG=1 shows the full traceback instead.
     errors: tuple[type[BaseException], ...] = (
-        ConfigError, OSError, ValueError, TypeError, TrainingError, ImportError, SyntaxError, yaml.YAMLError,
+        ConfigError,
+        OSError,
+        ValueError,
+        TypeError,
+        TrainingError,
+        ImportError,
+        SyntaxError,
+        yaml.YAMLError,
     )
     try:  # the reward registry loads user code machinery: only when an error is being classified
         from policygrad.rewards.registry import RewardFunctionError
@@ -166,12 +173,14 @@ def cmd_eval(argv: list[str]) -> int:
         "(held-out split) or humaneval (default builtin:arithmetic; with --env, the environment's task)",
     )
     p.add_argument(
-        "--env", default=None,
+        "--env",
+        default=None,
         help="evaluate multi-turn episodes of this environment: builtin:guess, builtin:calculator, "
         "builtin:code_feedback, package.module:Class or path/to/file.py:Class",
     )
     p.add_argument(
-        "--env-options", default=None,
+        "--env-options",
+        default=None,
         help="""JSON object of the environment's options, e.g. '{"high": 50}'""",
     )
     p.add_argument(
@@ -200,13 +209,20 @@ def cmd_eval(argv: list[str]) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument(
-        "--isolation", default="auto", choices=("auto", "bwrap", "namespaces", "none"),
+        "--isolation",
+        default="auto",
+        choices=("auto", "bwrap", "namespaces", "none"),
         help="sandbox of code rows (humaneval, builtin:code): see reward.code.isolation",
     )
     args = p.parse_args(argv)
-    checks = (("--limit", args.limit), ("--batch-size", args.batch_size), ("--samples", args.samples),
-              ("--max-new-tokens", args.max_new_tokens), ("--max-turns", args.max_turns),
-              ("--max-episode-tokens", args.max_episode_tokens))
+    checks = (
+        ("--limit", args.limit),
+        ("--batch-size", args.batch_size),
+        ("--samples", args.samples),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--max-turns", args.max_turns),
+        ("--max-episode-tokens", args.max_episode_tokens),
+    )
     for flag, value in checks:
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
@@ -228,8 +244,11 @@ def cmd_eval(argv: list[str]) -> int:
     check_temperature(args.temperature)
     if args.env is not None:
         return _eval_env(args, ks)
-    for flag, value in (("--env-options", args.env_options), ("--max-turns", args.max_turns),
-                        ("--max-episode-tokens", args.max_episode_tokens)):
+    for flag, value in (
+        ("--env-options", args.env_options),
+        ("--max-turns", args.max_turns),
+        ("--max-episode-tokens", args.max_episode_tokens),
+    ):
         if value is not None:
             raise ValueError(
                 f"{flag} applies to multi-turn episodes only; give --env (an environment) or drop {flag}"
@@ -410,6 +429,14 @@ def _show_library_messages() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:  # the command itself (console script, python -m), not a call from Python
+        from policygrad.allocator import preload_and_reexec
+
+        try:
+            preload_and_reexec()  # returns only when there is nothing to preload
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     argv = sys.argv[1:] if argv is None else argv
     _show_library_messages()
     if not argv or argv[0] in ("-h", "--help"):
@@ -454,7 +481,10 @@ def _said_by_rank_0(e: Exception) -> bool:
 # How torch, CUDA and the C library word a failed allocation (torch on Linux CPU: "DefaultCPUAllocator:
 # can't allocate memory ... Error code 12 (Cannot allocate memory)").
 _OOM_TEXT = (
-    "out of memory", "not enough memory", "failed to allocate memory", "can't allocate memory",
+    "out of memory",
+    "not enough memory",
+    "failed to allocate memory",
+    "can't allocate memory",
     "cannot allocate memory",
 )
 _OOM_HINT = {

@@ -1,0 +1,115 @@
+"""The command's allocator preload: which library it picks, when it re-executes, and a real
+re-execution where tcmalloc is installed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from policygrad import allocator
+from policygrad.allocator import ENV, find_library, plan_preload, preload_and_reexec
+
+TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
+JE = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
+
+
+def _finder(**installed):
+    return lambda name: installed.get(name)
+
+
+@pytest.mark.unit
+def test_auto_prefers_tcmalloc_then_jemalloc_then_nothing():
+    both = _finder(tcmalloc=TC, jemalloc=JE)
+    assert plan_preload({}, "linux", both) == TC
+    assert plan_preload({ENV: "auto"}, "linux", _finder(jemalloc=JE)) == JE
+    assert plan_preload({}, "linux", _finder()) is None  # nothing installed: run as is, silently
+    assert plan_preload({ENV: "jemalloc"}, "linux", both) == JE
+
+
+@pytest.mark.unit
+def test_no_preload_when_asked_not_to_already_done_or_not_linux():
+    both = _finder(tcmalloc=TC, jemalloc=JE)
+    assert plan_preload({ENV: "system"}, "linux", both) is None
+    assert plan_preload({ENV: " System "}, "linux", both) is None  # case and spaces forgiven
+    assert plan_preload({"POLICYGRAD_ALLOCATOR_PRELOADED": TC}, "linux", both) is None  # never loops
+    assert plan_preload({"LD_PRELOAD": "/opt/libjemalloc.so.2"}, "linux", both) is None  # the user's
+    assert plan_preload({}, "darwin", both) is None
+
+
+@pytest.mark.unit
+def test_bad_or_missing_choice_is_one_clear_error():
+    with pytest.raises(ValueError, match=r"POLICYGRAD_ALLOCATOR='mimalloc' is not valid; choose one of auto"):
+        plan_preload({ENV: "mimalloc"}, "linux", _finder())
+    with pytest.raises(
+        ValueError, match=r"POLICYGRAD_ALLOCATOR=tcmalloc: .*apt install libtcmalloc-minimal4"
+    ):
+        plan_preload({ENV: "tcmalloc"}, "linux", _finder(jemalloc=JE))
+
+
+@pytest.mark.unit
+def test_find_library_looks_in_the_usual_folders():
+    assert find_library("jemalloc", exists=lambda p: p == JE) == JE
+    # the minimal tcmalloc first, the full one otherwise
+    full = "/usr/lib64/libtcmalloc.so.4"
+    assert find_library("tcmalloc", exists=lambda p: p == full) == full
+    assert find_library("tcmalloc", exists=lambda _p: False) is None
+
+
+@pytest.mark.unit
+def test_reexec_keeps_interpreter_flags_and_arguments(monkeypatch):
+    monkeypatch.setattr(allocator, "find_library", lambda name: TC if name == "tcmalloc" else None)
+    monkeypatch.setattr(allocator.sys, "platform", "linux")
+    calls = []
+    argv = ["/venv/bin/python", "-X", "utf8", "-m", "policygrad", "train", "--steps=2"]
+    preload_and_reexec(argv, {"LD_PRELOAD": "/opt/other.so", "KEEP": "1"}, execve=lambda *a: calls.append(a))
+    ((exe, args, env),) = calls
+    assert exe == sys.executable
+    assert args == [sys.executable, "-X", "utf8", "-m", "policygrad", "train", "--steps=2"]
+    assert env["LD_PRELOAD"] == f"{TC} /opt/other.so"  # first, the user's own preloads kept
+    assert env["POLICYGRAD_ALLOCATOR_PRELOADED"] == TC and env["KEEP"] == "1"
+    assert env["POLICYGRAD_ALLOCATOR_ORIGINAL_LD_PRELOAD"] == "/opt/other.so"
+    calls.clear()
+    preload_and_reexec(argv, {ENV: "system"}, execve=lambda *a: calls.append(a))
+    assert calls == []
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
+)
+def test_the_command_really_runs_under_tcmalloc():
+    code = (
+        "import sys; from policygrad.allocator import preload_and_reexec; preload_and_reexec(); "
+        "import os; from policygrad.allocator import preloaded; "
+        "maps = open('/proc/self/maps').read(); "
+        "print('tcmalloc' in maps, sys.argv[1:], os.environ.get('LD_PRELOAD'), preloaded() is not None)"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code, "a", "b c"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    # loaded, and the environment its children inherit is the user's again (no LD_PRELOAD)
+    assert out.stdout.strip() == "True ['a', 'b c'] None True"
+    env[ENV] = "system"
+    out = subprocess.run(
+        [sys.executable, "-c", code, "a"], env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "False ['a'] None False"
+    env[ENV] = "nonsense"
+    bad = subprocess.run(
+        [sys.executable, "-m", "policygrad", "--help"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "error: POLICYGRAD_ALLOCATOR='nonsense' is not valid; choose one of auto, tcmalloc, jemalloc, system"
+    )
