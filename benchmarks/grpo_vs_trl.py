@@ -428,7 +428,9 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
     return replies
 
 
-def run_beta(args, beta: float, machine_logs: Path, peaks: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_beta(
+    args, beta: float, machine_logs: Path, machine_peaks: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
     # imported here: they load torch, which the coordinator does not otherwise import
     from policygrad.data.sources import build_train_source
@@ -539,7 +541,7 @@ def run_beta(args, beta: float, machine_logs: Path, peaks: dict[str, Any] | None
     result["ratio_step_time"] = pg["step"] / trl["step"] if trl["step"] else math.nan
     result["ratio_peak_rss"] = pg["peak_rss_gb"] / trl["peak_rss_gb"] if trl["peak_rss_gb"] else math.nan
     result["roofline"] = {
-        side: side_roofline_of(side, result["sides"][side], peaks) for side in result["sides"]
+        side: side_roofline_of(side, result["sides"][side], machine_peaks) for side in result["sides"]
     }
     pg_prompts = [s.get("prompt_tokens") for s in result["sides"]["policygrad"]["steps"]]
     trl_prompts = [s.get("prompt_tokens") for s in result["sides"]["trl"]["steps"]]
