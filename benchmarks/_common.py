@@ -31,6 +31,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from _roofline import model_dims
+
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 README = BENCH_DIR / "README.md"
@@ -511,6 +513,7 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
         n_embedding = embedding.weight.numel() if embedding is not None else 0
         n_lm_head = lm_head.weight.numel() if lm_head is not None else 0
         tied = bool(embedding is not None and lm_head is not None and lm_head.weight is embedding.weight)
+        model_config, _ = model_dims(policy)
         chan.send(
             {
                 "ok": True,
@@ -526,6 +529,9 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
                 "tied_embeddings": tied,
                 "reference_model": trainer.reference is not None,
                 "gradient_checkpointing": bool(getattr(policy, "is_gradient_checkpointing", False)),
+                # for the roofline's attention FLOPs and KV bytes
+                "model_config": model_config,
+                "engine_dtype": str(getattr(trainer.engine, "dtype", None) or trainer.dtype),
                 "threads": threads,
                 "config": cfg.to_dict(),
                 "peak_rss_gb": peak_rss_gb(),

@@ -28,12 +28,21 @@ behind training (``async/overlap``), the sampler/trainer gap and the behaviour K
 samples on the same device as the trainer, so the overlap it can reach is bounded by what the
 device runs concurrently; a separate inference device is where the lag pays most.
 The report is printed and written to ``--out`` as JSON.
+
+Roofline (``--no-roofline`` skips the probe): before the model is built, the device's bf16 and
+fp32 matmul peaks and its memory bandwidth are measured (``benchmarks/_roofline.py``); after the
+steps each phase (generation, log-prob passes, loss forward, backward, optimizer) gets its
+counted FLOPs and bytes (attention included, see ``_roofline``), achieved FLOP/s and bytes/s, and
+their fractions of the measured peaks and of the vendor's dense bf16 peak and HBM bandwidth
+(``BF16_PEAKS``, ``HBM_BANDWIDTH``): the MFU of the training phases and how close decoding runs
+to the memory bound. The table is printed to stderr after the JSON.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -50,6 +59,9 @@ import torch  # noqa: E402
 from policygrad.run import Run  # noqa: E402
 from policygrad.trainer.config import load_config  # noqa: E402
 from policygrad.trainer.resume import set_base_lr  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _roofline  # noqa: E402
 
 SHAPES = {
     # Qwen2.5-0.5B's config.json (model_type qwen2), weights random.
@@ -87,6 +99,7 @@ SHAPES = {
 BF16_PEAKS = [
     ("H200", 989.4e12),
     ("H100 PCIe", 756.0e12),
+    ("H100 NVL", 835.0e12),
     ("H100", 989.4e12),
     ("GH200", 989.4e12),
     ("B200", 2250e12),
@@ -101,12 +114,42 @@ BF16_PEAKS = [
 ]
 
 
+# Memory bandwidth (bytes/s) from the same data sheets, matched the same way; --hbm-tbps overrides.
+HBM_BANDWIDTH = [
+    ("H200", 4.8e12),
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),
+    ("GH200", 4.0e12),
+    ("B200", 8.0e12),
+    ("A100-SXM4-80GB", 2.039e12),
+    ("A100 80GB PCIe", 1.935e12),
+    ("A100", 1.555e12),
+    ("L40S", 864e9),
+    ("L40", 864e9),
+    ("A10G", 600e9),
+    ("A10", 600e9),
+    ("L4", 300e9),
+    ("RTX 4090", 1008e9),
+    ("RTX 3090", 936e9),
+]
+
+
+def _lookup(table: list[tuple[str, float]], device_name: str) -> float | None:
+    for key, value in table:
+        if key in device_name:
+            return value
+    return None
+
+
 def bf16_peak(device_name: str) -> float | None:
     """The dense bf16 peak of a device named ``device_name`` (None: not in the table)."""
-    for key, peak in BF16_PEAKS:
-        if key in device_name:
-            return peak
-    return None
+    return _lookup(BF16_PEAKS, device_name)
+
+
+def hbm_bandwidth(device_name: str) -> float | None:
+    """The memory bandwidth (bytes/s) of a device named ``device_name`` (None: not in the table)."""
+    return _lookup(HBM_BANDWIDTH, device_name)
 
 
 def word_tokenizer(vocab_size: int):
@@ -181,14 +224,95 @@ def run(args) -> dict:
     name = torch.cuda.get_device_name(0) if cuda else "cpu"
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (bf16_peak(name) if cuda else None)
     shape = SHAPES[args.shape]
+    peaks = None
+    if not args.no_roofline:  # before the model: the device is empty and cold
+        peaks = probe_peaks(device, args, shape)
     work = tempfile.mkdtemp(prefix="policygrad-gpu-check-")
     try:
-        return _run(args, device, name, peak, shape, work)
+        report = _run(args, device, name, peak, shape, work, peaks)
     finally:
         shutil.rmtree(work, ignore_errors=True)  # the model folder: ~2 GB for the real shape
+    return report
 
 
-def _run(args, device, name, peak, shape, work) -> dict:
+def probe_peaks(device, args, shape: dict) -> dict:
+    """The device's measured matmul FLOP/s (fp32, bf16; 8192^3 and the model's [tokens x hidden]
+    @ [hidden x intermediate]) and memory bandwidth (a 4 GB copy and sum); on a CPU a small,
+    fast version of the same (a smoke test, not a measurement)."""
+    m = args.micro_batch_size * (args.prompt_tokens + args.new_tokens)
+    model_shape = (m, shape["hidden_size"], shape["intermediate_size"])
+    if device.type == "cuda":
+        return _roofline.measure_peaks(device=str(device), model_shape=model_shape)
+    return _roofline.measure_peaks(
+        torch.get_num_threads(), "cpu", model_shape=model_shape, square=512, stream_mb=64, budget_s=0.2
+    )
+
+
+def roofline(trainer, rows: list[dict], args, peaks: dict | None, vendor: dict) -> dict:
+    """Per phase of the measured steps: FLOPs and bytes counted by ``benchmarks/_roofline.py``
+    (forward 2 N_body per computed token + 2 N_head per response token + attention; backward
+    2 x forward + recomputation; decode bytes = weights once per step + the KV each token reads;
+    AdamW + clipping 40 B per float32 parameter), the achieved rates and their fractions of the
+    measured peaks (``measured``) and of the vendor's bf16 peak and HBM bandwidth (``vendor``).
+    Compute in the autocast dtype when there is one (the hf engine's weights are read as their
+    bf16 autocast copies, cached for the whole generate call)."""
+    policy = trainer.policy
+    fields, counts = _roofline.model_dims(policy)
+    dims = _roofline.dims_from_config(fields, **counts)
+    param_dtype = _roofline.dtype_name(next(policy.parameters()).dtype)
+    compute = _roofline.dtype_name(trainer.precision.autocast_dtype or next(policy.parameters()).dtype)
+    gc = bool(getattr(policy, "is_gradient_checkpointing", False))
+    B = args.prompts * args.group_size
+    step = {
+        "batch": B,
+        "prompt_tokens": B * args.prompt_tokens,
+        "distinct_prompt_tokens": args.prompts * args.prompt_tokens,
+        "response_tokens": B * args.new_tokens,
+        "response_len_padded": args.new_tokens,
+    }
+    steps, all_counts = [], []
+    for r in rows:
+
+        def t(key, r=r):
+            return float(r.get(f"time/{key}_s", float("nan")))
+
+        nograd = [x for x in (t("ref_logprobs"), t("old_logprobs")) if x > 0]
+        splits = {
+            "generation": t("generation"),
+            "logprob_passes": sum(nograd),
+            "forward": t("forward"),
+            "backward": t("backward"),
+            "optimizer": t("optimizer"),
+        }
+        steps.append({"splits": splits})
+        all_counts.append(
+            _roofline.step_counts(
+                dims,
+                step,
+                passes=len(nograd),
+                gradient_checkpointing=gc,
+                head_recompute=True,  # the fused head loss recomputes the logits in the backward
+                share_prompts=not gc,
+                weight_bytes=_roofline.DTYPE_BYTES[compute],
+                kv_bytes=_roofline.DTYPE_BYTES[compute],
+                n_trainable=sum(p.numel() for p in policy.parameters() if p.requires_grad),
+                state_bytes=_roofline.DTYPE_BYTES.get(param_dtype, 4),
+            )
+        )
+    kw = {"train_dtype": compute, "decode_dtype": compute}
+    out = {
+        "compute_dtype": compute,
+        "gradient_checkpointing": gc,
+        "n_body": dims.n_body,
+        "n_head": dims.n_head,
+        "measured": _roofline.side_roofline(steps, all_counts, peaks, **kw),
+    }
+    if vendor:
+        out["vendor"] = _roofline.side_roofline(steps, all_counts, vendor, **kw)
+    return out
+
+
+def _run(args, device, name, peak, shape, work, peaks=None) -> dict:
     cuda = device.type == "cuda"
     start = time.perf_counter()
     model, tokenizer = build_model(os.path.join(work, "model"), shape, device)
@@ -273,6 +397,11 @@ def _run(args, device, name, peak, shape, work) -> dict:
         "reward_mean_by_step": [round(float(r["reward/mean"]), 4) for r in rows],
         "response_length_by_step": [float(r["response/length_mean"]) for r in rows],
     }
+    hbm = args.hbm_tbps * 1e12 if args.hbm_tbps else (hbm_bandwidth(name) if cuda else None)
+    report["hbm_tbps"] = hbm / 1e12 if hbm else None
+    vendor = {k: v for k, v in (("bf16_square_flops", peak), ("copy_bytes_per_s", hbm)) if v}
+    report["peaks_measured"] = peaks
+    report["roofline"] = roofline(trainer, measured, args, peaks, vendor)
     # lr 1e-6: do the float32 master weights move? (bf16 weights stepped directly would not.)
     set_base_lr(trainer.optimizer, trainer.scheduler, 1e-6)
     params_now = [p for p in trainer.policy.parameters() if p.requires_grad]
@@ -341,6 +470,34 @@ def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
     return out
 
 
+def _json_safe(value):
+    """``value`` with NaN and infinities as None (strict JSON)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def roofline_text(report: dict) -> str:
+    """The roofline as markdown: the measured peaks, then each phase against them and against the
+    vendor's bf16 peak and HBM bandwidth (MFU and bandwidth utilisation)."""
+    roof = report.get("roofline") or {}
+    sides = {f"vs measured ({report['device']})": roof.get("measured") or {}}
+    if roof.get("vendor"):
+        tf, hbm = report.get("bf16_peak_tflops"), report.get("hbm_tbps")
+        sides[f"vs vendor ({tf or '-'} TFLOP/s bf16, {hbm or '-'} TB/s)"] = roof["vendor"]
+    return "\n".join(
+        [
+            _roofline.peaks_line(report.get("peaks_measured") or {}),
+            "",
+            _roofline.roofline_markdown(f"roofline ({roof.get('compute_dtype')})", sides),
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b")
@@ -352,6 +509,12 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--micro-batch-size", type=int, default=16)
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16-mixed", "bf16-pure"])
     p.add_argument("--peak-tflops", type=float, default=None, help="the device's dense bf16 peak")
+    p.add_argument("--hbm-tbps", type=float, default=None, help="the device's memory bandwidth, TB/s")
+    p.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the matmul / bandwidth probe (the roofline keeps vendor peaks)",
+    )
     p.add_argument("--allow-cpu", action="store_true", help="run without a GPU (the tiny shape)")
     p.add_argument("--out", default=None, help="JSON file for the report (default: print only)")
     p.add_argument(
@@ -371,9 +534,12 @@ def main(argv: list[str] | None = None) -> dict:
         p.error("--staleness-steps must be 0 or >= 2 (the first step is warm-up)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
-    report = run(args)
+    if args.hbm_tbps is not None and args.hbm_tbps <= 0:
+        p.error("--hbm-tbps must be > 0")
+    report = _json_safe(run(args))
     text = json.dumps(report, indent=2)
     print(text)
+    print(roofline_text(report), file=sys.stderr)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w", encoding="utf-8") as f:

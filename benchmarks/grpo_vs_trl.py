@@ -30,6 +30,13 @@ tokens, so a step-time ratio compares the same number of tokens whatever each po
 ``generation_kwargs={"min_new_tokens": N}``, transformers suppressing end-of-sequence until N).
 Without it the two policies' answers may differ in length after the first update.
 
+Roofline: before the workers start, ``_roofline.measure_peaks`` measures the machine's matmul
+FLOP/s (fp32, bf16) and memory bandwidth in a process of its own with the sides' thread count;
+each run then gets, per side and phase, the counted FLOPs (and, for generation and the
+optimizer, bytes) of its steps, the achieved rates and their fractions of those peaks (the
+``roofline`` key of each run, a table in the report; ``--no-roofline`` skips the probe). The
+counting is documented in ``benchmarks/_roofline.py``.
+
 Usage::
 
     python benchmarks/grpo_vs_trl.py --quick --pg-engine hf
@@ -79,6 +86,17 @@ from _common import (
     update_readme_section,
     warn_if_busy,
     write_json,
+)
+from _roofline import (
+    DTYPE_BYTES,
+    dims_from_ready,
+    dtype_name,
+    measure_peaks_subprocess,
+    model_dims,
+    peaks_line,
+    roofline_markdown,
+    side_roofline,
+    step_counts,
 )
 
 MODEL = "bundled:smollm2-135m-instruct"
@@ -218,6 +236,7 @@ def _instrument(trainer, timers: dict[str, float], batch_info: dict[str, Any]) -
                 return fn(*args, **kw)
             finally:
                 timers[name] = timers.get(name, 0.0) + time.perf_counter() - start
+                timers[f"{name}_calls"] = timers.get(f"{name}_calls", 0) + 1  # the roofline's passes
 
         return wrapper
 
@@ -336,13 +355,18 @@ def serve_trl(spec: dict[str, Any]) -> None:
         probe = _probe(chan, timers, batch_info)
         trainer.add_callback(probe)
         model = trainer.model
+        model_config, counts = model_dims(model)
         chan.send(
             {
                 "ok": True,
                 "event": "ready",
                 "load_s": time.perf_counter() - t0,
                 "dtype": str(next(model.parameters()).dtype),
-                "n_params": sum(p.numel() for p in model.parameters()),
+                "n_params": counts["n_params"],
+                "n_embedding": counts["n_embedding"],
+                "n_lm_head": counts["n_lm_head"],
+                "tied_embeddings": counts["tied"],
+                "model_config": model_config,
                 "reference_model": trainer.ref_model is not None,
                 "gradient_checkpointing": bool(config.gradient_checkpointing),
                 "model_gradient_checkpointing": bool(getattr(model, "is_gradient_checkpointing", False)),
@@ -404,7 +428,9 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
     return replies
 
 
-def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
+def run_beta(
+    args, beta: float, machine_logs: Path, machine_peaks: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
     # imported here: they load torch, which the coordinator does not otherwise import
     from policygrad.data.sources import build_train_source
@@ -514,10 +540,72 @@ def run_beta(args, beta: float, machine_logs: Path) -> dict[str, Any]:
     pg, trl = (result["sides"][s]["summary"] for s in ("policygrad", "trl"))
     result["ratio_step_time"] = pg["step"] / trl["step"] if trl["step"] else math.nan
     result["ratio_peak_rss"] = pg["peak_rss_gb"] / trl["peak_rss_gb"] if trl["peak_rss_gb"] else math.nan
+    result["roofline"] = {
+        side: side_roofline_of(side, result["sides"][side], machine_peaks) for side in result["sides"]
+    }
     pg_prompts = [s.get("prompt_tokens") for s in result["sides"]["policygrad"]["steps"]]
     trl_prompts = [s.get("prompt_tokens") for s in result["sides"]["trl"]["steps"]]
     result["same_prompt_tokens"] = pg_prompts == trl_prompts
     return result
+
+
+def side_roofline_of(side: str, data: dict[str, Any], peaks: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The roofline of one side of a run (``data`` = ``result["sides"][side]``): per phase the
+    median seconds, counted GFLOP and GB per step, achieved GFLOP/s and GB/s and their fractions
+    of the measured peaks (``_roofline.side_roofline``), with the per-step counts and what they
+    assumed. None when the ready reply lacks the model's dimensions."""
+    ready = data["ready"]
+    dims = dims_from_ready(ready)
+    measured = [s for s in data["steps"] if not s.get("warmup") and s.get("batch")]
+    if dims is None or not measured:
+        return None
+    gc = bool(ready.get("gradient_checkpointing"))
+    train_dtype = dtype_name(ready.get("dtype"))
+    if side == "policygrad":
+        decode_dtype = dtype_name(ready.get("engine_dtype") or train_dtype)
+        # fused head loss: the logits are recomputed in the backward; each distinct prompt runs
+        # once in the training forwards unless gradient checkpointing is on
+        head_recompute, share = True, not gc
+        n_trainable = ready.get("n_trainable") or ready["n_params"]
+    else:
+        decode_dtype, head_recompute, share, n_trainable = train_dtype, False, False, ready["n_params"]
+    if decode_dtype not in DTYPE_BYTES:
+        decode_dtype = train_dtype
+    counts = []
+    for s in measured:
+        if side == "policygrad":
+            m = s.get("metrics", {})
+            passes = sum(as_float(m.get(f"time/{k}_s")) > 0 for k in ("ref_logprobs", "old_logprobs"))
+        else:
+            passes = int((s.get("timers") or {}).get("logps_nograd_calls") or 0)  # absent: no pass
+        counts.append(
+            step_counts(
+                dims,
+                s,
+                passes=int(passes),
+                gradient_checkpointing=gc,
+                head_recompute=head_recompute,
+                share_prompts=share,
+                weight_bytes=DTYPE_BYTES[decode_dtype],
+                kv_bytes=DTYPE_BYTES[decode_dtype],
+                n_trainable=n_trainable,
+                state_bytes=DTYPE_BYTES.get(train_dtype, 4),
+            )
+        )
+    return {
+        "phases": side_roofline(measured, counts, peaks, train_dtype=train_dtype, decode_dtype=decode_dtype),
+        "per_step": counts,
+        "assumptions": {
+            "n_body": dims.n_body,
+            "n_head": dims.n_head,
+            "n_matmul": dims.n_matmul,
+            "train_dtype": train_dtype,
+            "decode_dtype": decode_dtype,
+            "gradient_checkpointing": gc,
+            "head_recomputed_in_backward": head_recompute,
+            "prompts_computed": "each distinct prompt once" if share else "every row's prompt",
+        },
+    }
 
 
 def _parse_trl_overrides(items: list[str]) -> dict[str, Any]:
@@ -530,6 +618,30 @@ def _parse_trl_overrides(items: list[str]) -> dict[str, Any]:
             raise SystemExit(f"--trl-override needs key=value, got {item!r}")
         out[key] = yaml.safe_load(raw)
     return out
+
+
+def _measure_peaks(threads: int, cfg) -> dict[str, Any] | None:
+    """The machine's matmul and memory-bandwidth peaks, measured in a process of its own with the
+    sides' thread count before any worker starts; the model-shaped matmul is one micro-batch's
+    response tokens x hidden @ hidden x intermediate. None (and a warning) when the probe fails."""
+    # imported here: resolving the bundled model's path loads torch, which the coordinator defers
+    from policygrad.models.loading import resolve_model_path
+
+    r = cfg.rollout
+    try:
+        config = json.loads((Path(resolve_model_path(cfg.model.name)) / "config.json").read_text("utf-8"))
+        k, n = int(config["hidden_size"]), int(config.get("intermediate_size") or 4 * config["hidden_size"])
+    except (OSError, KeyError, ValueError):
+        k, n = 576, 1536
+    m = max(1, min(cfg.optim.micro_batch_size or 16, r.prompts_per_step * r.group_size)) * r.max_new_tokens
+    _say(f"measuring the matmul and memory-bandwidth peaks ({threads} threads, model shape {m}x{k}x{n})")
+    try:
+        peaks = measure_peaks_subprocess(threads, model_shape=(m, k, n))
+    except (RuntimeError, OSError, ValueError) as exc:
+        _say(f"warning: the peak probe failed, no roofline: {exc}")
+        return None
+    _say(peaks_line(peaks))
+    return peaks
 
 
 def _say(text: str) -> None:
@@ -573,6 +685,31 @@ def beta_table(run: dict[str, Any], trl_version: str | None) -> str:
     return markdown_table(header, rows)
 
 
+def roofline_report(result: dict[str, Any]) -> str:
+    """The roofline tables (one per beta) with the measured peaks and what the counts assume."""
+    lines = [peaks_line(result["peaks"]), ""]
+    for run in result["runs"]:
+        sides = {
+            ("policygrad" if side == "policygrad" else "TRL"): roof["phases"]
+            for side, roof in (run.get("roofline") or {}).items()
+            if roof
+        }
+        if sides:
+            lines += [roofline_markdown(f"roofline, beta = {run['beta']:g}", sides), ""]
+    lines.append(
+        "Medians per step. FLOPs counted on the useful tokens each side computes (no padding; "
+        "policygrad: each distinct prompt once; TRL: every row's prompt): forward = 2 N_body x tokens + "
+        "2 N_head x response tokens + 4 L d_attn x causal context; backward = 2 x forward + what it "
+        "recomputes (gradient checkpointing: the forward less the head; policygrad's fused head: "
+        "the head); log-prob passes = passes x forward; generation = the same 2N counts for prefill and "
+        "decode, and bytes = matmul weights read once per decode step + the KV cache each generated "
+        "token reads; optimizer bytes = 40 B per fp32 parameter (AdamW 28 + clipping 12). Generation "
+        "includes rewards and, for TRL, advantages. % of the matmul peak of the dtype that phase ran "
+        "in; bandwidth against the best of copy and read. See `benchmarks/_roofline.py`."
+    )
+    return "\n".join(lines)
+
+
 def report(result: dict[str, Any]) -> str:
     """The markdown block printed at the end and written into the README section."""
     m = result["machine"]
@@ -588,6 +725,9 @@ def report(result: dict[str, Any]) -> str:
     ]
     for run in result["runs"]:
         lines.append(beta_table(run, trl_version))
+        lines.append("")
+    if result.get("peaks") is not None:
+        lines.append(roofline_report(result))
         lines.append("")
     batch = s["prompts_per_step"] * s["group_size"]
     length = (
@@ -634,6 +774,11 @@ def main() -> int:
         "--equal-length",
         action="store_true",
         help="every response on both sides runs to max_new_tokens (equal work per step)",
+    )
+    parser.add_argument(
+        "--no-roofline",
+        action="store_true",
+        help="skip the matmul / memory-bandwidth probe at the start and the roofline table",
     )
     parser.add_argument("--worker", choices=("policygrad", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -698,8 +843,9 @@ def main() -> int:
         },
         "runs": [],
     }
+    result["peaks"] = None if args.no_roofline else _measure_peaks(args.threads, cfg)
     for beta in betas:
-        result["runs"].append(run_beta(args, beta, logs))
+        result["runs"].append(run_beta(args, beta, logs, result.get("peaks")))
     result["wall_minutes"] = (time.perf_counter() - started) / 60
     try:
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
