@@ -292,6 +292,25 @@ class WorkerError(RuntimeError):
     """A worker failed, died or timed out; the message holds its error and the log's tail."""
 
 
+def worker_env(threads: int) -> dict[str, str]:
+    """The environment of a benchmark subprocess: ``threads`` intra-op threads (OMP/MKL), no
+    tokenizer threads, no hub access (unless the caller's environment allows it), unbuffered
+    output, and ``benchmarks/`` on the import path."""
+    env = dict(os.environ)
+    env.update(
+        {
+            "OMP_NUM_THREADS": str(threads),
+            "MKL_NUM_THREADS": str(threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
+            "TRANSFORMERS_OFFLINE": env.get("TRANSFORMERS_OFFLINE", "1"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH")) if p)
+    return env
+
+
 class Worker:
     """A worker process driven over JSON lines, with its stderr in ``log_path`` and, when psutil
     is installed, a sampler of the resident memory of the worker and all its child processes
@@ -311,18 +330,7 @@ class Worker:
         extra_env = env
         self.name = name
         self.log_path = Path(log_path)
-        env = dict(os.environ)
-        env.update(
-            {
-                "OMP_NUM_THREADS": str(threads),
-                "MKL_NUM_THREADS": str(threads),
-                "TOKENIZERS_PARALLELISM": "false",
-                "HF_HUB_OFFLINE": env.get("HF_HUB_OFFLINE", "1"),
-                "TRANSFORMERS_OFFLINE": env.get("TRANSFORMERS_OFFLINE", "1"),
-                "PYTHONUNBUFFERED": "1",
-            }
-        )
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(BENCH_DIR), env.get("PYTHONPATH")) if p)
+        env = worker_env(threads)
         env.update(extra_env or {})
         self._log = open(self.log_path, "w", encoding="utf-8")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(

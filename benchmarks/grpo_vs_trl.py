@@ -184,7 +184,7 @@ def answer_correctness_reward(prompts, completions, answer=None, **_):
     return answer_correctness(prompt_texts, texts, answer=answer)
 
 
-def _trl_trainer(spec: dict[str, Any]):
+def trl_trainer(spec: dict[str, Any]):
     """TRL's GRPOTrainer on the spec's rows, model and settings; returns ``(trainer, config)``."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
@@ -221,6 +221,36 @@ def _trl_trainer(spec: dict[str, Any]):
         train_dataset=dataset,
     )
     return trainer, config
+
+
+def trl_spec_from(
+    cfg, *, beta: float, steps_total: int, threads: int, output_dir: str, trl_overrides: dict[str, Any]
+) -> dict[str, Any]:
+    """The TRL side's spec (for :func:`trl_trainer`) matching the policygrad config ``cfg``: its
+    first ``prompts_per_step * steps_total`` train rows in order, its model folder, batch, G,
+    length, temperature, learning rate and seed; ``beta`` as given."""
+    # imported here: they load torch, which the coordinator does not otherwise import
+    from policygrad.data.sources import build_train_source
+    from policygrad.models.loading import resolve_model_path
+
+    r = cfg.rollout
+    source = build_train_source(cfg.data, seed=cfg.seed)
+    rows = [source.train_row(i) for i in range(r.prompts_per_step * steps_total)]
+    return {
+        "model_path": resolve_model_path(cfg.model.name),
+        "rows": [{"prompt": row["prompt"], "answer": row.get("answer")} for row in rows],
+        "batch": r.prompts_per_step * r.group_size,
+        "group_size": r.group_size,
+        "max_new_tokens": r.max_new_tokens,
+        "temperature": r.temperature,
+        "lr": cfg.optim.lr,
+        "beta": beta,
+        "seed": cfg.seed,
+        "steps_total": steps_total,
+        "threads": threads,
+        "output_dir": output_dir,
+        "trl_overrides": trl_overrides,
+    }
 
 
 def _instrument(trainer, timers: dict[str, float], batch_info: dict[str, Any]) -> None:
@@ -348,7 +378,7 @@ def serve_trl(spec: dict[str, Any]) -> None:
     try:
         t0 = time.perf_counter()
         threads = set_threads(int(spec["threads"]))
-        trainer, config = _trl_trainer(spec)
+        trainer, config = trl_trainer(spec)
         timers: dict[str, float] = {}
         batch_info: dict[str, Any] = {}
         _instrument(trainer, timers, batch_info)
@@ -432,10 +462,6 @@ def run_beta(
     args, beta: float, machine_logs: Path, machine_peaks: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """Both workers for one beta: load, warm up, alternate measured steps, collect."""
-    # imported here: they load torch, which the coordinator does not otherwise import
-    from policygrad.data.sources import build_train_source
-    from policygrad.models.loading import resolve_model_path
-
     steps_total = args.warmup + args.steps
     tag = f"beta{beta:g}"
     scratch = Path(tempfile.mkdtemp(prefix=f"pg-bench-{tag}-"))
@@ -450,29 +476,20 @@ def run_beta(
     overrides = list(args.pg_override) + (["--rollout.ignore_eos=true"] if args.equal_length else [])
     cfg = policygrad_config(base, overrides)  # validates the overrides before any worker starts
     r = cfg.rollout
-    source = build_train_source(cfg.data, seed=cfg.seed)
-    rows = [source.train_row(i) for i in range(r.prompts_per_step * steps_total)]
-    rows = [{"prompt": row["prompt"], "answer": row.get("answer")} for row in rows]
     pg_spec = {"config": base, "overrides": overrides, "threads": args.threads}
-    trl_overrides = _parse_trl_overrides(args.trl_override)
+    trl_overrides = parse_trl_overrides(args.trl_override)
     if args.equal_length:  # transformers' generate suppresses EOS until N tokens: every completion is N long
         generation = dict(trl_overrides.get("generation_kwargs") or {})
         trl_overrides["generation_kwargs"] = {**generation, "min_new_tokens": r.max_new_tokens}
-    trl_spec = {
-        "model_path": resolve_model_path(cfg.model.name),
-        "rows": rows,
-        "batch": r.prompts_per_step * r.group_size,
-        "group_size": r.group_size,
-        "max_new_tokens": r.max_new_tokens,
-        "temperature": r.temperature,
-        "lr": cfg.optim.lr,
-        "beta": beta,
-        "seed": cfg.seed,
-        "steps_total": steps_total,
-        "threads": args.threads,
-        "output_dir": str(scratch / "trl-run"),
-        "trl_overrides": trl_overrides,
-    }
+    trl_spec = trl_spec_from(
+        cfg,
+        beta=beta,
+        steps_total=steps_total,
+        threads=args.threads,
+        output_dir=str(scratch / "trl-run"),
+        trl_overrides=trl_overrides,
+    )
+    rows = trl_spec["rows"]
     specs = {}
     for side, spec in (("policygrad", pg_spec), ("trl", trl_spec)):
         path = scratch / f"{side}-spec.json"
@@ -608,7 +625,7 @@ def side_roofline_of(side: str, data: dict[str, Any], peaks: dict[str, Any] | No
     }
 
 
-def _parse_trl_overrides(items: list[str]) -> dict[str, Any]:
+def parse_trl_overrides(items: list[str]) -> dict[str, Any]:
     import yaml
 
     out = {}
