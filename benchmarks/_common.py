@@ -530,6 +530,10 @@ def serve_policygrad(spec: dict[str, Any]) -> None:
                 "engine": trainer.engine_name,
                 "engine_class": type(trainer.engine).__name__,
                 "dtype": str(trainer.dtype),
+                "precision": trainer.precision.name,
+                # what the training matmuls compute in (the autocast dtype under bf16-mixed)
+                "compute_dtype": str(trainer.precision.autocast_dtype or trainer.precision.param_dtype),
+                "allocator": os.environ.get("LD_PRELOAD") or "glibc",
                 "n_params": sum(p.numel() for p in policy.parameters()),
                 "n_trainable": sum(p.numel() for p in policy.parameters() if p.requires_grad),
                 "n_embedding": n_embedding,

@@ -392,6 +392,9 @@ def serve_trl(spec: dict[str, Any]) -> None:
                 "event": "ready",
                 "load_s": time.perf_counter() - t0,
                 "dtype": str(next(model.parameters()).dtype),
+                "precision": "bf16 (autocast)" if config.bf16 else ("fp16" if config.fp16 else "fp32"),
+                "compute_dtype": "bfloat16" if config.bf16 else ("float16" if config.fp16 else "float32"),
+                "allocator": os.environ.get("LD_PRELOAD") or "glibc",
                 "n_params": counts["n_params"],
                 "n_embedding": counts["n_embedding"],
                 "n_lm_head": counts["n_lm_head"],
@@ -458,6 +461,18 @@ def _steps_with_splits(side: str, replies: list[dict[str, Any]]) -> list[dict[st
     return replies
 
 
+def side_env(side: str, args) -> dict[str, str]:
+    """The allocator of a side: policygrad's worker gets the one the ``policygrad`` command
+    preloads on this machine (:mod:`policygrad.allocator`), as a user's run has it; TRL's runs
+    with glibc's malloc, as a TRL script does, unless ``--trl-allocator same``."""
+    from policygrad.allocator import plan_preload
+
+    library = plan_preload(os.environ, sys.platform)
+    if library is None or (side == "trl" and args.trl_allocator == "glibc"):
+        return {"LD_PRELOAD": ""}
+    return {"LD_PRELOAD": library}
+
+
 def run_beta(
     args, beta: float, machine_logs: Path, machine_peaks: dict[str, Any] | None = None
 ) -> dict[str, Any]:
@@ -508,6 +523,7 @@ def run_beta(
                 name=f"{side} worker (beta={beta:g})",
                 log_path=machine_logs / f"{tag}-{side}.log",
                 threads=args.threads,
+                env=side_env(side, args),
             )
             ready[side] = workers[side].receive(args.load_timeout)
             if side == "policygrad":
@@ -577,7 +593,7 @@ def side_roofline_of(side: str, data: dict[str, Any], peaks: dict[str, Any] | No
     if dims is None or not measured:
         return None
     gc = bool(ready.get("gradient_checkpointing"))
-    train_dtype = dtype_name(ready.get("dtype"))
+    train_dtype = dtype_name(ready.get("compute_dtype") or ready.get("dtype"))
     if side == "policygrad":
         decode_dtype = dtype_name(ready.get("engine_dtype") or train_dtype)
         # fused head loss: the logits are recomputed in the backward; each distinct prompt runs
@@ -672,12 +688,18 @@ def _ratio(a: float, b: float) -> str:
 def beta_table(run: dict[str, Any], trl_version: str | None) -> str:
     """Markdown table of one beta: medians of both sides and their ratio."""
     pg, trl = (run["sides"][s]["summary"] for s in ("policygrad", "trl"))
-    engine = run["sides"]["policygrad"]["ready"].get("engine", "?")
-    gc = "on" if run["sides"]["trl"]["ready"].get("gradient_checkpointing") else "off"
+    pg_ready, trl_ready = run["sides"]["policygrad"]["ready"], run["sides"]["trl"]["ready"]
+    engine = pg_ready.get("engine", "?")
+    gc = "on" if trl_ready.get("gradient_checkpointing") else "off"
+
+    def how(ready):
+        alloc = os.path.basename(ready.get("allocator") or "glibc").split(".so")[0].removeprefix("lib")
+        return f"{ready.get('precision', '?')}, {alloc}"
+
     header = [
         f"beta = {run['beta']:g}",
-        f"policygrad ({engine})",
-        f"TRL {trl_version or ''} (grad. ckpt {gc})".replace("  ", " "),
+        f"policygrad ({engine}; {how(pg_ready)})",
+        f"TRL {trl_version or ''} (grad. ckpt {gc}; {how(trl_ready)})".replace("  ", " "),
         "policygrad / TRL",
     ]
     rows = [
@@ -796,6 +818,12 @@ def main() -> int:
         "--no-roofline",
         action="store_true",
         help="skip the matmul / memory-bandwidth probe at the start and the roofline table",
+    )
+    parser.add_argument(
+        "--trl-allocator",
+        choices=("glibc", "same"),
+        default="glibc",
+        help="TRL's allocator: glibc's malloc (a TRL script's default) or the one policygrad's command uses",
     )
     parser.add_argument("--worker", choices=("policygrad", "trl"), help=argparse.SUPPRESS)
     args = parser.parse_args()
