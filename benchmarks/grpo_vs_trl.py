@@ -622,7 +622,7 @@ def side_roofline_of(side: str, data: dict[str, Any], peaks: dict[str, Any] | No
                 weight_bytes=DTYPE_BYTES[decode_dtype],
                 kv_bytes=DTYPE_BYTES[decode_dtype],
                 n_trainable=n_trainable,
-                state_bytes=DTYPE_BYTES.get(train_dtype, 4),
+                state_bytes=DTYPE_BYTES.get(dtype_name(ready.get("dtype")), 4),  # parameters and AdamW state
             )
         )
     return {
@@ -776,10 +776,12 @@ def report(result: dict[str, Any]) -> str:
     )
     lines.append(
         f"{s['prompts_per_step']} prompts x G = {s['group_size']} = {batch} sequences per step, "
-        f"{length}, temperature {s['temperature']}, fp32, "
-        f"lr {s['lr']:g} constant, AdamW, clip 1.0. TRL's loss forward includes its log-prob forward with "
-        "gradients; with gradient checkpointing its backward recomputes the forward. Peak RSS: "
-        "`ru_maxrss` of each worker process. "
+        f"{length}, temperature {s['temperature']}, "
+        f"lr {s['lr']:g} constant, AdamW, clip 1.0; float32 weights and AdamW state on both sides, the "
+        "compute precision and the allocator of each side in its column header (policygrad: its defaults "
+        "on this CPU; TRL: bf16=False unless a --trl-override sets it). TRL's loss forward includes its "
+        "log-prob forward with gradients; with gradient checkpointing its backward recomputes the "
+        "forward. Peak RSS: `ru_maxrss` of each worker process. "
         + (
             "Every response is max_new_tokens long on both sides, so a step-time ratio is a per-token one."
             if s.get("equal_length")

@@ -53,6 +53,14 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def float32_auto_precision(monkeypatch):
+    """``model.precision: auto`` resolves to fp32 on a CPU in every test, whether or not this
+    CPU has bf16 instructions (auto picks bf16-mixed on those), so a test's numbers do not depend
+    on the machine. Tests of the auto rule pass ``fast_cpu_bf16`` or patch it themselves."""
+    monkeypatch.setattr("policygrad.trainer.precision.cpu_has_fast_bf16", lambda _cpuinfo=None: False)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> str:
     """A local Hugging Face model folder holding the tiny Llama of ``tests.tiny`` (seed 0)."""

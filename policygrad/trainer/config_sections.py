@@ -93,8 +93,8 @@ class ModelConfig:
     opt-in), ``fp16-mixed`` (float32 parameters, fp16 compute under autocast, dynamic loss
     scaling; the ``optim/loss_scale`` metric; on CUDA the vLLM engine's ``rollout.dtype: auto``
     is then float16; Qi et al. 2025 trace much of the sampler/trainer mismatch to bf16 rounding)
-    or ``auto`` (bf16-mixed on CUDA with bf16 or with
-    ``dtype=bfloat16``, else fp32); see :mod:`policygrad.trainer.precision`.
+    or ``auto`` (bf16-mixed on CUDA with bf16, on a CPU with AVX512-BF16 or AMX-BF16, or with
+    ``dtype=bfloat16``; else fp32); see :mod:`policygrad.trainer.precision`.
 
     ``lm_head_dtype``: ``auto`` (or null, the default: the LM head computes as the body does) or
     ``float32``: under ``bf16-mixed`` / ``fp16-mixed`` the head's matmul, the logits and the

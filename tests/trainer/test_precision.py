@@ -15,7 +15,9 @@ from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokeni
 from policygrad.rollout import HFRolloutEngine
 from policygrad.run import Run
 from policygrad.trainer.config import ConfigError
-from policygrad.trainer.precision import resolve_precision
+
+# cpu_has_fast_bf16 bound at import: the real one (conftest patches the module's attribute)
+from policygrad.trainer.precision import cpu_has_fast_bf16, resolve_precision
 from tests.trainer.conftest import interrupted_and_resumed
 
 pytestmark = pytest.mark.integration
@@ -53,13 +55,28 @@ def run_steps(make_config, eos_model_dir, precision: str):
 
 def test_resolve_precision_defaults():
     cpu = torch.device("cpu")
-    assert resolve_precision("auto", cpu).name == "fp32"
+    assert resolve_precision("auto", cpu).name == "fp32"  # conftest: as on a CPU without bf16 instructions
+    assert resolve_precision("auto", cpu, fast_cpu_bf16=False).name == "fp32"
+    assert resolve_precision("auto", cpu, fast_cpu_bf16=True).name == "bf16-mixed"
     assert resolve_precision("auto", cpu, model_dtype="bfloat16").name == "bf16-mixed"
     mixed = resolve_precision("bf16-mixed", cpu)
     assert (mixed.param_dtype, mixed.autocast_dtype) == (torch.float32, torch.bfloat16)
     assert resolve_precision("bf16-pure", cpu).param_dtype == torch.bfloat16
     with pytest.raises(ValueError, match="model.precision='fp16' is not valid"):
         resolve_precision("fp16", cpu)
+
+
+def test_cpu_has_fast_bf16_reads_the_flags_line():
+    # Zen 4 / Sapphire Rapids list avx512_bf16 (and amx_bf16); an AVX2-only CPU lists neither,
+    # and a flag that merely starts like one (avx512bw) does not count.
+    zen4 = "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 avx512f avx512bw avx512_bf16\n"
+    spr = "flags\t\t: avx2 amx_bf16 amx_tile\n"
+    avx2 = "flags\t\t: fpu sse avx avx2 fma avx512bw\n"
+    assert cpu_has_fast_bf16(zen4)
+    assert cpu_has_fast_bf16(spr)
+    assert not cpu_has_fast_bf16(avx2)
+    assert not cpu_has_fast_bf16("")  # no flags line (not x86, or no /proc)
+    assert not cpu_has_fast_bf16("bugs\t: avx512_bf16\n")  # only the flags line counts
 
 
 def test_bf16_mixed_moves_float32_master_weights_like_a_float32_run(make_config, eos_model_dir):
