@@ -146,7 +146,7 @@ def preload_and_reexec(
     env = dict(os.environ if env is None else env)
     library = plan_preload(env, sys.platform)
     argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
-    if library is None or not argv:
+    if library is None or not argv or not sys.executable:
         return
     original = env.get("LD_PRELOAD", "")
     env["LD_PRELOAD"] = " ".join(p for p in (library, original) if p)
@@ -154,7 +154,10 @@ def preload_and_reexec(
     env[_ORIGINAL_ENV] = original
     sys.stdout.flush()
     sys.stderr.flush()
-    execve(sys.executable, [sys.executable, *argv[1:]], env)
+    try:
+        execve(sys.executable, [sys.executable, *argv[1:]], env)
+    except OSError:  # could not re-execute (a sandbox forbidding exec, ...): run on, as is
+        return
 
 
 def preloaded() -> str | None:

@@ -75,6 +75,11 @@ def test_reexec_keeps_interpreter_flags_and_arguments(monkeypatch):
     preload_and_reexec(argv, {ENV: "system"}, execve=lambda *a: calls.append(a))
     assert calls == []
 
+    def refused(*_args):
+        raise PermissionError("exec refused")
+
+    preload_and_reexec(argv, {}, execve=refused)  # runs on without the preload, no traceback
+
 
 @pytest.mark.integration
 @pytest.mark.skipif(
