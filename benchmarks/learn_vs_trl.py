@@ -1,11 +1,16 @@
 """Learning per minute: policygrad's default job against TRL's GRPOTrainer, the same training wall
 time each, one after the other on the same machine, both final models scored by one evaluator.
 
-Both sides train the bundled SmolLM2-135M-Instruct in float32 on the built-in arithmetic task
+Both sides train the bundled SmolLM2-135M-Instruct (float32 weights) on the built-in arithmetic task
 with the settings of policygrad's default job (``policygrad train`` with no arguments): 4 prompts
 x G = 8 samples per step, at most 32 new tokens, temperature 1.0, AdamW at a constant 2e-5,
 gradient clipping at 1.0, beta = 0 (no reference model), reward = policygrad's
-``answer_correctness``. These are read from the policygrad config, so a ``--pg-override`` of one
+``answer_correctness``. policygrad computes in its default precision on this machine
+(``model.precision: auto``: bf16 autocast on CPUs with AVX512-BF16 or AMX, else fp32), TRL in
+fp32 unless ``--trl-override bf16=true`` (its own default); the allocator is what the
+environment gives each (the ``policygrad`` command preloads tcmalloc when installed; set
+``LD_PRELOAD`` to give TRL the same). The report says which each side ran with.
+The shared settings are read from the policygrad config, so a ``--pg-override`` of one
 of them (``kl.placement=loss kl.beta=0.04`` for beta) changes both sides. TRL gets policygrad's
 train rows in policygrad's order as conversational prompts (its shuffling off) and keeps its own
 defaults otherwise (gradient checkpointing, ``loss_type="dapo"``); ``--trl-override`` changes
@@ -82,8 +87,8 @@ def say(text: str) -> None:
 
 def policygrad_base(*, minutes: float, max_steps: int, seed: int, engine: str, threads: int, output_dir: str):
     """The benchmark's settings on top of the default job: the time limit, a step cap above what
-    fits in it, float32, no evaluation, checkpoint or tracker during the run (nothing but steps
-    inside the time limit)."""
+    fits in it, float32 frozen weights (the vLLM engine's), no evaluation, checkpoint or tracker
+    during the run (nothing but steps inside the time limit)."""
     return {
         "steps": max_steps,
         "max_minutes": minutes,
@@ -313,6 +318,11 @@ def summarise(result: dict[str, Any]) -> None:
     result["steps_ratio"] = pg["steps"] / trl["steps"] if trl["steps"] else math.nan
 
 
+def _lib(path: str | None) -> str:
+    """``/usr/lib/.../libtcmalloc_minimal.so.4`` -> ``tcmalloc_minimal``."""
+    return os.path.basename(path or "glibc").split(".so")[0].removeprefix("lib")
+
+
 def report(result: dict[str, Any]) -> str:
     """The markdown block printed at the end and written into the README section."""
     m, s = result["machine"], result["settings"]
@@ -366,7 +376,9 @@ def report(result: dict[str, Any]) -> str:
             "",
             f"{s['minutes']:g} min of training per side, one side after the other; {s['prompts_per_step']} "
             f"prompts x G = {s['group_size']} per step, at most {s['max_new_tokens']} new tokens, "
-            f"temperature {s['temperature']:g}, lr {s['lr']:g} constant, {beta}, fp32, reward "
+            f"temperature {s['temperature']:g}, lr {s['lr']:g} constant, {beta}, float32 weights; compute "
+            f"and allocator: policygrad {s.get('pg_precision', '?')}, {_lib(s.get('pg_allocator'))}; TRL "
+            f"{s.get('trl_precision', '?')}, {_lib(s.get('trl_allocator'))}; reward "
             "`answer_correctness`; TRL with its defaults otherwise "
             f"(`loss_type={trl.get('loss_type')}`). Accuracy: `policygrad eval`, greedy, the same "
             f"{s['eval_size']} held-out problems, at most {s['max_new_tokens']} new tokens. "
@@ -378,7 +390,22 @@ def report(result: dict[str, Any]) -> str:
 def settings(args, cfg) -> dict[str, Any]:
     r = cfg.rollout
     beta = cfg.kl.beta if cfg.kl.placement != "none" else 0.0
+    import torch
+
+    from policygrad.allocator import plan_preload
+    from policygrad.trainer.precision import resolve_precision
+
+    inherited = os.environ.get("LD_PRELOAD") or None
     return {
+        # what each side computes in and allocates with: policygrad as its command resolves them on
+        # this machine, TRL as its GRPOConfig (bf16=False unless --trl-override bf16=true) and the
+        # environment it inherits
+        "pg_precision": resolve_precision(
+            cfg.model.precision, torch.device("cpu"), model_dtype=cfg.model.dtype
+        ).name,
+        "pg_allocator": inherited or plan_preload(os.environ, sys.platform) or "glibc",
+        "trl_precision": "bf16 (autocast)" if parse_trl_overrides(args.trl_override).get("bf16") else "fp32",
+        "trl_allocator": inherited or "glibc",
         "model": cfg.model.name,
         "dataset": cfg.data.dataset,
         "minutes": args.minutes,
