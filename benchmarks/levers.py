@@ -76,18 +76,6 @@ from _common import (  # noqa: E402
 from grpo_vs_trl import policygrad_settings  # noqa: E402
 
 README_SECTION = "levers"
-LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib")
-
-
-def find_library(name: str) -> str | None:
-    """The first existing ``<dir>/<name>`` of the usual library folders, or None."""
-    for d in LIB_DIRS:
-        path = os.path.join(d, name)
-        if os.path.exists(path):
-            return path
-    return None
-
-
 def command_allocator() -> str | None:
     """The allocator library the ``policygrad`` command preloads on this machine (None: glibc's);
     every variant of the other levers runs with it, as a user's run does."""
@@ -104,10 +92,12 @@ def variants(lever: str) -> list[dict[str, Any]]:
             {"label": "glibc malloc", "env": {"LD_PRELOAD": ""}},
             {"label": "glibc, memory kept (mallopt)", "patch": "mallopt", "env": {"LD_PRELOAD": ""}},
         ]
-        for label, lib in (("jemalloc", "libjemalloc.so.2"), ("tcmalloc", "libtcmalloc_minimal.so.4")):
-            path = find_library(lib)
+        from policygrad.allocator import find_library
+
+        for label in ("jemalloc", "tcmalloc"):
+            path = find_library(label)
             if path is None:
-                print(f"note: {lib} not found; the {label} variant is left out", file=sys.stderr)
+                print(f"note: {label} is not installed; its variant is left out", file=sys.stderr)
             else:
                 out.append({"label": label, "env": {"LD_PRELOAD": path}})
         return out
