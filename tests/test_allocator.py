@@ -118,3 +118,15 @@ def test_the_command_really_runs_under_tcmalloc():
     assert bad.stderr.strip() == (
         "error: POLICYGRAD_ALLOCATOR='nonsense' is not valid; choose one of auto, tcmalloc, jemalloc, system"
     )
+
+
+@pytest.mark.unit
+def test_vllm_is_not_told_to_preload_what_the_command_preloaded(monkeypatch):
+    from policygrad.rollout import vllm as engine
+
+    fragment = "libtcmalloc is not found in LD_PRELOAD"
+    monkeypatch.setattr(allocator, "_preloaded", None)
+    assert fragment not in engine._start_notes().get("vllm.v1.worker.cpu_worker", ())
+    monkeypatch.setattr(allocator, "_preloaded", TC)
+    notes = engine._start_notes()["vllm.v1.worker.cpu_worker"]
+    assert fragment in notes and "doesn't allow to use `torch.set_num_threads`" in notes

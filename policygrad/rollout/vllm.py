@@ -121,6 +121,21 @@ _START_NOTES = {
     # One line per tensor when the checkpoint's dtype is not the engine's: the cast was asked for.
     "vllm.model_executor.models.utils": ("Attempted to load weight",),
 }
+
+
+def _start_notes() -> dict[str, tuple[str, ...]]:
+    """:data:`_START_NOTES`, plus vLLM's advice to preload tcmalloc when the ``policygrad``
+    command has done so (it reads ``LD_PRELOAD``, which the command gives back to the user's value
+    after loading the library: :mod:`policygrad.allocator`)."""
+    from policygrad.allocator import preloaded
+
+    notes = dict(_START_NOTES)
+    if "tcmalloc" in (preloaded() or ""):
+        worker = "vllm.v1.worker.cpu_worker"
+        notes[worker] = (*notes.get(worker, ()), "libtcmalloc is not found in LD_PRELOAD")
+    return notes
+
+
 _RELOAD_NOTES = {"vllm.model_executor.model_loader.reload.layerwise": ("Failed to load weights",)}
 
 
@@ -388,7 +403,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, _CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
-        with _quiet(_START_NOTES):
+        with _quiet(_start_notes()):
             self.llm = vllm.LLM(
                 model=self.model_path,
                 dtype=self.dtype,
