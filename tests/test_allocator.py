@@ -118,3 +118,21 @@ def test_the_command_really_runs_under_tcmalloc():
     assert bad.stderr.strip() == (
         "error: POLICYGRAD_ALLOCATOR='nonsense' is not valid; choose one of auto, tcmalloc, jemalloc, system"
     )
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
+)
+def test_a_program_read_from_stdin_runs_without_the_preload():
+    code = (
+        "from policygrad.allocator import preload_and_reexec, preloaded; preload_and_reexec(); "
+        "print('ran', preloaded())\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
+    }
+    out = subprocess.run(
+        [sys.executable, "-"], input=code, env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "ran None"  # not re-executed onto an empty stdin, running nothing
