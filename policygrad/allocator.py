@@ -146,7 +146,7 @@ def preload_and_reexec(
     env = dict(os.environ if env is None else env)
     library = plan_preload(env, sys.platform)
     argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
-    if library is None or not argv or not sys.executable:
+    if library is None or not argv or not sys.executable or _program_from_stdin(argv):
         return
     original = env.get("LD_PRELOAD", "")
     env["LD_PRELOAD"] = " ".join(p for p in (library, original) if p)
@@ -158,6 +158,15 @@ def preload_and_reexec(
         execve(sys.executable, [sys.executable, *argv[1:]], env)
     except OSError:  # could not re-execute (a sandbox forbidding exec, ...): run on, as is
         return
+
+
+def _program_from_stdin(argv: Sequence[str]) -> bool:
+    """Whether the interpreter read its program from stdin (``python -``, ``cmd | python``): a
+    re-executed one would find stdin consumed and run nothing."""
+    main = sys.modules.get("__main__")
+    if getattr(main, "__file__", "<stdin>") != "<stdin>" or getattr(main, "__spec__", None) is not None:
+        return False  # a script or -m
+    return "-c" not in argv[1:]
 
 
 def preloaded() -> str | None:

@@ -130,3 +130,21 @@ def test_vllm_is_not_told_to_preload_what_the_command_preloaded(monkeypatch):
     monkeypatch.setattr(allocator, "_preloaded", TC)
     notes = engine._start_notes()["vllm.v1.worker.cpu_worker"]
     assert fragment in notes and "doesn't allow to use `torch.set_num_threads`" in notes
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(
+    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
+)
+def test_a_program_read_from_stdin_runs_without_the_preload():
+    code = (
+        "from policygrad.allocator import preload_and_reexec, preloaded; preload_and_reexec(); "
+        "print('ran', preloaded())\n"
+    )
+    env = {
+        k: v for k, v in os.environ.items() if k not in (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
+    }
+    out = subprocess.run(
+        [sys.executable, "-"], input=code, env=env, capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "ran None"  # not re-executed onto an empty stdin, running nothing

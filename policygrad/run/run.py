@@ -130,6 +130,7 @@ class Run:
         self.trainer = build_trainer(
             cfg,
             checkpoint=resume.checkpoint if resume is not None else None,
+            checkpoint_precision=resume.state.get("precision") if resume is not None else None,
             engine=engine,
             model=model,
             tokenizer=tokenizer,

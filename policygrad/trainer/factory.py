@@ -26,7 +26,7 @@ from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.loop import Trainer
 from policygrad.trainer.models import build_models, record_model_object
-from policygrad.trainer.precision import resolve_precision
+from policygrad.trainer.precision import resolve_precision, resumed_precision
 from policygrad.trainer.recompute import Recompute, pending_state_bytes
 from policygrad.trainer.seeds import Seeds
 from policygrad.trainer.strategy import make_strategy
@@ -101,6 +101,7 @@ def build_trainer(
     cfg: TrainConfig,
     *,
     checkpoint: str | None = None,
+    checkpoint_precision: str | None = None,
     engine=None,
     model=None,
     tokenizer=None,
@@ -113,6 +114,8 @@ def build_trainer(
 
     Args:
         checkpoint: a checkpoint folder whose policy (and critic) weights are loaded.
+        checkpoint_precision: the precision its trainer state records (``model.precision=auto``
+            keeps it: :func:`~policygrad.trainer.precision.resumed_precision`).
         engine: a rollout engine to use instead of the one ``rollout.engine`` names (its own
             precision: the run's autocast wraps only the engines it builds).
         model, tokenizer: a loaded model to train in place instead of ``model.name``.
@@ -132,9 +135,18 @@ def build_trainer(
         train_source = build_train_source(cfg.data, seed=cfg.seed)
     device = dist.device
     dtype = build.resolve_dtype(cfg.model.dtype, device)
+    name, fast_cpu_bf16 = cfg.model.precision, None
+    if checkpoint is not None:
+        name, fast_cpu_bf16 = resumed_precision(name, checkpoint_precision)
     precision = resolve_precision(
-        cfg.model.precision, device, model_dtype=cfg.model.dtype, lm_head_dtype=cfg.model.lm_head_dtype
+        name,
+        device,
+        model_dtype=cfg.model.dtype,
+        lm_head_dtype=cfg.model.lm_head_dtype,
+        fast_cpu_bf16=fast_cpu_bf16,
     )
+    if checkpoint is not None and cfg.model.precision == "auto":
+        log.info("model.precision=auto: %s, as the checkpoint was trained", precision.name)
     m = build_models(
         cfg,
         device=device,

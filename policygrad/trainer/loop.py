@@ -481,6 +481,7 @@ class Trainer:
             **({"entropy_controller": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {}),
             "reward_normalizer": self.scorer.normalizer.state_dict(),
             "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
+            "precision": self.precision.name,  # what model.precision=auto resolved to, kept on resume
         }
         scaler = self.policy_step.step.scaler
         if scaler is not None:  # fp16-mixed: the loss scale and its growth count, for an exact resume

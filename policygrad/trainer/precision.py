@@ -58,6 +58,7 @@ __all__ = [
     "Precision",
     "cpu_has_fast_bf16",
     "resolve_precision",
+    "resumed_precision",
     "unsupported_reason",
 ]
 
@@ -160,6 +161,25 @@ def cpu_has_fast_bf16(cpuinfo: str | None = None) -> bool:
         if sep and key.strip() == "flags":
             return any(flag in value.split() for flag in FAST_BF16_FLAGS)
     return False
+
+
+def resumed_precision(name: str, saved: str | None) -> tuple[str, bool | None]:
+    """``model.precision`` and ``fast_cpu_bf16`` for :func:`resolve_precision` when a run resumes.
+
+    ``auto`` keeps the precision the checkpoint was trained in, whatever this machine would pick:
+    a resume on another machine (or after ``auto`` learned to pick bf16-mixed on CPUs with bf16
+    instructions) must not switch a float32 run to bf16 compute mid-run. A checkpoint that records
+    no precision was written when ``auto`` on a CPU meant float32 (``fast_cpu_bf16=False``).
+
+    Args:
+        name: the config's ``model.precision``.
+        saved: the resolved precision the checkpoint's trainer state records (None: none).
+    """
+    if name != "auto":
+        return name, None
+    if saved in PRECISIONS and saved != "auto":
+        return saved, None
+    return name, False
 
 
 def resolve_precision(

@@ -448,6 +448,9 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
     for name in ("one", "two"):
         tree = tiny_overrides(eos_model_dir, f"{rewards_py}:length_fraction", tmp_path / name)
         tree["num_threads"] = 1  # as each rank: matmuls split over threads sum in another order
+        # the conftest's fp32 auto does not reach the torchrun processes; on a CPU with bf16
+        # instructions their auto would be bf16-mixed
+        tree["model"]["precision"] = "fp32"
         trees[name] = tree
     assert "per_prompt_seeds" not in trees["two"]["rollout"]
     train(load_config(None, trees["one"]))

@@ -322,3 +322,21 @@ def _metrics_rows(run_dir) -> list[dict]:
         }
         for r in rows
     ]
+
+
+def test_resume_keeps_the_precision_the_checkpoint_was_trained_in():
+    from policygrad.trainer.precision import resumed_precision
+
+    cpu = torch.device("cpu")
+    # a checkpoint trained in fp32 resumed on a CPU with bf16 instructions stays fp32
+    name, fast = resumed_precision("auto", "fp32")
+    assert resolve_precision(name, cpu, fast_cpu_bf16=fast).name == "fp32"
+    name, fast = resumed_precision("auto", "bf16-mixed")
+    assert resolve_precision(name, cpu, fast_cpu_bf16=fast).name == "bf16-mixed"
+    # a checkpoint that records none: auto meant fp32 on CPUs when it was written
+    name, fast = resumed_precision("auto", None)
+    assert (name, fast) == ("auto", False)
+    assert resolve_precision(name, cpu, fast_cpu_bf16=fast).name == "fp32"
+    assert resolve_precision(name, cpu, model_dtype="bfloat16", fast_cpu_bf16=fast).name == "bf16-mixed"
+    # an explicit choice is the user's
+    assert resumed_precision("bf16-mixed", "fp32") == ("bf16-mixed", None)
