@@ -112,7 +112,9 @@ def tiny_overrides(model_dir: str, reward_spec: str, output_dir, **sections) -> 
         "eval_before": False,
         "eval_after": False,
         "log_completions": 0,
-        "model": {"name": model_dir},
+        # fp32 whatever the CPU: a run in a subprocess (torchrun ranks, the CLI) is not covered by
+        # the float32_auto_precision fixture, and auto is bf16-mixed on CPUs with bf16 instructions
+        "model": {"name": model_dir, "precision": "fp32"},
         "data": {"eval_size": 0, "difficulty": "easy"},
         "rollout": {"engine": "hf", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6},
         "reward": {"functions": [reward_spec]},
