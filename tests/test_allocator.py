@@ -16,6 +16,17 @@ TC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 JE = "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"
 
 
+needs_tcmalloc = pytest.mark.skipif(
+    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
+)
+
+
+def _env_without_preload() -> dict[str, str]:
+    """This environment with no allocator chosen or preloaded: what a user's shell gives the command."""
+    drop = (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 def _finder(**installed):
     return lambda name: installed.get(name)
 
@@ -82,9 +93,7 @@ def test_reexec_keeps_interpreter_flags_and_arguments(monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(
-    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
-)
+@needs_tcmalloc
 def test_the_command_really_runs_under_tcmalloc():
     code = (
         "import sys; from policygrad.allocator import preload_and_reexec; preload_and_reexec(); "
@@ -92,9 +101,7 @@ def test_the_command_really_runs_under_tcmalloc():
         "maps = open('/proc/self/maps').read(); "
         "print('tcmalloc' in maps, sys.argv[1:], os.environ.get('LD_PRELOAD'), preloaded() is not None)"
     )
-    env = {
-        k: v for k, v in os.environ.items() if k not in (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
-    }
+    env = _env_without_preload()
     out = subprocess.run(
         [sys.executable, "-c", code, "a", "b c"],
         env=env,
@@ -133,17 +140,13 @@ def test_vllm_is_not_told_to_preload_what_the_command_preloaded(monkeypatch):
 
 
 @pytest.mark.integration
-@pytest.mark.skipif(
-    sys.platform != "linux" or find_library("tcmalloc") is None, reason="tcmalloc is not installed"
-)
+@needs_tcmalloc
 def test_a_program_read_from_stdin_runs_without_the_preload():
     code = (
         "from policygrad.allocator import preload_and_reexec, preloaded; preload_and_reexec(); "
         "print('ran', preloaded())\n"
     )
-    env = {
-        k: v for k, v in os.environ.items() if k not in (ENV, "LD_PRELOAD", "POLICYGRAD_ALLOCATOR_PRELOADED")
-    }
+    env = _env_without_preload()
     out = subprocess.run(
         [sys.executable, "-"], input=code, env=env, capture_output=True, text=True, check=True, timeout=120
     )

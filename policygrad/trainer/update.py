@@ -223,7 +223,7 @@ class PolicyStep:
         reduce = self.strategy.reduce
         counts = MinibatchCounts.of(mb.loss_mask, mb.positive).reduced(reduce)
         micros = list(mb.micro_batches(self.micro_batch_size))
-        if self.recompute is not None and micros:
+        if self.recompute is not None and not self.recompute.enabled and micros:
             sizes = [micro.rollout.trim() for micro in micros]
             self.recompute.check(
                 max(r.batch_size for r in sizes),
