@@ -8,7 +8,8 @@ python benchmarks/levers.py --update-readme
 
 The step is ``benchmarks/grpo_vs_trl.py``'s policygrad side at equal length (the bundled
 SmolLM2-135M-Instruct, 4 prompts x G = 4, every response exactly 64 tokens, vLLM rollouts,
-``optim.micro_batch_size=4``, beta = 0 unless ``--beta``). For one lever, every variant is a
+policygrad's default ``optim.micro_batch_size`` (all 16 sequences in one forward), beta = 0 unless
+``--beta``). For one lever, every variant is a
 worker process of its own, loaded one after the other; after one unmeasured warm-up step each,
 the measured steps alternate between the variants (A, B, A, B, ...), so a drift of a shared
 machine hits all of them alike. Every worker runs with the allocator the ``policygrad`` command
@@ -30,6 +31,9 @@ Levers:
   the backward (policygrad's default) against the plain autograd layers.
 - ``checkpointing``: ``model.gradient_checkpointing`` off against on (every layer's forward
   recomputed in the backward; TRL's default).
+- ``micro_batch``: ``optim.micro_batch_size`` 4 (one prompt's G samples per forward), 8 and 16
+  (the whole batch in one forward, as TRL runs it and as policygrad's default of 32 does here):
+  fewer, larger matmuls against more activation memory (the peak RSS column).
 - ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
   affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
   threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
@@ -76,6 +80,8 @@ from _common import (  # noqa: E402
 from grpo_vs_trl import policygrad_settings  # noqa: E402
 
 README_SECTION = "levers"
+
+
 def command_allocator() -> str | None:
     """The allocator library the ``policygrad`` command preloads on this machine (None: glibc's);
     every variant of the other levers runs with it, as a user's run does."""
@@ -119,6 +125,11 @@ def variants(lever: str) -> list[dict[str, Any]]:
             {"label": "gradient checkpointing off", "overrides": ["model.gradient_checkpointing=false"]},
             {"label": "gradient checkpointing on", "overrides": ["model.gradient_checkpointing=true"]},
         ]
+    if lever == "micro_batch":
+        # sequences per training forward: fewer, larger matmuls against more activation memory
+        return [
+            {"label": f"micro-batch {n}", "overrides": [f"optim.micro_batch_size={n}"]} for n in (4, 8, 16)
+        ]
     if lever == "binding":
         return [
             {"label": "vLLM threads bound"},
@@ -128,7 +139,15 @@ def variants(lever: str) -> list[dict[str, Any]]:
     raise ValueError(f"unknown lever {lever!r}")
 
 
-LEVERS = ("allocator", "precision", "rollout_dtype", "lean_mlp", "checkpointing", "binding")
+LEVERS = (
+    "allocator",
+    "precision",
+    "rollout_dtype",
+    "lean_mlp",
+    "checkpointing",
+    "micro_batch",
+    "binding",
+)
 
 
 def serve(spec: dict[str, Any]) -> None:
