@@ -461,7 +461,11 @@ def run(args) -> dict[str, Any]:
     result: dict[str, Any] = {
         "benchmark": "learn_vs_trl",
         "date": today(),
-        "command": " ".join(["python", "benchmarks/learn_vs_trl.py", *sys.argv[1:]]),
+        # the preload the coordinator inherited decides TRL's allocator, so it is part of the command
+        "command": " ".join(
+            [*([f"LD_PRELOAD={os.environ['LD_PRELOAD']}"] if os.environ.get("LD_PRELOAD") else []), "python"]
+            + ["benchmarks/learn_vs_trl.py", *sys.argv[1:]]
+        ),
         "machine": machine,
         "settings": s,
         "logs": str(logs),
