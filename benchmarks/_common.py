@@ -665,6 +665,17 @@ def today() -> str:
     return _dt.date.today().isoformat()
 
 
+def new_result_path(name: str, date: str | None = None) -> Path:
+    """``results/<date>-<name>.json``, or ``-2``, ``-3``, ... after it when that name is taken (by
+    the JSON or its ``.png``): a default output never replaces a result already kept there. An
+    explicit ``--output`` is written as given."""
+    stem = f"{date or today()}-{name}"
+    path, n = RESULTS_DIR / f"{stem}.json", 2
+    while path.exists() or path.with_suffix(".png").exists():
+        path, n = RESULTS_DIR / f"{stem}-{n}.json", n + 1
+    return path
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(nan_to_none(data), indent=2) + "\n", encoding="utf-8")

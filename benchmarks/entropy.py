@@ -31,11 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     REPO_ROOT,
-    RESULTS_DIR,
     fmt,
     machine_description,
     machine_line,
     markdown_table,
+    new_result_path,
     today,
     warn_if_busy,
     write_json,
@@ -129,7 +129,7 @@ def main() -> int:
         work = tempfile.mkdtemp(prefix="policygrad-entropy-")
         results = run_variants([parse_variant(v) for v in args.variant or DEFAULT_VARIANTS], args, work)
         print(f"run folders in {work} (delete when done)", file=sys.stderr)
-    path = args.output or RESULTS_DIR / f"{today()}-entropy.json"
+    path = args.output or new_result_path("entropy")
     write_json(path, {"date": today(), "machine": machine, "minutes": args.minutes, "variants": results})
     header = ["variant", "steps", "entropy at step 0, 5, 10, 15, 20, last", "accuracy before -> after"]
     rows = []

@@ -62,7 +62,6 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    RESULTS_DIR,
     SPLITS,
     Channel,
     Worker,
@@ -76,6 +75,7 @@ from _common import (
     markdown_table,
     median,
     nan_to_none,
+    new_result_path,
     peak_rss_gb,
     policygrad_config,
     policygrad_splits,
@@ -899,7 +899,7 @@ def main() -> int:
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
         pass
-    out = args.output or RESULTS_DIR / f"{result['date']}-grpo-vs-trl.json"
+    out = args.output or new_result_path("grpo-vs-trl", result["date"])
     write_json(out, result)
     text = report(result)
     print(text)

@@ -56,7 +56,6 @@ from typing import Any
 
 from _common import (
     REPO_ROOT,
-    RESULTS_DIR,
     Channel,
     Worker,
     add_common_options,
@@ -66,6 +65,7 @@ from _common import (
     machine_line,
     markdown_table,
     median,
+    new_result_path,
     peak_rss_gb,
     policygrad_config,
     run_main,
@@ -517,7 +517,7 @@ def main() -> int:
     if importlib.util.find_spec("trl") is None:
         parser.error('TRL is not installed: pip install -e ".[bench]" (trl 1.16.0)')
     result = run(args)
-    out = args.output or RESULTS_DIR / f"{result['date']}-learn-vs-trl.json"
+    out = args.output or new_result_path("learn-vs-trl", result["date"])
     write_json(out, result)
     text = report(result)
     print(text)

@@ -56,7 +56,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    RESULTS_DIR,
     SPLITS,
     Worker,
     add_common_options,
@@ -68,6 +67,7 @@ from _common import (  # noqa: E402
     machine_line,
     markdown_table,
     median,
+    new_result_path,
     policygrad_config,
     policygrad_splits,
     run_main,
@@ -318,7 +318,7 @@ def main() -> int:
         },
         "runs": [],
     }
-    out = args.output or RESULTS_DIR / f"{result['date']}-levers.json"
+    out = args.output or new_result_path("levers", result["date"])
     for lever in args.lever or LEVERS:
         result["runs"].append(run_lever(args, lever, logs))
         write_json(out, result)  # what is measured survives a later lever's failure

@@ -27,10 +27,10 @@ import time
 from pathlib import Path
 
 from _common import (
-    BENCH_DIR,
     machine_description,
     machine_line,
     markdown_table,
+    new_result_path,
     today,
     update_readme_section,
     warn_if_busy,
@@ -117,7 +117,7 @@ def main() -> int:
         "batch": pools,
         "settings": vars(args) | {"output": str(args.output) if args.output else None},
     }
-    path = args.output or BENCH_DIR / "results" / f"{today()}-sandbox-{sandbox.isolation}.json"
+    path = args.output or new_result_path(f"sandbox-{sandbox.isolation}")
     write_json(path, result)
     load = machine.get("loadavg_at_start")
     load_text = f"{load[0]:.1f}" if load else "unknown"

@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any
 
 from _common import (
-    RESULTS_DIR,
     Worker,
     add_common_options,
     as_float,
@@ -62,6 +61,7 @@ from _common import (
     markdown_table,
     median,
     nan_to_none,
+    new_result_path,
     policygrad_config,
     run_main,
     serve_policygrad,
@@ -521,7 +521,7 @@ def main() -> int:
     for p in points:
         p["summary"] = point_summary([s for s in p["steps"] if not s["warmup"]], n_params, peak, params)
     date = today()
-    out = args.output or RESULTS_DIR / f"{date}-scaling.json"
+    out = args.output or new_result_path("scaling", date)
     png = out.with_suffix(".png")
     result: dict[str, Any] = {
         "benchmark": "scaling",

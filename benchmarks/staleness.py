@@ -30,12 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
     REPO_ROOT,
-    RESULTS_DIR,
     fmt,
     machine_description,
     machine_line,
     markdown_table,
     median,
+    new_result_path,
     today,
     update_readme_section,
     warn_if_busy,
@@ -119,7 +119,7 @@ def main() -> int:
         "k1_overrides": args.k1_override,
         "sides": sides,
     }
-    path = args.output or RESULTS_DIR / f"{today()}-staleness.json"
+    path = args.output or new_result_path("staleness")
     write_json(path, result)
     header = ["max_staleness", "step (median)", "generation", "trainer waited", "overlap", "training"]
     header += ["accuracy before -> after", "wall"]

@@ -33,7 +33,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import (  # noqa: E402
-    RESULTS_DIR,
     Worker,
     add_common_options,
     as_float,
@@ -43,6 +42,7 @@ from _common import (  # noqa: E402
     machine_line,
     markdown_table,
     median,
+    new_result_path,
     run_main,
     serve_policygrad,
     today,
@@ -199,7 +199,7 @@ def main() -> int:
         "sides": summary,
         "turns": turns,
     }
-    path = args.output or RESULTS_DIR / f"{today()}-threads-under-load.json"
+    path = args.output or new_result_path("threads-under-load")
     write_json(path, result)
     header = ["threads", "step (median)", "generation", "training", "threads used", "steps"]
     rows = [

@@ -3,6 +3,7 @@ re-execution where tcmalloc is installed."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -137,6 +138,47 @@ def test_vllm_is_not_told_to_preload_what_the_command_preloaded(monkeypatch):
     monkeypatch.setattr(allocator, "_preloaded", TC)
     notes = engine._start_notes()["vllm.v1.worker.cpu_worker"]
     assert fragment in notes and "doesn't allow to use `torch.set_num_threads`" in notes
+
+
+def _record(msg: str, *args) -> logging.LogRecord:
+    return logging.LogRecord("vllm.v1.worker.cpu_worker", logging.WARNING, __file__, 1, msg, args, None)
+
+
+@pytest.mark.unit
+def test_a_dropped_message_is_matched_as_printed_with_its_arguments():
+    from policygrad.rollout import vllm as engine
+
+    drop = engine._DropMessages("libtcmalloc is not found in LD_PRELOAD")
+    # vLLM's own call: the library name is an argument, so the format string alone never matches
+    assert not drop.filter(_record("%s is not found in LD_PRELOAD. For best performance ...", "libtcmalloc"))
+    assert drop.filter(_record("%s is not found in LD_PRELOAD. For best performance ...", "libiomp5.so"))
+    assert not drop.filter(_record("libtcmalloc is not found in LD_PRELOAD"))
+    # arguments that do not fit the format: matched against the format string, no exception
+    assert drop.filter(_record("%d things", "not a number"))
+    assert not engine._DropMessages("%d things").filter(_record("%d things", "not a number"))
+
+
+@pytest.mark.unit
+def test_the_tcmalloc_advice_is_dropped_from_vllm_own_logger(monkeypatch):
+    from policygrad.rollout import vllm as engine
+
+    monkeypatch.setattr(allocator, "_preloaded", TC)
+    seen = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("vllm.v1.worker.cpu_worker")
+    handler = Keep()
+    log.addHandler(handler)
+    try:
+        with engine._quiet(engine._start_notes()):
+            log.warning("%s is not found in LD_PRELOAD. For best performance ...", "libtcmalloc")
+            log.warning("%s is not found in LD_PRELOAD. For best performance ...", "libiomp5.so")
+    finally:
+        log.removeHandler(handler)
+    assert seen == ["libiomp5.so is not found in LD_PRELOAD. For best performance ..."]
 
 
 @pytest.mark.integration

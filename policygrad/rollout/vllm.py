@@ -99,14 +99,21 @@ def vllm_available() -> bool:
 
 
 class _DropMessages(logging.Filter):
-    """Drops log records whose message (format string) contains one of ``fragments``."""
+    """Drops log records whose message, as it would be printed (the format string with its
+    arguments filled in), contains one of ``fragments``."""
 
     def __init__(self, *fragments: str):
         super().__init__()
         self.fragments = fragments
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(f in str(record.msg) for f in self.fragments)
+        # vLLM logs "%s is not found in LD_PRELOAD" with the library as an argument, so a fragment
+        # can span the format string and its arguments
+        try:
+            text = record.getMessage()
+        except (TypeError, ValueError):  # arguments that do not fit the format: match the format
+            text = str(record.msg)
+        return not any(f in text for f in self.fragments)
 
 
 # Warnings that do not apply to this use of vLLM: it runs without a tokenizer (prompts are token

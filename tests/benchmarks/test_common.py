@@ -1,0 +1,40 @@
+"""benchmarks/_common.py: a benchmark's default output never replaces a result already kept."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.unit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+
+@pytest.fixture
+def common(monkeypatch, tmp_path):
+    monkeypatch.syspath_prepend(BENCH)  # _common imports _roofline by its bare name
+    if "_common" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("_common", os.path.join(BENCH, "_common.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["_common"] = module
+        spec.loader.exec_module(module)
+    module = sys.modules["_common"]
+    monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
+    return module
+
+
+def test_the_default_result_path_takes_the_next_free_name(common, tmp_path):
+    first = common.new_result_path("levers", "2026-12-02")
+    assert first == tmp_path / "2026-12-02-levers.json"
+    first.write_text("{}")
+    assert common.new_result_path("levers", "2026-12-02") == tmp_path / "2026-12-02-levers-2.json"
+    (tmp_path / "2026-12-02-levers-2.png").write_text("")  # a plot alone holds the name too
+    assert common.new_result_path("levers", "2026-12-02") == tmp_path / "2026-12-02-levers-3.json"
+    # another benchmark, or another day, is not affected
+    assert common.new_result_path("scaling", "2026-12-02") == tmp_path / "2026-12-02-scaling.json"
+    assert common.new_result_path("levers", "2026-12-03") == tmp_path / "2026-12-03-levers.json"
+    assert first.read_text() == "{}"
