@@ -75,6 +75,22 @@ def find_library(name: str, exists: Callable[[str], bool] = os.path.exists) -> s
     return None
 
 
+def preloaded_allocator(ld_preload: str, realpath: Callable[[str], str] = os.path.realpath):
+    """The allocator an ``LD_PRELOAD`` value already loads, as ``(name, entry)``, or None.
+
+    Any build counts (``libtcmalloc_minimal``, ``libtcmalloc``, ``libtcmalloc_debug``,
+    ``libjemalloc``, whatever the version suffix), by the entry's file name or by the file a
+    symbolic link points to. Entries are separated by spaces or colons, as the dynamic loader reads
+    them."""
+    for entry in ld_preload.replace(":", " ").split():
+        for candidate in (entry, realpath(entry)):
+            base = os.path.basename(candidate)
+            for name in LIBRARIES:
+                if base.startswith(f"lib{name}"):
+                    return name, entry
+    return None
+
+
 def plan_preload(
     env: Mapping[str, str], platform: str, find: Callable[[str], str | None] = find_library
 ) -> str | None:
@@ -89,17 +105,23 @@ def plan_preload(
         The library to preload and re-execute with; None: run as is.
 
     Raises:
-        ValueError: ``POLICYGRAD_ALLOCATOR`` is not one of :data:`ALLOCATORS`, or names an
-            allocator that is not installed.
+        ValueError: ``POLICYGRAD_ALLOCATOR`` is not one of :data:`ALLOCATORS`, names an
+            allocator that is not installed, or names another than the one ``LD_PRELOAD`` already
+            loads.
     """
     choice = (env.get(ENV) or "auto").strip().lower()
     if choice not in ALLOCATORS:
         raise ValueError(f"{ENV}={choice!r} is not valid; choose one of {', '.join(ALLOCATORS)}")
     if choice == "system" or env.get(_DONE_ENV) or platform != "linux":
         return None
-    preloaded = env.get("LD_PRELOAD", "")
-    if any(lib in preloaded for names in LIBRARIES.values() for lib in names):
-        return None  # the user chose one already
+    users = preloaded_allocator(env.get("LD_PRELOAD", ""))
+    if users is not None:  # the user chose one already
+        kind, path = users
+        if choice not in ("auto", kind):
+            raise ValueError(
+                f"{ENV}={choice} but LD_PRELOAD already loads {kind} ({path}); remove one of the two"
+            )
+        return None
     names = ("tcmalloc", "jemalloc") if choice == "auto" else (choice,)
     for name in names:
         path = find(name)

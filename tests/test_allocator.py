@@ -52,6 +52,34 @@ def test_no_preload_when_asked_not_to_already_done_or_not_linux():
 
 
 @pytest.mark.unit
+def test_any_build_of_an_allocator_the_user_preloads_is_their_choice(tmp_path):
+    both = _finder(tcmalloc=TC, jemalloc=JE)
+    for user in (
+        "/opt/libjemalloc.so",  # no version suffix
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal_debug.so.4",  # the debug build
+        "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4.5.10",
+        "/x/libasan.so:/opt/libjemalloc.so.2",  # colon-separated, not the first entry
+    ):
+        assert plan_preload({"LD_PRELOAD": user}, "linux", both) is None, user
+    # a link whose own name says nothing, pointing at jemalloc
+    target = tmp_path / "libjemalloc.so.2"
+    target.write_bytes(b"")
+    link = tmp_path / "alloc.so"
+    link.symlink_to(target)
+    assert plan_preload({"LD_PRELOAD": str(link)}, "linux", both) is None
+    # other preloads are not allocators: the command still adds tcmalloc
+    assert plan_preload({"LD_PRELOAD": "/x/libasan.so /y/libfoo.so"}, "linux", both) == TC
+    # an explicit choice that agrees is fine; one that contradicts the preload is an error
+    assert plan_preload({"LD_PRELOAD": JE, ENV: "jemalloc"}, "linux", both) is None
+    with pytest.raises(
+        ValueError,
+        match=r"^POLICYGRAD_ALLOCATOR=tcmalloc but LD_PRELOAD already loads jemalloc "
+        r"\(/opt/libjemalloc\.so\.2\); remove one of the two$",
+    ):
+        plan_preload({"LD_PRELOAD": "/opt/libjemalloc.so.2", ENV: "tcmalloc"}, "linux", both)
+
+
+@pytest.mark.unit
 def test_bad_or_missing_choice_is_one_clear_error():
     with pytest.raises(ValueError, match=r"POLICYGRAD_ALLOCATOR='mimalloc' is not valid; choose one of auto"):
         plan_preload({ENV: "mimalloc"}, "linux", _finder())

@@ -127,7 +127,10 @@ class ModelConfig:
     precision: str = "auto"
     lm_head_dtype: str | None = "auto"
     lora: LoraConfig = field(default_factory=LoraConfig)
-    gradient_checkpointing: bool | str = "auto"
+    gradient_checkpointing: bool | str = field(
+        default="auto",
+        metadata={"choices": "auto (recompute only when the activations would not fit), true or false"},
+    )
     trust_remote_code: bool = False
     adapter: str | None = None
 
@@ -146,10 +149,12 @@ class ModelConfig:
                 f"bfloat16 there; set {path}.precision=bf16-mixed or unset {path}.lm_head_dtype"
             )
         self.lora.validate(f"{path}.lora")
+        if isinstance(self.gradient_checkpointing, str):
+            self.gradient_checkpointing = self.gradient_checkpointing.strip().lower()
         if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
             raise ConfigError(
-                f"{path}.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; choose auto "
-                "(recompute only when the activations would not fit), true or false"
+                f"{path}.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; choose "
+                + _choices(type(self), "gradient_checkpointing")
             )
         if self.adapter is not None and self.lora.rank > 0:
             raise ConfigError(
@@ -537,5 +542,17 @@ def build_dataclass(cls, data: dict[str, Any], prefix: str = ""):
     kwargs = {}
     for name, value in data.items():
         path = f"{prefix}.{name}" if prefix else name
-        kwargs[name] = _coerce(path, value, types[name])
+        try:
+            kwargs[name] = _coerce(path, value, types[name])
+        except ConfigError:
+            choices = _choices(cls, name)
+            if not choices:
+                raise
+            # a field that takes a few named values says those, not its Python annotation
+            raise ConfigError(f"{path}={value!r} is not valid; choose {choices}") from None
     return cls(**kwargs)
+
+
+def _choices(cls, name: str) -> str:
+    """The ``choices`` text of field ``name`` of config dataclass ``cls`` ("" when it has none)."""
+    return next((f.metadata.get("choices", "") for f in dataclasses.fields(cls) if f.name == name), "")

@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from policygrad.trainer.config_sections import ConfigError
+
 __all__ = [
     "CpuTimes",
     "ThreadChooser",
@@ -269,6 +271,14 @@ class ThreadGovernor:
         self.proc, self.cgroup_root = proc, cgroup_root
         self.noted = False
         if self.fixed:
+            usable = len(affinity_cpus())
+            if num_threads > usable:
+                # more OpenMP threads than CPUs wait on each other at every barrier: a step can take
+                # minutes where it took seconds, with nothing said
+                raise ConfigError(
+                    f"num_threads={num_threads} is more than the {usable} CPUs this process may run on; "
+                    f"set num_threads <= {usable}, or null (fitted to the machine's load)"
+                )
             torch.set_num_threads(num_threads)
             self.default = self.threads = int(num_threads)
             return

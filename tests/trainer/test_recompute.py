@@ -34,6 +34,15 @@ def test_default_is_auto_and_bad_values_are_refused():
         load_config(None, {"model": {"gradient_checkpointing": "sometimes"}})
     with pytest.raises(ConfigError, match="model.gradient_checkpointing"):
         load_config(None, {"model": {"gradient_checkpointing": 2}})
+    # a number or null gets the same one message with the accepted values, not the field's Python type
+    choices = "is not valid; choose auto (recompute only when the activations would not fit), true or false"
+    for given in ("1", "null", "2.5"):
+        with pytest.raises(ConfigError) as info:
+            load_config(None, [f"--model.gradient_checkpointing={given}"])
+        shown = {"1": "1", "null": "None", "2.5": "2.5"}[given]
+        assert str(info.value) == f"model.gradient_checkpointing={shown} {choices}"
+    # names are read as the other choices are: case and surrounding spaces forgiven
+    assert load_config(None, ["--model.gradient_checkpointing=AUTO"]).model.gradient_checkpointing == "auto"
 
 
 @pytest.mark.integration

@@ -229,6 +229,20 @@ def test_num_threads_set_is_applied_once_and_never_changed(machine, monkeypatch)
     assert fake.calls == [2]
 
 
+def test_num_threads_above_the_usable_cpus_is_refused_before_anything_is_set(machine, monkeypatch):
+    from policygrad.trainer.config_sections import ConfigError
+
+    fake = FakeTorch(monkeypatch)
+    # the fake machine has 2 CPUs in the affinity set
+    with pytest.raises(
+        ConfigError,
+        match=r"^num_threads=3 is more than the 2 CPUs this process may run on; set num_threads <= 2, or "
+    ):
+        governor(machine, num_threads=3)
+    assert fake.calls == []
+    assert governor(machine, num_threads=2).threads == 2
+
+
 def test_a_quiet_machine_keeps_torchs_default_untouched(machine, monkeypatch, caplog):
     fake = FakeTorch(monkeypatch, count=2)
     with caplog.at_level(logging.INFO, logger="policygrad"):
