@@ -75,13 +75,20 @@ def find_library(name: str, exists: Callable[[str], bool] = os.path.exists) -> s
     return None
 
 
-def preloaded_allocator(ld_preload: str, realpath: Callable[[str], str] = os.path.realpath):
-    """The allocator an ``LD_PRELOAD`` value already loads, as ``(name, entry)``, or None.
+def preloaded_allocator(
+    ld_preload: str, realpath: Callable[[str], str] = os.path.realpath
+) -> tuple[str, str] | None:
+    """The allocator an ``LD_PRELOAD`` value already loads.
 
     Any build counts (``libtcmalloc_minimal``, ``libtcmalloc``, ``libtcmalloc_debug``,
     ``libjemalloc``, whatever the version suffix), by the entry's file name or by the file a
     symbolic link points to. Entries are separated by spaces or colons, as the dynamic loader reads
-    them."""
+    them.
+
+    Returns:
+        ``(name, entry)``: the allocator's key in :data:`LIBRARIES` and the ``LD_PRELOAD`` entry
+        that loads it; None when no entry is one. Raises nothing (a missing file is only a name).
+    """
     for entry in ld_preload.replace(":", " ").split():
         for candidate in (entry, realpath(entry)):
             base = os.path.basename(candidate)
