@@ -36,9 +36,12 @@ from policygrad.rewards.verifiers import answer_correctness, extract_answer
 from policygrad.rollout.base import decode_completions
 from policygrad.trainer import build
 from policygrad.trainer.config import ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+from policygrad.trainer.errors import TrainingError
+from policygrad.trainer.health import check_finite_weights
 from policygrad.trainer.models import load_eval_models
 
 __all__ = [
+    "EvaluationFailed",
     "decode_completions",
     "eval_engine",
     "eval_output_path",
@@ -54,6 +57,12 @@ __all__ = [
 
 RewardFn = Callable[..., Sequence[float]]
 AnswerFn = Callable[[str], "str | None"]
+
+
+class EvaluationFailed(TrainingError):
+    """Every item of an evaluation failed (e.g. every episode's environment raised): there is no
+    result to report, so ``policygrad eval`` ends with one ``error:`` line and status 2 instead of
+    a summary of zeros."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -301,6 +310,10 @@ def eval_engine(cfg, limit: int):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = build.resolve_dtype(cfg.model.dtype, device)
     models = load_eval_models(cfg, device=device, dtype=dtype)
+    # A NaN weight makes every completion noise (greedy decoding of NaN logits picks arbitrary
+    # tokens): an accuracy of 0 would be reported for a model that was never evaluated.
+    what = f"--model {cfg.model.name}" + (f" with --adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+    check_finite_weights(models.policy, what, use="evaluated")
     gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
     try:
         if models.weights_differ_from_path:

@@ -304,6 +304,52 @@ def test_eval_env_plays_episodes_and_writes_every_one(eos_model_dir, tmp_path, c
     assert result["pass@2"] == pytest.approx(sum(pass_at_k(2, c, 2) for c in counted) / 3)
 
 
+def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_counted(
+    eos_model_dir, tmp_path, capsys
+):
+    # Before: every episode failed in the environment, yet the exit status was 0 with a summary of
+    # zeros (success 0.0) that reads like a model that never succeeds.
+    env = "tests.trainer.test_evaluate:FailsOnBad"
+    common = ["--env", env, "--model", eos_model_dir, "--max-new-tokens", "4", "--max-turns", "2"]
+    all_bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": f"bad {i}", "answer": "1"} for i in range(3)])
+    out = tmp_path / "episodes.jsonl"
+    line = _fails(["eval", "--engine", "hf", *common, "--dataset", all_bad, "--output", str(out)], capsys)
+    assert line.startswith(
+        "error: every one of the 3 greedy episodes failed in the environment, so there is no result (the "
+        "first: step() failed: RuntimeError: this row breaks the environment)"
+    )
+    records = [json.loads(x) for x in out.read_text().splitlines()]  # kept: each episode's error
+    assert [r["failed"] for r in records] == [True] * 3
+    assert all("this row breaks" in r["error"] for r in records)
+
+    # Some failed: counted in the summary, and a note says how many.
+    rows = [{"question": q, "answer": "1"} for q in ("Say 1.", "bad 2", "Say 3.", "bad 4")]
+    some = write_jsonl(tmp_path / "some.jsonl", rows)
+    result = _eval([*common, "--dataset", some, "--output", str(out), "--samples", "2"], capsys)
+    assert (result["n"], result["failed"], result["samples_failed"]) == (4, 2, 4)
+    assert result["failed_frac"] == 0.5 and result["stop_error"] == 0.5
+
+
+def test_eval_of_a_model_with_nan_weights_is_an_error(eos_model_dir, tmp_path, capsys):
+    # Before: greedy decoding of NaN logits gave noise, reported as accuracy 0.0 with exit status 0.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name][0] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
+    out = str(tmp_path / "o.jsonl")
+    line = _fails(["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--output", out], capsys)
+    assert line.startswith(f"error: --model {model} has non-finite weights: ")
+    assert line.endswith("; it cannot be evaluated (repair the weights or choose another model)")
+    assert not os.path.exists(out)
+
+
 def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     common = ["eval", "--model", eos_model_dir, "--engine", "hf"]
     line = _fails([*common, "--env", "builtin:guess", "--env-options", "{high: 5}"], capsys)

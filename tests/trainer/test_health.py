@@ -72,8 +72,18 @@ def test_a_zero_gradient_from_equal_scores_names_the_reward_functions():
     assert "(code rows: code_tests)" not in code  # it already is code_tests
 
 
-def test_a_zero_gradient_with_varied_scores_is_the_general_message():
-    cause = why_nothing_trained({"optim/steps": 1, "reward/zero_variance_group_frac": 0.5}, config())
+def test_a_zero_gradient_with_varied_scores_is_a_diverged_run_naming_optim_lr():
+    # Half the groups scored their samples differently, so their advantages were not 0: a gradient
+    # of exactly 0 is a policy that no longer responds (optim.lr=1e6 collapses it), not flat rewards.
+    metrics = {"optim/steps": 1, "reward/zero_variance_group_frac": 0.5, "policy/entropy": 10.8}
+    cause = why_nothing_trained(metrics, config(optim={"lr": 1e6}))
+    assert cause.startswith("the run diverged: the policy's gradient was exactly 0 at every optimizer step")
+    assert "(policy/entropy 10.8)" in cause and "lower optim.lr (lr=1e+06)" in cause
+    assert "reward.functions" not in cause
+
+
+def test_a_zero_gradient_without_group_statistics_is_the_general_message():
+    cause = why_nothing_trained({"optim/steps": 1}, config())
     assert cause.startswith("the policy's gradient was exactly 0 at every optimizer step")
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -507,6 +508,41 @@ def test_a_run_whose_advantages_are_all_zero_says_it_trained_nothing(make_config
         assert bonus.train()["updates_applied"] == 2
     finally:
         bonus.close()
+
+
+def test_a_policy_that_no_longer_responds_is_named_diverged_not_flat_rewards(
+    eos_model_dir, make_config, tmp_path
+):
+    """A model whose embeddings are all 0 keeps every hidden state 0 (no biases), so its logits are 0
+    (a uniform policy, as optim.lr=1e6 leaves the bundled model) and every gradient is exactly 0,
+    while length_fraction scores a group's samples differently (advantages not 0). The run must be
+    named diverged with optim.lr, not sent to check reward.functions (what it said before)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from policygrad.trainer.errors import TrainingError
+
+    model = tmp_path / "uniform"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights = {k: torch.zeros_like(v) if "embed_tokens" in k else v for k, v in weights.items()}
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    cfg = make_config("uniform", reward_fn="length_fraction", steps=2, model={"name": str(model)})
+    run = Run(cfg)
+    try:
+        with pytest.raises(TrainingError) as info:
+            run.train()
+    finally:
+        run.close()
+    message = str(info.value)
+    assert message.startswith("the run applied no update in 2 steps: the run diverged: ")
+    assert "lower optim.lr (lr=0.01)" in message and "reward.functions" not in message
+    rows = _rows(run.run_dir)
+    assert [r["optim/grad_norm"] for r in rows] == [0.0, 0.0]
+    assert all(r["reward/zero_variance_group_frac"] < 1 for r in rows)
+    # Logits 0 over the 100 ids: the entropy of the uniform distribution, ln 100 (float32 rounding).
+    assert all(abs(r["policy/entropy"] - math.log(100)) < 1e-5 for r in rows)
 
 
 # ----------------------------------------------------------------------------- errors keep the finished steps
