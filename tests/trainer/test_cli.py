@@ -344,7 +344,8 @@ def test_eval_of_a_model_with_nan_weights_is_an_error(eos_model_dir, tmp_path, c
     save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
     data = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
     out = str(tmp_path / "o.jsonl")
-    line = _fails(["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--output", out], capsys)
+    argv = ["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--output", out]
+    line = _fails(argv, capsys)
     assert line.startswith(f"error: --model {model} has non-finite weights: ")
     assert line.endswith("; it cannot be evaluated (repair the weights or choose another model)")
     assert not os.path.exists(out)
