@@ -327,12 +327,15 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
         environment_factory(name, options)
     except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
         text = str(exc).strip().replace("\n", " ")
+        # Only the options' own errors are fixed by other options; a missing class, a file that
+        # fails to import or a constructor that fails otherwise say their own fix.
+        about_options = "env.options" in text
         text = text.replace("env.options do not fit", f"--env-options {raw or '{}'} do not fit")
         text = text.replace("env.options", "--env-options")
         text = text.replace("env.name", "--env")
-        if "--env" not in text:  # the class's own complaint about an option
-            text = f"--env-options {raw or '{}'} do not fit {name}: {text}"
-        raise ValueError(f"{text}; give options {name} accepts") from None
+        if "--env" not in text:  # an import error of the environment's module
+            text = f"--env {name}: {text}"
+        raise ValueError(f"{text}; give options {name} accepts" if about_options else text) from None
 
 
 def _eval_env(args, ks: list[int]) -> int:

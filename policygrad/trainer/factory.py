@@ -52,7 +52,8 @@ def prepare_config(
     placeholder ``<callable NAME (not importable)>``, and the objects without a path are
     returned for the scorer (an ``environment`` object is recorded the same way, as
     ``env.name``); several processes always sample with per-prompt seeds, so
-    ``config.yaml`` says so and a resume in one process goes on sampling the same way. Then what
+    ``config.yaml`` says so and a resume in one process goes on sampling the same way;
+    ``output_dir`` is made absolute (a later ``os.chdir`` cannot move the run). Then what
     needs no model is checked (the engine's choice, the reward-function specs: no user code
     runs), so a bad option or file is refused before a model is read or converted.
 
@@ -63,6 +64,9 @@ def prepare_config(
         ConfigError / ValueError / FileNotFoundError: ``model.name`` names another model than
             ``model``; a bad engine choice or reward-function spec (named).
     """
+    # Absolute from the start: code that changes the working directory during the run (a reward
+    # function run in-process, an environment, a callback) cannot move where it writes.
+    config = dataclasses.replace(config, output_dir=os.path.abspath(config.output_dir))
     if model is not None:
         config = record_model_object(config, model)
     reward_objects = None

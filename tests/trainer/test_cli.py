@@ -304,6 +304,27 @@ def test_eval_env_plays_episodes_and_writes_every_one(eos_model_dir, tmp_path, c
     assert result["pass@2"] == pytest.approx(sum(pass_at_k(2, c, 2) for c in counted) / 3)
 
 
+def test_files_that_exit_at_import_and_a_missing_critic_folder_are_named(
+    tiny_yaml, eos_model_dir, tmp_path, capsys
+):
+    # Before: "error: 3" (a reward file calling sys.exit(3) at module level), an environment file
+    # doing the same ended eval with status 3 and no line, and critic.init_from=/nope was "model: ...".
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\n\nsys.exit(3)\n")
+    line = _fails(["train", tiny_yaml("exit_reward"), f"--reward.functions=[{exits}:score]"], capsys)
+    assert line == (
+        f"error: reward function file {str(exits)!r} exited at import with status 3 (sys.exit or exit() at "
+        "module level); a reward file only defines functions: put the code that runs under "
+        "if __name__ == '__main__': (reward.functions)"
+    )
+    line = _fails(["eval", "--engine", "hf", "--model", eos_model_dir, "--env", f"{exits}:Env"], capsys)
+    assert line.startswith(f"error: environment file {str(exits)!r} exited at import with status 3 (")
+    assert "give options" not in line
+
+    line = _fails(["train", tiny_yaml("critic"), "--algorithm=ppo", "--critic.init_from=/nope"], capsys)
+    assert line.startswith("error: critic.init_from='/nope': the folder '/nope' does not exist; give ")
+
+
 def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_counted(
     eos_model_dir, tmp_path, capsys
 ):
@@ -366,6 +387,13 @@ def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     assert line.startswith("error: --env: unknown environment 'builtin:nope'; give builtin:guess, ")
     line = _fails([*common, "--env", "tests.trainer.test_evaluate:NoSuchClass"], capsys)
     assert "--env" in line and "NoSuchClass" in line
+    # A class the module does not have is not fixed by other options (before: "give options
+    # tests.trainer.test_evaluate:NoSuchClass accepts"): the line lists the classes it has.
+    assert "give options" not in line
+    assert line.endswith(
+        "its Environment classes: FailsOnBad, FindChar; give tests.trainer.test_evaluate:NAME with one of "
+        "them"
+    )
     line = _fails([*common, "--max-turns", "3"], capsys)
     assert line == (
         "error: --max-turns applies to multi-turn episodes only; give --env (an environment) "
