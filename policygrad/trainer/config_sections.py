@@ -49,6 +49,14 @@ def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "")
         raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
 
 
+def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` and its valid range (``low``: its lower end as
+    written, ``[0`` or ``(0``) when ``value`` (a number, its lower bound already checked) is above
+    ``limit``."""
+    if value > limit:
+        raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters (peft). ``rank: 0`` means a full fine-tune, and then the other options,
