@@ -868,6 +868,45 @@ def test_a_full_disk_before_any_checkpoint_advises_a_new_start_not_resume(run_ya
     assert _complete_steps(run) == [1]
 
 
+def test_a_disk_that_fills_before_the_first_checkpoint_says_which_steps_are_lost(
+    run_yaml, monkeypatch, capsys
+):
+    # Steps 1 and 2 trained, no checkpoint yet (the default cadence is 10 minutes), then the disk is
+    # full: metrics.jsonl's row of step 2 and the checkpoint the run tries after the error both fail.
+    # Before: the line said to free space and start again, not that two trained steps were gone.
+    import errno
+
+    from policygrad.trainer import checkpoint
+    from policygrad.trainer.logging import MetricsLogger
+
+    cfg, run = run_yaml("full_mid", steps=3)
+    log = MetricsLogger.log
+
+    def full_log(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        return log(self, step, metrics)
+
+    def full_save(_obj, f, *_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    with monkeypatch.context() as m:
+        m.setattr(MetricsLogger, "log", full_log)
+        m.setattr(checkpoint.torch, "save", full_save)
+        assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (
+        f"error: no space left on device writing {run}/metrics.jsonl; the training of steps 1-2 could not be "
+        "saved on the full disk and is lost; free space, then run the same command again: no checkpoint was "
+        f"saved, so the run starts over in {run}"
+    )
+    assert [r["step"] for r in _rows(run)] == [1] and _complete_steps(run) == []
+    assert _hidden_checkpoint_folders(run) == []  # no half-written checkpoint left behind
+    assert not os.path.exists(os.path.join(run, ".policygrad.lock"))
+    assert main(["train", cfg]) == 0  # the same command starts over, as the line says
+    assert _complete_steps(run) == [3]
+
+
 def test_keep_checkpoints_keeps_the_newest_and_a_resume_goes_on_from_it(run_yaml, capsys):
     cfg, run = run_yaml("kept", steps=3, save_every=1, keep_checkpoints=2)
     assert main(["train", cfg]) == 0
