@@ -465,6 +465,18 @@ def test_resume_without_checkpoint_yaml_error_and_broken_reward_file_are_one_lin
     assert "is a file" in _fails(["train", cfg, f"--output_dir={broken}"], capsys)
 
 
+def test_eval_split_or_dataset_config_that_choose_nothing_are_refused(tmp_path, capsys):
+    # Before: --split and --dataset-config were ignored for a JSONL file without a word.
+    data = write_jsonl(tmp_path / "one.jsonl", [{"question": "1+1?", "answer": "2"}])
+    line = _fails(["eval", "--dataset", data, "--split", "train"], capsys)
+    assert line == (
+        f"error: --split train does nothing for --dataset {data}, a single file: it chooses a split of a "
+        "dataset folder or a Hub dataset; drop --split"
+    )
+    line = _fails(["eval", "--dataset-config", "main"], capsys)  # the default builtin:arithmetic
+    assert line.startswith("error: --dataset-config main does nothing for --dataset builtin:arithmetic, a")
+
+
 def test_eval_rejects_a_useless_batch_size_or_limit(capsys):
     assert _fails(["eval", "--batch-size", "-1"], capsys) == "error: --batch-size must be >= 1, got -1"
     assert _fails(["eval", "--limit", "0"], capsys) == "error: --limit must be >= 1, got 0"
