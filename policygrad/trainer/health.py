@@ -55,10 +55,22 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
     if metrics.get("optim/skipped_nonfinite", 0) or metrics.get("critic/skipped_nonfinite", 0):
         tokens = metrics.get("policy/nonfinite_tokens", 0)
         extra = f" ({tokens:g} sampled tokens had log-prob -inf)" if tokens else ""
+        # The weights of the loss's other terms scale the gradient as much as the learning rate.
+        loss = config.loss
+        weights = [
+            f"{name}={value:g}"
+            for name, value in (
+                ("loss.entropy_coef", loss.entropy_coef),
+                ("loss.positive_lm_coef", loss.positive_lm_coef),
+                ("kl.beta", config.kl.beta),
+            )
+            if value
+        ]
+        terms = f", the weights of the loss terms ({', '.join(weights)})" if weights else ""
         return (
             "every optimizer step was skipped because the loss or the gradient was not finite"
-            f"{extra}: check optim.lr (lr={config.optim.lr:g}), the scale of the rewards, and the model's "
-            "weights for NaN or infinity"
+            f"{extra}: check optim.lr (lr={config.optim.lr:g}){terms}, the scale of the rewards, and the "
+            "model's weights for NaN or infinity"
         )
     if metrics.get("optim/steps"):  # steps were taken: their gradient was exactly 0
         return _why_zero_gradient(metrics, config)

@@ -62,6 +62,15 @@ def test_non_finite_steps_name_lr_and_the_minus_inf_tokens():
     )
 
 
+def test_non_finite_steps_name_the_loss_terms_weights_that_are_set():
+    # Before: only optim.lr was named, though a large loss.positive_lm_coef overflows the gradient too.
+    cfg = config(loss={"positive_lm_coef": 50.0}, kl={"beta": 0.04, "placement": "loss"})
+    cause = why_nothing_trained({"optim/skipped_nonfinite": 1}, cfg)
+    named = "the weights of the loss terms (loss.positive_lm_coef=50, kl.beta=0.04)"
+    assert f"check optim.lr (lr=0.001), {named}, the scale of the rewards" in cause
+    assert "weights of the loss terms" not in why_nothing_trained({"optim/skipped_nonfinite": 1}, config())
+
+
 def test_a_zero_gradient_from_equal_scores_names_the_reward_functions():
     metrics = {"optim/steps": 2, "reward/zero_variance_group_frac": 1, "reward/mean": 0.5}
     cause = why_nothing_trained(metrics, config())
