@@ -186,8 +186,30 @@ def sample_completions(
             top_k=0,
             generator_seed=None if greedy else seed * 1_000_003 + start,
         )
+        _check_finite_logits(rollout)
         out += decode_completions(tokenizer, rollout)
     return out
+
+
+def _check_finite_logits(rollout) -> None:
+    """A greedy completion picked from NaN logits is an arbitrary token (sampling from them fails
+    in the engine): an evaluation of such completions would report a score of a model that
+    produced nothing.
+
+    Raises:
+        EvaluationFailed: a generated token's log-probability is NaN.
+    """
+    logprobs = getattr(rollout, "sampler_logprobs", None)
+    if logprobs is None:
+        return
+    generated = rollout.response_mask.bool()
+    bad = int(torch.isnan(logprobs[generated]).sum())
+    if bad:
+        raise EvaluationFailed(
+            f"the model's logits were not finite: {bad} of {int(generated.sum())} generated tokens have a "
+            "NaN log-probability (its weights or activations overflow), so nothing was evaluated; evaluate a "
+            "checkpoint from before it diverged or repair the model"
+        )
 
 
 def score_completions(reward_fn: RewardFn, rows, completions: list[str], repeat: int) -> list[float]:

@@ -372,6 +372,29 @@ def test_eval_of_a_model_with_nan_weights_is_an_error(eos_model_dir, tmp_path, c
     assert not os.path.exists(out)
 
 
+def test_eval_of_a_model_whose_logits_overflow_is_an_error(eos_model_dir, tmp_path, capsys):
+    # Finite weights, but the final norm scaled by 3e38 makes every logit infinite: greedy decoding
+    # picked token 0 from NaN log-probabilities and eval reported accuracy 0.0 with exit status 0.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "overflow"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights = {k: v * 3e38 if k == "model.norm.weight" else v for k, v in weights.items()}
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    argv = ["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--max-new-tokens", "3"]
+    line = _fails([*argv, "--output", str(tmp_path / "o.jsonl")], capsys)
+    assert line == (
+        "error: the model's logits were not finite: 6 of 6 generated tokens have a NaN log-probability (its "
+        "weights or activations overflow), so nothing was evaluated; evaluate a checkpoint from before it "
+        "diverged or repair the model"
+    )
+
+
 def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     common = ["eval", "--model", eos_model_dir, "--engine", "hf"]
     line = _fails([*common, "--env", "builtin:guess", "--env-options", "{high: 5}"], capsys)
