@@ -138,7 +138,8 @@ def eval_output_path(output: str | None, dataset: str | None) -> str:
         dataset: the evaluated dataset spec (a path, a Hub id or ``builtin:NAME``).
 
     Returns:
-        the output path.
+        the output path, absolute: code run during the evaluation (an environment, a reward
+        function) that changes the working directory cannot move where the results are written.
 
     Raises:
         ValueError: ``output`` is a folder, its folder does not exist or is not writable, or it
@@ -162,7 +163,7 @@ def eval_output_path(output: str | None, dataset: str | None) -> str:
             raise ValueError(
                 f"--output {output} is the dataset being evaluated; give another file for the results"
             )
-    return output
+    return os.path.abspath(output)
 
 
 def sample_completions(

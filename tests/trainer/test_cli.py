@@ -351,6 +351,22 @@ def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_cou
     assert result["failed_frac"] == 0.5 and result["stop_error"] == 0.5
 
 
+def test_eval_writes_where_its_output_pointed_when_it_started(
+    eos_model_dir, tmp_path, monkeypatch, capsys
+):
+    # An environment that changes the working directory mid-evaluation: before, a relative --output
+    # was written under the new folder.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    data = write_jsonl(tmp_path / "p.jsonl", [{"question": f"Say {i}.", "answer": str(i)} for i in range(2)])
+    options = json.dumps({"to": str(tmp_path / "elsewhere")})
+    env = "tests.trainer.test_evaluate:ChdirOnStep"
+    argv = ["--env", env, "--env-options", options, "--model", eos_model_dir]
+    result = _eval([*argv, "--dataset", data, "--max-new-tokens", "3", "--output", "eps.jsonl"], capsys)
+    assert result["output"] == str(tmp_path / "eps.jsonl") and (tmp_path / "eps.jsonl").is_file()
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
 def test_eval_of_a_model_with_nan_weights_is_an_error(eos_model_dir, tmp_path, capsys):
     # Before: greedy decoding of NaN logits gave noise, reported as accuracy 0.0 with exit status 0.
     import shutil

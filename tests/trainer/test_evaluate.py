@@ -133,6 +133,21 @@ class FailsOnBad(FindChar):
         return super().step(action)
 
 
+class ChdirOnStep(FindChar):
+    """FindChar whose ``step()`` changes the working directory to ``to`` (code that moves the
+    process during an evaluation)."""
+
+    def __init__(self, to: str = "/"):
+        super().__init__()
+        self.to = to
+
+    def step(self, action):
+        import os
+
+        os.chdir(self.to)
+        return super().step(action)
+
+
 @pytest.mark.integration
 def test_evaluate_episodes_counts_agree_with_the_records(eos_model_dir):
     tok = AutoTokenizer.from_pretrained(eos_model_dir)
