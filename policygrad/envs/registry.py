@@ -126,8 +126,8 @@ def _load(spec: str) -> Any:
 
 
 def _what_it_has(obj: Any, target: str) -> str:
-    """The classes ``obj`` (a module or class) defines, Environment subclasses first, as the fix
-    of a spec that names something it does not have."""
+    """The fix of a spec naming something ``obj`` (a module or class) does not have: the
+    Environment subclasses it defines, else its other classes, else that it defines none."""
     own = getattr(obj, "__name__", None)
     classes = [
         name for name, value in vars(obj).items()
