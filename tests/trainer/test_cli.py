@@ -430,8 +430,8 @@ def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     # tests.trainer.test_evaluate:NoSuchClass accepts"): the line lists the classes it has.
     assert "give options" not in line
     assert line.endswith(
-        "its Environment classes: FailsOnBad, FindChar; give tests.trainer.test_evaluate:NAME with one of "
-        "them"
+        "its Environment classes: ChdirOnStep, FailsOnBad, FindChar; give tests.trainer.test_evaluate:NAME "
+        "with one of them"
     )
     line = _fails([*common, "--max-turns", "3"], capsys)
     assert line == (
