@@ -190,7 +190,7 @@ def cmd_eval(argv: list[str]) -> int:
         "--max-episode-tokens", type=int, default=None, help="with --env: the most tokens after the prompt"
     )
     p.add_argument("--dataset-config", default=None, help="the Hub dataset's config (openai/gsm8k: main)")
-    p.add_argument("--split", default="test", help="split of a Hub dataset or dataset folder (default test)")
+    p.add_argument("--split", default=None, help="split of a Hub dataset or dataset folder (default test)")
     p.add_argument("--limit", type=int, default=100, help="first N items (default 100; all when fewer)")
     p.add_argument(
         "--samples", type=int, default=1, help="n samples per item for pass@k, maj@k (default 1: greedy only)"
@@ -280,8 +280,26 @@ def cmd_eval(argv: list[str]) -> int:
 
 
 def eval_data_config(args, dataset: str):
-    """The data section of ``policygrad eval``: ``dataset``'s held-out rows, as the flags say."""
+    """The data section of ``policygrad eval``: ``dataset``'s held-out rows, as the flags say.
+
+    Raises:
+        ValueError: ``--split`` or ``--dataset-config`` given for a dataset it does nothing for
+            (a single file, a built-in dataset; ``--dataset-config``: anything but a Hub dataset).
+    """
+    from policygrad.data.sources import inert_dataset_option
     from policygrad.trainer.config import DataConfig
+
+    flags = (
+        ("--split", args.split, "split", "a split of a dataset folder or a Hub dataset"),
+        ("--dataset-config", args.dataset_config, "config", "a Hub dataset's configuration"),
+    )
+    for flag, value, option, chooses in flags:
+        kind = inert_dataset_option(dataset, option) if value is not None else None
+        if kind:
+            raise ValueError(
+                f"{flag} {value} does nothing for --dataset {dataset}, {kind}: it chooses {chooses}; "
+                f"drop {flag}"
+            )
 
     return DataConfig(
         dataset=dataset,
@@ -291,7 +309,7 @@ def eval_data_config(args, dataset: str):
         eval_dataset=dataset,
         eval_size=args.limit,
         dataset_config=args.dataset_config,
-        eval_split=args.split,
+        eval_split="test" if args.split is None else args.split,
     )
 
 
@@ -327,12 +345,15 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
         environment_factory(name, options)
     except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
         text = str(exc).strip().replace("\n", " ")
+        # Only the options' own errors are fixed by other options; a missing class, a file that
+        # fails to import or a constructor that fails otherwise say their own fix.
+        about_options = "env.options" in text
         text = text.replace("env.options do not fit", f"--env-options {raw or '{}'} do not fit")
         text = text.replace("env.options", "--env-options")
         text = text.replace("env.name", "--env")
-        if "--env" not in text:  # the class's own complaint about an option
-            text = f"--env-options {raw or '{}'} do not fit {name}: {text}"
-        raise ValueError(f"{text}; give options {name} accepts") from None
+        if "--env" not in text:  # an import error of the environment's module
+            text = f"--env {name}: {text}"
+        raise ValueError(f"{text}; give options {name} accepts" if about_options else text) from None
 
 
 def _eval_env(args, ks: list[int]) -> int:

@@ -185,3 +185,40 @@ def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tm
     config = {**_small(tmp_path, "contained"), "reward": {"on_error": "raise", "timeout_s": 5}}
     with pytest.raises(RewardFunctionError, match=r"'exits' raised SystemExit: 0 for row 0"):
         policygrad.train(tiny_dir, [exits], ROWS, **config)
+
+
+def test_an_environment_instance_is_refused_with_the_class_or_factory_to_pass(tiny_dir, tmp_path):
+    # Before: AttributeError: 'FindChar' object has no attribute 'strip', after the model loaded.
+    from tests.trainer.test_evaluate import FindChar
+
+    with pytest.raises(TypeError) as info:
+        policygrad.train(tiny_dir, [], ROWS, env=FindChar(char="v"), **_small(tmp_path, "instance"))
+    assert str(info.value) == (
+        "env is an environment instance (FindChar), but every episode needs its own (a group's episodes "
+        "run at once, each resetting and stepping it): pass the class, env=FindChar, with its arguments "
+        "in env.options, or a factory that returns a new one, env=lambda: FindChar(...)"
+    )
+    assert not os.path.exists(tmp_path / "instance")
+
+
+def test_a_chdir_during_the_run_does_not_move_its_files(tiny_dir, tmp_path, monkeypatch):
+    # A relative output_dir is made absolute when the run starts: code that changes the working
+    # directory mid-run (here: the first step itself) cannot move where checkpoints are written.
+    # Before: the checkpoint went to elsewhere/run/checkpoints, away from the run's metrics.
+    from policygrad.trainer.loop import Trainer
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    step = Trainer.step
+
+    def step_then_chdir(self, *args, **kwargs):
+        out = step(self, *args, **kwargs)
+        os.chdir(tmp_path / "elsewhere")
+        return out
+
+    monkeypatch.setattr(Trainer, "step", step_then_chdir)
+    config = {**_small(tmp_path, "run"), "output_dir": "run", "steps": 2}
+    summary = policygrad.train(tiny_dir, [digit_reward], ROWS, **config)
+    assert summary["run_dir"] == str(tmp_path / "run")
+    assert sorted(os.listdir(tmp_path / "run" / "checkpoints")) == ["step_2"]
+    assert os.listdir(tmp_path / "elsewhere") == []

@@ -187,13 +187,15 @@ class AdaptiveEntropyController:
         init_coef: starting coefficient, >= 0 (Skywork-OR1: 0).
         target: target mean entropy per token (nats), > 0 (Skywork-OR1: 0.2).
         delta: change per step, > 0 (Skywork-OR1: 0.005).
+        cap: the most the coefficient grows to (default: no cap); :attr:`capped` says it got there
+            (a target the policy does not reach would otherwise raise it every step without bound).
 
     Raises:
         TypeError: an argument is not a number. ValueError: ``init_coef`` < 0, ``target`` <= 0,
         ``delta`` <= 0, or a non-finite value.
     """
 
-    def __init__(self, init_coef: float, target: float, delta: float) -> None:
+    def __init__(self, init_coef: float, target: float, delta: float, cap: float = float("inf")) -> None:
         init_coef, target, delta = (
             check_real(v, n) for v, n in ((init_coef, "init_coef"), (target, "target"), (delta, "delta"))
         )
@@ -203,8 +205,15 @@ class AdaptiveEntropyController:
             raise ValueError(f"target must be > 0 (a mean entropy in nats), got {target}")
         if delta <= 0:
             raise ValueError(f"delta must be > 0, got {delta}")
-        self.coef, self.target, self.delta = init_coef, target, delta
+        if not cap >= init_coef:
+            raise ValueError(f"cap must be >= init_coef={init_coef}, got {cap}")
+        self.coef, self.target, self.delta, self.cap = init_coef, target, delta, float(cap)
         self.active = True  # before any measurement the starting coefficient applies
+
+    @property
+    def capped(self) -> bool:
+        """The coefficient is at its cap."""
+        return self.coef >= self.cap
 
     @property
     def value(self) -> float:
@@ -219,7 +228,7 @@ class AdaptiveEntropyController:
         """
         entropy = check_real(entropy, "entropy")
         below = entropy < self.target
-        self.coef = max(self.coef + (self.delta if below else -self.delta), 0.0)
+        self.coef = min(max(self.coef + (self.delta if below else -self.delta), 0.0), self.cap)
         self.active = below
         return self.value
 

@@ -536,6 +536,54 @@ def resolve_dataset(
     return PromptDataset(rows, seed=seed, shuffle=shuffle, name=text)
 
 
+# What each dataset option chooses, and in which datasets (the others have nothing to choose).
+_OPTION_APPLIES = {
+    "split": "a split is chosen in a dataset folder ({split}.jsonl, save_to_disk) or a Hub dataset",
+    "config": "a configuration is chosen in a Hub dataset only",
+}
+
+
+def inert_dataset_option(spec: str, option: str) -> str | None:
+    """The kind of dataset ``spec`` is when the dataset option ``option`` (``split`` or
+    ``config``) does nothing for it (``"a single file"``, ``"a built-in dataset"``, ``"a local
+    folder"``), else None (it applies, or ``spec`` is not found: its own error comes later)."""
+    text = _normalize_spec(os.fspath(spec))
+    if text.startswith(BUILTIN_PREFIX):
+        return "a built-in dataset"
+    path = os.path.expanduser(text)
+    if os.path.isfile(path):
+        return "a single file"
+    if option == "config" and os.path.isdir(path):
+        return "a local folder"
+    return None
+
+
+def check_dataset_options(data) -> None:
+    """Refuse a dataset option set to something other than its default for datasets it does
+    nothing for (as other options without effect are refused): ``data.split`` for
+    ``data.dataset``, ``data.eval_split`` for the held-out dataset, ``data.dataset_config`` when
+    neither ``data.dataset`` nor ``data.eval_dataset`` is a Hub dataset.
+
+    Raises:
+        ValueError: naming the option, the dataset and what the option chooses.
+    """
+    held_out = data.eval_dataset or data.dataset
+    checks = [("split", "split", "train", [data.dataset]), ("eval_split", "split", "test", [held_out])]
+    hub_specs = [data.dataset, *([data.eval_dataset] if data.eval_dataset else [])]
+    checks.append(("dataset_config", "config", None, hub_specs))
+    for field_name, option, default, specs in checks:
+        value = getattr(data, field_name)
+        if value == default:
+            continue
+        kinds = [inert_dataset_option(str(spec), option) for spec in specs]
+        if all(kinds):
+            shown = " and ".join(f"{spec!r} ({kind})" for spec, kind in zip(specs, kinds))
+            raise ValueError(
+                f"data.{field_name}={value!r} does nothing for the dataset {shown}: "
+                f"{_OPTION_APPLIES[option]}; drop data.{field_name}"
+            )
+
+
 def build_train_source(data, *, seed: int):
     """The train stream of a run: an object with ``train_row(i)`` (a pure function of ``i``).
 
@@ -545,8 +593,10 @@ def build_train_source(data, *, seed: int):
         seed: the run seed.
 
     Raises:
-        FileNotFoundError, ValueError: from :func:`resolve_dataset`, naming the field.
+        FileNotFoundError, ValueError: from :func:`resolve_dataset`, naming the field; a dataset
+            option that does nothing for the dataset (:func:`check_dataset_options`).
     """
+    check_dataset_options(data)
     return resolve_dataset(
         data.dataset,
         difficulty=data.difficulty,

@@ -44,12 +44,22 @@ def check_environment_spec(spec: Any) -> None:
     Raises:
         ValueError: an unknown built-in, a malformed spec, a module that cannot be found.
         FileNotFoundError: a ``.py`` file that does not exist.
-        TypeError: neither a string nor a callable.
+        TypeError: neither a string nor a callable (an environment instance: named as such, with
+            the class or factory to pass instead).
     """
     if callable(spec):
         return
     if not isinstance(spec, str):
-        raise TypeError(f"env.name must be a string or an Environment class, got {type(spec).__name__}")
+        kind = type(spec).__name__
+        if all(callable(getattr(spec, m, None)) for m in ("reset", "step")):
+            # Each episode resets and steps its own environment, and a group's G episodes run at
+            # once: one shared instance would mix their states.
+            raise TypeError(
+                f"env is an environment instance ({kind}), but every episode needs its own (a group's "
+                f"episodes run at once, each resetting and stepping it): pass the class, env={kind}, with "
+                f"its arguments in env.options, or a factory that returns a new one, env=lambda: {kind}(...)"
+            )
+        raise TypeError(f"env.name must be a string or an Environment class, got {kind}")
     spec = spec.strip()
     if spec.startswith(BUILTIN_PREFIX):
         if spec[len(BUILTIN_PREFIX) :] not in BUILTIN_ENVIRONMENTS:
@@ -88,6 +98,13 @@ def _load(spec: str) -> Any:
         sys.modules[name] = module
         try:
             loader.loader.exec_module(module)
+        except SystemExit as exc:  # sys.exit() at module level would end the command without a word
+            sys.modules.pop(name, None)
+            raise ValueError(
+                f"environment file {path!r} exited at import with status {exc.code!r} (sys.exit or exit() at "
+                "module level); an environment file only defines classes: put the code that runs under "
+                f"if __name__ == '__main__': (env.name {spec!r})"
+            ) from None
         except Exception as exc:
             sys.modules.pop(name, None)
             raise ValueError(
@@ -101,9 +118,28 @@ def _load(spec: str) -> Any:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"{target!r} has no attribute {attr!r} (env.name {spec!r})")
+            raise ValueError(
+                f"{target!r} has no attribute {attr!r} (env.name {spec!r}); {_what_it_has(obj, target)}"
+            )
         obj = getattr(obj, part)
     return obj
+
+
+def _what_it_has(obj: Any, target: str) -> str:
+    """The fix of a spec naming something ``obj`` (a module or class) does not have: the
+    Environment subclasses it defines, else its other classes, else that it defines none."""
+    own = getattr(obj, "__name__", None)
+    classes = [
+        name for name, value in vars(obj).items()
+        if isinstance(value, type) and not name.startswith("_") and getattr(value, "__module__", own) == own
+    ]
+    envs = [name for name in classes if issubclass(getattr(obj, name), Environment)]
+    if envs:
+        return f"its Environment classes: {', '.join(sorted(envs))}; give {target}:NAME with one of them"
+    if classes:
+        listed = ", ".join(sorted(classes))
+        return f"it defines no Environment subclass (its classes: {listed}); give {target}:Class"
+    return f"it defines no class; give {target}:Class of an Environment subclass defined in it"
 
 
 def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
@@ -118,6 +154,7 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
             that names something not callable; options the class rejects (checked by building
             one environment here, so a typo shows at start, not in the first step).
     """
+    check_environment_spec(spec)  # an instance or another non-callable object: named before _load
     target = spec if callable(spec) else _load(spec)
     if not callable(target):
         raise TypeError(f"env.name {spec!r} names a {type(target).__name__}, not a class or factory")

@@ -730,6 +730,11 @@ def check_options(
         raise ValueError(f"--world-size must be an int >= 1, got {world_size!r}")
     if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
         raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
+    if strategy == SHARDED and world_size > 1 and lora_rank:  # train refuses it (one process: no strategy)
+        # imported here: the trainer package loads torch, and this module must import without it
+        from policygrad.trainer.errors import fsdp_lora_refusal
+
+        raise ValueError(fsdp_lora_refusal(strategy="--strategy", lora="--lora-rank", ddp="--strategy ddp"))
     if (batch is None) != (seq_len is None):
         raise ValueError("give --batch and --seq-len together (the logits and KV cache are B x T)")
     for name, value in (

@@ -180,6 +180,13 @@ def load_reward_function(spec: str | Callable) -> Callable:
         sys.modules[module_name] = module
         try:
             loader_spec.loader.exec_module(module)
+        except SystemExit as exc:  # sys.exit() at module level: the file is a program, not a library
+            sys.modules.pop(module_name, None)
+            raise RewardFunctionError(
+                f"reward function file {path!r} exited at import with status {exc.code!r} (sys.exit or exit()"
+                " at module level); a reward file only defines functions: put the code that runs under "
+                "if __name__ == '__main__': (reward.functions)"
+            ) from None
         except Exception as exc:
             sys.modules.pop(module_name, None)
             raise RewardFunctionError(

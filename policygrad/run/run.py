@@ -283,8 +283,9 @@ class Run:
             if exc.errno != errno.ENOSPC:
                 raise
             where = exc.filename or f"the run's files in {self.run_dir}"
+            lost = self._unsaved_steps()
             raise TrainingError(
-                f"no space left on device writing {where}; free space, then {self._go_on()}"
+                f"no space left on device writing {where}; {lost}free space, then {self._go_on()}"
             ) from exc
         finally:
             self.logger.close()
@@ -463,6 +464,16 @@ class Run:
 
     # ------------------------------------------------------------------------------------------
     # Stopping.
+
+    def _unsaved_steps(self) -> str:
+        """What a stop on a full disk loses: the completed steps after the newest checkpoint (the
+        save after the error could not be written either), said so the user knows, or ''."""
+        step, saved = self.trainer.step_idx, self._saved_step or 0
+        if step <= saved:
+            return ""
+        steps = f"step {step}" if step == saved + 1 else f"steps {saved + 1}-{step}"
+        newest = f" (the newest checkpoint is of step {saved})" if saved else ""
+        return f"the training of {steps} could not be saved on the full disk{newest} and is lost; "
 
     def _go_on(self) -> str:
         return stops.how_to_go_on(self.run_dir, self._saved_step)

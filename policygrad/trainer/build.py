@@ -109,6 +109,8 @@ def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> N
                 "it again (policygrad.train(env=...)), or make it importable as module:Class"
             )
         check_environment_spec(cfg.env.name)
+    if environment is not None:
+        check_environment_spec(environment)
 
 
 def engine_context_limit(engine, policy) -> int | None:
@@ -277,18 +279,27 @@ def build_critic(
     if not cfg.uses_critic:
         return None
     c = cfg.critic
-    critic = load_value_model(
-        c.init_from,
-        policy_path=model_path,
-        dtype=precision.param_dtype,
-        lora_rank=c.lora.rank,
-        lora_alpha=c.lora.alpha,
-        lora_dropout=c.lora.dropout,
-        lora_target_modules=c.lora.target_modules,
-        gradient_checkpointing=cfg.model.gradient_checkpointing is True,  # auto: see trainer.recompute
-        device=device,
-        trust_remote_code=cfg.model.trust_remote_code,
-    )
+    try:
+        critic = load_value_model(
+            c.init_from,
+            policy_path=model_path,
+            dtype=precision.param_dtype,
+            lora_rank=c.lora.rank,
+            lora_alpha=c.lora.alpha,
+            lora_dropout=c.lora.dropout,
+            lora_target_modules=c.lora.target_modules,
+            gradient_checkpointing=cfg.model.gradient_checkpointing is True,  # auto: see trainer.recompute
+            device=device,
+            trust_remote_code=cfg.model.trust_remote_code,
+        )
+    except (ValueError, OSError) as exc:
+        # The loaders word a bad folder as "model: ..." (they load model.name too): here it is
+        # the critic's own field that names it.
+        text = str(exc).strip()
+        if c.init_from == "policy" or not text.startswith("model"):
+            raise
+        text = text.removeprefix("model:").removeprefix("model").strip()
+        raise ConfigError(f"critic.init_from={c.init_from!r}: {text}") from exc
     if checkpoint is not None:
         critic.load(os.path.join(checkpoint, "critic"))
     strategy.prepare_critic(critic)

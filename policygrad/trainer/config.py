@@ -88,6 +88,14 @@ __all__ = [
 ]
 
 
+def _check_output_dir(output_dir) -> None:
+    """An empty ``output_dir`` names no folder (the run would fail making '')."""
+    if not isinstance(output_dir, str) or not output_dir.strip():
+        raise ConfigError(
+            f"output_dir must name the run's folder, e.g. --output_dir=runs/my_run; got {output_dir!r}"
+        )
+
+
 @dataclass
 class TrainConfig:
     """A whole run. ``policygrad train`` with no arguments runs these defaults: GRPO on the
@@ -176,6 +184,7 @@ class TrainConfig:
 
     def validate(self) -> None:
         check_choice("algorithm", self.algorithm, set(ALGORITHMS))
+        _check_output_dir(self.output_dir)
         if self.num_threads is not None and self.num_threads < 1:
             raise ConfigError(
                 f"num_threads must be >= 1 (or null: fitted to the machine's load), got {self.num_threads}"

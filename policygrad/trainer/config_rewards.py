@@ -111,6 +111,11 @@ class RewardConfig:
                 f"{path}.weights has {len(self.weights)} entries for {len(self.functions)} functions; "
                 "give one weight per function or leave it unset"
             )
+        if weights and not any(weights):
+            raise ConfigError(
+                f"{path}.weights={list(weights)} are all 0: every score would be 0, so no sample is told "
+                "apart and nothing trains; give at least one function a non-zero weight"
+            )
         check_choice(f"{path}.on_error", self.on_error, {"raise", "skip"})
         check_choice(f"{path}.truncation", self.truncation, {"none", "penalty", "exclude"})
         check_choice(f"{path}.normalize", self.normalize, {"none", "fixed_offset", "running"})

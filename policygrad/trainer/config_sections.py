@@ -49,6 +49,14 @@ def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "")
         raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
 
 
+def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` and its valid range (``low``: its lower end as
+    written, ``[0`` or ``(0``) when ``value`` (a number, its lower bound already checked) is above
+    ``limit``."""
+    if value > limit:
+        raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
+
+
 @dataclass
 class LoraConfig:
     """LoRA adapters (peft). ``rank: 0`` means a full fine-tune, and then the other options,
@@ -172,7 +180,10 @@ class DataConfig:
     works without a field mapping) or a Hugging Face Hub dataset id such as ``openai/gsm8k``
     (``datasets.load_dataset`` with ``dataset_config`` and ``split``; from the local cache when
     ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set, see :mod:`policygrad.data.hub`).
-    ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
+    ``split`` / ``eval_split`` choose a split of a dataset folder or a Hub dataset and
+    ``dataset_config`` a Hub dataset's configuration; set (off their defaults) for a dataset they
+    choose nothing in (a single file, a built-in task), they are refused when the run reads its
+    data. ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
     empty means the built-in task's held-out split, or a Hub dataset's ``eval_split``.
     ``eval_size``: held-out problems per evaluation. ``chat_template``: a Jinja chat template (the
     text, or the path of a file holding it) used instead of the tokenizer's, for every prompt.

@@ -24,7 +24,21 @@ from typing import Any
 
 from policygrad.core.kl import KL_KINDS, KL_PLACEMENTS, get_kl_placement
 from policygrad.core.masking import AGGREGATION_MODES
-from policygrad.trainer.config_sections import ConfigError, LoraConfig, check_choice, check_positive
+from policygrad.trainer.config_sections import (
+    ConfigError,
+    LoraConfig,
+    check_at_most,
+    check_choice,
+    check_positive,
+)
+
+# The most a loss term's coefficient may weigh. The policy-gradient loss is of order 1 (advantages
+# are normalised or bounded rewards); a term weighted 100 times more no longer leaves an RL update,
+# and far larger ones (1e30) overflow the float32 gradient, which the run then reports as a
+# diverged step. The papers' values: entropy bonus 0.001-0.01, VAPO's positive-example loss 0.1.
+MAX_LOSS_COEF = 100.0
+# The most the adaptive entropy coefficient moves per step (Skywork-OR1: 0.005).
+MAX_ENTROPY_COEF_DELTA = 1.0
 
 
 @dataclass(frozen=True)
@@ -172,7 +186,13 @@ class LossConfig:
     ``positive_lm_coef`` (0: off): VAPO's positive-example language-model loss (Yue et al. 2025,
     section 4.3, coefficient 0.1): ``coef x`` the mean negative log-likelihood of the tokens of
     the step's best samples (those whose score is the batch's highest, when some sample scored
-    lower: with a 0/1 verifier, the correct ones), added to the policy loss."""
+    lower: with a 0/1 verifier, the correct ones), added to the policy loss.
+
+    Bounds: ``entropy_coef`` and ``positive_lm_coef`` in [0, 100] (:data:`MAX_LOSS_COEF`; the
+    adaptive coefficient stops there too, with a warning), ``entropy_coef_delta`` in (0, 1],
+    ``entropy_target`` below ln V, the entropy of the uniform distribution over the model's
+    vocabulary of V tokens (checked once the model is loaded: ln 49152 = 10.8 for the bundled
+    model)."""
 
     policy_loss: str | None = None
     agg_mode: str | None = None
@@ -197,6 +217,11 @@ class LossConfig:
             why=": it weights an entropy bonus (the loss subtracts coef x entropy), and a negative one "
             "would push the policy toward collapse; use 0 (no bonus) or a small positive value such as 0.01",
         )
+        big = " outweighs the policy-gradient loss (of order 1) more than a hundredfold"
+        check_at_most(
+            f"{path}.entropy_coef", self.entropy_coef, MAX_LOSS_COEF,
+            why=f": a bonus weighted more{big}; use a small value such as 0.01",
+        )
         if self.entropy_target is not None:
             check_positive(
                 f"{path}.entropy_target",
@@ -204,6 +229,10 @@ class LossConfig:
                 why=": a mean token entropy in nats (Skywork-OR1 uses 0.2); null keeps entropy_coef fixed",
             )
         check_positive(f"{path}.entropy_coef_delta", self.entropy_coef_delta)
+        check_at_most(
+            f"{path}.entropy_coef_delta", self.entropy_coef_delta, MAX_ENTROPY_COEF_DELTA, low="(0",
+            why=": the adaptive coefficient moves by it every step (Skywork-OR1 uses 0.005)",
+        )
         if self.entropy_target is None and self.entropy_coef_delta != LossConfig.entropy_coef_delta:
             raise ConfigError(
                 f"{path}.entropy_coef_delta={self.entropy_coef_delta!r} has no effect without "
@@ -214,6 +243,10 @@ class LossConfig:
             self.positive_lm_coef,
             allow_zero=True,
             why=": it weights a likelihood loss on the best samples (VAPO uses 0.1); 0 turns it off",
+        )
+        check_at_most(
+            f"{path}.positive_lm_coef", self.positive_lm_coef, MAX_LOSS_COEF,
+            why=f": a likelihood loss weighted more{big} (VAPO uses 0.1)",
         )
         for key in self.options:
             if not isinstance(key, str):

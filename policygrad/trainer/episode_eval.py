@@ -15,7 +15,13 @@ from policygrad.envs.base import STOP_REASONS
 from policygrad.rollout.base import prompt_seed
 from policygrad.trainer import build
 from policygrad.trainer.config import EnvConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
-from policygrad.trainer.evaluate import eval_engine, eval_output_path, pass_at_k, write_jsonl
+from policygrad.trainer.evaluate import (
+    EvaluationFailed,
+    eval_engine,
+    eval_output_path,
+    pass_at_k,
+    write_jsonl,
+)
 
 __all__ = [
     "DEFAULT_ENV_DATASETS",
@@ -23,6 +29,7 @@ __all__ = [
     "episode_metrics",
     "evaluate_env_model",
     "evaluate_episodes",
+    "failed_episodes",
 ]
 
 
@@ -171,6 +178,29 @@ def evaluate_episodes(
     return {"metrics": metrics, "records": records}
 
 
+def failed_episodes(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+    """How many of :func:`evaluate_episodes`' episodes failed in the environment (raised or timed
+    out): ``failed`` of the greedy ones and, with samples, ``samples_failed`` of the sampled ones.
+    Every greedy episode failed (or every sampled one): there is nothing to report.
+
+    Raises:
+        EvaluationFailed: every greedy episode failed, or every sampled one did.
+    """
+    sampled = [s for r in records for s in r.get("samples", [])]
+    out = {"failed": sum(r["failed"] for r in records)}
+    if sampled:
+        out["samples_failed"] = sum(s["failed"] for s in sampled)
+    for what, group in (("greedy", records), ("sampled", sampled)):
+        count = sum(r["failed"] for r in group)
+        if group and count == len(group):
+            first = next(r["error"] for r in group if r["failed"])
+            raise EvaluationFailed(
+                f"every one of the {count} {what} episodes failed in the environment, so there is no result "
+                f"(the first: {first}); fix the environment (each episode's error is in the output file)"
+            )
+    return out
+
+
 def evaluate_env_model(
     model: str,
     data,
@@ -202,11 +232,12 @@ def evaluate_env_model(
         samples, ks, temperature, seed, batch_size: as :func:`evaluate_episodes`.
 
     Returns:
-        ``{"model", "env", "dataset", "engine", "n", "success", ..., "pass@k"..., "output",
-        "seconds", "load_seconds"}``; ``output`` holds one record per row
-        (:func:`evaluate_episodes`' records).
+        ``{"model", "env", "dataset", "engine", "n", "success", ..., "pass@k"..., "failed",
+        "samples_failed" (with samples), "output", "seconds", "load_seconds"}``; ``output`` holds
+        one record per row (:func:`evaluate_episodes`' records), written before any error below.
 
     Raises:
+        EvaluationFailed: every greedy (or every sampled) episode failed in the environment.
         ConfigError: a bad engine, rollout or env field. ValueError / TypeError / OSError: a bad
             model, adapter, dataset or environment (or options it rejects), named.
     """
@@ -235,12 +266,14 @@ def evaluate_env_model(
         )
         seconds = time.perf_counter() - t0
     write_jsonl(output, result["records"])
+    failed = failed_episodes(result["records"])
     return {
         "model": model,
         "env": env,
         "dataset": data.eval_dataset,
         "engine": name,
         **result["metrics"],
+        **failed,
         "output": output,
         "seconds": round(seconds, 1),
         "load_seconds": round(load_seconds, 1),

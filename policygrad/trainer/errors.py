@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "TrainingError"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "TrainingError", "fsdp_lora_refusal"]
+
+
+def fsdp_lora_refusal(*, strategy: str, lora: str, ddp: str) -> str:
+    """Why FSDP with LoRA is refused, in the words of the command that refuses it: ``train``
+    (``distributed.strategy`` ...) and ``policygrad memory`` (``--strategy`` ...) say the same, so
+    the planner never prices a job the trainer will not run. Torch-free (the planner imports it)."""
+    return (
+        f"{strategy}=fsdp shards full fine-tuning; a LoRA run ({lora}) trains a small adapter that every "
+        f"rank can hold: set {ddp}"
+    )
 
 
 class TrainingError(RuntimeError):

@@ -36,9 +36,12 @@ from policygrad.rewards.verifiers import answer_correctness, extract_answer
 from policygrad.rollout.base import decode_completions
 from policygrad.trainer import build
 from policygrad.trainer.config import ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+from policygrad.trainer.errors import TrainingError
+from policygrad.trainer.health import check_finite_weights
 from policygrad.trainer.models import load_eval_models
 
 __all__ = [
+    "EvaluationFailed",
     "decode_completions",
     "eval_engine",
     "eval_output_path",
@@ -54,6 +57,12 @@ __all__ = [
 
 RewardFn = Callable[..., Sequence[float]]
 AnswerFn = Callable[[str], "str | None"]
+
+
+class EvaluationFailed(TrainingError):
+    """Every item of an evaluation failed (e.g. every episode's environment raised): there is no
+    result to report, so ``policygrad eval`` ends with one ``error:`` line and status 2 instead of
+    a summary of zeros."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -129,7 +138,8 @@ def eval_output_path(output: str | None, dataset: str | None) -> str:
         dataset: the evaluated dataset spec (a path, a Hub id or ``builtin:NAME``).
 
     Returns:
-        the output path.
+        the output path, absolute: code run during the evaluation (an environment, a reward
+        function) that changes the working directory cannot move where the results are written.
 
     Raises:
         ValueError: ``output`` is a folder, its folder does not exist or is not writable, or it
@@ -153,7 +163,7 @@ def eval_output_path(output: str | None, dataset: str | None) -> str:
             raise ValueError(
                 f"--output {output} is the dataset being evaluated; give another file for the results"
             )
-    return output
+    return os.path.abspath(output)
 
 
 def sample_completions(
@@ -177,8 +187,30 @@ def sample_completions(
             top_k=0,
             generator_seed=None if greedy else seed * 1_000_003 + start,
         )
+        _check_finite_logits(rollout)
         out += decode_completions(tokenizer, rollout)
     return out
+
+
+def _check_finite_logits(rollout) -> None:
+    """A greedy completion picked from NaN logits is an arbitrary token (sampling from them fails
+    in the engine): an evaluation of such completions would report a score of a model that
+    produced nothing.
+
+    Raises:
+        EvaluationFailed: a generated token's log-probability is NaN.
+    """
+    logprobs = getattr(rollout, "sampler_logprobs", None)
+    if logprobs is None:
+        return
+    generated = rollout.response_mask.bool()
+    bad = int(torch.isnan(logprobs[generated]).sum())
+    if bad:
+        raise EvaluationFailed(
+            f"the model's logits were not finite: {bad} of {int(generated.sum())} generated tokens have a "
+            "NaN log-probability (its weights or activations overflow), so nothing was evaluated; evaluate a "
+            "checkpoint from before it diverged or repair the model"
+        )
 
 
 def score_completions(reward_fn: RewardFn, rows, completions: list[str], repeat: int) -> list[float]:
@@ -301,6 +333,10 @@ def eval_engine(cfg, limit: int):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = build.resolve_dtype(cfg.model.dtype, device)
     models = load_eval_models(cfg, device=device, dtype=dtype)
+    # A NaN weight makes every completion noise (greedy decoding of NaN logits picks arbitrary
+    # tokens): an accuracy of 0 would be reported for a model that was never evaluated.
+    what = f"--model {cfg.model.name}" + (f" with --adapter {cfg.model.adapter}" if cfg.model.adapter else "")
+    check_finite_weights(models.policy, what, use="evaluated")
     gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
     try:
         if models.weights_differ_from_path:

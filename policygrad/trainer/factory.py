@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import math
 import os
 from typing import Any
 
@@ -52,7 +53,8 @@ def prepare_config(
     placeholder ``<callable NAME (not importable)>``, and the objects without a path are
     returned for the scorer (an ``environment`` object is recorded the same way, as
     ``env.name``); several processes always sample with per-prompt seeds, so
-    ``config.yaml`` says so and a resume in one process goes on sampling the same way. Then what
+    ``config.yaml`` says so and a resume in one process goes on sampling the same way;
+    ``output_dir`` is made absolute (a later ``os.chdir`` cannot move the run). Then what
     needs no model is checked (the engine's choice, the reward-function specs: no user code
     runs), so a bad option or file is refused before a model is read or converted.
 
@@ -63,6 +65,9 @@ def prepare_config(
         ConfigError / ValueError / FileNotFoundError: ``model.name`` names another model than
             ``model``; a bad engine choice or reward-function spec (named).
     """
+    # Absolute from the start: code that changes the working directory during the run (a reward
+    # function run in-process, an environment, a callback) cannot move where it writes.
+    config = dataclasses.replace(config, output_dir=os.path.abspath(config.output_dir))
     if model is not None:
         config = record_model_object(config, model)
     reward_objects = None
@@ -95,6 +100,34 @@ def prepare_config(
         )
     build.check_before_models(config, reward_objects, environment)
     return config, reward_objects
+
+
+def check_entropy_target(cfg: TrainConfig, policy) -> None:
+    """``loss.entropy_target`` must be below ln V, the entropy of the uniform distribution over the
+    policy's V output tokens and the most any token distribution has: a target at or above it is
+    never reached, and the adaptive coefficient would climb every step.
+
+    Raises:
+        ConfigError: naming loss.entropy_target and the largest valid value.
+    """
+    target = cfg.loss.entropy_target
+    if target is None:
+        return
+    head = policy.get_output_embeddings() if hasattr(policy, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    vocab = int(weight.shape[0]) if weight is not None and weight.dim() == 2 else None
+    if vocab is None:
+        config = getattr(policy, "config", None)
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        vocab = getattr(text, "vocab_size", None)
+    if vocab and target >= math.log(vocab):
+        most = math.log(vocab)
+        raise ConfigError(
+            f"loss.entropy_target={target:g} is not below ln V = {most:.4g} nats, the entropy of the "
+            f"uniform distribution over the model's {vocab} tokens and the most a token's distribution can "
+            "have: the policy never reaches it and the adaptive coefficient would rise every step; give a "
+            f"target below {most:.4g} (Skywork-OR1 uses 0.2)"
+        )
 
 
 def build_trainer(
@@ -157,6 +190,7 @@ def build_trainer(
         run_dir=cfg.output_dir,
         policy_dtype=precision.param_dtype,  # float32 master weights unless bf16-pure
     )
+    check_entropy_target(cfg, m.policy)
     if cfg.data.chat_template:
         m.tokenizer.chat_template = read_chat_template(cfg.data.chat_template)
     precision.prepare_head(m.policy)  # model.lm_head_dtype=float32 (else nothing)

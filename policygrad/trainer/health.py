@@ -5,7 +5,9 @@ applied none (every optimizer step skipped as non-finite, no token carrying loss
 stopped by ``optim.target_kl`` before its first step) is *empty*; so is a step whose optimizer
 steps all had a gradient of exactly 0 (every advantage 0 and no other loss term, e.g. a reward
 that gives every sample of a group the same score): AdamW's moments stay 0 and the weights do not
-move (weight decay aside, which learns nothing). ``max_skipped_updates`` empty steps in a row end
+move (weight decay aside, which learns nothing). A gradient of exactly 0 while a group's samples
+scored differently is a diverged run (the policy saturated by a step too large), named as such
+with ``optim.lr``. ``max_skipped_updates`` empty steps in a row end
 the run with a :class:`~policygrad.trainer.errors.TrainingError` that names the cause, and so does
 a run that ends having applied no update at all.
 """
@@ -23,13 +25,15 @@ from policygrad.trainer.errors import TrainingError
 __all__ = ["UpdateWatch", "check_finite_weights", "why_nothing_trained"]
 
 
-def check_finite_weights(model, what: str) -> None:
-    """Refuse a model with a NaN or infinite weight before the run starts: it cannot sample (the
-    hf engine's probabilities would be NaN) and no update of it would be finite.
+def check_finite_weights(model, what: str, *, use: str = "trained") -> None:
+    """Refuse a model with a NaN or infinite weight before the run (or evaluation) starts: it
+    cannot sample (the hf engine's probabilities would be NaN, greedy decoding picks arbitrary
+    tokens) and no update of it would be finite.
 
     Args:
         model: a torch module.
         what: how to name it in the message (``model.name='...'``).
+        use: what it cannot be (``trained``, ``evaluated``).
 
     Raises:
         ConfigError: the first parameter that holds a non-finite value, with how many.
@@ -41,7 +45,7 @@ def check_finite_weights(model, what: str) -> None:
                 bad = int((~torch.isfinite(param)).sum())
                 raise ConfigError(
                     f"{what} has non-finite weights: {name} holds {bad} NaN or infinite values; it cannot be "
-                    "trained (repair the weights or choose another model)"
+                    f"{use} (repair the weights or choose another model)"
                 )
 
 
@@ -51,10 +55,22 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
     if metrics.get("optim/skipped_nonfinite", 0) or metrics.get("critic/skipped_nonfinite", 0):
         tokens = metrics.get("policy/nonfinite_tokens", 0)
         extra = f" ({tokens:g} sampled tokens had log-prob -inf)" if tokens else ""
+        # The weights of the loss's other terms scale the gradient as much as the learning rate.
+        loss = config.loss
+        weights = [
+            f"{name}={value:g}"
+            for name, value in (
+                ("loss.entropy_coef", loss.entropy_coef),
+                ("loss.positive_lm_coef", loss.positive_lm_coef),
+                ("kl.beta", config.kl.beta),
+            )
+            if value
+        ]
+        terms = f", the weights of the loss terms ({', '.join(weights)})" if weights else ""
         return (
             "every optimizer step was skipped because the loss or the gradient was not finite"
-            f"{extra}: check optim.lr (lr={config.optim.lr:g}), the scale of the rewards, and the model's "
-            "weights for NaN or infinity"
+            f"{extra}: check optim.lr (lr={config.optim.lr:g}){terms}, the scale of the rewards, and the "
+            "model's weights for NaN or infinity"
         )
     if metrics.get("optim/steps"):  # steps were taken: their gradient was exactly 0
         return _why_zero_gradient(metrics, config)
@@ -96,6 +112,18 @@ def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
             f"(reward/mean {mean:g}), so the gradient was exactly 0 and the weights did not move; make "
             f"{scorer} tell the completions apart{code}, or set "
             "drop_zero_variance_groups=true to skip such groups"
+        )
+    if _number(metrics.get("reward/zero_variance_group_frac", 1)) < 1:
+        # Some group's samples scored differently, so its advantages were not 0: a gradient of
+        # exactly 0 then means the policy no longer responds to its weights (a step too large
+        # saturated it, e.g. to a uniform distribution), not that the rewards are flat.
+        entropy = metrics.get("policy/entropy")
+        seen = f" (policy/entropy {entropy:g})" if isinstance(entropy, (int, float)) else ""
+        return (
+            "the run diverged: the policy's gradient was exactly 0 at every optimizer step although the "
+            "samples of a group scored differently (the advantages were not 0), so the policy no longer "
+            f"responds to its weights{seen}, as after a step too large for it; lower optim.lr "
+            f"(lr={config.optim.lr:g}) and start again from the model or a checkpoint from before it diverged"
         )
     return (
         "the policy's gradient was exactly 0 at every optimizer step (every advantage 0 and no other loss "

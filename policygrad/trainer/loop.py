@@ -46,6 +46,7 @@ from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.base import RolloutEngine
 from policygrad.trainer.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.trainer.config import TrainConfig
+from policygrad.trainer.config_training import MAX_LOSS_COEF
 from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import CheckpointError, TrainingError
@@ -150,7 +151,7 @@ class Trainer:
         self.entropy_ctl = None
         if loss.entropy_target is not None:
             self.entropy_ctl = AdaptiveEntropyController(
-                loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta
+                loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta, cap=MAX_LOSS_COEF
             )
             self.objective.entropy_coef = self.entropy_ctl.value
         r = config.rollout
@@ -445,8 +446,16 @@ class Trainer:
         ``loss.entropy_target``, one adaptive-controller step from the policy's mean entropy
         before the update (``entropy/mean``; it stands still when the policy did not train)."""
         out = {"entropy/coef": float(self.objective.entropy_coef)}
-        if self.entropy_ctl is not None and "entropy/mean" in metrics:
-            self.objective.entropy_coef = self.entropy_ctl.update(metrics["entropy/mean"])
+        ctl = self.entropy_ctl
+        if ctl is not None and "entropy/mean" in metrics:
+            was_capped = ctl.capped
+            self.objective.entropy_coef = ctl.update(metrics["entropy/mean"])
+            if ctl.capped and not was_capped:
+                log.warning(
+                    "warning: the adaptive entropy coefficient reached its cap %g: the policy's entropy "
+                    "(entropy/mean %g) stays below loss.entropy_target=%g; lower the target",
+                    ctl.cap, metrics["entropy/mean"], ctl.target,
+                )
         return out
 
     def _update_metric_options(self) -> dict[str, Any]:

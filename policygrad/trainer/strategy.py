@@ -35,7 +35,7 @@ from policygrad.models.adapters import is_peft_model
 from policygrad.trainer.checkpoint import SHARDED_DIR, save_sharded_state, temp_folder
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.distributed import Dist
-from policygrad.trainer.errors import CheckpointSaveError
+from policygrad.trainer.errors import CheckpointSaveError, fsdp_lora_refusal
 from policygrad.trainer.precision import Precision
 from policygrad.trainer.sharding import copy_full_weights, full_state_dict, shard_model
 
@@ -207,8 +207,11 @@ def make_strategy(cfg: TrainConfig, dist: Dist) -> Single:
     if name == "fsdp":
         if cfg.model.lora.rank or cfg.model.adapter:
             raise ConfigError(
-                "distributed.strategy=fsdp shards full fine-tuning; a LoRA run (model.lora.rank or "
-                "model.adapter) trains a small adapter that every rank can hold: set distributed.strategy=ddp"
+                fsdp_lora_refusal(
+                    strategy="distributed.strategy",
+                    lora="model.lora.rank or model.adapter",
+                    ddp="distributed.strategy=ddp",
+                )
             )
         return FSDP(dist, model_name=cfg.model.name)
     return DDP(dist, model_name=cfg.model.name)

@@ -174,3 +174,13 @@ def test_adaptive_entropy_controller_by_hand():
         AdaptiveEntropyController(0.0, 0.0, 0.005)
     with pytest.raises(ValueError, match="needs coef, target, delta, active"):
         other.load_state_dict({"coef": 0.1})
+
+
+def test_adaptive_entropy_coefficient_stops_at_its_cap():
+    # Start 0.5, delta 0.25, cap 1: 0.75, 1.0, then held at 1.0 while the target is not reached
+    # (before the cap, a target above ln V let it climb to 3e6); down again once it is.
+    ctl = AdaptiveEntropyController(0.5, 0.2, 0.25, cap=1.0)
+    assert [ctl.update(0.1) for _ in range(4)] == [0.75, 1.0, 1.0, 1.0] and ctl.capped
+    assert ctl.update(0.3) == 0.0 and ctl.coef == 0.75 and not ctl.capped
+    with pytest.raises(ValueError, match="cap must be >= init_coef=2.0"):
+        AdaptiveEntropyController(2.0, 0.2, 0.25, cap=1.0)

@@ -10,6 +10,8 @@ import pytest
 from policygrad.data.sources import (
     GSM8K_INSTRUCTION,
     PromptDataset,
+    build_train_source,
+    check_dataset_options,
     load_prompt_dataset,
     resolve_dataset,
 )
@@ -90,6 +92,29 @@ def test_split_folder_json_list_and_limit(tmp_path):
     listed = tmp_path / "list.json"
     listed.write_text(json.dumps([{"prompt": "x", "answer": "2"}]))
     assert load_prompt_dataset(listed) == [{"prompt": "x", "answer": "2"}]
+
+
+def test_dataset_options_that_choose_nothing_are_refused(tmp_path):
+    # Before: data.split and data.dataset_config were ignored for a single file without a word.
+    from policygrad.trainer.config import DataConfig
+
+    one = str(_write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a", "answer": "1"}]))
+    with pytest.raises(ValueError) as info:
+        build_train_source(DataConfig(dataset=one, split="test"), seed=0)
+    assert str(info.value) == (
+        f"data.split='test' does nothing for the dataset {one!r} (a single file): a split is chosen in a "
+        "dataset folder ({split}.jsonl, save_to_disk) or a Hub dataset; drop data.split"
+    )
+    both = r"data.dataset_config='main' does nothing for the dataset .*\(a single file\) and .*\(a local "
+    with pytest.raises(ValueError, match=both + r"folder\): a configuration is chosen in a Hub dataset"):
+        check_dataset_options(DataConfig(dataset=one, eval_dataset=str(tmp_path), dataset_config="main"))
+    with pytest.raises(ValueError, match=r"data.eval_split='validation' does nothing for the dataset "
+                       r"'builtin:arithmetic' \(a built-in dataset\)"):
+        check_dataset_options(DataConfig(eval_split="validation"))
+    # Where they choose something, or left at their defaults, they pass.
+    check_dataset_options(DataConfig(dataset=str(tmp_path), split="test"))  # a folder's test.jsonl
+    check_dataset_options(DataConfig(dataset=one, eval_dataset="openai/gsm8k", dataset_config="main"))
+    check_dataset_options(DataConfig(dataset=one))
 
 
 def test_save_to_disk_folder(tmp_path):

@@ -15,6 +15,7 @@ from policygrad.lab.memory import (
     ModelShape,
     algorithm_models,
     build_parser,
+    check_options,
     llama_linear_shapes,
     model_shape_from_config,
     parse_count,
@@ -240,6 +241,23 @@ def test_fsdp_prices_one_rank_of_the_sharded_models():
         plan_memory(shape, "grpo", world_size=2, strategy="zero")
     with pytest.raises(ValueError, match="--world-size must be an int >= 1"):
         plan_memory(shape, "grpo", world_size=0)
+
+
+def test_fsdp_with_lora_is_refused_as_train_refuses_it(capsys):
+    # Before: priced, though train refuses the combination; both say it in the same words.
+    from policygrad.trainer.errors import fsdp_lora_refusal
+
+    argv = ["--params", "7e9", "--world-size", "2", "--strategy", "fsdp", "--lora-rank", "8"]
+    assert main(["memory", *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "error: --strategy=fsdp shards full fine-tuning; a LoRA run (--lora-rank) trains a small adapter "
+        "that every rank can hold: set --strategy ddp"
+    ]
+    shared = fsdp_lora_refusal(strategy="--strategy", lora="--lora-rank", ddp="--strategy ddp")
+    assert err[0] == f"error: {shared}"
+    # One process trains without a strategy (train ignores it there), so the bill is priced.
+    check_options("grpo", lora_rank=8, world_size=1, strategy="fsdp")
 
 
 @pytest.mark.parametrize("args", [["--world-size", "2.5"], ["--strategy", "zero"], ["--world-size", "0"]])

@@ -304,6 +304,113 @@ def test_eval_env_plays_episodes_and_writes_every_one(eos_model_dir, tmp_path, c
     assert result["pass@2"] == pytest.approx(sum(pass_at_k(2, c, 2) for c in counted) / 3)
 
 
+def test_files_that_exit_at_import_and_a_missing_critic_folder_are_named(
+    tiny_yaml, eos_model_dir, tmp_path, capsys
+):
+    # Before: "error: 3" (a reward file calling sys.exit(3) at module level), an environment file
+    # doing the same ended eval with status 3 and no line, and critic.init_from=/nope was "model: ...".
+    exits = tmp_path / "exits.py"
+    exits.write_text("import sys\n\nsys.exit(3)\n")
+    line = _fails(["train", tiny_yaml("exit_reward"), f"--reward.functions=[{exits}:score]"], capsys)
+    assert line == (
+        f"error: reward function file {str(exits)!r} exited at import with status 3 (sys.exit or exit() at "
+        "module level); a reward file only defines functions: put the code that runs under "
+        "if __name__ == '__main__': (reward.functions)"
+    )
+    line = _fails(["eval", "--engine", "hf", "--model", eos_model_dir, "--env", f"{exits}:Env"], capsys)
+    assert line.startswith(f"error: environment file {str(exits)!r} exited at import with status 3 (")
+    assert "give options" not in line
+
+    line = _fails(["train", tiny_yaml("critic"), "--algorithm=ppo", "--critic.init_from=/nope"], capsys)
+    assert line.startswith("error: critic.init_from='/nope': the folder '/nope' does not exist; give ")
+
+
+def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_counted(
+    eos_model_dir, tmp_path, capsys
+):
+    # Before: every episode failed in the environment, yet the exit status was 0 with a summary of
+    # zeros (success 0.0) that reads like a model that never succeeds.
+    env = "tests.trainer.test_evaluate:FailsOnBad"
+    common = ["--env", env, "--model", eos_model_dir, "--max-new-tokens", "4", "--max-turns", "2"]
+    all_bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": f"bad {i}", "answer": "1"} for i in range(3)])
+    out = tmp_path / "episodes.jsonl"
+    line = _fails(["eval", "--engine", "hf", *common, "--dataset", all_bad, "--output", str(out)], capsys)
+    assert line.startswith(
+        "error: every one of the 3 greedy episodes failed in the environment, so there is no result (the "
+        "first: step() failed: RuntimeError: this row breaks the environment)"
+    )
+    records = [json.loads(x) for x in out.read_text().splitlines()]  # kept: each episode's error
+    assert [r["failed"] for r in records] == [True] * 3
+    assert all("this row breaks" in r["error"] for r in records)
+
+    # Some failed: counted in the summary, and a note says how many.
+    rows = [{"question": q, "answer": "1"} for q in ("Say 1.", "bad 2", "Say 3.", "bad 4")]
+    some = write_jsonl(tmp_path / "some.jsonl", rows)
+    result = _eval([*common, "--dataset", some, "--output", str(out), "--samples", "2"], capsys)
+    assert (result["n"], result["failed"], result["samples_failed"]) == (4, 2, 4)
+    assert result["failed_frac"] == 0.5 and result["stop_error"] == 0.5
+
+
+def test_eval_writes_where_its_output_pointed_when_it_started(
+    eos_model_dir, tmp_path, monkeypatch, capsys
+):
+    # An environment that changes the working directory mid-evaluation: before, a relative --output
+    # was written under the new folder.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    data = write_jsonl(tmp_path / "p.jsonl", [{"question": f"Say {i}.", "answer": str(i)} for i in range(2)])
+    options = json.dumps({"to": str(tmp_path / "elsewhere")})
+    env = "tests.trainer.test_evaluate:ChdirOnStep"
+    argv = ["--env", env, "--env-options", options, "--model", eos_model_dir]
+    result = _eval([*argv, "--dataset", data, "--max-new-tokens", "3", "--output", "eps.jsonl"], capsys)
+    assert result["output"] == str(tmp_path / "eps.jsonl") and (tmp_path / "eps.jsonl").is_file()
+    assert os.listdir(tmp_path / "elsewhere") == []
+
+
+def test_eval_of_a_model_with_nan_weights_is_an_error(eos_model_dir, tmp_path, capsys):
+    # Before: greedy decoding of NaN logits gave noise, reported as accuracy 0.0 with exit status 0.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "nan_model"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name][0] = float("nan")
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "d.jsonl", [{"question": "1+1?", "answer": "2"}])
+    out = str(tmp_path / "o.jsonl")
+    argv = ["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--output", out]
+    line = _fails(argv, capsys)
+    assert line.startswith(f"error: --model {model} has non-finite weights: ")
+    assert line.endswith("; it cannot be evaluated (repair the weights or choose another model)")
+    assert not os.path.exists(out)
+
+
+def test_eval_of_a_model_whose_logits_overflow_is_an_error(eos_model_dir, tmp_path, capsys):
+    # Finite weights, but the final norm scaled by 3e38 makes every logit infinite: greedy decoding
+    # picked token 0 from NaN log-probabilities and eval reported accuracy 0.0 with exit status 0.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "overflow"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights = {k: v * 3e38 if k == "model.norm.weight" else v for k, v in weights.items()}
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    rows = [{"question": "1+1?", "answer": "2"}, {"question": "2+2?", "answer": "4"}]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    argv = ["eval", "--engine", "hf", "--model", str(model), "--dataset", data, "--max-new-tokens", "3"]
+    line = _fails([*argv, "--output", str(tmp_path / "o.jsonl")], capsys)
+    assert line == (
+        "error: the model's logits were not finite: 6 of 6 generated tokens have a NaN log-probability (its "
+        "weights or activations overflow), so nothing was evaluated; evaluate a checkpoint from before it "
+        "diverged or repair the model"
+    )
+
+
 def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     common = ["eval", "--model", eos_model_dir, "--engine", "hf"]
     line = _fails([*common, "--env", "builtin:guess", "--env-options", "{high: 5}"], capsys)
@@ -319,6 +426,13 @@ def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     assert line.startswith("error: --env: unknown environment 'builtin:nope'; give builtin:guess, ")
     line = _fails([*common, "--env", "tests.trainer.test_evaluate:NoSuchClass"], capsys)
     assert "--env" in line and "NoSuchClass" in line
+    # A class the module does not have is not fixed by other options (before: "give options
+    # tests.trainer.test_evaluate:NoSuchClass accepts"): the line lists the classes it has.
+    assert "give options" not in line
+    assert line.endswith(
+        "its Environment classes: ChdirOnStep, FailsOnBad, FindChar; give tests.trainer.test_evaluate:NAME "
+        "with one of them"
+    )
     line = _fails([*common, "--max-turns", "3"], capsys)
     assert line == (
         "error: --max-turns applies to multi-turn episodes only; give --env (an environment) "
@@ -388,6 +502,18 @@ def test_resume_without_checkpoint_yaml_error_and_broken_reward_file_are_one_lin
     line = _fails(["train", cfg, f"--reward.functions=[{broken}:f]"], capsys)
     assert "failed to load" in line and "ModuleNotFoundError" in line
     assert "is a file" in _fails(["train", cfg, f"--output_dir={broken}"], capsys)
+
+
+def test_eval_split_or_dataset_config_that_choose_nothing_are_refused(tmp_path, capsys):
+    # Before: --split and --dataset-config were ignored for a JSONL file without a word.
+    data = write_jsonl(tmp_path / "one.jsonl", [{"question": "1+1?", "answer": "2"}])
+    line = _fails(["eval", "--dataset", data, "--split", "train"], capsys)
+    assert line == (
+        f"error: --split train does nothing for --dataset {data}, a single file: it chooses a split of a "
+        "dataset folder or a Hub dataset; drop --split"
+    )
+    line = _fails(["eval", "--dataset-config", "main"], capsys)  # the default builtin:arithmetic
+    assert line.startswith("error: --dataset-config main does nothing for --dataset builtin:arithmetic, a")
 
 
 def test_eval_rejects_a_useless_batch_size_or_limit(capsys):

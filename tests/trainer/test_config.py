@@ -242,6 +242,9 @@ def test_overrides_of_the_preset():
             "optim.num_minibatches=33 exceeds the batch of 32 sequences",
         ),
         (["--eval_every=-1"], "eval_every must be >= 0, got -1"),
+        # Before: "[Errno 2] No such file or directory: ''" when the run made its folder.
+        (["--output_dir="], "output_dir must name the run's folder, e.g. --output_dir=runs/my_run; got ''"),
+        (["--output_dir=' '"], "output_dir must name the run's folder"),
     ],
 )
 def test_validation_errors_name_the_dotted_field(overrides, message):

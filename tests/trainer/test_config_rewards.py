@@ -25,6 +25,17 @@ def test_weights_must_match_the_functions_unless_the_functions_are_not_yet_resol
     RewardConfig(functions=None, weights=[1.0]).validate("reward")
 
 
+def test_weights_that_are_all_zero_are_refused():
+    # Before: accepted; every score was 0 and the run ended saying every advantage was 0.
+    with pytest.raises(ConfigError) as info:
+        RewardConfig(functions=["a", "b"], weights=[0.0, 0.0]).validate("reward")
+    assert str(info.value) == (
+        "reward.weights=[0.0, 0.0] are all 0: every score would be 0, so no sample is told apart and nothing "
+        "trains; give at least one function a non-zero weight"
+    )
+    RewardConfig(functions=["a", "b"], weights=[0.0, -1.0]).validate("reward")  # a penalty alone scores
+
+
 def test_bad_reward_options_are_named():
     with pytest.raises(ConfigError, match=r"reward\.on_error"):
         RewardConfig(on_error="ignore").validate("reward")

@@ -71,6 +71,29 @@ def test_settings_that_would_have_no_effect_are_refused(overrides, message):
     assert "\n" not in str(info.value)
 
 
+# Before: accepted, and loss.entropy_target=1e9 with a large delta let the coefficient reach 3e6;
+# loss.positive_lm_coef=1e30 overflowed the gradient and the run blamed optim.lr.
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["--loss.entropy_coef=1e30"], "loss.entropy_coef must be in [0, 100], got 1e+30: a bonus weighted"),
+        (["--loss.entropy_coef=100.5"], "loss.entropy_coef must be in [0, 100], got 100.5"),
+        (["--loss.positive_lm_coef=1e30"], "loss.positive_lm_coef must be in [0, 100], got 1e+30"),
+        (
+            ["--loss.entropy_target=0.2", "--loss.entropy_coef_delta=1e6"],
+            "loss.entropy_coef_delta must be in (0, 1], got 1000000.0: the adaptive coefficient moves by it",
+        ),
+    ],
+)
+def test_loss_coefficients_are_bounded_above(overrides, message):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    # The largest allowed values pass.
+    load_config(None, ["--loss.entropy_coef=100", "--loss.positive_lm_coef=100"])
+    load_config(None, ["--loss.entropy_target=0.2", "--loss.entropy_coef_delta=1"])
+
+
 @pytest.mark.parametrize(
     "overrides, fragments",
     [

@@ -119,6 +119,35 @@ class FindChar(Environment):
         return 1.0 if self.found else 0.0
 
 
+class FailsOnBad(FindChar):
+    """FindChar whose ``step()`` raises on rows whose prompt holds "bad" (``policygrad eval --env
+    tests.trainer.test_evaluate:FailsOnBad``: an environment that fails on some or every row)."""
+
+    def reset(self, row, *, seed):
+        self.bad = "bad" in row["prompt"]
+        return super().reset(row, seed=seed)
+
+    def step(self, action):
+        if self.bad:
+            raise RuntimeError("this row breaks the environment")
+        return super().step(action)
+
+
+class ChdirOnStep(FindChar):
+    """FindChar whose ``step()`` changes the working directory to ``to`` (code that moves the
+    process during an evaluation)."""
+
+    def __init__(self, to: str = "/"):
+        super().__init__()
+        self.to = to
+
+    def step(self, action):
+        import os
+
+        os.chdir(self.to)
+        return super().step(action)
+
+
 @pytest.mark.integration
 def test_evaluate_episodes_counts_agree_with_the_records(eos_model_dir):
     tok = AutoTokenizer.from_pretrained(eos_model_dir)

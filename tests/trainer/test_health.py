@@ -62,6 +62,15 @@ def test_non_finite_steps_name_lr_and_the_minus_inf_tokens():
     )
 
 
+def test_non_finite_steps_name_the_loss_terms_weights_that_are_set():
+    # Before: only optim.lr was named, though a large loss.positive_lm_coef overflows the gradient too.
+    cfg = config(loss={"positive_lm_coef": 50.0}, kl={"beta": 0.04, "placement": "loss"})
+    cause = why_nothing_trained({"optim/skipped_nonfinite": 1}, cfg)
+    named = "the weights of the loss terms (loss.positive_lm_coef=50, kl.beta=0.04)"
+    assert f"check optim.lr (lr=0.001), {named}, the scale of the rewards" in cause
+    assert "weights of the loss terms" not in why_nothing_trained({"optim/skipped_nonfinite": 1}, config())
+
+
 def test_a_zero_gradient_from_equal_scores_names_the_reward_functions():
     metrics = {"optim/steps": 2, "reward/zero_variance_group_frac": 1, "reward/mean": 0.5}
     cause = why_nothing_trained(metrics, config())
@@ -72,8 +81,18 @@ def test_a_zero_gradient_from_equal_scores_names_the_reward_functions():
     assert "(code rows: code_tests)" not in code  # it already is code_tests
 
 
-def test_a_zero_gradient_with_varied_scores_is_the_general_message():
-    cause = why_nothing_trained({"optim/steps": 1, "reward/zero_variance_group_frac": 0.5}, config())
+def test_a_zero_gradient_with_varied_scores_is_a_diverged_run_naming_optim_lr():
+    # Half the groups scored their samples differently, so their advantages were not 0: a gradient
+    # of exactly 0 is a policy that no longer responds (optim.lr=1e6 collapses it), not flat rewards.
+    metrics = {"optim/steps": 1, "reward/zero_variance_group_frac": 0.5, "policy/entropy": 10.8}
+    cause = why_nothing_trained(metrics, config(optim={"lr": 1e6}))
+    assert cause.startswith("the run diverged: the policy's gradient was exactly 0 at every optimizer step")
+    assert "(policy/entropy 10.8)" in cause and "lower optim.lr (lr=1e+06)" in cause
+    assert "reward.functions" not in cause
+
+
+def test_a_zero_gradient_without_group_statistics_is_the_general_message():
+    cause = why_nothing_trained({"optim/steps": 1}, config())
     assert cause.startswith("the policy's gradient was exactly 0 at every optimizer step")
 
 

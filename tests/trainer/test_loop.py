@@ -346,7 +346,7 @@ def _resume_sections(tmp_path, lora: bool) -> dict:
         sections["model"] = {"lora": {"rank": 4, "alpha": 8.0}}
         sections["kl"] = {"placement": "loss", "beta": 0.05}
     else:  # an adaptive entropy coefficient whose target is never reached: 0.01 + 0.005 per step
-        sections["loss"].update(entropy_target=1e3, entropy_coef_delta=0.005)
+        sections["loss"].update(entropy_target=4.6, entropy_coef_delta=0.005)  # below ln 100 = 4.605
     return sections
 
 

@@ -186,6 +186,32 @@ def test_positive_samples_are_the_best_valid_ones():
     assert positive_samples(torch.zeros(4), torch.ones(4, dtype=torch.bool)).tolist() == [0.0] * 4
 
 
+def test_an_entropy_target_the_policy_cannot_reach_is_refused_and_the_coefficient_capped(
+    make_config, caplog
+):
+    # Before: loss.entropy_target=1e9 was accepted and the adaptive coefficient rose every step.
+    # The tiny model samples from 100 ids: no distribution over them has entropy above ln 100.
+    with pytest.raises(ConfigError) as info:
+        Run(make_config("unreachable", loss={"entropy_target": 4.61}))
+    assert str(info.value) == (
+        "loss.entropy_target=4.61 is not below ln V = 4.605 nats, the entropy of the uniform distribution "
+        "over the model's 100 tokens and the most a token's distribution can have: the policy never reaches "
+        "it and the adaptive coefficient would rise every step; give a target below 4.605 (Skywork-OR1 uses "
+        "0.2)"
+    )
+    # A target the policy is below: after one step the coefficient is 100 (99.5 + 1, capped), said once.
+    loss = {"entropy_target": 4.6, "entropy_coef": 99.5, "entropy_coef_delta": 1.0}
+    run = Run(make_config("capped", steps=1, loss=loss))
+    try:
+        with caplog.at_level("WARNING", logger="policygrad"):
+            run.train()
+    finally:
+        run.close()
+    assert run.trainer.entropy_ctl.coef == 100.0
+    capped = [r.getMessage() for r in caplog.records if "reached its cap" in r.getMessage()]
+    assert len(capped) == 1 and "below loss.entropy_target=4.6; lower the target" in capped[0]
+
+
 def test_entropy_options_are_checked(make_config):
     with pytest.raises(ConfigError, match="loss.entropy_target must be > 0"):
         make_config(loss={"entropy_target": 0.0})

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -509,6 +510,41 @@ def test_a_run_whose_advantages_are_all_zero_says_it_trained_nothing(make_config
         bonus.close()
 
 
+def test_a_policy_that_no_longer_responds_is_named_diverged_not_flat_rewards(
+    eos_model_dir, make_config, tmp_path
+):
+    """A model whose embeddings are all 0 keeps every hidden state 0 (no biases), so its logits are 0
+    (a uniform policy, as optim.lr=1e6 leaves the bundled model) and every gradient is exactly 0,
+    while length_fraction scores a group's samples differently (advantages not 0). The run must be
+    named diverged with optim.lr, not sent to check reward.functions (what it said before)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from policygrad.trainer.errors import TrainingError
+
+    model = tmp_path / "uniform"
+    shutil.copytree(eos_model_dir, model)
+    weights = load_file(model / "model.safetensors")
+    weights = {k: torch.zeros_like(v) if "embed_tokens" in k else v for k, v in weights.items()}
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    cfg = make_config("uniform", reward_fn="length_fraction", steps=2, model={"name": str(model)})
+    run = Run(cfg)
+    try:
+        with pytest.raises(TrainingError) as info:
+            run.train()
+    finally:
+        run.close()
+    message = str(info.value)
+    assert message.startswith("the run applied no update in 2 steps: the run diverged: ")
+    assert "lower optim.lr (lr=0.01)" in message and "reward.functions" not in message
+    rows = _rows(run.run_dir)
+    assert [r["optim/grad_norm"] for r in rows] == [0.0, 0.0]
+    assert all(r["reward/zero_variance_group_frac"] < 1 for r in rows)
+    # Logits 0 over the 100 ids: the entropy of the uniform distribution, ln 100 (float32 rounding).
+    assert all(abs(r["policy/entropy"] - math.log(100)) < 1e-5 for r in rows)
+
+
 # ----------------------------------------------------------------------------- errors keep the finished steps
 
 
@@ -830,6 +866,45 @@ def test_a_full_disk_before_any_checkpoint_advises_a_new_start_not_resume(run_ya
     assert "--resume" not in line
     assert main(["train", cfg]) == 0
     assert _complete_steps(run) == [1]
+
+
+def test_a_disk_that_fills_before_the_first_checkpoint_says_which_steps_are_lost(
+    run_yaml, monkeypatch, capsys
+):
+    # Steps 1 and 2 trained, no checkpoint yet (the default cadence is 10 minutes), then the disk is
+    # full: metrics.jsonl's row of step 2 and the checkpoint the run tries after the error both fail.
+    # Before: the line said to free space and start again, not that two trained steps were gone.
+    import errno
+
+    from policygrad.trainer import checkpoint
+    from policygrad.trainer.logging import MetricsLogger
+
+    cfg, run = run_yaml("full_mid", steps=3)
+    log = MetricsLogger.log
+
+    def full_log(self, step, metrics):
+        if step == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", self.path)
+        return log(self, step, metrics)
+
+    def full_save(_obj, f, *_args, **_kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(f))
+
+    with monkeypatch.context() as m:
+        m.setattr(MetricsLogger, "log", full_log)
+        m.setattr(checkpoint.torch, "save", full_save)
+        assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert line == (
+        f"error: no space left on device writing {run}/metrics.jsonl; the training of steps 1-2 could not be "
+        "saved on the full disk and is lost; free space, then run the same command again: no checkpoint was "
+        f"saved, so the run starts over in {run}"
+    )
+    assert [r["step"] for r in _rows(run)] == [1] and _complete_steps(run) == []
+    assert _hidden_checkpoint_folders(run) == []  # no half-written checkpoint left behind
+    assert not os.path.exists(os.path.join(run, ".policygrad.lock"))
+    assert main(["train", cfg]) == 0  # the same command starts over, as the line says
+    assert _complete_steps(run) == [3]
 
 
 def test_keep_checkpoints_keeps_the_newest_and_a_resume_goes_on_from_it(run_yaml, capsys):
