@@ -53,6 +53,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -404,6 +405,9 @@ class ProcessHost:
         self._hosted: list[set[int]] = [set() for _ in self.slots]
         self._next = 0
         self._ctx = _context()
+        # At the latest when the host is collected or the interpreter exits (a script that never
+        # closed its run): the workers and what they forked, which PR_SET_PDEATHSIG would not reach.
+        weakref.finalize(self, _stop_all, self.slots)
 
     def new_handles(self, n: int) -> list[int]:
         handles = list(range(self._next, self._next + n))
@@ -539,6 +543,12 @@ class ProcessHost:
         for s in range(len(self.slots)):
             if self.slots[s] is not None:
                 self._lose(s, None, "the environment workers were closed")
+
+
+def _stop_all(slots: list[_Worker | None]) -> None:
+    for worker in slots:
+        if worker is not None:
+            worker.stop()
 
 
 # --------------------------------------------------------------------------------------------

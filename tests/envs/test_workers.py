@@ -137,8 +137,10 @@ def test_what_an_environment_forks_is_gone_when_the_runner_closes(tmp_path):
     assert not any(_alive(p) for p in children + workers)
 
 
-def test_workers_end_with_the_process_that_started_them():
-    # A trainer killed outright (SIGKILL, no close) still takes its workers with it.
+@pytest.mark.parametrize("end", ["exit", "SIGKILL"])
+def test_workers_end_with_the_process_that_started_them(end, tmp_path):
+    # A script that ends without closing its runner takes its workers and what they forked with
+    # it; one killed outright (SIGKILL, no cleanup at all) still takes its workers.
     script = textwrap.dedent(
         f"""
         import sys, time
@@ -146,19 +148,23 @@ def test_workers_end_with_the_process_that_started_them():
         from tests.envs.test_workers import Does, ONE_TURN, _run
         from tests.envs.test_episodes import runner
         r, _ = runner(Does, ONE_TURN)
-        _run(r, "nothing")
+        _run(r, "fork", pidfile={str(tmp_path / "pids")!r})
         print(" ".join(str(w.process.pid) for w in r.host.slots if w is not None), flush=True)
-        time.sleep(60)
+        if {end!r} == "SIGKILL":
+            time.sleep(60)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert pids
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+        if end == "SIGKILL":
+            proc.send_signal(signal.SIGKILL)
+        assert proc.wait(60) == (0 if end == "exit" else -signal.SIGKILL)
     finally:
         proc.kill()
+    if end == "exit":
+        pids += [int(p) for p in (tmp_path / "pids").read_text().split()]
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
