@@ -213,3 +213,33 @@ def test_an_environment_calling_os_exit_costs_a_retry_not_the_run(eos_model_dir,
     assert metrics[0]["env/retries"] >= 1 and metrics[0]["env/failed_frac"] == 0.0
     assert all(m["env/groups_dropped"] == 0.0 for m in metrics)
     assert os.path.isdir(tmp_path / "x")
+
+
+class ExitsOnceByEnviron(ExitsOnce):
+    """:class:`ExitsOnce` with its marker in ``$EXITS_ONCE_MARKER`` (the API passes a class)."""
+
+    def __init__(self):
+        super().__init__(os.environ["EXITS_ONCE_MARKER"])
+
+
+@pytest.mark.integration
+def test_the_api_survives_an_environment_calling_os_exit(eos_model_dir, tmp_path, monkeypatch):
+    # Today policygrad.train(env=...) ends the process with exit status 0 and no line.
+    import policygrad
+
+    monkeypatch.setenv("EXITS_ONCE_MARKER", str(tmp_path / "exited"))
+    summary = policygrad.train(
+        eos_model_dir,
+        [],
+        [{"prompt": f"say {i}"} for i in range(4)],
+        env=ExitsOnceByEnviron,
+        steps=2,
+        output_dir=str(tmp_path / "api"),
+        progress=False,
+        tensorboard=False,
+        log_completions=0,
+        rollout={"engine": "hf", "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 6, "max_turns": 1},
+        data={"eval_size": 0},
+    )
+    assert summary["steps"] == 2 and (tmp_path / "exited").exists()
+    assert os.path.isfile(tmp_path / "api" / "metrics.jsonl")
