@@ -243,3 +243,20 @@ def test_the_api_survives_an_environment_calling_os_exit(eos_model_dir, tmp_path
     )
     assert summary["steps"] == 2 and (tmp_path / "exited").exists()
     assert os.path.isfile(tmp_path / "api" / "metrics.jsonl")
+
+
+@pytest.mark.integration
+def test_eval_env_survives_an_environment_calling_os_exit(eos_model_dir, tmp_path, monkeypatch, capsys):
+    # Today `eval --env` ends with exit status 0, no line, and writes nothing.
+    from policygrad.cli import main
+
+    monkeypatch.setenv("EXITS_ONCE_MARKER", str(tmp_path / "exited"))
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps({"question": f"Say {i}.", "answer": str(i)}) + "\n" for i in range(3)))
+    out = tmp_path / "episodes.jsonl"
+    argv = ["eval", "--engine", "hf", "--env", "tests.envs.test_retries:ExitsOnceByEnviron", "--model"]
+    argv += [eos_model_dir, "--dataset", str(data), "--max-new-tokens", "6", "--max-turns", "1"]
+    assert main([*argv, "--output", str(out)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert (tmp_path / "exited").exists() and result["n"] == 3 and result["failed_frac"] == 0.0
+    assert len(out.read_text().splitlines()) == 3
