@@ -140,7 +140,7 @@ class ExitsOnce(FailsOnSomeSeeds):
         os._exit(0)
 
 
-def _train(eos_model_dir, rewards_py, out, env, steps=2, **rollout):
+def _train(eos_model_dir, rewards_py, out, env, steps=2, top=None, **rollout):
     from tests.trainer.conftest import tiny_overrides
 
     tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", out, steps=steps)
@@ -153,6 +153,7 @@ def _train(eos_model_dir, rewards_py, out, env, steps=2, **rollout):
         **rollout,
     }
     tree["env"] = env
+    tree.update(top or {})
     run = Run(load_config(None, tree))
     try:
         run.train()
@@ -260,3 +261,25 @@ def test_eval_env_survives_an_environment_calling_os_exit(eos_model_dir, tmp_pat
     result = json.loads(capsys.readouterr().out)
     assert (tmp_path / "exited").exists() and result["n"] == 3 and result["failed_frac"] == 0.0
     assert len(out.read_text().splitlines()) == 3
+
+
+class ChangesDirectory(FailsOnSomeSeeds):
+    def step(self, action):
+        os.chdir("/")
+        return StepResult(reward=float(len(action) >= 3), done=True)
+
+
+@pytest.mark.integration
+def test_chdir_in_an_environment_leaves_the_run_where_it_is(eos_model_dir, rewards_py, tmp_path, monkeypatch):
+    # Today the environment's chdir moves the trainer: a relative output_dir then lands under /.
+    monkeypatch.chdir(tmp_path)
+    metrics = _train(
+        eos_model_dir,
+        rewards_py,
+        "rel",
+        {"name": "tests.envs.test_retries:ChangesDirectory"},
+        top={"save_every": 2},
+    )
+    assert os.getcwd() == str(tmp_path) and len(metrics) == 2
+    assert os.path.isfile(tmp_path / "rel" / "metrics.jsonl")
+    assert os.listdir(tmp_path / "rel" / "checkpoints") == ["step_2"]
