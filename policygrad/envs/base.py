@@ -70,8 +70,9 @@ class StepResult:
 class Environment(abc.ABC):
     """One episode's world. Subclass and implement :meth:`reset` and :meth:`step`.
 
-    Methods run in the trainer's process, in worker threads (``rollout.env_workers``), each call
-    bounded by ``rollout.env_step_timeout_s``; run untrusted code through
+    Methods run in worker processes (``rollout.env_isolation``, ``rollout.env_workers``;
+    :mod:`policygrad.envs.workers`), each call bounded by ``rollout.env_step_timeout_s``; one
+    object per episode, built there from its class and options. Run untrusted code through
     :mod:`policygrad.sandbox` (as :class:`policygrad.envs.tools.ToolEnv` does).
     """
 

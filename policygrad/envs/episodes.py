@@ -17,10 +17,8 @@ the policy's own tokens only. A turn's reward sits on its last action token; the
 from __future__ import annotations
 
 import dataclasses
-import queue
-import threading
+import logging
 import time
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -37,6 +35,7 @@ from policygrad.envs.base import (
     check_step_result,
 )
 from policygrad.envs.template import ChatDelta, cut_middle
+from policygrad.envs.workers import call_all, copy_row, make_host
 from policygrad.rollout.base import (
     RESPONSE,
     ROW,
@@ -48,6 +47,8 @@ from policygrad.rollout.base import (
 )
 
 __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
+
+log = logging.getLogger("policygrad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,10 @@ class EpisodeLimits:
             keep their head and tail); None: no limit.
         max_context: the engine's context in tokens (prompt and everything after it); None: none.
         step_timeout_s: the most seconds one environment call may take; None: no limit.
-        workers: environment calls run at once (threads).
+        workers: environment calls run at once (worker processes, or threads in-process).
+        retries: fresh attempts of an episode that failed in the environment (see
+            :meth:`EpisodeRunner.run`).
+        isolation: environments run in worker processes (:mod:`policygrad.envs.workers`).
     """
 
     max_turns: int = 1
@@ -73,6 +77,8 @@ class EpisodeLimits:
     max_context: int | None = None
     step_timeout_s: float | None = None
     workers: int = 4
+    retries: int = 0
+    isolation: bool = True
 
 
 @dataclasses.dataclass
@@ -84,12 +90,15 @@ class Episodes:
         final_rewards: float32 [B], ``final_reward(stop_reason)`` (0 for failed episodes).
         stop: long [B], index of each episode's stop reason in :data:`STOP_REASONS`.
         turns: long [B], policy turns taken.
-        failed: bool [B], episodes whose environment raised or timed out (no loss).
+        failed: bool [B], episodes whose environment raised, timed out or died, after their
+            retries (no loss).
         info: key -> float32 [B], each episode's mean of ``StepResult.info[key]`` (NaN: never given).
         transcripts: B conversations (the opening messages, then assistant / observation
             messages), local to this process.
         errors: B one-line error messages (None where the episode did not fail), local.
         env_seconds: seconds spent in environment calls.
+        retries: fresh attempts made for episodes that failed in the environment.
+        close_errors: episodes whose ``close()`` failed.
     """
 
     turn_rewards: torch.Tensor = dataclasses.field(metadata={"layout": RESPONSE})
@@ -101,6 +110,8 @@ class Episodes:
     transcripts: list = dataclasses.field(default_factory=list, metadata={"layout": "local"})
     errors: list = dataclasses.field(default_factory=list, metadata={"layout": "local"})
     env_seconds: float = 0.0
+    retries: int = 0
+    close_errors: int = 0
 
     @property
     def stop_reasons(self) -> list[str]:
@@ -123,7 +134,7 @@ class Episodes:
                 [self.transcripts[i] for i in index] if self.transcripts else [],
                 [self.errors[i] for i in index] if self.errors else [],
             ],
-            self.env_seconds,
+            (self.env_seconds, self.retries, self.close_errors),
         )
 
     @classmethod
@@ -145,79 +156,52 @@ class Episodes:
             for k in keys
         }
         local = [[t for p in parts for t in p.transcripts], [e for p in parts for e in p.errors]]
-        return parts[0]._build(joined, info, local, sum(p.env_seconds for p in parts))
+        counts = tuple(sum(getattr(p, k) for p in parts) for k in ("env_seconds", "retries", "close_errors"))
+        return parts[0]._build(joined, info, local, counts)
 
     def gather(self, gather_rows) -> Episodes:
         """Every process's episodes (see :meth:`Rollout.gather`); ``info`` (whose keys may
         differ between processes), transcripts and errors stay this process's."""
         info = self.info
         return self._build(
-            lambda name: gather_rows(getattr(self, name), left=False), info, [[], []], self.env_seconds
+            lambda name: gather_rows(getattr(self, name), left=False),
+            info,
+            [[], []],
+            (self.env_seconds, self.retries, self.close_errors),
         )
 
-    def _build(self, tensor_of: Callable[[str], torch.Tensor], info, local, env_seconds) -> Episodes:
+    def _build(self, tensor_of: Callable[[str], torch.Tensor], info, local, counts) -> Episodes:
         values = {
             name: tensor_of(name)
             for name, layout in field_layouts(Episodes).items()
             if layout in (RESPONSE, ROW)
         }
-        return Episodes(**values, info=info, transcripts=local[0], errors=local[1], env_seconds=env_seconds)
-
-
-_TIMEOUT = object()
-
-
-def call_all(
-    calls: Sequence[Callable[[], Any]], *, workers: int, timeout_s: float | None
-) -> list[tuple[bool, Any]]:
-    """Run ``calls`` on at most ``workers`` threads at once, each bounded by ``timeout_s``.
-
-    Returns:
-        ``(True, result)`` or ``(False, one-line error)`` per call, in order. A call over the
-        timeout is abandoned (Python cannot stop a thread: it runs on as a daemon thread, whose
-        result is dropped) and reported as an error, so an environment that hangs costs its
-        episode, never the run.
-    """
-    results: list[tuple[bool, Any] | None] = [None] * len(calls)
-    done: queue.Queue = queue.Queue()
-    pending, running = deque(range(len(calls))), {}
-
-    def target(i: int, fn: Callable[[], Any]) -> None:
-        try:
-            done.put((i, (True, fn())))
-        except BaseException as exc:  # noqa: BLE001 - sys.exit() too: any end of user code fails the episode
-            done.put((i, (False, f"{type(exc).__name__}: {exc}".splitlines()[0][:300])))
-
-    while pending or running:
-        while pending and len(running) < max(workers, 1):
-            i = pending.popleft()
-            running[i] = time.monotonic() + timeout_s if timeout_s is not None else None
-            threading.Thread(
-                target=target, args=(i, calls[i]), daemon=True, name=f"policygrad-env-{i}"
-            ).start()
-        deadlines = [d for d in running.values() if d is not None]
-        wait = max(min(deadlines) - time.monotonic(), 0.0) if deadlines else None
-        try:
-            i, outcome = done.get(timeout=wait)
-            if i in running:
-                del running[i]
-                results[i] = outcome
-        except queue.Empty:
-            now = time.monotonic()
-            for i, deadline in list(running.items()):
-                if deadline is not None and deadline <= now:
-                    del running[i]
-                    results[i] = (False, f"timed out after {timeout_s:g} s (rollout.env_step_timeout_s)")
-    return results  # type: ignore[return-value]
+        seconds, retries, close_errors = counts
+        return Episodes(
+            **values,
+            info=info,
+            transcripts=local[0],
+            errors=local[1],
+            env_seconds=seconds,
+            retries=retries,
+            close_errors=close_errors,
+        )
 
 
 @dataclasses.dataclass
 class _Episode:
     """One episode while it runs."""
 
-    env: Environment | None
     row: Mapping[str, Any]
     seed: int  # the episode's own seed, for turns after the first
+    reset_seed: int  # its row's seed: reset()'s
+    env: int | None = None  # the environment's handle in the runner's host
+    tools: list[dict] | None = None  # native tool schemas (see _native_tools)
+    opening: list[dict] | None = None  # what its group's reset() gave (None: every one failed)
+    start: list[dict] = dataclasses.field(default_factory=list)  # the messages of its prompt
+    attempts: int = 0  # fresh environments after the first
+    origin: int | None = None  # a retried episode's first seed
+    close_error: str | None = None
     messages: list[dict] = dataclasses.field(default_factory=list)
     ids: list[int] = dataclasses.field(default_factory=list)  # everything after the prompt
     action: list[bool] = dataclasses.field(default_factory=list)  # per id: sampled by the policy
@@ -274,14 +258,60 @@ class EpisodeRunner:
         self.system_prompt = system_prompt
         self.max_prompt_length = max_prompt_length
         self.delta = ChatDelta(tokenizer, self.end_ids)
+        self.name = str(getattr(make_env, "spec", None) or getattr(make_env, "__name__", repr(make_env)))
+        self.host = make_host(
+            make_env,
+            isolation=limits.isolation,
+            workers=limits.workers,
+            timeout_s=limits.step_timeout_s,
+            name=self.name,
+        )
+        self._close_warned = False
+
+    def close(self) -> None:
+        """Stop the environment workers (and whatever they forked). Idempotent."""
+        self.host.close()
 
     # ------------------------------------------------------------------------------------------
-    def _calls(self, calls):
-        return call_all(calls, workers=self.limits.workers, timeout_s=self.limits.step_timeout_s)
+    def _calls(self, episodes: Sequence[_Episode], method: str, args: Callable[[_Episode], tuple]):
+        """``method`` on each episode's environment: ``(ok, value or one-line error)`` each."""
+        return self.host.call([(e.env, method, args(e)) for e in episodes])
+
+    def _open(self, episodes: list[_Episode]) -> None:
+        """Build and reset each episode's environment (reset gets its own copy of the row); one
+        that fails is tried again on a fresh environment, up to ``limits.retries`` times."""
+        todo = episodes
+        while True:
+            self._open_once(todo)
+            todo = [e for e in todo if e.stop == "error" and e.attempts < self.limits.retries]
+            if not todo:
+                return
+            self._close(todo)
+            for e in todo:
+                e.attempts += 1
+
+    def _open_once(self, episodes: list[_Episode]) -> None:
+        for e in episodes:
+            e.env = self.host.new_handles(1)[0]
+            e.stop = e.error = None
+        built = self._calls(episodes, "make", lambda _: ())
+        live = []
+        for e, (ok, value) in zip(episodes, built):
+            if ok:
+                live.append(e)
+            else:
+                e.fail(f"building the environment failed: {value}")
+        opened = self._calls(live, "reset", lambda e: (copy_row(e.row), e.reset_seed))
+        for e, outcome in zip(live, opened):
+            value = _accept(e, outcome, "reset()", lambda v: (check_messages(v[0], "reset()"), v[1]))
+            if value is not None:
+                e.messages, e.tools = value
 
     def _opening(self, group: list[_Episode]) -> list[dict] | None:
         """The group's shared opening messages (None when every reset failed)."""
         opened = [e.messages for e in group if e.stop is None]
+        for e in group:
+            e.opening = opened[0] if opened else None
         for e in group:
             if e.stop is None and e.messages != opened[0]:
                 e.fail(
@@ -298,7 +328,7 @@ class EpisodeRunner:
             if self.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
             for e in group:
-                e.messages = list(messages)
+                e.messages, e.start = list(messages), list(messages)
             texts.append(self.delta.render(messages, generation_prompt=True, tools=_native_tools(group)))
         return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length)
 
@@ -324,32 +354,13 @@ class EpisodeRunner:
         Returns:
             ``(opening prompt ids [n], rollout [B = n x G], episodes, final answers [B])``.
         """
-        env_seconds = 0.0
         G = group_size
         episodes = [
-            _Episode(None, row, prompt_seed(seed, g)) for row, seed in zip(rows, seeds) for g in range(G)
+            _Episode(row, prompt_seed(seed, g), seed) for row, seed in zip(rows, seeds) for g in range(G)
         ]
         t = time.perf_counter()
-        built = self._calls([self.make_env for _ in episodes])
-        for e, (ok, value) in zip(episodes, built):
-            if ok:
-                e.env = value
-            else:
-                e.fail(f"building the environment failed: {value}")
-        seeds_of = [s for s in seeds for _ in range(G)]
-        live = [e for e in episodes if e.stop is None]
-        opened = self._calls(
-            [
-                lambda e=e, s=s: e.env.reset(e.row, seed=s)
-                for e, s in zip(episodes, seeds_of)
-                if e.stop is None
-            ]
-        )
-        for e, outcome in zip(live, opened):
-            messages = _accept(e, outcome, "reset()", lambda v: check_messages(v, "reset()"))
-            if messages is not None:
-                e.messages = messages
-        env_seconds += time.perf_counter() - t
+        self._open(episodes)
+        env_seconds = time.perf_counter() - t
         groups = [episodes[i * G : (i + 1) * G] for i in range(len(rows))]
         prompts = self._prompt_ids(rows, groups)
         cap = self._first_turn_cap()
@@ -363,11 +374,20 @@ class EpisodeRunner:
         self._take_actions(episodes, first, [cap] * len(episodes))
         prompt_of = [prompts[i] for i in range(len(rows)) for _ in range(G)]
         env_seconds += self._observe(episodes, prompt_of)
-        turn = 1
+        env_seconds += self._turns(episodes, prompt_of, 1, sampling)
+        env_seconds += self._finish(episodes)
+        env_seconds += self._retry(episodes, prompt_of, sampling)
+        finals = [e.last_action for e in episodes]
+        return prompts, self._rollout(first, episodes), self._episodes(episodes, env_seconds), finals
+
+    def _turns(self, episodes: list[_Episode], prompt_of: list[list[int]], turn: int, sampling) -> float:
+        """The turns after ``turn`` of every live episode, until each stops; each turn's
+        ``env.step``. Returns the seconds spent in the environments."""
+        env_seconds = 0.0
         while True:
             live = [i for i, e in enumerate(episodes) if e.stop is None]
             if not live:
-                break
+                return env_seconds
             turn += 1
             allowed = {i: self._room(episodes[i], prompt_of[i]) for i in live}
             for i in live:
@@ -384,9 +404,45 @@ class EpisodeRunner:
                 )
                 self._take_actions([episodes[i] for i in batch], out, [allowed[i] for i in batch])
             env_seconds += self._observe([episodes[i] for i in live], [prompt_of[i] for i in live])
-        env_seconds += self._finish(episodes)
-        finals = [e.last_action for e in episodes]
-        return prompts, self._rollout(first, episodes), self._episodes(episodes, env_seconds), finals
+
+    def _retry(self, episodes: list[_Episode], prompt_of: list[list[int]], sampling) -> float:
+        """Run again from scratch each episode that failed in the environment after its reset,
+        up to ``limits.retries`` fresh attempts in all: a fresh environment reset with its row
+        (a fresh copy) and seed, which must give its group's opening messages, then every turn
+        sampled again, turn k from ``prompt_seed(prompt_seed(seed, -attempt), k)`` (``seed``: the
+        episode's own): a function of the run's seed and the attempt, so the retried run is as
+        reproducible as the first. Replaces the failed episodes in ``episodes``; returns the
+        seconds spent in the environments."""
+        env_seconds = 0.0
+        while True:
+            failed = [
+                i
+                for i, e in enumerate(episodes)
+                if e.stop == "error" and e.opening is not None and e.attempts < self.limits.retries
+            ]
+            if not failed:
+                return env_seconds
+            t = time.perf_counter()
+            fresh = []
+            for i in failed:
+                old = episodes[i]
+                attempt = old.attempts + 1
+                origin = old.seed if old.origin is None else old.origin
+                e = _Episode(
+                    old.row, prompt_seed(origin, -attempt), old.reset_seed, attempts=attempt, origin=origin
+                )
+                e.opening = old.opening
+                fresh.append(e)
+            self._open_once(fresh)
+            for e, i in zip(fresh, failed):
+                if e.stop is None and e.messages != e.opening:
+                    e.fail("reset() gave this episode other opening messages than its group's (same seed)")
+                e.messages, e.start = list(episodes[i].start), list(episodes[i].start)
+            env_seconds += time.perf_counter() - t
+            env_seconds += self._turns(fresh, [prompt_of[i] for i in failed], 0, sampling)
+            env_seconds += self._finish(fresh)
+            for e, i in zip(fresh, failed):
+                episodes[i] = e
 
     # ------------------------------------------------------------------------------------------
     def _first_turn_cap(self) -> tuple[int, str]:
@@ -432,7 +488,7 @@ class EpisodeRunner:
         for e, _ in live:
             e.stepped = True
         t = time.perf_counter()
-        results = self._calls([lambda e=e: e.env.step(e.last_action) for e, _ in live])
+        results = self._calls([e for e, _ in live], "step", lambda e: (e.last_action,))
         seconds = time.perf_counter() - t
         for (e, prompt), outcome in zip(live, results):
             result = _accept(e, outcome, "step()", check_step_result)
@@ -481,15 +537,28 @@ class EpisodeRunner:
     def _finish(self, episodes: list[_Episode]) -> float:
         t = time.perf_counter()
         scored = [e for e in episodes if e.stop != "error"]
-        results = self._calls([lambda e=e: e.env.final_reward(e.stop) for e in scored])
+        results = self._calls(scored, "final_reward", lambda e: (e.stop,))
         for e, outcome in zip(scored, results):
             final = _accept(e, outcome, "final_reward()", lambda v: check_reward(v, "final_reward()"))
             if final is not None:
                 e.final = final
-        self._calls(
-            [e.env.close for e in episodes if e.env is not None and callable(getattr(e.env, "close", None))]
-        )
+        self._close(episodes)
         return time.perf_counter() - t
+
+    def _close(self, episodes: list[_Episode]) -> None:
+        """``close()`` each episode's environment that is still there; a failure is counted in
+        the episode (``env/close_errors``) and said once per runner."""
+        open_ = [e for e in episodes if e.env is not None and self.host.alive(e.env)]
+        for e, (ok, value) in zip(open_, self._calls(open_, "close", lambda _: ())):
+            if not ok:
+                e.close_error = value
+                if not self._close_warned:
+                    self._close_warned = True
+                    log.warning(
+                        "environment %s: close() failed: %s (counted in env/close_errors; said once)",
+                        self.name,
+                        value,
+                    )
 
     def _rollout(self, first: Rollout, episodes: list[_Episode]) -> Rollout:
         T = max(len(e.ids) for e in episodes)
@@ -538,6 +607,8 @@ class EpisodeRunner:
             transcripts=[e.messages for e in episodes],
             errors=[e.error for e in episodes],
             env_seconds=env_seconds,
+            retries=sum(e.attempts for e in episodes),
+            close_errors=sum(e.close_error is not None for e in episodes),
         )
 
 
@@ -557,13 +628,6 @@ def _accept(e: _Episode, outcome: tuple[bool, Any], call: str, check: Callable[[
 
 
 def _native_tools(group: list[_Episode]) -> list[dict] | None:
-    """The JSON schemas of a tool environment that leaves its tools to the chat template
-    (``tool_schemas()`` with ``describe_tools`` False: the template's own tool format), else None."""
-    env = next((e.env for e in group if e.env is not None and e.stop is None), None)
-    if (
-        env is None
-        or getattr(env, "describe_tools", True)
-        or not callable(getattr(env, "tool_schemas", None))
-    ):
-        return None
-    return env.tool_schemas()
+    """The native tool schemas (:func:`~policygrad.envs.workers.native_tools`, read by the
+    environment's host after ``reset``) of the group's first live episode, else None."""
+    return next((e.tools for e in group if e.env is not None and e.stop is None), None)

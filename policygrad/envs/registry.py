@@ -17,7 +17,7 @@ from typing import Any
 
 from policygrad.envs.base import Environment
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "check_environment_spec", "environment_factory"]
+__all__ = ["BUILTIN_ENVIRONMENTS", "EnvironmentFactory", "check_environment_spec", "environment_factory"]
 
 BUILTIN_PREFIX = "builtin:"
 # name -> "module:Class", imported on use.
@@ -142,8 +142,40 @@ def _what_it_has(obj: Any, target: str) -> str:
     return f"it defines no class; give {target}:Class of an Environment subclass defined in it"
 
 
-def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> Callable[[], Environment]:
-    """A function of no arguments that builds a fresh environment for one episode.
+class EnvironmentFactory:
+    """Builds a fresh environment per call: ``target(**options)``, checked to have ``reset()``
+    and ``step()``. Picklable by its spec when ``spec`` is a string (a worker process loads it
+    again, :mod:`policygrad.envs.workers`), else by the standard pickle of ``target``.
+
+    Raises (when called):
+        NotAnEnvironment: what ``target`` built has no ``reset()``/``step()``.
+    """
+
+    def __init__(self, spec: Any, target: Callable[..., Any], options: dict[str, Any]):
+        self.spec, self.target, self.options = spec, target, options
+
+    def __call__(self) -> Environment:
+        env = self.target(**self.options)
+        if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
+            raise NotAnEnvironment(
+                f"env.name {self.spec!r} built a {type(env).__name__}, which has no reset()/step(); "
+                "subclass policygrad.envs.Environment"
+            )
+        return env
+
+    def __reduce__(self):
+        if isinstance(self.spec, str):
+            return _factory_of_spec, (self.spec, self.options)
+        return EnvironmentFactory, (self.spec, self.target, self.options)
+
+
+def _factory_of_spec(spec: str, options: dict[str, Any]) -> EnvironmentFactory:
+    return EnvironmentFactory(spec, _load(spec), options)
+
+
+def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
+    """A function of no arguments that builds a fresh environment for one episode
+    (:class:`EnvironmentFactory`).
 
     Args:
         spec: see the module docstring.
@@ -158,16 +190,7 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
     target = spec if callable(spec) else _load(spec)
     if not callable(target):
         raise TypeError(f"env.name {spec!r} names a {type(target).__name__}, not a class or factory")
-    options = dict(options or {})
-
-    def make() -> Environment:
-        env = target(**options)
-        if not all(callable(getattr(env, m, None)) for m in ("reset", "step")):
-            raise NotAnEnvironment(
-                f"env.name {spec!r} built a {type(env).__name__}, which has no reset()/step(); "
-                "subclass policygrad.envs.Environment"
-            )
-        return env
+    make = EnvironmentFactory(spec, target, dict(options or {}))
 
     shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
     try:

@@ -144,6 +144,8 @@ def build_environment(cfg: TrainConfig, engine, tokenizer, policy, *, environmen
         max_context=engine_context_limit(engine, policy),
         step_timeout_s=r.env_step_timeout_s,
         workers=r.env_workers,
+        retries=r.env_retries,
+        isolation=r.env_isolation,
     )
     return EpisodeRunner(
         environment_factory(environment if environment is not None else cfg.env.name, cfg.env.options),

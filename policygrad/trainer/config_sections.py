@@ -220,6 +220,8 @@ EPISODE_OPTIONS = (
     "env_step_timeout_s",
     "env_workers",
     "env_error_budget",
+    "env_retries",
+    "env_isolation",
 )
 
 
@@ -293,7 +295,14 @@ class RolloutConfig:
     observations (null: only the model's context); ``max_observation_tokens`` the most tokens of
     one observation message's content (longer ones keep head and tail; null: no cut);
     ``env_step_timeout_s`` the most seconds of one environment call (an episode over it fails;
-    null: no limit); ``env_workers`` environment calls run at once (threads);
+    null: no limit; kept by the trainer, a worker over it is killed); ``env_isolation`` (true)
+    runs the environments in ``env_workers`` worker processes, so ``os._exit``, a crash, a signal,
+    ``chdir`` or a fork in them fails episodes, never the run (false: threads of the trainer's
+    process, for trusted environments; see :mod:`policygrad.envs.workers`); ``env_workers``
+    environment calls run at once; ``env_retries`` (1) fresh attempts of an episode that failed
+    in the environment (raised, timed out, its worker died), from scratch with the same reset
+    seed and turns sampled again from seeds derived from the attempt, before it counts as
+    failed; a group with an episode still failed leaves the batch whole (``env/groups_dropped``);
     ``env_error_budget`` the largest fraction of a step's episodes that may fail (they carry no
     loss) before the run stops. These options need ``env.name``."""
 
@@ -322,6 +331,8 @@ class RolloutConfig:
     env_step_timeout_s: float | None = 60.0
     env_workers: int = 4
     env_error_budget: float = 0.25
+    env_retries: int = 1
+    env_isolation: bool = True
 
     def validate(self, path: str) -> None:
         check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
@@ -330,6 +341,11 @@ class RolloutConfig:
             if getattr(self, name) is not None:
                 check_positive(f"{path}.{name}", getattr(self, name))
         check_positive(f"{path}.env_workers", self.env_workers)
+        retries = self.env_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ConfigError(f"{path}.env_retries must be an int >= 0, got {self.env_retries!r}")
+        if not isinstance(self.env_isolation, bool):
+            raise ConfigError(f"{path}.env_isolation must be true or false, got {self.env_isolation!r}")
         if not 0.0 <= self.env_error_budget <= 1.0:
             raise ConfigError(f"{path}.env_error_budget must be in [0, 1], got {self.env_error_budget!r}")
         check_positive(f"{path}.prompts_per_step", self.prompts_per_step)

@@ -261,9 +261,13 @@ def evaluate_env_model(
     with eval_engine(cfg, limit) as (rows, models, gen, name, load_seconds):
         runner = build.build_environment(cfg, gen, models.tokenizer, models.policy)
         t0 = time.perf_counter()
-        result = evaluate_episodes(
-            runner, rows, samples=samples, ks=ks, temperature=temperature, seed=seed, batch_size=batch_size
-        )
+        try:
+            result = evaluate_episodes(
+                runner, rows, samples=samples, ks=ks, temperature=temperature, seed=seed,
+                batch_size=batch_size,
+            )
+        finally:
+            runner.close()  # the environment workers, and whatever they forked
         seconds = time.perf_counter() - t0
     write_jsonl(output, result["records"])
     failed = failed_episodes(result["records"])

@@ -583,12 +583,14 @@ class Trainer:
 
     def close(self) -> None:
         """Stop the rollout pipeline (the job in flight finishes first), shut down the rollout
-        engine (vLLM holds its own weights, KV cache and process state) and the reward worker,
-        and put back an adapted thread count. Safe to call more than once."""
+        engine (vLLM holds its own weights, KV cache and process state), the reward worker and
+        the environment workers, and put back an adapted thread count. Safe to call more than once."""
         if self.pipeline is not None:
             self.pipeline.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()
         self.scorer.close()
+        if self.environment is not None:  # its worker processes, and whatever they forked
+            self.environment.close()
         self.threads.close()  # torch's count as the run found it (num_threads set: left as set)

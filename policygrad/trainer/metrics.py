@@ -130,7 +130,15 @@ METRICS: dict[str, str] = {
     "episode/observation_tokens_mean": "mean environment tokens per episode (seen, never trained on)",
     "env/turn_reward_mean": "mean over episodes of the sum of their turn rewards",
     "env/final_reward_mean": "mean final reward over the episodes that did not fail",
-    "env/failed_frac": "fraction of episodes whose environment raised or timed out (no loss on them)",
+    "env/failed_frac": (
+        "fraction of episodes whose environment raised, timed out or died, after their retries "
+        "(no loss on them)"
+    ),
+    "env/retries": "fresh attempts made for episodes that failed in the environment (rollout.env_retries)",
+    "env/groups_dropped": (
+        "groups left out of the batch whole because an episode of theirs failed after its retries"
+    ),
+    "env/close_errors": "episodes whose environment's close() failed",
     "env/<info>": "mean over episodes of each episode's mean of StepResult.info[<info>]",
     # time, throughput, memory (volatile: they differ between identical runs)
     "time/generation_s": "seconds sampling and scoring (with ReMax's greedy baseline, VinePPO's rollouts)",
@@ -284,6 +292,8 @@ def episode_metrics(episodes, rollout) -> dict[str, float]:
         "env/turn_reward_mean": episodes.turn_rewards.sum(-1).mean().item(),
         "env/final_reward_mean": episodes.final_rewards[ok].mean().item() if ok.any() else float("nan"),
         "env/failed_frac": failed.float().mean().item(),
+        "env/retries": float(episodes.retries),
+        "env/close_errors": float(episodes.close_errors),
         "time/env_s": float(episodes.env_seconds),
     }
     for i, reason in enumerate(STOP_REASONS):

@@ -139,16 +139,31 @@ def produce(trainer, step: int, version: int) -> Production:
         while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
             rounds.append(sample_round(trainer, step, trainer.stream.take(n), len(rounds)))
             kept.append(_kept(rounds[-1], component))
-    chosen = _chosen_rounds(rounds, kept)
+    chosen = _chosen_rounds(rounds, kept if kept is not None else _whole_groups(rounds[0]))
     chosen.step = step
     inputs = {name: ESTIMATOR_INPUTS[name].sample(trainer, chosen) for name in trainer.estimator.spec.inputs}
     return Production(step, version, rounds, kept, inputs, time.perf_counter() - start)
 
 
 def _kept(round_: RawRound, component: str) -> list[int]:
-    return groups_with_signal(
+    """The groups dynamic sampling keeps: those with signal on ``component``, none of whose
+    episodes failed (:func:`_whole_groups`)."""
+    varied = groups_with_signal(
         round_.rewards.components, round_.rollout.group_index, len(round_.rows), round_.group_size, component
     )
+    whole = _whole_groups(round_)
+    return varied if whole is None else [i for i in varied if i in whole[0]]
+
+
+def _whole_groups(round_: RawRound) -> list[list[int]] | None:
+    """``[positions of the groups none of whose episodes failed]`` when an episode of the round
+    failed in the environment (after its retries), else None (every group stays). A group
+    trained with a failed sample left out would compare its others to a baseline of fewer
+    samples than its siblings', so it leaves the batch whole (``env/groups_dropped``)."""
+    if round_.episodes is None or not bool(round_.episodes.failed.any()):
+        return None
+    failed = round_.episodes.failed.view(len(round_.rows), round_.group_size).any(-1)
+    return [[i for i in range(len(round_.rows)) if not bool(failed[i])]]
 
 
 class _Chosen:
@@ -220,8 +235,9 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
         if failed > r.env_error_budget:
             first = next((e for e in episodes.errors if e is not None), "on another rank")
             raise TrainingError(
-                f"{failed:.0%} of this step's episodes failed in the environment (rollout.env_error_budget="
-                f"{r.env_error_budget}); first error: {first}"
+                f"{failed:.0%} of this step's episodes failed in the environment env.name="
+                f"{trainer.config.env.name} after rollout.env_retries={r.env_retries} retries "
+                f"(rollout.env_error_budget={r.env_error_budget}); first error: {first}"
             )
         if trainer.scorer.truncation == "penalty":
             turn_rewards = episodes.turn_rewards.clone()
@@ -246,8 +262,14 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
     """
     rounds = [finish_round(trainer, raw, production.version) for raw in production.rounds]
     if production.kept is None:
-        inputs = _inputs(trainer, production, rounds[0])
-        return rounds[0], rounds[0], _input_metrics(trainer, production), inputs
+        dropped = _drop_failed_groups(trainer, production.rounds[0], rounds[0])
+        inputs = _inputs(trainer, production, dropped)
+        metrics = _input_metrics(trainer, production)
+        if production.rounds[0].episodes is not None:
+            metrics["env/groups_dropped"] = float(
+                trainer.dist.total(len(rounds[0].rows) - len(dropped.rows) if dropped is not rounds[0] else 0)
+            )
+        return dropped, rounds[0], metrics, inputs
     positions = _chosen_positions(production.rounds, production.kept)
     sampled = concat_batches(rounds)
     kept_groups = sum(len(groups) for _, groups in positions) if positions else 0
@@ -256,6 +278,10 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
         "dynamic_sampling/groups_kept": float(kept_groups),
         "dynamic_sampling/rounds": float(len(rounds)),
     }
+    if production.rounds[0].episodes is not None:
+        whole = [_whole_groups(raw) for raw in production.rounds]
+        dropped = sum(len(raw.rows) - len(w[0]) for raw, w in zip(production.rounds, whole) if w is not None)
+        metrics["env/groups_dropped"] = float(trainer.dist.total(dropped))
     if positions is None:  # no group with signal: the first round's rows stay, none carries loss
         nothing = dataclasses.replace(rounds[0].scores, valid=torch.zeros_like(rounds[0].scores.valid))
         batch = dataclasses.replace(rounds[0], scores=nothing)
@@ -264,6 +290,33 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
     inputs = _inputs(trainer, production, batch)
     metrics.update(_input_metrics(trainer, production))
     return batch, sampled, metrics, inputs
+
+
+def _drop_failed_groups(trainer, raw: RawRound, batch: SampledBatch) -> SampledBatch:
+    """``batch`` without the groups that hold an episode failed in the environment
+    (:func:`_whole_groups`); with none left on this process, the batch with no row carrying loss
+    (as dynamic sampling's none-kept).
+
+    Raises:
+        TrainingError: no process has a group left (names the environment and the first error).
+    """
+    whole = _whole_groups(raw)
+    if whole is None:
+        return batch
+    left = float(trainer.dist.total(len(whole[0])))
+    if left == 0:
+        env = trainer.config.env.name
+        first = next((e for e in raw.episodes.errors if e is not None), "on another rank")
+        raise TrainingError(
+            f"every group of this step has an episode that failed in the environment env.name={env} after "
+            f"rollout.env_retries={trainer.config.rollout.env_retries} retries, so no group is left to train "
+            f"on; first error: {first}; fix the environment (or raise rollout.env_step_timeout_s)"
+        )
+    if not whole[0]:
+        return dataclasses.replace(
+            batch, scores=dataclasses.replace(batch.scores, valid=torch.zeros_like(batch.scores.valid))
+        )
+    return batch.select_groups(whole[0])
 
 
 def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:

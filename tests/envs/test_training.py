@@ -147,7 +147,9 @@ def test_past_the_error_budget_the_run_stops_with_one_line(eos_model_dir, reward
     # Every episode whose turn ended reached step() and failed; the cut ones (no end id in 40
     # tokens) failed too, as step() judges them as well: 100% > 50%.
     assert len(err) == 1
-    assert "100% of this step's episodes failed in the environment (rollout.env_error_budget=0.5)" in err[0]
+    assert "100% of this step's episodes failed in the environment" in err[0]
+    assert "env.name=tests.envs.test_training:Down" in err[0]
+    assert "(rollout.env_error_budget=0.5)" in err[0]
     assert "first error: step() failed: ConnectionError: tool server unreachable" in err[0]
 
 
