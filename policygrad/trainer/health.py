@@ -64,9 +64,17 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
             "(policy/approx_kl was above it); raise optim.target_kl"
         )
     if metrics.get("dynamic_sampling/groups_kept") == 0:
+        decided = config.dynamic_sampling_reward
+        scorer = "the reward functions"
+        if config.env.name:  # the environment's rewards, turn rewards included, are in the return
+            scorer = f"the environment's rewards (env.name={config.env.name})" + (
+                " and the reward functions" if decided == "return" and config.reward.functions else ""
+            )
+            if decided not in ("return", "env"):
+                scorer = f"the reward function {decided!r}"
         return (
-            "no group had reward signal (drop_zero_variance_groups keeps none when every sample of a "
-            "prompt scores the same); check the reward functions"
+            f"no group had reward signal (drop_zero_variance_groups keeps none when every sample of a "
+            f"prompt has the same dynamic_sampling.reward={decided!r}); check {scorer}"
         )
     if metrics.get("reward/invalid_frac") == 1:
         return (
