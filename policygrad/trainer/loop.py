@@ -50,6 +50,7 @@ from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import CheckpointError, TrainingError
 from policygrad.trainer.experience import Experience
+from policygrad.trainer.health import check_finite_advantages
 from policygrad.trainer.logging import peak_rss_gb
 from policygrad.trainer.metrics import (
     async_metrics,
@@ -344,6 +345,7 @@ class Trainer:
         non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
         if batch.episodes is not None:  # each turn's reward on its last action token
             token_rewards = token_rewards + batch.episodes.turn_rewards.to(token_rewards)
+        shaped = token_rewards
         reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
         if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only
             token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False, reduce=reduce)
@@ -359,6 +361,7 @@ class Trainer:
             )
         if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
             advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
+        check_finite_advantages(self.dist, self.config, batch.returns, shaped, advantages, loss_mask, values)
         cov_selected = (
             self.cov_selection(advantages, behaviour, loss_mask) if self.objective.token_selection else None
         )

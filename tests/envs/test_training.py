@@ -13,6 +13,7 @@ import torch
 
 from policygrad.envs import Environment, StepResult
 from policygrad.run import Run
+from policygrad.trainer import TrainingError
 from policygrad.trainer.config import load_config
 from tests.trainer.conftest import tiny_overrides
 
@@ -335,6 +336,53 @@ def test_metrics_of_rewards_near_float32s_range_are_finite(eos_model_dir, reward
     for key in ("reward/mean", "reward/score", "reward/score_raw_mean", "env/final_reward_mean"):
         assert row[key] == pytest.approx(3e38, rel=1e-7), key
     assert row["reward/std"] == 0.0 and row["reward/zero_variance_group_frac"] == 1.0
+
+
+class OddBig(Environment):
+    """One turn, paid 3e38 when the turn's text has an odd length, else 1: each return fits
+    float32, three of them in one group do not."""
+
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        return StepResult(reward=3e38 if len(action) % 2 else 1.0, done=True)
+
+
+ODD_BIG = """
+def odd_big(prompts, completions, **fields):
+    return [3e38 if len(c) % 2 else 1.0 for c in completions]
+"""
+
+
+@pytest.mark.parametrize("source", ["env", "function"])
+def test_rewards_whose_group_statistics_overflow_float32_end_the_run_naming_them(
+    source, eos_model_dir, tmp_path
+):
+    # Each sample's return fits float32 (3e38 or 1), but GRPO's group sum of three 3e38 does not:
+    # the advantages would be NaN and every optimizer step skipped; the step names the rewards.
+    functions = tmp_path / "odd_big.py"
+    functions.write_text(ODD_BIG)
+    tree = tiny_overrides(eos_model_dir, f"{functions}:odd_big", tmp_path / "odd", steps=1)
+    if source == "env":
+        tree["reward"] = {"functions": []}
+        tree["rollout"] = {**tree["rollout"], "max_turns": 1}
+        tree["env"] = {"name": "tests.envs.test_training:OddBig"}
+        named = "scale the environment's rewards (env.name=tests.envs.test_training:OddBig) down"
+    else:
+        named = f"scale reward.functions=['{functions}:odd_big'] down"
+    run = Run(load_config(None, tree))
+    try:
+        with pytest.raises(TrainingError) as info:
+            run.trainer.step()
+    finally:
+        run.close()
+    message = str(info.value)
+    assert message.startswith(
+        "the advantages are not finite though every reward is (the largest |return| this step is 3e+38): "
+        "the advantage estimator's sums or variances of rewards this large leave float32's range"
+    )
+    assert message.endswith(named)
 
 
 def test_the_positive_samples_are_those_with_the_highest_return(eos_model_dir, rewards_py, tmp_path):
