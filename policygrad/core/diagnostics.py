@@ -8,6 +8,7 @@ Pure functions of tensors, computed without gradient. Logged names (design.md): 
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -18,8 +19,31 @@ from .groups import zero_variance_group_fraction
 __all__ = [
     "explained_variance",
     "group_index_from_size",
+    "mean_value",
+    "std_value",
     "zero_variance_group_fraction",
 ]
+
+
+def mean_value(values: torch.Tensor) -> float:
+    """``values.mean()`` as a Python float; when the tensor's own accumulation overflowed (float32
+    rewards near its range: 8 x 3e38 sums to inf) and every value is finite, the mean in float64,
+    which is then finite. Otherwise exactly ``values.mean().item()`` (NaN for no values)."""
+    out = values.mean().item()
+    if not math.isfinite(out) and values.numel() and bool(torch.isfinite(values).all()):
+        out = values.double().mean().item()
+    return out
+
+
+def std_value(values: torch.Tensor) -> float:
+    """``values.std()`` (Bessel's correction) as a Python float, recomputed in float64 when finite
+    values' squares overflowed (as :func:`mean_value`); 0.0 for fewer than two values."""
+    if values.numel() < 2:
+        return 0.0
+    out = values.std().item()
+    if not math.isfinite(out) and bool(torch.isfinite(values).all()):
+        out = values.double().std().item()
+    return out
 
 
 def explained_variance(

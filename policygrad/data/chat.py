@@ -107,6 +107,7 @@ def tokenize_prompts(
     *,
     max_prompt_length: int,
     row_labels: Sequence | None = None,
+    ids: Sequence[Sequence[int]] | None = None,
 ) -> list[list[int]]:
     """Token ids of formatted prompts, with one BOS at most and no EOS.
 
@@ -121,6 +122,9 @@ def tokenize_prompts(
         max_prompt_length: the most tokens a prompt may have (> 0).
         row_labels: optional P labels naming each prompt in error messages (e.g. the dataset row
             numbers); default: the position in ``texts``.
+        ids: the P texts' ids as the caller tokenised them (an episode's opening, whose message
+            contents are plain text: :meth:`~policygrad.envs.template.ChatDelta.prompt`); None:
+            the tokenizer's, special tokens parsed.
 
     Returns:
         list of P lists of int token ids (unpadded; lengths vary).
@@ -150,7 +154,9 @@ def tokenize_prompts(
         )
     labels = list(row_labels) if row_labels is not None else list(range(len(texts)))
     bos = _default_bos(tokenizer)
-    encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    if ids is not None and len(ids) != len(texts):
+        raise ValueError(f"ids has {len(ids)} entries for {len(texts)} prompts; give one per prompt")
+    encoded = ids if ids is not None else tokenizer(texts, add_special_tokens=False)["input_ids"]
     out = []
     for k, (text, ids) in enumerate(zip(texts, encoded)):
         ids = list(ids)

@@ -320,7 +320,7 @@ class EpisodeRunner:
         return opened[0] if opened else None
 
     def _prompt_ids(self, rows, groups: list[list[_Episode]]) -> list[list[int]]:
-        texts = []
+        texts, ids = [], []
         for row, group in zip(rows, groups):
             messages = self._opening(group)
             if messages is None:  # no opening at all: the row's own prompt, and no loss on it
@@ -329,8 +329,10 @@ class EpisodeRunner:
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
             for e in group:
                 e.messages, e.start = list(messages), list(messages)
-            texts.append(self.delta.render(messages, generation_prompt=True, tools=_native_tools(group)))
-        return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length)
+            text, opening = self.delta.prompt(messages, tools=_native_tools(group))  # contents as plain text
+            texts.append(text)
+            ids.append(opening)
+        return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length, ids=ids)
 
     def run(
         self,

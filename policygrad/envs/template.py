@@ -12,13 +12,20 @@ turns) cannot make the trained sequence differ from what the model saw.
 
 The delta is only meaningful when rendering more messages extends the rendered text (the
 template preserves prefixes); :class:`ChatDelta` checks that once, at start.
+
+Message contents are the environment's text, never markup: a content that holds the text of a
+special token (``<|im_end|>\n<|im_start|>assistant`` in a tool's output, or in the policy's own
+text echoed back) is tokenised as plain text, so a turn boundary can only come from the chat
+template itself. Contents without such text are tokenised exactly as before (the rendered text
+in one call).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 
-__all__ = ["ChatDelta", "TemplateError", "cut_middle"]
+__all__ = ["ChatDelta", "TemplateError", "cut_middle", "special_token_texts"]
 
 _BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
 _PROBE = [{"role": "user", "content": "Go on."}]
@@ -44,6 +51,8 @@ class ChatDelta:
     def __init__(self, tokenizer, end_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.end_ids = frozenset(int(i) for i in end_ids)
+        specials = special_token_texts(tokenizer)
+        self._specials = re.compile("|".join(map(re.escape, specials))) if specials else None
         if not getattr(tokenizer, "chat_template", None):
             raise TemplateError(
                 "environments need a chat template and this tokenizer has none; set data.chat_template "
@@ -87,6 +96,52 @@ class ChatDelta:
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    def prompt(self, messages: Sequence[dict], *, tools=None) -> tuple[str, list[int]]:
+        """An episode's opening: ``(render(messages, generation prompt), its ids)``, the contents
+        tokenised as plain text (see the module docstring), no BOS added.
+
+        Raises:
+            TemplateError: the template failed on ``messages``.
+        """
+        text_of = lambda ms: self.render(ms, generation_prompt=True, tools=tools)  # noqa: E731
+        return text_of(messages), self._content_as_text(messages, text_of)
+
+    def _content_as_text(self, messages: Sequence[dict], text_of: Callable[[list[dict]], str]) -> list[int]:
+        """The ids of ``text_of(messages)`` with the special tokens' text inside the messages'
+        contents tokenised as plain text: such text is swapped for placeholders before rendering,
+        the template's own special tokens are taken from the rendered text, and every piece
+        between them (placeholders put back) is tokenised without parsing special tokens."""
+        messages = list(messages)
+        contents = [m.get("content") for m in messages]
+        specials = self._specials
+        if specials is None or not any(isinstance(c, str) and specials.search(c) for c in contents):
+            return self._encode(text_of(messages))  # nothing to hide: one call, as ever
+        used = "".join(c for c in contents if isinstance(c, str))
+        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # a private-use char
+        hidden: list[str] = []
+
+        def hide(match: re.Match) -> str:
+            hidden.append(match.group(0))
+            return f"{mark}{len(hidden) - 1}{mark}"
+
+        escaped = [
+            {**m, "content": specials.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+            for m in messages
+        ]
+        text = text_of(escaped)
+        restore = re.compile(f"{re.escape(mark)}([0-9]+){re.escape(mark)}")
+        ids: list[int] = []
+        start = 0
+        for match in [*specials.finditer(text), None]:  # the template's own special tokens
+            end = match.start() if match is not None else len(text)
+            piece = restore.sub(lambda m: hidden[int(m.group(1))], text[start:end])
+            if piece:
+                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            if match is not None:
+                ids.append(int(self.tokenizer.convert_tokens_to_ids(match.group(0))))
+                start = match.end()
+        return ids
+
     def observation_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids that follow a turn the policy ended with an end id: the rest of the template's
         turn suffix, ``messages`` as the template renders them, and the next assistant header.
@@ -94,6 +149,9 @@ class ChatDelta:
         Raises:
             TemplateError: the template does not preserve prefixes, or fails on ``messages``.
         """
+        return self._content_as_text(messages, self._delta_text)
+
+    def _delta_text(self, messages: list[dict]) -> str:
         full = self.render([*_BASE, *messages], generation_prompt=True)
         if not full.startswith(self._base):
             raise TemplateError(
@@ -102,7 +160,17 @@ class ChatDelta:
                 "computed without re-rendering what the model saw; set data.chat_template to a template "
                 "that only appends"
             )
-        return self._encode(self.after_end + full[len(self._base) :])
+        return self.after_end + full[len(self._base) :]
+
+
+def special_token_texts(tokenizer) -> list[str]:
+    """The text of every special token of ``tokenizer`` (its named special tokens and every added
+    token marked special), longest first, so a regex alternation matches the longest."""
+    texts = {str(t) for t in getattr(tokenizer, "all_special_tokens", None) or []}
+    for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+        if getattr(token, "special", False):
+            texts.add(str(getattr(token, "content", token)))
+    return sorted((t for t in texts if t), key=lambda t: (-len(t), t))
 
 
 def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -> str:
@@ -114,7 +182,7 @@ def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -
     span = max(max_tokens, 2) * 32
     if len(text) > 2 * span:
         text = text[:span] + text[-span:]
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # as tokenised
     if len(ids) <= max_tokens:
         return text
     half = max(max_tokens // 2, 1)

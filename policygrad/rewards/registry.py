@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from policygrad.core.diagnostics import mean_value
 from policygrad.rewards.callables import awaited, callable_name
 from policygrad.rewards.code import code_tests
 from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
@@ -243,7 +244,7 @@ class RewardOutput(NamedTuple):
         out = {"reward/invalid_frac": float((~self.valid).sum().item()) / count if count else 0.0}
         for name, scores in self.components.items():
             ok = ~torch.isnan(scores)
-            out[f"reward_fn/{name}/mean"] = float(scores[ok].mean().item()) if ok.any() else float("nan")
+            out[f"reward_fn/{name}/mean"] = mean_value(scores[ok]) if ok.any() else float("nan")
             out[f"reward_fn/{name}/invalid"] = float((~ok).sum().item())
         return out
 

@@ -8,8 +8,9 @@ estimator reads, in this order:
 2. normalisation (:class:`~policygrad.rewards.normalize.RewardNormalizer`), before the EOS
    penalty so a truncated completion gets exactly the penalty (Huang et al. 2024, detail 4);
 3. the truncation policy (:func:`~policygrad.rewards.registry.apply_truncation_policy`);
-4. a row whose reward function failed (``on_error=skip``) gets its group's mean score, so it
-   moves no group statistic (it is out of the loss in any case).
+4. a row whose reward function failed (``on_error=skip``) gets its group's mean score (with an
+   environment: the score that makes its return its group's mean return, its turn rewards
+   dropped), so it moves no group statistic (it is out of the loss in any case).
 """
 
 from __future__ import annotations
@@ -46,7 +47,9 @@ class Scores:
     Attributes:
         scores: float32 [B], the sequence score after normalisation, the truncation policy and
             the group-mean fill of failed rows: what the token rewards carry.
-        raw: float32 [B], the weighted sum of the reward functions (0 on failed rows).
+        raw: float32 [B], the raw return: the weighted sum of the reward functions plus, with an
+            environment, its final and turn rewards; before normalisation and the truncation
+            policy (0 on failed rows).
         valid: bool [B], rows that may take part in the loss (reward computed, not excluded by
             the truncation policy).
         failed: bool [B], rows on which a reward function failed (``on_error=skip``).
@@ -126,15 +129,21 @@ class EnvironmentScores:
 
     Attributes:
         final_rewards: float32 [B], ``final_reward(stop_reason)`` (0 on failed episodes).
-        returns: float32 [B], the final reward plus the turn rewards (the ``env`` component).
+        returns: float32 [B], the final reward plus the turn rewards, before the truncation
+            policy (the ``env`` component).
         failed: bool [B], episodes whose environment failed.
         fields: extra row fields for the reward functions, one value per episode.
+        turn_rewards: float32 [B], the sum of each episode's turn rewards as its token rewards
+            carry them (0 where the row is left out: failed, or cut under ``reward.truncation=
+            penalty``), or None (taken as 0): a failed row's score is filled so that its return
+            (score plus these) is its group's mean return.
     """
 
     final_rewards: torch.Tensor
     returns: torch.Tensor
     failed: torch.Tensor
     fields: Mapping[str, list] = dataclasses.field(default_factory=dict)
+    turn_rewards: torch.Tensor | None = None
 
 
 class Scorer:
@@ -230,19 +239,29 @@ class Scorer:
         updated: with several processes a collective), through the truncation policy, failed rows
         filled with their group's mean. Split from :meth:`raw` so that an asynchronous producer
         calls the reward functions and the trainer's thread does the rest."""
+        raw = out.rewards.clone()
+        turns = None
         if env is not None:
             ok = ~env.failed
             valid = out.valid & ok
             components = {"env": torch.where(ok, env.returns, float("nan")), **out.components}
+            # The final reward is normalised with the functions' sum (it sits on the last token as
+            # they do); the turn rewards stay on their tokens, unnormalised, and join the raw return.
+            raw = torch.where(valid, out.rewards + env.returns, 0.0)
             out = RewardOutput(torch.where(valid, out.rewards + env.final_rewards, 0.0), components, valid)
+            turns = env.turn_rewards
         scores = self.normalizer(out.rewards, out.valid)
         scores, valid = apply_truncation_policy(
             scores, truncated, mode=self.truncation, penalty=self.truncation_penalty, valid=out.valid
         )
         failed = ~out.valid
         if failed.any():
-            scores = fill_with_group_mean(scores, failed, group_index.cpu())
-        return Scores(scores, out.rewards.clone(), valid, failed, out.components, out.metrics())
+            if turns is None:
+                scores = fill_with_group_mean(scores, failed, group_index.cpu())
+            else:  # the group's mean return, so the failed row moves no group statistic of returns
+                filled = fill_with_group_mean(scores + turns, failed, group_index.cpu())
+                scores = torch.where(failed, filled, scores)
+        return Scores(scores, raw, valid, failed, out.components, out.metrics())
 
     def baseline(
         self, rows: Sequence[Mapping[str, Any]], completions: Sequence[str], truncated

@@ -381,7 +381,7 @@ class TrainConfig:
                     "(dynamic sampling is off) or unset it"
                 )
             return
-        names = self.reward_components
+        names = self.reward_components + (["return"] if self.env.name else [])
         if ds.reward is not None and ds.reward not in names:
             raise ConfigError(
                 f"dynamic_sampling.reward={ds.reward!r} is not a reward component; choose one of {names} "
@@ -426,8 +426,9 @@ class TrainConfig:
     @property
     def dynamic_sampling_reward(self) -> str:
         """The reward component whose within-group variance decides dynamic sampling:
-        ``dynamic_sampling.reward``, or the first of :attr:`reward_components`."""
-        return self.dynamic_sampling.reward or self.reward_components[0]
+        ``dynamic_sampling.reward``, or by default ``return`` with an environment (each sample's
+        whole raw return) and the first of :attr:`reward_components` without one."""
+        return self.dynamic_sampling.reward or ("return" if self.env.name else self.reward_components[0])
 
     @property
     def reward_components(self) -> list[str]:

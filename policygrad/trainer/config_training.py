@@ -386,9 +386,11 @@ class DynamicSamplingConfig:
 
     ``reward``: the reward component whose within-group variance decides: an entry of
     ``reward.functions`` (for a repeated entry, its k-th occurrence is ``name#k``, k >= 2, as
-    the reward components are named); ``null`` = the first entry. It is read before
-    normalisation and the truncation penalty, so e.g. a correctness reward decides even when a
-    format reward or a length penalty makes every row's total differ.
+    the reward components are named); with an environment also ``env`` (the episode's final
+    reward plus its turn rewards) or ``return`` (``env`` plus the functions' weighted sum: all
+    the sample earned). ``null`` = the first entry, or ``return`` with an environment. It is
+    read before normalisation and the truncation penalty, so e.g. a correctness reward decides
+    even when a format reward or a length penalty makes every row's total differ.
     ``max_extra_rounds``: extra generation rounds (>= 0) that sample more prompts to refill the
     batch with groups that carry signal; 0 drops the groups and trains on what is left.
 

@@ -9,7 +9,9 @@ move (weight decay aside, which learns nothing). A gradient of exactly 0 while a
 scored differently is a diverged run (the policy saturated by a step too large), named as such
 with ``optim.lr``. ``max_skipped_updates`` empty steps in a row end
 the run with a :class:`~policygrad.trainer.errors.TrainingError` that names the cause, and so does
-a run that ends having applied no update at all.
+a run that ends having applied no update at all. :func:`check_finite_advantages` names, at once,
+the step whose finite rewards are too large for the estimator's float32 statistics (its loss
+would be NaN and every optimizer step skipped).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from policygrad.trainer.config import ConfigError
 from policygrad.trainer.errors import TrainingError
 
-__all__ = ["UpdateWatch", "check_finite_weights", "why_nothing_trained"]
+__all__ = ["UpdateWatch", "check_finite_advantages", "check_finite_weights", "why_nothing_trained"]
 
 
 def check_finite_weights(model, what: str, *, use: str = "trained") -> None:
@@ -47,6 +49,44 @@ def check_finite_weights(model, what: str, *, use: str = "trained") -> None:
                     f"{what} has non-finite weights: {name} holds {bad} NaN or infinite values; it cannot be "
                     f"{use} (repair the weights or choose another model)"
                 )
+
+
+def check_finite_advantages(dist, config, returns, token_rewards, advantages, loss_mask, values) -> None:
+    """Name rewards too large for float32's statistics: every token reward (and value) that
+    carries loss is finite, yet an advantage is not, so a group or batch statistic of the rewards
+    (a sum, a variance) overflowed float32 (returns near 3.4e38: three of 3e38 in a group sum to
+    inf). Without this the step's loss is NaN and every optimizer step is skipped. Every rank
+    raises together (``dist.any``, a collective).
+
+    Args:
+        dist: the run's :class:`~policygrad.trainer.distributed.Dist`; config: its config.
+        returns: float32 [B], this rank's samples' returns (for the message).
+        token_rewards: [B, T] the token rewards before reward whitening; advantages: [B, T];
+        loss_mask: [B, T]; values: [B, T] or None.
+
+    Raises:
+        TrainingError: such a step, naming the largest return and the rewards to scale down.
+    """
+    carried = loss_mask > 0
+    overflowed = not bool(torch.isfinite(advantages[carried]).all()) and bool(
+        torch.isfinite(token_rewards[carried]).all()
+    )
+    if values is not None:
+        overflowed = overflowed and bool(torch.isfinite(values[carried]).all())
+    if not dist.any(overflowed):
+        return
+    largest = returns.double().abs().max() if returns.numel() else torch.zeros((), dtype=torch.float64)
+    largest = float(dist.reduce(largest, "max"))
+    sources = f"reward.functions={config.reward.functions}"
+    if config.env.name:
+        sources = f"the environment's rewards (env.name={config.env.name})" + (
+            f" and {sources}" if config.reward.functions else ""
+        )
+    raise TrainingError(
+        "the advantages are not finite though every reward is (the largest |return| this step is "
+        f"{largest:g}): the advantage estimator's sums or variances of rewards this large leave "
+        f"float32's range (|x| <= 3.4e38); scale {sources} down"
+    )
 
 
 def why_nothing_trained(metrics: dict[str, Any], config) -> str:
@@ -80,9 +120,17 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
             "(policy/approx_kl was above it); raise optim.target_kl"
         )
     if metrics.get("dynamic_sampling/groups_kept") == 0:
+        decided = config.dynamic_sampling_reward
+        scorer = "the reward functions"
+        if config.env.name:  # the environment's rewards, turn rewards included, are in the return
+            scorer = f"the environment's rewards (env.name={config.env.name})" + (
+                " and the reward functions" if decided == "return" and config.reward.functions else ""
+            )
+            if decided not in ("return", "env"):
+                scorer = f"the reward function {decided!r}"
         return (
-            "no group had reward signal (drop_zero_variance_groups keeps none when every sample of a "
-            "prompt scores the same); check the reward functions"
+            f"no group had reward signal (drop_zero_variance_groups keeps none when every sample of a "
+            f"prompt has the same dynamic_sampling.reward={decided!r}); check {scorer}"
         )
     if metrics.get("reward/invalid_frac") == 1:
         return (

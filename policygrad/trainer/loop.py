@@ -51,12 +51,14 @@ from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.distributed import Dist
 from policygrad.trainer.errors import CheckpointError, TrainingError
 from policygrad.trainer.experience import Experience
+from policygrad.trainer.health import check_finite_advantages
 from policygrad.trainer.logging import peak_rss_gb
 from policygrad.trainer.metrics import (
     async_metrics,
     batch_metrics,
     critic_metrics,
     episode_metrics,
+    mean_value,
     mismatch_metrics,
 )
 from policygrad.trainer.objective import PolicyObjective, positive_samples
@@ -231,7 +233,7 @@ class Trainer:
         self.step_idx += 1
         self.last_samples = [
             {"prompt": batch.rows[i // batch.group_size]["prompt"], "completion": c, "reward": float(s)}
-            for i, (c, s) in enumerate(zip(batch.completions, batch.scores.scores))
+            for i, (c, s) in enumerate(zip(batch.completions, batch.returns))
         ]
         return metrics
 
@@ -247,12 +249,13 @@ class Trainer:
                 exp.values, exp.returns, exp.critic_mask, response_mask, pretraining=not exp.train_policy
             )
         )
-        metrics["reward/score"] = batch.scores.scores.mean().item()
-        metrics["reward/non_score"] = exp.non_score_rewards.mean().item()
+        metrics["reward/score"] = mean_value(batch.returns)
+        metrics["reward/non_score"] = mean_value(exp.non_score_rewards)
         metrics.update(
             batch_metrics(
                 sampled.scores,
                 sampled.rollout,
+                sample_returns=sampled.returns,
                 advantages=exp.advantages,
                 loss_mask=exp.loss_mask,
                 returns=exp.returns,
@@ -339,9 +342,11 @@ class Trainer:
         token_rewards = self.kl.token_rewards(
             scores, behaviour, ref_logprobs, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
         )
+        # The KL part: what the placement added to the scores (the turn rewards are not part of it).
+        non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
         if batch.episodes is not None:  # each turn's reward on its last action token
             token_rewards = token_rewards + batch.episodes.turn_rewards.to(token_rewards)
-        non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
+        shaped = token_rewards
         reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
         if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only
             token_rewards = masked_whiten(token_rewards, loss_mask, shift_mean=False, reduce=reduce)
@@ -357,11 +362,14 @@ class Trainer:
             )
         if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
             advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
+        check_finite_advantages(self.dist, self.config, batch.returns, shaped, advantages, loss_mask, values)
         cov_selected = (
             self.cov_selection(advantages, behaviour, loss_mask) if self.objective.token_selection else None
         )
-        positive = (
-            positive_samples(scores, batch.scores.valid, self.dist) if cfg.loss.positive_lm_coef else None
+        positive = (  # the samples with the highest return (an episode's turn rewards count)
+            positive_samples(batch.returns.to(self.device), batch.scores.valid, self.dist)
+            if cfg.loss.positive_lm_coef
+            else None
         )
         return Experience(
             rows=torch.arange(rollout.batch_size),

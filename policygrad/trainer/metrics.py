@@ -12,12 +12,13 @@ that maps a name to what a tracker accepts.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
 import torch
 
-from policygrad.core.diagnostics import explained_variance
+from policygrad.core.diagnostics import explained_variance, mean_value, std_value
 from policygrad.core.groups import zero_variance_group_fraction
 from policygrad.core.masking import masked_mean
 
@@ -27,25 +28,29 @@ __all__ = [
     "critic_metrics",
     "episode_metrics",
     "is_known_metric",
+    "mean_value",
     "mismatch_metrics",
     "tracker_metric_name",
 ]
 
 METRICS: dict[str, str] = {
     # rewards
-    "reward/mean": "mean sequence score (normalised, truncation policy applied) over rows scored",
-    "reward/std": "standard deviation of the sequence scores",
-    "reward/score": "mean sequence score, failed rows filled with their group's mean",
-    "reward/score_raw_mean": "mean weighted sum of the reward functions, before normalisation",
+    "reward/mean": "mean return (sequence score, normalised, truncation policy applied, plus an episode's "
+    "turn rewards) over the sampled rows scored",
+    "reward/std": "standard deviation of the sampled rows' returns",
+    "reward/score": "mean return of the rows trained on, failed rows filled with their group's mean return",
+    "reward/score_raw_mean": "mean raw return: the reward functions' weighted sum plus an environment's "
+    "final and turn rewards, before normalisation and the truncation policy",
     "reward/non_score": "mean over sequences of the KL part of the per-token reward (0 without a KL reward)",
     "reward/valid_frac": "fraction of rows that may carry loss (reward computed, not excluded as truncated)",
     "reward/invalid_frac": "fraction of rows on which a reward function failed (on_error=skip)",
-    "reward/zero_variance_group_frac": "fraction of sampled groups whose scores are all equal",
+    "reward/zero_variance_group_frac": "fraction of sampled groups whose returns are all equal",
     "reward_fn/<fn>/mean": "mean raw score of one reward function over the rows where it succeeded",
     "reward_fn/<fn>/invalid": "rows on which one reward function failed",
     # dynamic sampling
     "dynamic_sampling/groups_sampled": "groups generated this step, over all rounds",
-    "dynamic_sampling/groups_kept": "groups with signal in the filtered reward that the update trains on",
+    "dynamic_sampling/groups_kept": "groups with signal in dynamic_sampling.reward (with an environment: the "
+    "raw return) that the update trains on",
     "dynamic_sampling/rounds": "generation rounds this step (1 + extra rounds used to refill the batch)",
     # VinePPO's Monte-Carlo values (advantage estimator vineppo)
     "vineppo/extra_tokens": "tokens generated for the value rollouts this step, beyond the batch's",
@@ -128,7 +133,8 @@ METRICS: dict[str, str] = {
     "budget, context or error",
     "episode/action_tokens_mean": "mean tokens the policy wrote per episode (what the loss counts)",
     "episode/observation_tokens_mean": "mean environment tokens per episode (seen, never trained on)",
-    "env/turn_reward_mean": "mean over episodes of the sum of their turn rewards",
+    "env/turn_reward_mean": "mean over episodes of the sum of their turn rewards as trained (0 on rows left "
+    "out: failed, or cut under reward.truncation=penalty)",
     "env/final_reward_mean": "mean final reward over the episodes that did not fail",
     "env/failed_frac": (
         "fraction of episodes whose environment raised, timed out or died, after their retries "
@@ -238,33 +244,50 @@ def critic_metrics(values, returns, critic_mask, response_mask, *, pretraining: 
     ev = explained_variance(values, returns, critic_mask) if critic_mask.any() else float("nan")
     return {
         "critic/explained_variance": float(ev),
-        "critic/values_mean": masked_mean(values, response_mask).item(),
+        "critic/values_mean": _masked_mean_value(values, response_mask),
         "critic/pretraining": float(pretraining),
     }
 
 
-def batch_metrics(scores, rollout, *, advantages, loss_mask, returns, response_mask) -> dict[str, Any]:
+def batch_metrics(
+    scores, rollout, *, advantages, loss_mask, returns, response_mask, sample_returns=None
+) -> dict[str, Any]:
     """Reward, response-length, advantage and return statistics of a step.
 
     Args:
         scores: the sampled rows' :class:`~policygrad.rewards.scoring.Scores`.
         rollout: the sampled rows' rollout.
         advantages, loss_mask, returns, response_mask: [B, T] of the trained rows.
+        sample_returns: float32 [B], each sampled row's return as trained
+            (:attr:`~policygrad.trainer.stages.SampledBatch.returns`: the score plus an episode's
+            turn rewards), what the reward statistics are of; None: ``scores.scores``.
     """
-    s, failed = scores.scores, scores.failed
+    s = scores.scores if sample_returns is None else sample_returns
+    failed = scores.failed
     lengths = rollout.response_mask.sum(-1)
     return {
-        "reward/mean": s[~failed].mean().item() if (~failed).any() else float("nan"),
-        "reward/std": s.std().item() if s.numel() > 1 else 0.0,
-        "reward/score_raw_mean": scores.raw.mean().item(),
+        "reward/mean": mean_value(s[~failed]) if (~failed).any() else float("nan"),
+        "reward/std": std_value(s),
+        "reward/score_raw_mean": mean_value(scores.raw),
         "reward/valid_frac": scores.valid.float().mean().item(),
         "reward/zero_variance_group_frac": float(zero_variance_group_fraction(s, rollout.group_index)),
         "response/length_mean": lengths.mean().item(),
         "response/length_max": lengths.max().item(),
         "response/truncated_frac": rollout.truncated.float().mean().item(),
-        "advantages/mean": masked_mean(advantages, loss_mask).item() if loss_mask.any() else 0.0,
-        "returns/mean": masked_mean(returns, response_mask).item(),
+        "advantages/mean": _masked_mean_value(advantages, loss_mask) if loss_mask.any() else 0.0,
+        "returns/mean": _masked_mean_value(returns, response_mask),
     }
+
+
+def _masked_mean_value(values: torch.Tensor, mask: torch.Tensor) -> float:
+    """``masked_mean(values, mask)`` as a Python float, in float64 when float32's accumulation
+    overflowed on finite values (returns near float32's range), as :func:`mean_value`."""
+    out = masked_mean(values, mask).item()
+    if not math.isfinite(out):
+        chosen = values[mask > 0]
+        if chosen.numel() and bool(torch.isfinite(chosen).all()):
+            out = masked_mean(values.double(), mask.double()).item()
+    return out
 
 
 def metrics_markdown() -> str:
@@ -289,8 +312,8 @@ def episode_metrics(episodes, rollout) -> dict[str, float]:
         "episode/observation_tokens_mean": (
             observed.sum(-1).float().mean().item() if observed is not None else 0.0
         ),
-        "env/turn_reward_mean": episodes.turn_rewards.sum(-1).mean().item(),
-        "env/final_reward_mean": episodes.final_rewards[ok].mean().item() if ok.any() else float("nan"),
+        "env/turn_reward_mean": mean_value(episodes.turn_rewards.sum(-1)),
+        "env/final_reward_mean": mean_value(episodes.final_rewards[ok]) if ok.any() else float("nan"),
         "env/failed_frac": failed.float().mean().item(),
         "env/retries": float(episodes.retries),
         "env/close_errors": float(episodes.close_errors),

@@ -3,7 +3,8 @@ what the trainer's thread makes of it.
 
 - :func:`produce` (the **producer**): a step's prompts from the stream, G samples each from the
   engine (or G episodes with an environment), the reward functions' raw output, DAPO's dynamic
-  sampling rounds (decided on raw reward components), and the sampled part of the estimator's
+  sampling rounds (decided on a raw reward component, or with an environment on each sample's
+  raw return: :func:`signal_components`), and the sampled part of the estimator's
   inputs (ReMax's greedy responses, scored). It touches no collective and no trainer state but
   the prompt stream, so an asynchronous pipeline (:mod:`policygrad.trainer.pipeline`) may run
   it in a background thread while the trainer updates the policy.
@@ -27,6 +28,7 @@ from typing import Any
 import torch
 
 from policygrad.data.chat import encode_prompts
+from policygrad.envs.base import FLOAT32_MAX, STOP_REASONS
 from policygrad.envs.episodes import Episodes
 from policygrad.rewards.registry import RewardOutput
 from policygrad.rewards.scoring import EnvironmentScores
@@ -39,7 +41,16 @@ from policygrad.trainer.stages import (
     groups_with_signal,
 )
 
-__all__ = ["Production", "RawRound", "finish", "produce", "production_from_state", "production_state"]
+__all__ = [
+    "Production",
+    "RawRound",
+    "fail_overflowing_episodes",
+    "finish",
+    "produce",
+    "production_from_state",
+    "production_state",
+    "signal_components",
+]
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ def produce(trainer, step: int, version: int) -> Production:
     with the engine's current weights, which are policy version ``version``. With
     ``drop_zero_variance_groups`` (DAPO's dynamic sampling) more rounds of ``prompts_per_step``
     prompts are sampled, up to ``dynamic_sampling.max_extra_rounds``, until ``prompts_per_step``
-    groups whose ``dynamic_sampling.reward`` component varies are kept."""
+    groups whose ``dynamic_sampling.reward`` component (:func:`signal_components`) varies are kept."""
     cfg = trainer.config
     start = time.perf_counter()
     n = cfg.rollout.prompts_per_step
@@ -146,10 +157,10 @@ def produce(trainer, step: int, version: int) -> Production:
 
 
 def _kept(round_: RawRound, component: str) -> list[int]:
-    """The groups dynamic sampling keeps: those with signal on ``component``, none of whose
-    episodes failed (:func:`_whole_groups`)."""
+    """The groups dynamic sampling keeps: those with signal on ``component``
+    (:func:`signal_components`), none of whose episodes failed (:func:`_whole_groups`)."""
     varied = groups_with_signal(
-        round_.rewards.components, round_.rollout.group_index, len(round_.rows), round_.group_size, component
+        signal_components(round_), round_.rollout.group_index, len(round_.rows), round_.group_size, component
     )
     whole = _whole_groups(round_)
     return varied if whole is None else [i for i in varied if i in whole[0]]
@@ -164,6 +175,25 @@ def _whole_groups(round_: RawRound) -> list[list[int]] | None:
         return None
     failed = round_.episodes.failed.view(len(round_.rows), round_.group_size).any(-1)
     return [[i for i in range(len(round_.rows)) if not bool(failed[i])]]
+
+
+def signal_components(round_: RawRound) -> dict[str, torch.Tensor]:
+    """The raw values (float32 [B], NaN where they failed) dynamic sampling may decide on: each
+    reward function's component and, with an environment, ``env`` (the episode's final reward
+    plus its turn rewards) and ``return`` (``env`` plus the functions' weighted sum: everything
+    the sample earned), before normalisation and the truncation policy."""
+    out = round_.rewards
+    episodes = round_.episodes
+    if episodes is None:
+        return out.components
+    ok = ~episodes.failed
+    env = episodes.final_rewards + episodes.turn_rewards.sum(-1)
+    nan = torch.tensor(float("nan"))
+    return {
+        **out.components,
+        "env": torch.where(ok, env, nan),
+        "return": torch.where(ok & out.valid, out.rewards + env, nan),
+    }
 
 
 class _Chosen:
@@ -229,6 +259,7 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
     env = None
     episodes = raw.episodes
     if episodes is not None:
+        episodes = fail_overflowing_episodes(episodes, raw.rewards)
         failed = float(trainer.dist.total(episodes.failed.sum())) / max(
             trainer.dist.total(len(raw.completions)), 1
         )
@@ -239,18 +270,61 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
                 f"{trainer.config.env.name} after rollout.env_retries={r.env_retries} retries "
                 f"(rollout.env_error_budget={r.env_error_budget}); first error: {first}"
             )
+        returns = episodes.final_rewards + episodes.turn_rewards.sum(-1)  # raw: before the truncation policy
+        # Rows out of the loss carry no turn rewards: a failed one (its score is then filled so its
+        # return is the group's mean return) and, under ``penalty``, a cut one (its return is the penalty).
+        dropped = episodes.failed | ~raw.rewards.valid
         if trainer.scorer.truncation == "penalty":
+            dropped = dropped | episodes.truncated
+        if dropped.any():
             turn_rewards = episodes.turn_rewards.clone()
-            turn_rewards[episodes.truncated] = 0.0
+            turn_rewards[dropped] = 0.0
             episodes = dataclasses.replace(episodes, turn_rewards=turn_rewards)
         env = EnvironmentScores(
             final_rewards=episodes.final_rewards,
-            returns=episodes.final_rewards + episodes.turn_rewards.sum(-1),
+            returns=returns,
             failed=episodes.failed,
             fields={"transcript": episodes.transcripts},
+            turn_rewards=episodes.turn_rewards.sum(-1),
         )
     scores = trainer.scorer.finish(raw.rewards, raw.rollout.truncated, raw.rollout.group_index, env=env)
     return SampledBatch(raw.rows, raw.prompt_ids, raw.rollout, raw.completions, scores, episodes, version)
+
+
+def fail_overflowing_episodes(episodes: Episodes, rewards: RewardOutput) -> Episodes:
+    """``episodes`` with every episode whose rewards, each finite, sum beyond float32's range
+    failed (as one whose environment gave a non-finite reward: no loss, counted against
+    ``rollout.env_error_budget``, the message naming the rewards), so no return, reward-to-go or
+    group statistic of the step becomes infinite.
+
+    The sums checked, in float64, are those an estimator forms from a row's token rewards: every
+    partial sum of the turn rewards from the first token and to the last, with the end's rewards
+    (the final reward and the reward functions' weighted sum, ``rewards.rewards``, 0 where they
+    failed) on the last action token, and the end's rewards themselves. A turn reward of
+    ``float32`` infinity (two ``step()`` rewards on one token that overflowed) fails too.
+    """
+    turns = episodes.turn_rewards.double()
+    end = episodes.final_rewards.double() + rewards.rewards.double()
+    from_start = turns.cumsum(-1)
+    to_end = turns.flip(-1).cumsum(-1).flip(-1) + end[:, None]
+    partial = torch.cat([from_start, to_end, end[:, None]], dim=-1)
+    bad = ~(partial.abs() <= FLOAT32_MAX).all(-1) & ~episodes.failed
+    if not bad.any():
+        return episodes
+    failed, stop, final = episodes.failed.clone(), episodes.stop.clone(), episodes.final_rewards.clone()
+    errors = list(episodes.errors) if episodes.errors else [None] * len(failed)
+    for i in bad.nonzero().flatten().tolist():
+        worst = float(partial[i][partial[i].abs().nan_to_num(float("inf")).argmax()])
+        functions = float(rewards.rewards[i])
+        errors[i] = (
+            f"the episode's rewards, each finite, sum to {worst:g}, beyond float32's range (|x| <= 3.4e38): "
+            f"turn rewards summing to {float(turns[i].sum()):g}, "
+            f"final reward {float(episodes.final_rewards[i]):g}"
+            + (f", reward functions' weighted sum {functions:g}" if functions else "")
+            + "; scale the environment's rewards down"
+        )
+        failed[i], stop[i], final[i] = True, STOP_REASONS.index("error"), 0.0
+    return dataclasses.replace(episodes, failed=failed, stop=stop, final_rewards=final, errors=errors)
 
 
 def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch, dict[str, float], dict]:

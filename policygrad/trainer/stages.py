@@ -53,6 +53,16 @@ class SampledBatch:
         """G."""
         return self.rollout.group_size
 
+    @property
+    def returns(self) -> torch.Tensor:
+        """float32 [B], each sample's return as trained: its score (``scores.scores``: the reward
+        functions' weighted sum and an environment's final reward, normalised, through the
+        truncation policy, on the last action token) plus, with an environment, the sum of its
+        turn rewards (on their own tokens). Without an environment: ``scores.scores`` itself."""
+        if self.episodes is None:
+            return self.scores.scores
+        return self.scores.scores + self.episodes.turn_rewards.sum(-1).to(self.scores.scores)
+
     def select_groups(self, groups: Sequence[int]) -> SampledBatch:
         """The batch of the prompts ``groups`` (positions 0..n-1), renumbered 0..k-1."""
         G = self.group_size

@@ -11,6 +11,8 @@ from policygrad.core.advantages import estimate_advantages
 from policygrad.core.diagnostics import (
     explained_variance,
     group_index_from_size,
+    mean_value,
+    std_value,
     zero_variance_group_fraction,
 )
 
@@ -99,3 +101,18 @@ def test_zero_variance_group_fraction():
         zero_variance_group_fraction(rewards, torch.zeros(6))
     with pytest.raises(ValueError, match="rewards"):
         zero_variance_group_fraction(rewards[None, :], torch.zeros(1, 6, dtype=torch.long))
+
+
+def test_mean_and_std_of_rewards_near_float32s_range_are_finite():
+    big = torch.full((8,), 3e38)  # each finite in float32; their float32 sum is not
+    assert math.isinf(big.sum().item())
+    assert mean_value(big) == pytest.approx(3e38, rel=1e-7)  # float32(3e38) = 2.99999994e38
+    spread = torch.tensor([3e38, -3e38])
+    assert math.isinf(spread.std().item())
+    # sample std of [a, -a] is a * sqrt(2) = 4.2426e38, beyond float32 but a finite Python float
+    assert std_value(spread) == pytest.approx(3e38 * math.sqrt(2), rel=1e-7)
+    # otherwise exactly the tensor's own values, NaN and infinity included
+    small = torch.tensor([0.1, 0.2, 0.3])
+    assert mean_value(small) == small.mean().item() and std_value(small) == small.std().item()
+    assert math.isnan(mean_value(torch.tensor([]))) and std_value(torch.tensor([1.0])) == 0.0
+    assert math.isinf(mean_value(torch.tensor([float("inf"), 1.0])))

@@ -11,7 +11,7 @@ import torch
 
 from policygrad.rewards.normalize import RewardNormalizer
 from policygrad.rewards.registry import CompositeReward, RewardFunctionError, RewardOutput
-from policygrad.rewards.scoring import Scorer, Scores
+from policygrad.rewards.scoring import EnvironmentScores, Scorer, Scores
 from tests.rollout.test_base import _Collective
 
 pytestmark = pytest.mark.unit
@@ -91,6 +91,33 @@ def test_a_failed_row_gets_its_groups_mean_and_leaves_the_loss():
     assert out.metrics["reward_fn/length_but_not_zzz/invalid"] == 1.0
 
 
+def test_with_an_environment_a_failed_row_gets_its_groups_mean_return():
+    # One group of 4: the environment's final rewards 0, 1, 2, 0 and turn rewards 1, 0, 0, 5;
+    # row 3's episode failed (its turn rewards dropped by the trainer: 0 here). The reward
+    # functions: none (zeros). Returns of the present rows: 0+1, 1+0, 2+0 = 1, 1, 2: mean 4/3,
+    # which row 3's score is, so its return (score + 0) is its group's mean return.
+    env = EnvironmentScores(
+        final_rewards=torch.tensor([0.0, 1.0, 2.0, 0.0]),
+        returns=torch.tensor([1.0, 1.0, 2.0, 5.0]),
+        failed=torch.tensor([False, False, False, True]),
+        turn_rewards=torch.tensor([1.0, 0.0, 0.0, 0.0]),
+    )
+    s = Scorer(None, RewardNormalizer("none"))
+    out = s.finish(
+        s.raw(ROWS[:1], ["a"] * 4, repeat=4),
+        torch.zeros(4, dtype=torch.bool),
+        torch.zeros(4, dtype=torch.long),
+        env=env,
+    )
+    # the final rewards: the turn rewards stay on their tokens
+    assert out.scores[:3].tolist() == [0.0, 1.0, 2.0]
+    assert out.scores[3].item() == pytest.approx(4 / 3, abs=1e-7)
+    assert out.raw.tolist() == [1.0, 1.0, 2.0, 0.0]  # the raw return: final + turn rewards (0 failed)
+    assert out.failed.tolist() == [False, False, False, True]
+    env_component = out.components["env"]
+    assert env_component[:3].tolist() == [1.0, 1.0, 2.0] and math.isnan(env_component[3])
+
+
 def test_running_statistics_come_from_the_valid_rows_only():
     s = scorer(length_but_not_zzz, mode="running")
     out = s(ROWS, COMPLETIONS, NO_TRUNCATION, GROUPS, group_size=2)
@@ -151,6 +178,7 @@ def test_names_and_close():
 
 # Joined over batches (dynamic sampling) and over processes: every field, the reward metrics
 # recomputed from the joined rows.
+
 
 def _scores(B: int, start: int, failed_rows=()) -> Scores:
     raw = torch.arange(B, dtype=torch.float32) + start

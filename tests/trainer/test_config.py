@@ -471,6 +471,11 @@ def test_dynamic_sampling_defaults_and_components():
             "dynamic_sampling.reward='answer_correctness#2' is not a reward component",
         ),
         (["--dynamic_sampling.rounds=2"], "unknown config key dynamic_sampling.rounds"),
+        (  # an episode's return: only with an environment
+            ["--drop_zero_variance_groups=true", "--dynamic_sampling.reward=return"],
+            "dynamic_sampling.reward='return' is not a reward component; choose one of "
+            "['answer_correctness']",
+        ),
     ],
 )
 def test_dynamic_sampling_validation(overrides, fragment):
@@ -575,7 +580,10 @@ def test_reward_functions_default_depends_on_the_environment():
         ),
         (
             [ENV, "--drop_zero_variance_groups=true", "--dynamic_sampling.reward=answer_correctness"],
-            ["dynamic_sampling.reward='answer_correctness' is not a reward component; choose one of ['env']"],
+            [
+                "dynamic_sampling.reward='answer_correctness' is not a reward component; "
+                "choose one of ['env', 'return']"
+            ],
         ),
     ],
 )
@@ -595,10 +603,13 @@ def test_the_same_settings_are_accepted_with_an_environment():
 
 
 def test_dynamic_sampling_with_an_environment_defaults_to_its_return():
+    # the return: final + turn rewards + the functions' weighted sum (env alone when named)
     cfg = load_config(None, [ENV, "--drop_zero_variance_groups=true"])
-    assert cfg.dynamic_sampling_reward == "env"
+    assert cfg.dynamic_sampling_reward == "return"
     cfg = load_config(None, [ENV, "--drop_zero_variance_groups=true", "--reward.functions=[answer_format]"])
-    assert cfg.dynamic_sampling_reward == "env"  # the first component, before the functions
+    assert cfg.dynamic_sampling_reward == "return"
+    cfg = load_config(None, [ENV, "--drop_zero_variance_groups=true", "--dynamic_sampling.reward=env"])
+    assert cfg.dynamic_sampling_reward == "env"
     cfg = load_config(
         None,
         [

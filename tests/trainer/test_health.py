@@ -111,6 +111,22 @@ def test_each_cause_of_an_empty_step(metrics, start):
     assert why_nothing_trained(metrics, config()).startswith(start)
 
 
+def test_no_group_kept_names_what_dynamic_sampling_decided_on():
+    kept_none = {"dynamic_sampling/groups_kept": 0}
+    plain = why_nothing_trained(kept_none, config(drop_zero_variance_groups=True))
+    assert "dynamic_sampling.reward='answer_correctness'); check the reward functions" in plain
+    # with an environment: its rewards (turn rewards too) are in the return it decides on
+    env = {"env": {"name": "builtin:guess"}, "drop_zero_variance_groups": True}
+    rewards = "check the environment's rewards (env.name=builtin:guess)"
+    cause = why_nothing_trained(kept_none, config(**env))
+    assert f"dynamic_sampling.reward='return'); {rewards}" in cause
+    functions = {"functions": ["answer_format"]}
+    both = why_nothing_trained(kept_none, config(**env, reward=functions))
+    assert both.endswith(f"{rewards} and the reward functions")
+    named = config(**env, reward=functions, dynamic_sampling={"reward": "answer_format"})
+    assert why_nothing_trained(kept_none, named).endswith("check the reward function 'answer_format'")
+
+
 def test_every_completion_cut_under_truncation_exclude():
     cfg = config(reward={"truncation": "exclude"}, rollout={"max_new_tokens": 16})
     cause = why_nothing_trained({"response/truncated_frac": 1}, cfg)

@@ -1,8 +1,10 @@
 """The sample stage's two halves: a production round-trips through a ``weights_only`` checkpoint
-exactly, and dynamic sampling chooses the same groups from raw rounds as it did from scored ones."""
+exactly, dynamic sampling chooses the same groups from raw rounds as it did from scored ones (with
+episodes, from their raw returns), and episodes whose rewards sum beyond float32 fail."""
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -15,9 +17,12 @@ from policygrad.trainer.production import (
     Production,
     RawRound,
     _chosen_positions,
+    fail_overflowing_episodes,
     production_from_state,
     production_state,
+    signal_components,
 )
+from policygrad.trainer.stages import groups_with_signal
 
 pytestmark = pytest.mark.unit
 
@@ -101,3 +106,64 @@ def test_dynamic_sampling_takes_the_first_kept_groups_up_to_the_batch():
     assert _chosen_positions(rounds, [[0, 1], [0, 1, 2]]) == [(0, [0, 1]), (1, [0])]
     assert _chosen_positions(rounds, [[], []]) is None  # no group with signal
     assert _chosen_positions(rounds, None) is None  # no dynamic sampling
+
+
+def _episodes(turn_rewards, final_rewards, failed=None) -> Episodes:
+    B = len(final_rewards)
+    return Episodes(
+        turn_rewards=torch.tensor(turn_rewards, dtype=torch.float32),
+        final_rewards=torch.tensor(final_rewards, dtype=torch.float32),
+        stop=torch.zeros(B, dtype=torch.long),
+        turns=torch.ones(B, dtype=torch.long),
+        failed=torch.tensor(failed or [False] * B),
+        errors=[None] * B,
+    )
+
+
+def test_episodes_whose_finite_rewards_sum_beyond_float32_fail_naming_them():
+    big = 3e38  # float32 holds it (max 3.4028e38); twice it does not
+    episodes = _episodes(
+        [
+            [0.0, big],  # 0: turn 3e38 + final 3e38 = 6e38
+            [big, -big],  # 1: with final -3e38 the return is -3e38, but to the end from token 1: -6e38
+            [0.5, 0.25],  # 2: 0.75 + 1: fine
+            [0.0, 0.0],  # 3: the reward functions' 3e38 + final 3e38
+            [float("inf"), 0.0],  # 4: two step() rewards on one token that overflowed float32
+            [big, big],  # 5: already failed: left as it is
+        ],
+        [big, -big, 1.0, big, 0.0, 0.0],
+        failed=[False] * 5 + [True],
+    )
+    ones = torch.ones(6, dtype=torch.bool)
+    functions = RewardOutput(torch.tensor([0.0, 0.0, 0.0, big, 0.0, 0.0]), {}, ones)
+    out = fail_overflowing_episodes(episodes, functions)
+    assert out.failed.tolist() == [True, True, False, True, True, True]
+    assert out.stop_reasons[:5] == ["error", "error", "done", "error", "error"]
+    assert out.final_rewards.tolist() == [0.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # 0 on failed episodes
+    assert out.errors[0] == (
+        "the episode's rewards, each finite, sum to 6e+38, beyond float32's range (|x| <= 3.4e38): "
+        "turn rewards summing to 3e+38, final reward 3e+38; scale the environment's rewards down"
+    )
+    assert "reward functions' weighted sum 3e+38" in out.errors[3] and "sum to 6e+38" in out.errors[3]
+    assert "sum to -6e+38" in out.errors[1] and "sum to inf" in out.errors[4]
+    assert out.errors[2] is None and out.errors[5] is None
+    fine = _episodes([[0.5, 0.25]], [1.0])
+    assert fail_overflowing_episodes(fine, RewardOutput(torch.zeros(1), {}, ones[:1])) is fine
+
+
+def test_signal_components_of_episodes_are_their_raw_returns():
+    # 2 groups of 2. Final rewards 1, 1 | 0, 0; turn rewards 0, 0.5 | 0, 0; the function 0, 0 | 1, 0;
+    # episode 3 failed. env = final + turns: 1, 1.5 | 0, NaN; return = env + function: 1, 1.5 | 1, NaN.
+    round_ = _round(2, 2, 2, True)
+    episodes = _episodes([[0.0, 0.0], [0.0, 0.5], [0.0, 0.0], [0.0, 0.0]], [1.0, 1.0, 0.0, 0.0])
+    episodes.failed[3] = True
+    f = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    rewards = RewardOutput(f, {"f": f}, torch.ones(4, dtype=torch.bool))
+    round_ = RawRound(round_.rows, round_.prompt_ids, round_.rollout, round_.completions, rewards, episodes)
+    values = {k: v.tolist() for k, v in signal_components(round_).items()}
+    assert values["f"] == [0.0, 0.0, 1.0, 0.0]
+    assert values["env"][:3] == [1.0, 1.5, 0.0] and math.isnan(values["env"][3])
+    assert values["return"][:3] == [1.0, 1.5, 1.0] and math.isnan(values["return"][3])
+    # dynamic sampling on the return keeps group 0 only (group 1: a single present row decides nothing)
+    assert groups_with_signal(signal_components(round_), round_.rollout.group_index, 2, 2, "return") == [0]
+    assert groups_with_signal(signal_components(round_), round_.rollout.group_index, 2, 2, "f") == [1]
