@@ -13,7 +13,6 @@ a 2-core machine); the 1-process runs happen in the test process."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import socket
 import subprocess
@@ -32,6 +31,7 @@ from policygrad.trainer.distributed import Dist
 from policygrad.trainer.sharding import full_state_dict, local_bytes
 from policygrad.trainer.strategy import make_strategy
 from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
+from tests.trainer.tolerances import VOLATILE, assert_same_metrics, recording_conditioning
 
 pytestmark = pytest.mark.integration
 
@@ -73,8 +73,6 @@ CASES = {
         "optim": {"lr": 2e-4},  # as ppo's: at 1e-3 fsdp's float noise reached 1.3e-5 by step 2
     },
 }
-# Metrics compared between the runs: all but wall-clock, throughput and memory readings.
-VOLATILE = ("time/", "perf/", "memory/", "async/queue", "async/overlap")  # the last two: timing
 
 
 def case_config(name: str, model_dir: str, rewards_py: str, out_dir, strategy: str = "ddp", **extra):
@@ -97,18 +95,22 @@ def full_weights(trainer) -> dict[str, torch.Tensor]:
 
 
 def run_case(cfg) -> dict:
+    """The run's metrics of every step (volatile keys left out), each step's batch conditioning
+    (tests/trainer/tolerances.py), final whole weights and the bytes of training state held."""
     run = Run(cfg)
     try:
-        metrics = [
-            {k: v for k, v in run.trainer.step().items() if not k.startswith(VOLATILE)} for _ in range(STEPS)
-        ]
+        with recording_conditioning() as conds:
+            metrics = [
+                {k: v for k, v in run.trainer.step().items() if not k.startswith(VOLATILE)}
+                for _ in range(STEPS)
+            ]
         held = local_bytes(run.trainer.policy, run.trainer.optimizer)
-        return {"metrics": metrics, "weights": full_weights(run), "bytes": sum(held.values())}
+        return {"metrics": metrics, "conds": conds, "weights": full_weights(run), "bytes": sum(held.values())}
     finally:
         run.close()
 
 
-RESUMED = "grpo"  # across world sizes: the KL loss and AdamW state, compared to 1e-5
+RESUMED = "grpo"  # across world sizes: the KL loss and AdamW state (metrics to their bounds)
 
 
 def resume_config(model_dir: str, rewards_py: str, out_dir, steps: int, strategy: str = "fsdp"):
@@ -117,10 +119,13 @@ def resume_config(model_dir: str, rewards_py: str, out_dir, steps: int, strategy
     return case_config(RESUMED, model_dir, rewards_py, out_dir, strategy, steps=steps, optim={"lr": 2e-4})
 
 
-def train(cfg, resume_from=None) -> None:
+def train(cfg, resume_from=None) -> list[dict]:
+    """Trains ``cfg``; returns the conditioning of each step's batch (tests/trainer/tolerances.py)."""
     run = Run(cfg, resume_from=resume_from)
     try:
-        run.train()
+        with recording_conditioning() as conds:
+            run.train()
+        return conds
     finally:
         run.close()
 
@@ -211,81 +216,6 @@ def one_rank_runs(eos_model_dir, rewards_py, tmp_path_factory):
     return {name: run_case(case_config(name, eos_model_dir, rewards_py, out / name)) for name in CASES}
 
 
-def close(a, b, rel: float = 1e-5, floor: float = 1e-7) -> bool:
-    """``a`` and ``b`` agree to ``rel`` relative (``floor`` absolute for values near 0, e.g. a
-    policy loss that is 0 up to rounding at ratio 1); NaN equals NaN, None equals None."""
-    if a is None or b is None:
-        return a is b
-    a, b = float(a), float(b)
-    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
-        return True
-    return abs(a - b) <= rel * max(abs(a), abs(b)) + floor
-
-
-# How far apart the two runs' metrics may be. The runs differ only in the order of float32 sums
-# (a rank's partial sums, then the all-reduce): a sum of N terms of magnitude M carries about
-# sqrt(N) * M * 6e-8 (N ~ 500 tokens here: ~1.3e-6 relative), and two AdamW steps carry that into
-# the weights and every later forward. REL = 1e-5 bounds a plain reduced quantity (a mean, a
-# norm, a loss) after those steps. A quantity computed from reduced ones gets REL times its
-# condition number (how much it magnifies relative errors of its inputs):
-REL = 1e-5
-
-
-def vf_loss_rel(row: dict) -> float:
-    """critic/vf_loss = mean(0.5 * (V - R)^2). The residual V - R of values |V| ~ values_mean
-    cancels: its relative error is REL * (|V| + |V - R|) / |V - R| with |V - R| ~
-    sqrt(2 vf_loss), and the square doubles it (step 1 of the ppo case: values ~0.031, residuals
-    ~0.078: 2.8e-5; the runs differ by 8.8e-6)."""
-    residual = math.sqrt(max(2 * float(row["critic/vf_loss"]), 1e-30))
-    return 2 * REL * (1 + abs(float(row["critic/values_mean"])) / residual)
-
-
-def explained_variance_abs(row: dict) -> float:
-    """critic/explained_variance = 1 - Var(R - V) / Var(R): the ratio q = 1 - EV carries the
-    relative error of its numerator (the residual's, as vf_loss) plus its denominator's (REL), so
-    EV may differ by |1 - EV| times their sum (1.72 x 3.8e-5 at step 1 of the ppo case, where
-    the runs differ by 7.6e-6); a plain relative tolerance on EV fails as EV nears 0."""
-    return abs(1 - float(row["critic/explained_variance"])) * (vf_loss_rel(row) + REL)
-
-
-def assert_same_metrics(rows1: list[dict], rows2: list[dict]) -> None:
-    assert len(rows1) == len(rows2)
-    for step, (m1, m2) in enumerate(zip(rows1, rows2)):
-        assert m1.keys() == m2.keys()
-        # mismatch/* measure float noise between the sampler's and the trainer's forwards (~1e-6,
-        # its max over tokens up to ~2e-5), whose padding differs with the batch split: compared to
-        # 5e-5 absolute instead. So is the
-        # KL of the unchanged policy at step 0 (~5e-7, against the reference), the mean of whitened
-        # advantages and the policy loss at ratio 1 (both 0 up to float32 rounding of ~30-token
-        # sums, ~2e-7): 1e-6 absolute.
-        # async/behaviour_kl is the same kind of gap (sampler minus trainer log-probs): as mismatch/*.
-        floors = {
-            "mismatch/": 5e-5,
-            "async/behaviour_kl": 5e-5,
-            "kl/ref": 1e-6,
-            "advantages/mean": 1e-6,
-            "policy/loss": 1e-6,
-        }
-        # The extreme ratios exp(logp - old_logp) of single tokens carry the log-probs' absolute
-        # float noise (~1e-5 by step 3 of a resumed run) undamped by any mean: 3e-5 relative.
-        rel = {"policy/ratio_max": 3e-5, "policy/ratio_min": 3e-5}
-        if "critic/vf_loss" in m1:
-            rel["critic/vf_loss"] = vf_loss_rel(m1)
-            floors["critic/explained_variance"] = explained_variance_abs(m1)
-            rel["critic/explained_variance"] = 0.0
-        differ = {
-            k: (m1[k], m2[k])
-            for k in m1
-            if not close(
-                m1[k],
-                m2[k],
-                rel=rel.get(k, REL),
-                floor=next((f for p, f in floors.items() if k.startswith(p)), 1e-7),
-            )
-        }
-        assert not differ, f"step {step}: {differ}"
-
-
 def assert_same_weights(w1: dict, w2: dict) -> None:
     assert w1.keys() == w2.keys()
     for key, a in w1.items():
@@ -306,7 +236,7 @@ def test_two_ranks_equal_one_rank(name, strategy, two_rank_runs, one_rank_runs, 
             assert m1["policy/positive_frac"] > 0 and "entropy/mean" in m1
         if name == "ppo":
             assert "critic/vf_loss" in m1 and m1["optim/steps"] == 4  # 2 epochs x 2 minibatches
-    assert_same_metrics(one["metrics"], two["metrics"])
+    assert_same_metrics(one["metrics"], two["metrics"], one["conds"])
     assert_same_weights(one["weights"], two["weights"])
     assert not all(torch.equal(one["weights"][k], w) for k, w in run_case_initial(eos_model_dir).items())
 
@@ -326,9 +256,10 @@ def _rows(run_dir) -> list[dict]:
 def test_runs_resume_across_world_sizes(two_rank_runs, eos_model_dir, rewards_py, tmp_path):
     """2 FSDP ranks for 2 steps, then 1 process for 2 more; and 1 process for 2 steps, then 2 FSDP
     ranks for 2 more: both equal 4 straight steps in one process (metrics of every step, and the
-    weights of the step-4 checkpoint, to 1e-5)."""
+    weights of the step-4 checkpoint: metrics to tests/trainer/tolerances.py's bounds, weights to
+    1e-5 in norm)."""
     straight = tmp_path / "straight"
-    train(resume_config(eos_model_dir, rewards_py, straight, 4, "ddp"))
+    conds = train(resume_config(eos_model_dir, rewards_py, straight, 4, "ddp"))
     two_then_one = os.path.join(two_rank_runs["out"], "two_then_one")
     sharded = os.path.join(two_then_one, "checkpoints", "step_2", "sharded")
     assert os.path.isfile(os.path.join(sharded, ".metadata"))  # written by torch.distributed.checkpoint
@@ -336,7 +267,7 @@ def test_runs_resume_across_world_sizes(two_rank_runs, eos_model_dir, rewards_py
     for resumed in (two_then_one, two_rank_runs["one_run"]):
         rows = _rows(resumed)
         assert [r["step"] for r in rows] == [1, 2, 3, 4]
-        assert_same_metrics(_rows(straight), rows)
+        assert_same_metrics(_rows(straight), rows, conds)
         assert_same_weights(checkpoint_weights(straight, 4), checkpoint_weights(resumed, 4))
 
 
@@ -441,7 +372,7 @@ def test_a_reward_error_on_rank_1_ends_every_rank_once(eos_model_dir, rewards_py
 def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir, rewards_py, tmp_path):
     """The conftest's tiny run with no sampling option (per-prompt seeds by default) trains the
     same samples in one process and in 2 torchrun processes: every step's metrics (but wall-clock,
-    throughput and memory) and the final checkpoint's weights agree to 1e-5, as the cases above.
+    throughput and memory) and the final checkpoint's weights agree as in the cases above.
     length_fraction scores the samples (digit_fraction gives a tiny random model's groups equal
     rewards, and a run that applies no update fails)."""
     trees = {}
@@ -453,14 +384,14 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
         tree["model"]["precision"] = "fp32"
         trees[name] = tree
     assert "per_prompt_seeds" not in trees["two"]["rollout"]
-    train(load_config(None, trees["one"]))
+    conds = train(load_config(None, trees["one"]))
     config = tmp_path / "two.yaml"
     config.write_text(yaml.safe_dump(trees["two"]))
     done = torchrun_train(config)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
     one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
     assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
-    assert_same_metrics(one, two)
+    assert_same_metrics(one, two, conds)
     steps = trees["one"]["steps"]
     assert_same_weights(
         checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps)
