@@ -324,6 +324,9 @@ PLAIN = (
     "env/turn_reward_mean",
     "env/final_reward_mean",
     "env/failed_frac",
+    "env/retries",  # counts: exact in either run, the plain bound holds
+    "env/groups_dropped",
+    "env/close_errors",
     "env/<info>",
 )
 # Every metric name of METRICS (and "step"): a bound function, or None for the volatile ones,
