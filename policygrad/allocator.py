@@ -99,14 +99,15 @@ def preloaded_allocator(
 
 
 def plan_preload(
-    env: Mapping[str, str], platform: str, find: Callable[[str], str | None] = find_library
+    env: Mapping[str, str], platform: str, find: Callable[[str], str | None] | None = None
 ) -> str | None:
     """What the command should do about its allocator.
 
     Args:
         env: the process environment.
         platform: ``sys.platform`` (only ``linux`` preloads).
-        find: allocator name -> library path or None (:func:`find_library`).
+        find: allocator name -> library path or None (default :func:`find_library`, looked up
+            when called, so the machine's libraries are read then).
 
     Returns:
         The library to preload and re-execute with; None: run as is.
@@ -129,6 +130,7 @@ def plan_preload(
                 f"{ENV}={choice} but LD_PRELOAD already loads {kind} ({path}); remove one of the two"
             )
         return None
+    find = find or find_library
     names = ("tcmalloc", "jemalloc") if choice == "auto" else (choice,)
     for name in names:
         path = find(name)

@@ -546,7 +546,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_DATASET})",
     )
     p.add_argument("--dataset-config", default=None, help="the Hub dataset's config (openai/gsm8k: main)")
-    p.add_argument("--split", default="test", help="split of a Hub dataset or dataset folder (default test)")
+    p.add_argument("--split", default=None, help="split of a Hub dataset or dataset folder (default test)")
     p.add_argument("--difficulty", default="medium", help="difficulty of builtin:arithmetic / builtin:code")
     p.add_argument("--prompt-field", default=None)
     p.add_argument("--answer-field", default=None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "CheckpointSaveError", "TrainingError", "fsdp_lora_refusal"]
+__all__ = ["CheckpointError", "CheckpointSaveError", "TrainingError"]  # and the message fsdp_lora_refusal
 
 
 def fsdp_lora_refusal(*, strategy: str, lora: str, ddp: str) -> str:

@@ -67,7 +67,8 @@ def prepare_config(
     """
     # Absolute from the start: code that changes the working directory during the run (a reward
     # function run in-process, an environment, a callback) cannot move where it writes.
-    config = dataclasses.replace(config, output_dir=os.path.abspath(config.output_dir))
+    if not os.path.isabs(config.output_dir):
+        config = dataclasses.replace(config, output_dir=os.path.abspath(config.output_dir))
     if model is not None:
         config = record_model_object(config, model)
     reward_objects = None
