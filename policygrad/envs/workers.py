@@ -59,7 +59,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from policygrad.envs.base import StepResult
-from policygrad.rewards.isolation import _context, _main_module_hidden
+from policygrad.rewards.isolation import main_module_hidden, worker_context
 
 __all__ = ["InProcessHost", "ProcessHost", "call_all", "copy_row", "env_call", "make_host", "one_line"]
 
@@ -252,7 +252,7 @@ class _Worker:
         self.process = ctx.Process(
             target=_serve, args=(child, payload), name="policygrad-env-worker", daemon=True
         )
-        with _main_module_hidden():
+        with main_module_hidden():
             self.process.start()
         child.close()
         self.conn = parent
@@ -404,7 +404,7 @@ class ProcessHost:
         self.lost: dict[int, str] = {}  # handle -> why its environment is gone
         self._hosted: list[set[int]] = [set() for _ in self.slots]
         self._next = 0
-        self._ctx = _context()
+        self._ctx = worker_context()
         # At the latest when the host is collected or the interpreter exits (a script that never
         # closed its run): the workers and what they forked, which PR_SET_PDEATHSIG would not reach.
         weakref.finalize(self, _stop_all, self.slots)

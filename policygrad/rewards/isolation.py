@@ -83,6 +83,8 @@ __all__ = [
     "copy_inputs",
     "isolate_reward_functions",
     "is_user_reward",
+    "main_module_hidden",
+    "worker_context",
 ]
 
 log = logging.getLogger("policygrad")
@@ -315,9 +317,10 @@ def _serve(conn) -> None:
         conn.send_bytes(data)
 
 
-def _context():
-    """forkserver (a clean server process that forks workers with this module, and torch,
-    already imported: a restarted worker is ready in milliseconds), else spawn."""
+def worker_context():
+    """The start method of the reward and environment workers: forkserver (a clean server
+    process that forks workers with this module, and torch, already imported: a restarted
+    worker is ready in milliseconds), else spawn."""
     try:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload([__name__])
@@ -327,7 +330,7 @@ def _context():
 
 
 @contextlib.contextmanager
-def _main_module_hidden():
+def main_module_hidden():
     """While a worker starts, hide the ``__main__`` module from multiprocessing: a spawned or
     forkserver child would otherwise run the user's script again (a training script without an
     ``if __name__ == "__main__":`` guard would start a second run inside the worker). The worker
@@ -369,10 +372,10 @@ class RewardWorker:
 
     def _start(self) -> None:
         self._sent = set()
-        ctx = _context()
+        ctx = worker_context()
         parent, child = ctx.Pipe(duplex=True)
         process = ctx.Process(target=_serve, args=(child,), name="policygrad-reward-worker", daemon=True)
-        with _main_module_hidden():
+        with main_module_hidden():
             process.start()
         child.close()
         self._process, self._conn = process, parent
