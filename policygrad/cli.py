@@ -342,7 +342,7 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
     except (ValueError, TypeError, OSError) as exc:
         raise ValueError(f"--env: {str(exc).replace('env.name', '--env')}") from None
     try:
-        environment_factory(name, options)
+        environment_factory(name, options, isolation=True)  # eval's episodes run in worker processes too
     except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
         text = str(exc).strip().replace("\n", " ")
         # Only the options' own errors are fixed by other options; a missing class, a file that

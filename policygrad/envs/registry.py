@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from policygrad.envs.base import Environment
+from policygrad.envs.workers import probe_in_worker
 
 __all__ = ["BUILTIN_ENVIRONMENTS", "EnvironmentFactory", "check_environment_spec", "environment_factory"]
 
@@ -173,13 +174,19 @@ def _factory_of_spec(spec: str, options: dict[str, Any]) -> EnvironmentFactory:
     return EnvironmentFactory(spec, _load(spec), options)
 
 
-def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> EnvironmentFactory:
+def environment_factory(
+    spec: Any, options: Mapping[str, Any] | None = None, *, isolation: bool = False
+) -> EnvironmentFactory:
     """A function of no arguments that builds a fresh environment for one episode
     (:class:`EnvironmentFactory`).
 
     Args:
         spec: see the module docstring.
         options: keyword arguments of the class or factory (``env.options``).
+        isolation: build the check's environment in a worker process of its own
+            (:func:`~policygrad.envs.workers.probe_in_worker`; ``rollout.env_isolation``), so its
+            ``os._exit``, crash or ``chdir`` cannot end or move the caller; else (or when it
+            cannot be sent to a worker) in this process.
 
     Raises:
         ValueError / FileNotFoundError / TypeError: as :func:`check_environment_spec`; a spec
@@ -193,6 +200,8 @@ def environment_factory(spec: Any, options: Mapping[str, Any] | None = None) -> 
     make = EnvironmentFactory(spec, target, dict(options or {}))
 
     shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
+    if isolation and probe_in_worker(make, shown):
+        return make
     try:
         probe = make()
     except NotAnEnvironment:

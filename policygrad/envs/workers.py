@@ -61,7 +61,16 @@ from typing import Any
 from policygrad.envs.base import StepResult
 from policygrad.rewards.isolation import main_module_hidden, worker_context
 
-__all__ = ["InProcessHost", "ProcessHost", "call_all", "copy_row", "env_call", "make_host", "one_line"]
+__all__ = [
+    "InProcessHost",
+    "ProcessHost",
+    "call_all",
+    "copy_row",
+    "env_call",
+    "make_host",
+    "one_line",
+    "probe_in_worker",
+]
 
 log = logging.getLogger("policygrad")
 
@@ -563,6 +572,51 @@ def _unsendable(make_env: Any) -> str | None:
     if getattr(owner, "__module__", None) == "__main__":
         return "it is defined in __main__ (a script or a notebook), which a worker process cannot import"
     return None
+
+
+def probe_in_worker(make_env: Callable[[], Any], name: str) -> bool:
+    """Build one environment with ``make_env`` and close it in a worker process of its own, so
+    that a constructor's typo shows at start while its ``os._exit``, crash or ``chdir`` stay out
+    of the trainer's process. Returns False, having run nothing, when ``make_env`` cannot be sent
+    to a worker or a worker cannot load it (the caller probes in its own process, as the run
+    will host it there).
+
+    Raises:
+        ValueError: the class refused its options (``env.options do not fit ...``), the
+            constructor or ``close()`` failed, or building or loading ended the worker process.
+        NotAnEnvironment: what ``make_env`` built has no ``reset()``/``step()``.
+    """
+    if _unsendable(make_env) is not None:
+        return False
+    try:
+        blob = pickle.dumps(make_env)
+    except Exception:  # noqa: BLE001 - whatever pickle raises: it cannot be sent
+        return False
+    payload = pickle.dumps((dict(os.environ), list(sys.path), os.getcwd(), blob))
+    host = ProcessHost(payload, workers=1, timeout_s=START_TIMEOUT_S)
+    try:
+        failed = host.start([0]).get(0)
+        if failed is not None:
+            if "ended it" in failed:
+                raise ValueError(f"env.name {name}: {failed}")
+            return False
+        (handle,) = host.new_handles(1)
+        ((ok, value),) = host.call([(handle, "make", ())])
+        if not ok:
+            kind, _, message = str(value).partition(": ")
+            if kind == "NotAnEnvironment":
+                from policygrad.envs.registry import NotAnEnvironment  # the registry imports this module
+
+                raise NotAnEnvironment(message)
+            if kind in ("TypeError", "ValueError"):  # the class refused the options (a name, a value)
+                raise ValueError(f"env.options do not fit {name}: {message}")
+            raise ValueError(f"env.name {name} could not be built: {value}")
+        ((ok, value),) = host.call([(handle, "close", ())])
+        if not ok:
+            raise ValueError(f"env.name {name}: close() failed: {value}")
+        return True
+    finally:
+        host.close()
 
 
 def make_host(

@@ -148,7 +148,9 @@ def build_environment(cfg: TrainConfig, engine, tokenizer, policy, *, environmen
         isolation=r.env_isolation,
     )
     return EpisodeRunner(
-        environment_factory(environment if environment is not None else cfg.env.name, cfg.env.options),
+        environment_factory(
+            cfg.env.name if environment is None else environment, cfg.env.options, isolation=r.env_isolation
+        ),
         engine,
         tokenizer,
         limits,

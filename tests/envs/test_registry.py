@@ -5,6 +5,8 @@ a fresh environment per call."""
 # ruff: noqa: ARG002 - environments take the protocol's arguments
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from policygrad.envs import Environment, StepResult
@@ -240,3 +242,44 @@ def test_a_constructor_or_close_that_raises_is_one_line_at_start():
         environment_factory(BuildFails)
     with pytest.raises(ValueError, match=r"^env\.name CloseFails: close\(\) failed: RuntimeError: close"):
         environment_factory(CloseFails)
+
+
+class ExitsWhenBuilt(Environment):
+    def __init__(self):
+        os._exit(0)
+
+    def reset(self, row, *, seed):  # noqa: ARG002
+        return [{"role": "user", "content": "x"}]
+
+    def step(self, action):  # noqa: ARG002
+        return None
+
+
+class MovesWhenBuilt(CloseFails):
+    def __init__(self):
+        os.chdir("/")
+
+    def close(self):
+        return None
+
+
+def test_the_isolated_probe_runs_in_a_worker_and_says_what_the_in_process_one_says():
+    """With isolation the start-up check builds its environment in a worker process: an
+    ``os._exit`` there is named (in this process it would end the caller with status 0 and no
+    line), a ``chdir`` stays there, and every refusal reads as the in-process check's."""
+    with pytest.raises(ValueError, match=r"^env\.name ExitsWhenBuilt could not be built: .*exit status 0"):
+        environment_factory(ExitsWhenBuilt, isolation=True)
+    here = os.getcwd()
+    environment_factory(MovesWhenBuilt, isolation=True)
+    assert os.getcwd() == here
+    Counted.built = 0
+    environment_factory(Counted, {"size": 4}, isolation=True)
+    assert Counted.built == 0  # built in the worker, not here
+    with pytest.raises(ValueError, match=r"^env\.options do not fit builtin:guess: .*hihg"):
+        environment_factory("builtin:guess", {"hihg": 7}, isolation=True)
+    with pytest.raises(ValueError, match=r"^env\.name BuildFails could not be built: RuntimeError: ctor"):
+        environment_factory(BuildFails, isolation=True)
+    with pytest.raises(ValueError, match=r"^env\.name CloseFails: close\(\) failed: RuntimeError: close"):
+        environment_factory(CloseFails, isolation=True)
+    with pytest.raises(TypeError, match="built a dict, which has no reset"):
+        environment_factory(make_a_dict, {"size": 1}, isolation=True)
