@@ -175,7 +175,11 @@ def _factory_of_spec(spec: str, options: dict[str, Any]) -> EnvironmentFactory:
 
 
 def environment_factory(
-    spec: Any, options: Mapping[str, Any] | None = None, *, isolation: bool = False
+    spec: Any,
+    options: Mapping[str, Any] | None = None,
+    *,
+    isolation: bool = False,
+    timeout_s: float | None = None,
 ) -> EnvironmentFactory:
     """A function of no arguments that builds a fresh environment for one episode
     (:class:`EnvironmentFactory`).
@@ -187,6 +191,8 @@ def environment_factory(
             (:func:`~policygrad.envs.workers.probe_in_worker`; ``rollout.env_isolation``), so its
             ``os._exit``, crash or ``chdir`` cannot end or move the caller; else (or when it
             cannot be sent to a worker) in this process.
+        timeout_s: with ``isolation``, the most seconds the check's build and ``close()`` may
+            each take (``rollout.env_step_timeout_s``; None: 120 s).
 
     Raises:
         ValueError / FileNotFoundError / TypeError: as :func:`check_environment_spec`; a spec
@@ -200,7 +206,7 @@ def environment_factory(
     make = EnvironmentFactory(spec, target, dict(options or {}))
 
     shown = spec if isinstance(spec, str) else getattr(spec, "__name__", repr(spec))
-    if isolation and probe_in_worker(make, shown):
+    if isolation and probe_in_worker(make, shown, timeout_s):
         return make
     try:
         probe = make()

@@ -574,12 +574,14 @@ def _unsendable(make_env: Any) -> str | None:
     return None
 
 
-def probe_in_worker(make_env: Callable[[], Any], name: str) -> bool:
+def probe_in_worker(make_env: Callable[[], Any], name: str, timeout_s: float | None = None) -> bool:
     """Build one environment with ``make_env`` and close it in a worker process of its own, so
     that a constructor's typo shows at start while its ``os._exit``, crash or ``chdir`` stay out
     of the trainer's process. Returns False, having run nothing, when ``make_env`` cannot be sent
     to a worker or a worker cannot load it (the caller probes in its own process, as the run
-    will host it there).
+    will host it there). Building and closing are each bounded by ``timeout_s``
+    (``rollout.env_step_timeout_s``; None: :data:`START_TIMEOUT_S`), past which the worker is
+    killed and the check fails.
 
     Raises:
         ValueError: the class refused its options (``env.options do not fit ...``), the
@@ -593,7 +595,7 @@ def probe_in_worker(make_env: Callable[[], Any], name: str) -> bool:
     except Exception:  # noqa: BLE001 - whatever pickle raises: it cannot be sent
         return False
     payload = pickle.dumps((dict(os.environ), list(sys.path), os.getcwd(), blob))
-    host = ProcessHost(payload, workers=1, timeout_s=START_TIMEOUT_S)
+    host = ProcessHost(payload, workers=1, timeout_s=START_TIMEOUT_S if timeout_s is None else timeout_s)
     try:
         failed = host.start([0]).get(0)
         if failed is not None:

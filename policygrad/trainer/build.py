@@ -149,7 +149,10 @@ def build_environment(cfg: TrainConfig, engine, tokenizer, policy, *, environmen
     )
     return EpisodeRunner(
         environment_factory(
-            cfg.env.name if environment is None else environment, cfg.env.options, isolation=r.env_isolation
+            cfg.env.name if environment is None else environment,
+            cfg.env.options,
+            isolation=r.env_isolation,
+            timeout_s=r.env_step_timeout_s,
         ),
         engine,
         tokenizer,

@@ -6,6 +6,7 @@ a fresh environment per call."""
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -283,3 +284,15 @@ def test_the_isolated_probe_runs_in_a_worker_and_says_what_the_in_process_one_sa
         environment_factory(CloseFails, isolation=True)
     with pytest.raises(TypeError, match="built a dict, which has no reset"):
         environment_factory(make_a_dict, {"size": 1}, isolation=True)
+
+
+class HangsWhenBuilt(CloseFails):
+    def __init__(self):
+        time.sleep(600)
+
+
+def test_the_isolated_probe_of_a_constructor_that_hangs_ends_within_the_step_timeout():
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^env\.name HangsWhenBuilt could not be built: .*timed out after 1 s"):
+        environment_factory(HangsWhenBuilt, isolation=True, timeout_s=1.0)
+    assert time.monotonic() - start < 60  # 1 s, the worker's start, and its kill
