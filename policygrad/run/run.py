@@ -23,7 +23,13 @@ from policygrad.rewards.code import TaskReward
 from policygrad.run import stops
 from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
 from policygrad.trainer import rundir
-from policygrad.trainer.checkpoint import checkpoint_path, prune_checkpoints, save_checkpoint
+from policygrad.trainer.checkpoint import (
+    check_room_for_checkpoint,
+    checkpoint_bytes,
+    checkpoint_path,
+    prune_checkpoints,
+    save_checkpoint,
+)
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.distributed import Dist, NullLogger
 from policygrad.trainer.episode_eval import evaluate_episodes
@@ -146,6 +152,13 @@ class Run:
             self.trainer.policy, f"model.name={cfg.model.name!r}" if resume is None else resume.checkpoint
         )
         check_prompts(self.trainer, self.eval_rows)
+        if self.dist.is_main:  # before the first step: a disk that cannot hold a checkpoint loses them all
+            try:
+                needed = checkpoint_bytes(self.trainer.policy, self.trainer.critic)
+                check_room_for_checkpoint(cfg.output_dir, needed)
+            except BaseException:
+                self.close()
+                raise
         # 3. Take the run directory: lock it, then write (or, on resume, update) the run's files.
         try:
             taken = take_run_dir(

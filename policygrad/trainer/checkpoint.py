@@ -39,13 +39,15 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from policygrad.trainer.errors import CheckpointError, CheckpointSaveError
+from policygrad.models.adapters import is_peft_model
+from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.trainer.rundir import atomic_write_text, fsync_dir
 from policygrad.trainer.sharding import is_sharded
 
 __all__ = [
     "CheckpointError",
     "CheckpointSaveError",
+    "checkpoint_bytes",
     "checkpoint_path",
     "checkpoint_problem",
     "checkpoint_step",
@@ -190,6 +192,49 @@ def _fsync_tree(folder: str) -> None:
             finally:
                 os.close(fd)
         fsync_dir(root)
+
+
+def checkpoint_bytes(policy, critic=None) -> int:
+    """About how many bytes one checkpoint of this run takes on disk: each network's saved
+    weights (every parameter in its dtype; with an adapter, the adapter's trainable ones) and
+    AdamW's two float32 moments per trainable parameter. The tokenizer, the trainer's state and
+    the files' headers (megabytes) are left out. Under FSDP parameters are DTensors, whose
+    ``numel`` is the whole tensor's, so the sum is the checkpoint's, not a rank's share."""
+    total = 0
+    for network in (policy, critic):
+        if network is None:
+            continue
+        adapter = is_peft_model(network)
+        for p in network.parameters():
+            if p.requires_grad or not adapter:
+                total += p.numel() * p.element_size()
+            if p.requires_grad:
+                total += 8 * p.numel()
+    return total
+
+
+def check_room_for_checkpoint(folder: str, needed: int) -> None:
+    """Refuse a run whose output folder's disk cannot hold one checkpoint (``needed`` bytes,
+    :func:`checkpoint_bytes`): its trained steps could never be saved, and would be lost at the
+    first save.
+
+    Raises:
+        TrainingError: the free space of the disk holding ``folder`` (or its nearest existing
+            parent) is below ``needed``.
+    """
+    where = os.path.abspath(folder)
+    while not os.path.exists(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:  # a folder the OS cannot measure: the save's own errors stay the guard
+        return
+    if free < needed:
+        raise TrainingError(
+            f"output_dir {folder} is on a disk with {free / 1e6:.0f} MB free, and one checkpoint of this run "
+            f"takes about {needed / 1e6:.0f} MB (weights and AdamW state): its trained steps could not be "
+            "saved; free space, or set output_dir on a disk with room"
+        )
 
 
 # Below this much free space a failed write is most likely a full disk (torch.save then reports

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+from collections import namedtuple
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from policygrad.trainer.checkpoint import (
     COMPLETE_FILE,
     STATE_FILE,
     CheckpointError,
+    check_room_for_checkpoint,
+    checkpoint_bytes,
     checkpoint_path,
     checkpoint_problem,
     checkpoint_step,
@@ -29,6 +33,7 @@ from policygrad.trainer.checkpoint import (
     save_checkpoint,
     temp_folder,
 )
+from policygrad.trainer.errors import TrainingError
 
 pytestmark = pytest.mark.unit
 
@@ -230,3 +235,31 @@ def test_a_replacement_killed_before_its_marker_keeps_the_replaced_checkpoint(tm
     os.remove(os.path.join(new, COMPLETE_FILE))  # renamed the new one into place, then was killed
     recover_interrupted_saves(str(tmp_path))
     assert latest_checkpoint(str(tmp_path)) == old  # step 3 is still resumable
+
+
+def test_checkpoint_bytes_counts_saved_weights_and_adamw_moments():
+    # Linear(3, 2): weight 6 + bias 2 parameters, float32. Both trainable: 8 x 4 bytes of weights
+    # + 8 x 8 bytes of AdamW moments = 96. Bias frozen: 32 + 6 x 8 = 80 (frozen weights are saved).
+    net = torch.nn.Linear(3, 2)
+    assert checkpoint_bytes(net) == 96
+    net.bias.requires_grad_(False)
+    assert checkpoint_bytes(net) == 80
+    assert checkpoint_bytes(net, critic=torch.nn.Linear(3, 2)) == 80 + 96
+
+
+def test_a_disk_without_room_for_one_checkpoint_is_refused_naming_both_sizes(tmp_path, monkeypatch):
+    usage = namedtuple("usage", "total used free")
+    seen = []
+
+    def disk_usage(path):
+        seen.append(path)
+        return usage(10**9, 10**9 - 5 * 10**6, 5 * 10**6)
+
+    monkeypatch.setattr(shutil, "disk_usage", disk_usage)
+    folder = tmp_path / "not" / "yet"
+    check_room_for_checkpoint(str(folder), 5 * 10**6)  # exactly enough
+    assert seen == [str(tmp_path)]  # the nearest folder that exists
+    with pytest.raises(TrainingError) as info:
+        check_room_for_checkpoint(str(folder), 5 * 10**6 + 1)
+    assert str(info.value).startswith(f"output_dir {folder} is on a disk with 5 MB free, and one checkpoint")
+    assert "takes about 5 MB" in str(info.value) and not folder.exists()

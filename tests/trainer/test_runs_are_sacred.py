@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import namedtuple
 
 import pytest
 import torch
@@ -915,3 +916,18 @@ def test_keep_checkpoints_keeps_the_newest_and_a_resume_goes_on_from_it(run_yaml
     assert _complete_steps(run) == [3, 4]
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
     capsys.readouterr()
+
+
+def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step(
+    run_yaml, monkeypatch, capsys
+):
+    """The steps trained before the first checkpoint would all be lost on its save: the run is
+    refused once the models are built, before any step, and leaves no folder."""
+    cfg, run = run_yaml("no_room", steps=1)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 1000, 1000))
+    assert main(["train", cfg]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert " is on a disk with 0 MB free, and one checkpoint of this run takes about " in line
+    assert line.endswith("free space, or set output_dir on a disk with room")
+    assert not os.path.exists(run)
