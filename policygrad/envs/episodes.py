@@ -35,7 +35,7 @@ from policygrad.envs.base import (
     check_reward,
     check_step_result,
 )
-from policygrad.envs.template import ChatDelta, cut_middle, max_token_chars
+from policygrad.envs.template import ChatDelta, TemplateError, cut_middle, max_token_chars
 from policygrad.envs.workers import call_all, copy_row, make_host
 from policygrad.rollout.base import (
     RESPONSE,
@@ -352,9 +352,19 @@ class EpisodeRunner:
                 messages = [{"role": "user", "content": str(row.get("prompt", ""))}]
             if self.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            try:  # contents as plain text
+                text, opening = self.delta.prompt(messages, tools=_native_tools(group))
+            except TemplateError as exc:  # the template refuses the opening: its episodes fail, for good
+                for e in group:
+                    e.opening = None  # (a retry would get the same opening)
+                    if e.stop is None:
+                        e.fail(f"reset() failed: {str(exc).splitlines()[0]}")
+                messages = [{"role": "user", "content": str(row.get("prompt", ""))}]
+                if self.system_prompt:
+                    messages = [{"role": "system", "content": self.system_prompt}, *messages]
+                text, opening = self.delta.prompt(messages)
             for e in group:
                 e.messages, e.start = list(messages), list(messages)
-            text, opening = self.delta.prompt(messages, tools=_native_tools(group))  # contents as plain text
             texts.append(text)
             ids.append(opening)
         return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length, ids=ids)

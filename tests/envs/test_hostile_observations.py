@@ -151,3 +151,40 @@ def test_a_huge_observation_is_never_tokenised(limits, stop):
 
     _, _, stops, transcripts = outcome(10**7, limits, tokenise=refuse)
     assert stops == [stop] and len(transcripts[0]) == 2  # the observation was not shown
+
+
+# ChatML that refuses roles other than system/user/assistant/tool, as many templates do.
+STRICT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('no role ' + m['role']) }}{% endif %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_an_opening_the_template_refuses_fails_its_group_not_the_run():
+    from policygrad.envs.episodes import EpisodeLimits
+    from tests.envs.scripted import ScriptedEngine
+    from tests.tiny import PAD_ID, make_tiny_tokenizer
+
+    class Robot(Replies):
+        def reset(self, row, *, seed):
+            opening = super().reset(row, seed=seed)
+            return [{**opening[0], "role": "robot"}] if row["prompt"] == "odd" else opening
+
+    tok = make_tiny_tokenizer()
+    tok.chat_template = STRICT_TEMPLATE
+    engine = ScriptedEngine(turns_script([enc("b!") + [EOS_ID]]))
+    limits = EpisodeLimits(max_turns=2, max_new_tokens=8, retries=1)
+    r = EpisodeRunner(Robot, engine, tok, limits, end_ids=[EOS_ID], pad_id=PAD_ID)
+    prompts, _, episodes, _ = run(r, rows=[{"prompt": "odd"}, {"prompt": "fine"}], G=2, seeds=[1, 2])
+    assert episodes.stop_reasons == ["error", "error", "done", "done"]
+    assert episodes.retries == 0  # the same opening would fail again
+    assert episodes.errors[0].startswith(
+        "reset() failed: the chat template failed on messages with roles ['robot']"
+    )
+    assert "\n" not in episodes.errors[0]
+    # The failed row is shown its own prompt (no loss on it), as a row whose every reset failed.
+    assert tok.decode(prompts[0]) == "<|im_start|>user\nodd<|im_end|>\n<|im_start|>assistant\n"
