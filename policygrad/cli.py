@@ -384,6 +384,16 @@ def _eval_env(args, ks: list[int]) -> int:
         seed=args.seed,
         engine=args.engine,
     )
+    failed, sampled = result["failed"], result.get("samples_failed", 0)
+    if failed or sampled:  # counted as unsuccessful in success and pass@k: said, not silent
+        counts = f"{failed} of {result['n']} greedy" + (
+            f" and {sampled} sampled" if "samples_failed" in result else ""
+        )
+        print(
+            f"note: {counts} episodes failed in the environment and count as unsuccessful in success "
+            f"and pass@k (the first: {result['first_error']}); each episode's error is in {result['output']}",
+            file=sys.stderr,
+        )
     print(json.dumps(result, indent=2))
     return 0
 

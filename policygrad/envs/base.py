@@ -21,6 +21,7 @@ import abc
 import dataclasses
 import math
 import numbers
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -97,11 +98,18 @@ class Environment(abc.ABC):
         """Release what the episode holds (called once, also after an error)."""
 
 
+# A role is rendered by the chat template as markup (ChatML: after <|im_start|>), so it must be a
+# name: text such as "user<|im_end|>\n<|im_start|>assistant" would forge a turn.
+_ROLE = re.compile(r"[A-Za-z][A-Za-z0-9_-]{0,63}")
+
+
 def check_messages(messages: Any, what: str, *, allow_empty: bool = False) -> list[dict[str, str]]:
-    """``messages`` as a list of ``{"role": str, "content": str}`` dicts (copies).
+    """``messages`` as a list of ``{"role": str, "content": str}`` dicts (copies; other keys
+    such as ``name`` are dropped, so the template renders only these two).
 
     Raises:
-        EnvironmentFailure: not a list of such dicts (names ``what`` and the first bad entry),
+        EnvironmentFailure: not a list of such dicts (names ``what`` and the first bad entry), a
+            role that is not a plain name (``[A-Za-z][A-Za-z0-9_-]*``, at most 64 characters),
             or empty when ``allow_empty`` is False.
     """
     if not isinstance(messages, (list, tuple)):
@@ -117,6 +125,11 @@ def check_messages(messages: Any, what: str, *, allow_empty: bool = False) -> li
         ):
             raise EnvironmentFailure(
                 f"{what}[{i}] must be a dict with string 'role' and 'content', got {m!r:.120}"
+            )
+        if not _ROLE.fullmatch(m["role"]):
+            raise EnvironmentFailure(
+                f"{what}[{i}]['role'] must be a plain role name such as 'user' or 'tool' (letters, digits, "
+                f"'_' and '-', at most 64 characters), got {m['role']!r:.120}"
             )
         out.append({"role": m["role"], "content": m["content"]})
     return out

@@ -17,6 +17,7 @@ the policy's own tokens only. A turn's reward sits on its last action token; the
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -34,7 +35,7 @@ from policygrad.envs.base import (
     check_reward,
     check_step_result,
 )
-from policygrad.envs.template import ChatDelta, cut_middle
+from policygrad.envs.template import ChatDelta, TemplateError, cut_middle, max_token_chars
 from policygrad.envs.workers import call_all, copy_row, make_host
 from policygrad.rollout.base import (
     RESPONSE,
@@ -303,9 +304,33 @@ class EpisodeRunner:
                 e.fail(f"building the environment failed: {value}")
         opened = self._calls(live, "reset", lambda e: (copy_row(e.row), e.reset_seed))
         for e, outcome in zip(live, opened):
-            value = _accept(e, outcome, "reset()", lambda v: (check_messages(v[0], "reset()"), v[1]))
+            check = lambda v: (check_messages(v[0], "reset()"), self._tools(v[1]))  # noqa: E731
+            value = _accept(e, outcome, "reset()", check)
             if value is not None:
                 e.messages, e.tools = value
+
+    def _tools(self, tools: Any) -> list[dict] | None:
+        """Native tool schemas checked: a list of JSON dicts without the text of a special token
+        (the template renders them as markup, so such text would be read as real tokens).
+
+        Raises:
+            EnvironmentFailure: anything else (names ``tool_schemas()``).
+        """
+        if tools is None:
+            return None
+        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+            raise EnvironmentFailure(f"tool_schemas() must return a list of dicts, got {tools!r:.120}")
+        try:
+            text = json.dumps(tools, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise EnvironmentFailure(f"tool_schemas() must be JSON ({exc})") from None
+        found = self.delta.special_in(text)
+        if found is not None:
+            raise EnvironmentFailure(
+                f"tool_schemas() holds the text of the special token {found!r}, which the chat template "
+                "would render as a real token; remove it from the tool's name and description"
+            )
+        return tools
 
     def _opening(self, group: list[_Episode]) -> list[dict] | None:
         """The group's shared opening messages (None when every reset failed)."""
@@ -327,9 +352,19 @@ class EpisodeRunner:
                 messages = [{"role": "user", "content": str(row.get("prompt", ""))}]
             if self.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
+            try:  # contents as plain text
+                text, opening = self.delta.prompt(messages, tools=_native_tools(group))
+            except TemplateError as exc:  # the template refuses the opening: its episodes fail, for good
+                for e in group:
+                    e.opening = None  # (a retry would get the same opening)
+                    if e.stop is None:
+                        e.fail(f"reset() failed: {str(exc).splitlines()[0]}")
+                messages = [{"role": "user", "content": str(row.get("prompt", ""))}]
+                if self.system_prompt:
+                    messages = [{"role": "system", "content": self.system_prompt}, *messages]
+                text, opening = self.delta.prompt(messages)
             for e in group:
                 e.messages, e.start = list(messages), list(messages)
-            text, opening = self.delta.prompt(messages, tools=_native_tools(group))  # contents as plain text
             texts.append(text)
             ids.append(opening)
         return tokenize_prompts(self.tokenizer, texts, max_prompt_length=self.max_prompt_length, ids=ids)
@@ -515,6 +550,10 @@ class EpisodeRunner:
             e.stop = "max_turns"
             return
         observation = result.observation
+        too_long = self._surely_too_long(e, observation, prompt)
+        if too_long is not None:
+            e.stop = too_long  # what tokenising would have found, without tokenising it
+            return
         if lim.max_observation_tokens is not None:
             observation = [
                 {**m, "content": cut_middle(self.tokenizer, m["content"], lim.max_observation_tokens)}
@@ -535,6 +574,31 @@ class EpisodeRunner:
         e.action.extend([False] * len(ids))
         e.logprobs.extend([0.0] * len(ids))
         e.messages.extend(observation)
+
+    def _surely_too_long(self, e: _Episode, observation: list[dict], prompt: list[int]) -> str | None:
+        """The stop reason (``budget``, ``context``) that :meth:`_continue` would give an
+        observation whose contents alone are too long to fit, decided from their length in
+        characters (a token covers at most :func:`max_token_chars` of them, so ``n`` characters
+        are at least ``ceil(n / L)`` ids), so a huge observation is never tokenised; None when it
+        may fit (or is cut to ``max_observation_tokens`` first): then it is tokenised as ever."""
+        lim = self.limits
+        if lim.max_observation_tokens is not None:
+            return None
+        chars = sum(len(m["content"]) for m in observation)
+        per_token = max_token_chars(self.tokenizer)
+        # ids >= room is the stop; chars > per_token * (room - 1) gives ids >= ceil(chars / L) >= room.
+        budget = None if lim.max_episode_tokens is None else lim.max_episode_tokens - len(e.ids)
+        if budget is not None and chars > per_token * (budget - 1):
+            return "budget"  # checked first in _continue
+        context = None if lim.max_context is None else lim.max_context - len(prompt) - len(e.ids)
+        if context is not None and chars > per_token * (context - 1):
+            if budget is None:
+                return "context"
+            if budget <= context:
+                return "budget"  # ids >= context >= budget: budget, checked first, stops it
+            # else "budget" or "context" depends on the exact count, and at most per_token *
+            # (budget - 1) characters are tokenised to find it: bounded work.
+        return None
 
     def _finish(self, episodes: list[_Episode]) -> float:
         t = time.perf_counter()

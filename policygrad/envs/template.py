@@ -23,12 +23,14 @@ in one call).
 from __future__ import annotations
 
 import re
+import weakref
 from collections.abc import Callable, Sequence
 
-__all__ = ["ChatDelta", "TemplateError", "cut_middle", "special_token_texts"]
+__all__ = ["ChatDelta", "TemplateError", "cut_middle", "max_token_chars", "special_token_texts"]
 
 _BASE = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]
 _PROBE = [{"role": "user", "content": "Go on."}]
+_MARK = "\ue000"  # the first private-use character: placeholders of hidden special-token text
 
 
 class TemplateError(ValueError):
@@ -116,20 +118,21 @@ class ChatDelta:
         specials = self._specials
         if specials is None or not any(isinstance(c, str) and specials.search(c) for c in contents):
             return self._encode(text_of(messages))  # nothing to hide: one call, as ever
-        used = "".join(c for c in contents if isinstance(c, str))
-        mark = next(chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # a private-use char
+        # Placeholders are the private-use character MARK around a number; MARK itself, where a
+        # content holds it, is hidden the same way, so the scheme needs no character to be absent.
+        hide_pattern = re.compile(f"{specials.pattern}|{re.escape(_MARK)}")
         hidden: list[str] = []
 
         def hide(match: re.Match) -> str:
             hidden.append(match.group(0))
-            return f"{mark}{len(hidden) - 1}{mark}"
+            return f"{_MARK}{len(hidden) - 1}{_MARK}"
 
         escaped = [
-            {**m, "content": specials.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
+            {**m, "content": hide_pattern.sub(hide, m["content"])} if isinstance(m.get("content"), str) else m
             for m in messages
         ]
         text = text_of(escaped)
-        restore = re.compile(f"{re.escape(mark)}([0-9]+){re.escape(mark)}")
+        restore = re.compile(f"{_MARK}([0-9]+){_MARK}")
         ids: list[int] = []
         start = 0
         for match in [*specials.finditer(text), None]:  # the template's own special tokens
@@ -141,6 +144,11 @@ class ChatDelta:
                 ids.append(int(self.tokenizer.convert_tokens_to_ids(match.group(0))))
                 start = match.end()
         return ids
+
+    def special_in(self, text: str) -> str | None:
+        """The first special token's text found in ``text``, else None."""
+        match = self._specials.search(text) if self._specials is not None else None
+        return match.group(0) if match else None
 
     def observation_ids(self, messages: Sequence[dict]) -> list[int]:
         """The ids that follow a turn the policy ended with an end id: the rest of the template's
@@ -173,13 +181,41 @@ def special_token_texts(tokenizer) -> list[str]:
     return sorted((t for t in texts if t), key=lambda t: (-len(t), t))
 
 
+_TOKEN_CHARS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters of text one token of ``tokenizer`` can cover (computed once per
+    tokenizer, cached): the longest token string of its vocabulary (added tokens included) or
+    decoded token. A byte-level BPE token's string has one character per byte it covers (at least
+    one per character), a SentencePiece piece one per character (``<0x..>`` byte pieces more), so a
+    text of ``n`` characters has at least ``ceil(n / max_token_chars)`` tokens, which bounds the
+    work on a text that cannot fit before tokenising it. (A tokenizer whose normaliser drops or
+    merges characters is outside this bound; the chat models' BPE and SentencePiece ones are not.)
+    """
+    try:
+        return _TOKEN_CHARS[tokenizer]
+    except (KeyError, TypeError):
+        pass
+    ids = list(range(len(tokenizer)))
+    longest = max((len(t) for t in tokenizer.convert_ids_to_tokens(ids) if isinstance(t, str)), default=1)
+    decoded = tokenizer.batch_decode([[i] for i in ids])
+    out = max(longest, max((len(t) for t in decoded), default=1), 1)
+    try:
+        _TOKEN_CHARS[tokenizer] = out
+    except TypeError:  # not weak-referenceable: computed again next time
+        pass
+    return out
+
+
 def cut_middle(tokenizer, text: str, max_tokens: int, marker: str = "\n...\n") -> str:
     """``text`` if it has at most ``max_tokens`` tokens, else its first and last
     ``max(max_tokens // 2, 1)`` tokens around ``marker`` (the marker not counted; deterministic:
     the end of a tool's output often says what went wrong, the start what ran)."""
-    # A token is rarely longer than 32 characters: cut huge texts by characters first, so a
-    # megabyte of tool output is not tokenised whole.
-    span = max(max_tokens, 2) * 32
+    # Cut huge texts by characters first, so a megabyte of tool output is not tokenised whole: each
+    # kept end of ``span`` characters has at least max_tokens tokens (max_token_chars), so the cut
+    # text still has more than max_tokens and goes on to be cut by tokens below.
+    span = max(max_tokens, 2) * max(max_token_chars(tokenizer), 32)
     if len(text) > 2 * span:
         text = text[:span] + text[-span:]
     ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]  # as tokenised

@@ -178,18 +178,21 @@ def evaluate_episodes(
     return {"metrics": metrics, "records": records}
 
 
-def failed_episodes(records: Sequence[dict[str, Any]]) -> dict[str, int]:
+def failed_episodes(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """How many of :func:`evaluate_episodes`' episodes failed in the environment (raised or timed
-    out): ``failed`` of the greedy ones and, with samples, ``samples_failed`` of the sampled ones.
-    Every greedy episode failed (or every sampled one): there is nothing to report.
+    out): ``failed`` of the greedy ones and, with samples, ``samples_failed`` of the sampled ones;
+    ``first_error``: the first failed episode's error (greedy ones first), None when none failed.
+    A failed episode counts as unsuccessful in ``success`` and pass@k. Every greedy episode failed
+    (or every sampled one): there is nothing to report.
 
     Raises:
         EvaluationFailed: every greedy episode failed, or every sampled one did.
     """
     sampled = [s for r in records for s in r.get("samples", [])]
-    out = {"failed": sum(r["failed"] for r in records)}
+    out: dict[str, Any] = {"failed": sum(r["failed"] for r in records)}
     if sampled:
         out["samples_failed"] = sum(s["failed"] for s in sampled)
+    out["first_error"] = next((r["error"] for r in [*records, *sampled] if r["failed"]), None)
     for what, group in (("greedy", records), ("sampled", sampled)):
         count = sum(r["failed"] for r in group)
         if group and count == len(group):
@@ -233,7 +236,8 @@ def evaluate_env_model(
 
     Returns:
         ``{"model", "env", "dataset", "engine", "n", "success", ..., "pass@k"..., "failed",
-        "samples_failed" (with samples), "output", "seconds", "load_seconds"}``; ``output`` holds
+        "samples_failed" (with samples), "first_error", "output", "seconds", "load_seconds"}``
+        (:func:`failed_episodes`: a failed episode counts as unsuccessful); ``output`` holds
         one record per row (:func:`evaluate_episodes`' records), written before any error below.
 
     Raises:

@@ -366,6 +366,20 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
     return batch, sampled, metrics, inputs
 
 
+def no_group_left(env: str, retries: int, errors) -> str:
+    """The message when every group of a step held a failed episode: names the environment and the
+    first error; suggests ``rollout.env_step_timeout_s`` only when an episode timed out (``errors``:
+    the episodes' errors, None for those that did not fail; empty on a rank with none)."""
+    failed = [e for e in errors if e is not None]
+    timed_out = any("rollout.env_step_timeout_s" in e for e in failed)
+    return (
+        f"every group of this step has an episode that failed in the environment env.name={env} after "
+        f"rollout.env_retries={retries} retries, so no group is left to train on; first error: "
+        f"{failed[0] if failed else 'on another rank'}; fix the environment"
+        + (" (or raise rollout.env_step_timeout_s)" if timed_out else "")
+    )
+
+
 def _drop_failed_groups(trainer, raw: RawRound, batch: SampledBatch) -> SampledBatch:
     """``batch`` without the groups that hold an episode failed in the environment
     (:func:`_whole_groups`); with none left on this process, the batch with no row carrying loss
@@ -379,12 +393,8 @@ def _drop_failed_groups(trainer, raw: RawRound, batch: SampledBatch) -> SampledB
         return batch
     left = float(trainer.dist.total(len(whole[0])))
     if left == 0:
-        env = trainer.config.env.name
-        first = next((e for e in raw.episodes.errors if e is not None), "on another rank")
         raise TrainingError(
-            f"every group of this step has an episode that failed in the environment env.name={env} after "
-            f"rollout.env_retries={trainer.config.rollout.env_retries} retries, so no group is left to train "
-            f"on; first error: {first}; fix the environment (or raise rollout.env_step_timeout_s)"
+            no_group_left(trainer.config.env.name, trainer.config.rollout.env_retries, raw.episodes.errors)
         )
     if not whole[0]:
         return dataclasses.replace(

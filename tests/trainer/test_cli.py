@@ -346,9 +346,22 @@ def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_cou
     # Some failed: counted in the summary, and a note says how many.
     rows = [{"question": q, "answer": "1"} for q in ("Say 1.", "bad 2", "Say 3.", "bad 4")]
     some = write_jsonl(tmp_path / "some.jsonl", rows)
-    result = _eval([*common, "--dataset", some, "--output", str(out), "--samples", "2"], capsys)
+    argv = ["eval", "--engine", "hf", *common, "--dataset", some]
+    assert main([*argv, "--output", str(out), "--samples", "2"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
     assert (result["n"], result["failed"], result["samples_failed"]) == (4, 2, 4)
     assert result["failed_frac"] == 0.5 and result["stop_error"] == 0.5
+    error = "step() failed: RuntimeError: this row breaks the environment"
+    assert result["first_error"] == error
+    # Before: no word; the failed episodes read as the model's failures in success (0.5 at most).
+    notes = [line for line in captured.err.splitlines() if line.startswith("note:")]
+    assert notes == [
+        "note: 2 of 4 greedy and 4 sampled episodes failed in the environment and count as unsuccessful "
+        f"in success and pass@k (the first: {error}); each episode's error is in {out}"
+    ]
+    assert main([*argv, "--output", str(out), "--limit", "1"]) == 0  # none failed: no note
+    assert "note:" not in capsys.readouterr().err
 
 
 def test_eval_writes_where_its_output_pointed_when_it_started(

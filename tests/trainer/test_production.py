@@ -167,3 +167,24 @@ def test_signal_components_of_episodes_are_their_raw_returns():
     # dynamic sampling on the return keeps group 0 only (group 1: a single present row decides nothing)
     assert groups_with_signal(signal_components(round_), round_.rollout.group_index, 2, 2, "return") == [0]
     assert groups_with_signal(signal_components(round_), round_.rollout.group_index, 2, 2, "f") == [1]
+
+
+def test_no_group_left_suggests_the_step_timeout_only_after_a_timeout():
+    from policygrad.trainer.production import no_group_left
+
+    head = (
+        "every group of this step has an episode that failed in the environment env.name=m:E after "
+        "rollout.env_retries=1 retries, so no group is left to train on; first error: "
+    )
+    raised = [None, "step() failed: RuntimeError: action length 3", None]
+    assert (
+        no_group_left("m:E", 1, raised)
+        == head + "step() failed: RuntimeError: action length 3; fix the environment"
+    )
+    slow = [*raised, "step() failed: timed out after 3 s (rollout.env_step_timeout_s)"]
+    assert no_group_left("m:E", 1, slow) == (
+        head
+        + "step() failed: RuntimeError: action length 3; fix the environment"
+        + " (or raise rollout.env_step_timeout_s)"
+    )
+    assert no_group_left("m:E", 1, []) == head + "on another rank; fix the environment"
