@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -915,3 +916,21 @@ def test_keep_checkpoints_keeps_the_newest_and_a_resume_goes_on_from_it(run_yaml
     assert _complete_steps(run) == [3, 4]
     assert [r["step"] for r in _rows(run)] == [1, 2, 3, 4]
     capsys.readouterr()
+
+
+def test_a_run_that_ends_having_skipped_non_finite_steps_says_it_diverged(make_config, caplog):
+    """optim.lr=1e6: the first update applies, the later steps' loss is not finite and they are
+    skipped, too few for max_skipped_updates (20) to end the run; it ended with its usual line only
+    (exit 0, weights diverged). Now one warning line says so and names optim.lr."""
+    cfg = make_config("lr", reward_fn="length_fraction", steps=3, optim={"lr": 1e6})
+    run = Run(cfg)
+    try:
+        with caplog.at_level(logging.INFO, logger="policygrad"):
+            summary = run.train()
+    finally:
+        run.close()
+    skipped = sum(r["optim/skipped_nonfinite"] for r in _rows(run.run_dir))
+    assert summary["updates_applied"] >= 1 and skipped >= 1
+    warnings = [r.getMessage() for r in caplog.records if r.getMessage().startswith("warning: the run diverged")]
+    assert len(warnings) == 1
+    assert f"{skipped} optimizer steps were skipped" in warnings[0] and "lower optim.lr (lr=1e+06)" in warnings[0]
