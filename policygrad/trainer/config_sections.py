@@ -305,8 +305,8 @@ class RolloutConfig:
     in the environment (raised, timed out, its worker died), from scratch with the same reset
     seed and turns sampled again from seeds derived from the attempt, before it counts as
     failed; a group with an episode still failed leaves the batch whole (``env/groups_dropped``);
-    ``env_retries`` is at most 10; ``env_error_budget`` the largest fraction of a step's episodes that may fail (they carry no
-    loss) before the run stops. These options need ``env.name``."""
+    ``env_retries`` is at most 10; ``env_error_budget`` the largest fraction of a step's episodes
+    that may fail (they carry no loss) before the run stops. These options need ``env.name``."""
 
     engine: str = "auto"
     per_prompt_seeds: bool = True

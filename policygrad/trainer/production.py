@@ -399,9 +399,10 @@ def _no_group_left(trainer, raws: list[RawRound]) -> None:
     """
     errors = (e for raw in raws for e in raw.episodes.errors if e is not None)
     first = next(errors, "on another rank")
+    cfg = trainer.config
     raise TrainingError(
-        f"every group of this step has an episode that failed in the environment env.name={trainer.config.env.name} "
-        f"after rollout.env_retries={trainer.config.rollout.env_retries} retries, so no group is left to train "
+        f"every group of this step has an episode that failed in the environment env.name={cfg.env.name} "
+        f"after rollout.env_retries={cfg.rollout.env_retries} retries, so no group is left to train "
         f"on; first error: {first}; fix the environment (or raise rollout.env_step_timeout_s)"
     )
 
