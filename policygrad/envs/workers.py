@@ -16,10 +16,17 @@ contains, that threads in the trainer's process cannot:
   (a hang, or a C call that holds the GIL) has its worker killed, so the time can't stretch;
 * ``os.chdir`` moves the worker, never the run (the worker's directory is restored after each
   call, so episodes don't depend on which others share their worker);
-* a fork: each worker leads its own session and process group, which is killed (SIGKILL) when
-  the worker is stopped, replaced or the run ends, so no copy outlives the run; the worker is
+* a fork: each worker leads its own session and process group and is a child subreaper
+  (``PR_SET_CHILD_SUBREAPER``: orphaned descendants become its children, not init's); when the
+  worker is stopped, replaced or the run ends, every descendant of it (found from the parent
+  links in ``/proc``, in any session: a ``start_new_session`` child too), its group and then
+  the worker are killed (SIGKILL), so no copy outlives the run; the worker is
   not in the trainer's process group either, so Ctrl-C or a SIGTERM sent to the group reaches
-  the trainer alone, which stops the workers as it ends.
+  the trainer alone, which stops the workers as it ends. The limit: a worker that ends on its
+  own (its environment calls ``os._exit``, crashes) leaves its descendants in a new session to
+  init, out of reach; those in its process group are still killed with the group. Orphans
+  re-parented to a worker stay zombies until it is stopped (reaping them there could take the
+  exit status of a child the environment waits for).
 
 Workers start from the forkserver (a clean process: no trainer threads, none of the trainer's
 signal handlers), get the trainer's environment variables, ``sys.path`` and working directory,
@@ -184,11 +191,61 @@ def _loads(data: bytes) -> Any:
 
 
 def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG)."""
+    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG), and make it
+    a child subreaper (PR_SET_CHILD_SUBREAPER): a process its environment started whose parent
+    ends (a daemon, a ``start_new_session`` child of a shell) becomes this worker's child instead
+    of init's, so :meth:`_Worker.stop` still finds it among the worker's descendants."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
+        libc.prctl(36, 1, 0, 0, 0)  # 36: PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):  # not Linux: the parent watch below still ends it
         pass
+
+
+def descendants(pid: int) -> list[int]:
+    """The pids of every living descendant of ``pid`` (children first), from the parent links in
+    ``/proc/*/stat``; [] where there is no ``/proc``."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # ended meanwhile
+            continue
+        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def _kill_descendants(pid: int) -> None:
+    """SIGKILL every descendant of ``pid`` (alive, a subreaper): those in other sessions and
+    process groups too, which a group kill misses. Rounds until no new one appears, since the
+    children of a killed process are re-parented to ``pid`` and found by the next round."""
+    killed: set[int] = set()
+    for _ in range(10):
+        new = [p for p in descendants(pid) if p not in killed]
+        if not new:
+            return
+        for p in new:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        killed.update(new)
 
 
 def _watch_parent() -> None:
@@ -297,9 +354,12 @@ class _Worker:
         return name
 
     def stop(self) -> None:
-        """Kill the worker and every process still in its group (what it forked)."""
+        """Kill every descendant of the worker (what its environments started, in any session:
+        the worker is their subreaper), every process still in its group, then the worker."""
         pid = self.process.pid
         if pid is not None:
+            if self.process.is_alive():
+                _kill_descendants(pid)
             try:
                 if os.getpgid(pid) == pid:
                     os.killpg(pid, signal.SIGKILL)

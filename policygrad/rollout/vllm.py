@@ -63,7 +63,7 @@ from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.models.bundled import policygrad_home
 from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
 
-__all__ = ["VLLMRolloutEngine", "vllm_available"]
+__all__ = ["VLLMRolloutEngine", "VLLMStartError", "vllm_available"]
 
 INSTALL_HINT = (
     "install the vllm extra: see README 'vLLM rollouts' (on a CPU-only machine: "
@@ -91,6 +91,21 @@ def _release(llm, shutdown) -> None:
         del llm
 # Environment variables this module set (a user's own settings are never overwritten).
 _ENV_SET_HERE: dict[str, str] = {}
+
+
+class VLLMStartError(RuntimeError):
+    """vLLM is installed but refused to start on this model (an attention configuration its
+    backend does not support, an architecture it does not know, too little memory): the message
+    is vLLM's last line. Callers name their own engine option and the hf engine as the way out."""
+
+
+def _start_failure(exc: BaseException) -> str:
+    """The most telling line of a vLLM start-up failure: the innermost cause's message (vLLM's
+    engine-core wrappers say only "see the root cause above"), one line."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
 
 
 def vllm_available() -> bool:
@@ -325,6 +340,7 @@ class VLLMRolloutEngine(RolloutEngine):
             ``max_position_embeddings``, ``kv_cache_gb`` <= 0, ``gpu_memory_utilization``
             outside (0, 1].
         TypeError: ``max_model_len`` / ``seed`` not an int.
+        VLLMStartError: vLLM refused to start on this model (its backend's last line).
     """
 
     def __init__(
@@ -410,7 +426,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, _CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
-        with _quiet(_start_notes()):
+        with _quiet(_start_notes()), _start_errors():
             self.llm = vllm.LLM(
                 model=self.model_path,
                 dtype=self.dtype,
@@ -423,6 +439,23 @@ class VLLMRolloutEngine(RolloutEngine):
                 worker_extension_cls=f"{__name__}._WorkerWeightSync",
                 **kwargs,
             )
+            # One greedy token of a one-token prompt: a model vLLM loads but its attention backend
+            # cannot run (e.g. a head size the CPU kernels lack) fails here, at start, not in the
+            # first step's sampling. Greedy draws nothing; the prompt fills no prefix-cache block.
+            from vllm import SamplingParams
+
+            devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+            try:
+                with torch.random.fork_rng(devices=devices):
+                    self.llm.generate(
+                        [{"prompt_token_ids": [self.pad_token_id]}],
+                        SamplingParams(n=1, temperature=0.0, max_tokens=1, detokenize=False),
+                        use_tqdm=False,
+                    )
+            except BaseException:
+                llm, self.llm = self.llm, None
+                _release(llm, _take_over_shutdown(llm))
+                raise
 
     # ------------------------------------------------------------------ generation
 
@@ -689,6 +722,15 @@ class VLLMRolloutEngine(RolloutEngine):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@contextlib.contextmanager
+def _start_errors():
+    """Any exception of vLLM's start-up (not a Ctrl-C) as a :class:`VLLMStartError`."""
+    try:
+        yield
+    except Exception as exc:
+        raise VLLMStartError(f"vLLM could not start on this model: {_start_failure(exc)}") from exc
 
 
 class _WorkerWeightSync:

@@ -350,6 +350,9 @@ class Run:
         summary["peak_rss_gb"] = peak_rss_gb()
         self._write_summary(summary)
         log.info("applied %d updates in %d steps", self.watch.applied, self.watch.steps)
+        warning = self.watch.end_warning()
+        if warning:  # fewer empty steps than max_skipped_updates: the run ended, diverged
+            log.warning("%s", warning)
         return summary
 
     def _steps(self, signals: StopSignals, bar, start: float) -> tuple[str | None, bool]:

@@ -25,7 +25,7 @@ from policygrad.rewards.registry import CompositeReward, check_reward_spec
 from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.hf import HFRolloutEngine
-from policygrad.rollout.vllm import VLLMRolloutEngine
+from policygrad.rollout.vllm import VLLMRolloutEngine, VLLMStartError
 from policygrad.trainer.config import ConfigError, TrainConfig
 from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.models import Models
@@ -189,6 +189,7 @@ def build_engine(
     precision: Precision | None = None,
     shares_policy_weights: bool = True,
     cpu_threads: int | None = None,
+    engine_option: str = "rollout.engine",
 ):
     """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged
     (at debug level when ``quiet``: ``policygrad eval`` reports the engine in its result).
@@ -197,12 +198,15 @@ def build_engine(
     ``shares_policy_weights`` False when that is a copy of the trained policy (FSDP).
     ``cpu_threads``: the vllm engine's ``cpu_threads`` (the start-time thread count when the run
     adapted it below torch's default; None: vLLM's worker binds every allowed CPU).
+    ``engine_option``: how the caller's user chose the engine (``--engine`` for ``policygrad
+    eval``), named in the error of a vLLM that cannot run the model.
 
     Returns:
         ``(engine, name)``.
 
     Raises:
-        ConfigError: ``rollout.dtype`` set while ``auto`` resolved to the hf engine.
+        ConfigError: ``rollout.dtype`` set while ``auto`` resolved to the hf engine; vLLM refused
+            to start on the model (names ``engine_option`` and the hf engine).
     """
     name, why = resolve_engine(cfg)
     log.log(logging.DEBUG if quiet else logging.INFO, "rollout engine: %s (%s)", name, why)
@@ -217,18 +221,27 @@ def build_engine(
         )
         return engine, name
     r = cfg.rollout
-    engine = VLLMRolloutEngine(
-        models.model_path,
-        models.tokenizer,
-        models.eos_ids,
-        dtype=r.dtype if r.dtype != "auto" else vllm_auto_dtype(dtype, precision),
-        seed=cfg.seed,
-        max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
-        kv_cache_gb=r.vllm_kv_cache_gb,
-        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
-        enable_prefix_caching=r.vllm_prefix_caching,
-        cpu_threads=cpu_threads,
-    )
+    try:
+        engine = VLLMRolloutEngine(
+            models.model_path,
+            models.tokenizer,
+            models.eos_ids,
+            dtype=r.dtype if r.dtype != "auto" else vllm_auto_dtype(dtype, precision),
+            seed=cfg.seed,
+            max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
+            kv_cache_gb=r.vllm_kv_cache_gb,
+            gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+            enable_prefix_caching=r.vllm_prefix_caching,
+            cpu_threads=cpu_threads,
+        )
+    except VLLMStartError as err:
+        flag = engine_option.startswith("--")
+        chosen = f"{engine_option} {r.engine}" if flag else f"{engine_option}={r.engine}"
+        hf = f"{engine_option} hf" if flag else f"{engine_option}=hf"
+        raise ConfigError(
+            f"{chosen} chose the vllm engine{' (vllm is installed)' if r.engine == 'auto' else ''}, which "
+            f"cannot run this model: {err}; use {hf}"
+        ) from err
     return engine, name
 
 

@@ -31,6 +31,8 @@ class ConfigError(ValueError):
 # The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
 # the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
 MIN_TEMPERATURE = 1e-3
+# The most fresh attempts of a failed episode (rollout.env_retries): each is a whole episode again.
+MAX_ENV_RETRIES = 10
 
 
 def check_choice(path: str, value: Any, choices) -> None:
@@ -303,8 +305,8 @@ class RolloutConfig:
     in the environment (raised, timed out, its worker died), from scratch with the same reset
     seed and turns sampled again from seeds derived from the attempt, before it counts as
     failed; a group with an episode still failed leaves the batch whole (``env/groups_dropped``);
-    ``env_error_budget`` the largest fraction of a step's episodes that may fail (they carry no
-    loss) before the run stops. These options need ``env.name``."""
+    ``env_retries`` is at most 10; ``env_error_budget`` the largest fraction of a step's episodes
+    that may fail (they carry no loss) before the run stops. These options need ``env.name``."""
 
     engine: str = "auto"
     per_prompt_seeds: bool = True
@@ -342,8 +344,13 @@ class RolloutConfig:
                 check_positive(f"{path}.{name}", getattr(self, name))
         check_positive(f"{path}.env_workers", self.env_workers)
         retries = self.env_retries
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ConfigError(f"{path}.env_retries must be an int >= 0, got {self.env_retries!r}")
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_ENV_RETRIES:
+            # bounded: an environment that always fails is retried this many times per episode
+            # and step, so a huge value is a run that never finishes a step (and a stop signal
+            # waits for the step)
+            raise ConfigError(
+                f"{path}.env_retries must be an int in [0, {MAX_ENV_RETRIES}], got {self.env_retries!r}"
+            )
         if not isinstance(self.env_isolation, bool):
             raise ConfigError(f"{path}.env_isolation must be true or false, got {self.env_isolation!r}")
         if not 0.0 <= self.env_error_budget <= 1.0:

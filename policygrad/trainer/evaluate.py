@@ -337,7 +337,7 @@ def eval_engine(cfg, limit: int):
     # tokens): an accuracy of 0 would be reported for a model that was never evaluated.
     what = f"--model {cfg.model.name}" + (f" with --adapter {cfg.model.adapter}" if cfg.model.adapter else "")
     check_finite_weights(models.policy, what, use="evaluated")
-    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True)
+    gen, name = build.build_engine(cfg, models, dtype=dtype, quiet=True, engine_option="--engine")
     try:
         if models.weights_differ_from_path:
             gen.sync_weights(models.policy)  # an engine with its own weights loaded the base

@@ -190,6 +190,10 @@ class UpdateWatch:
         applied: optimizer steps applied over the run (policy and critic).
         steps: RL steps watched over the run.
         empty_in_a_row: consecutive steps that applied nothing, up to the last one.
+        skipped_nonfinite: optimizer steps (policy and critic) skipped over the run because their
+            loss or gradient was not finite.
+        diverged: steps whose gradient was exactly 0 although a group's samples scored differently
+            (a policy that no longer responds to its weights).
     """
 
     def __init__(self, config):
@@ -197,6 +201,8 @@ class UpdateWatch:
         self.applied = 0
         self.steps = 0
         self.empty_in_a_row = 0
+        self.skipped_nonfinite = 0
+        self.diverged = 0
         self.last_cause = ""
 
     def observe(self, metrics: dict[str, Any]) -> None:
@@ -216,11 +222,14 @@ class UpdateWatch:
         applied = policy + critic
         self.steps += 1
         self.applied += applied
+        self.skipped_nonfinite += int(_number(metrics.get("optim/skipped_nonfinite", 0)))
+        self.skipped_nonfinite += int(_number(metrics.get("critic/skipped_nonfinite", 0)))
         if applied:
             self.empty_in_a_row = 0
             return
         self.empty_in_a_row += 1
         self.last_cause = why_nothing_trained(metrics, self.config)
+        self.diverged += self.last_cause.startswith("the run diverged")
         limit = self.config.max_skipped_updates
         if limit and self.empty_in_a_row >= limit:
             raise TrainingError(
@@ -239,13 +248,44 @@ class UpdateWatch:
                 f"the run applied no update in {self.steps} steps: {self.last_cause}; nothing was trained"
             )
 
+    def end_warning(self) -> str | None:
+        """The ``warning:`` line for a run that ended (having applied updates) with optimizer steps
+        skipped as non-finite or steps where the policy no longer responded, else None: such a run
+        diverged, though too few of its steps were empty for ``max_skipped_updates`` to end it."""
+        if not self.skipped_nonfinite and not self.diverged:
+            return None
+        seen = []
+        if self.skipped_nonfinite:
+            seen.append(
+                f"{self.skipped_nonfinite} optimizer steps were skipped because the loss or the gradient "
+                "was not finite (optim/skipped_nonfinite)"
+            )
+        if self.diverged:
+            seen.append(
+                f"in {self.diverged} steps the policy's gradient was exactly 0 although a group's samples "
+                "scored differently"
+            )
+        return (
+            f"warning: the run diverged over its {self.steps} steps: {' and '.join(seen)}; its weights are "
+            f"not usable; lower optim.lr (lr={self.config.optim.lr:g}) and start again from the model or a "
+            "checkpoint from before it diverged"
+        )
+
     def state_dict(self) -> dict[str, int]:
-        return {"applied": self.applied, "steps": self.steps, "empty_in_a_row": self.empty_in_a_row}
+        return {
+            "applied": self.applied,
+            "steps": self.steps,
+            "empty_in_a_row": self.empty_in_a_row,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "diverged": self.diverged,
+        }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         self.applied = int(state.get("applied", 0))
         self.steps = int(state.get("steps", 0))
         self.empty_in_a_row = int(state.get("empty_in_a_row", 0))
+        self.skipped_nonfinite = int(state.get("skipped_nonfinite", 0))
+        self.diverged = int(state.get("diverged", 0))
 
 
 def _number(value) -> float:

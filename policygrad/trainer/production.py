@@ -356,6 +356,10 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
         whole = [_whole_groups(raw) for raw in production.rounds]
         dropped = sum(len(raw.rows) - len(w[0]) for raw, w in zip(production.rounds, whole) if w is not None)
         metrics["env/groups_dropped"] = float(trainer.dist.total(dropped))
+        if metrics["env/groups_dropped"] == float(trainer.dist.total(len(sampled.rows))):
+            # every group failed in the environment, none was judged on its signal: the same end as
+            # without dynamic sampling (its none-kept is for groups with no signal)
+            _no_group_left(trainer, production.rounds)
     if positions is None:  # no group with signal: the first round's rows stay, none carries loss
         nothing = dataclasses.replace(rounds[0].scores, valid=torch.zeros_like(rounds[0].scores.valid))
         batch = dataclasses.replace(rounds[0], scores=nothing)
@@ -393,14 +397,23 @@ def _drop_failed_groups(trainer, raw: RawRound, batch: SampledBatch) -> SampledB
         return batch
     left = float(trainer.dist.total(len(whole[0])))
     if left == 0:
-        raise TrainingError(
-            no_group_left(trainer.config.env.name, trainer.config.rollout.env_retries, raw.episodes.errors)
-        )
+        _no_group_left(trainer, [raw])
     if not whole[0]:
         return dataclasses.replace(
             batch, scores=dataclasses.replace(batch.scores, valid=torch.zeros_like(batch.scores.valid))
         )
     return batch.select_groups(whole[0])
+
+
+def _no_group_left(trainer, raws: list[RawRound]) -> None:
+    """Raise the error of a step none of whose groups is left after the environment's failures
+    (:func:`no_group_left`, over every round's episodes).
+
+    Raises:
+        TrainingError: always (names the environment, the retries and the first error).
+    """
+    errors = [e for raw in raws for e in raw.episodes.errors]
+    raise TrainingError(no_group_left(trainer.config.env.name, trainer.config.rollout.env_retries, errors))
 
 
 def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:

@@ -200,6 +200,34 @@ def test_a_step_whose_every_episode_times_out_names_the_environment(eos_model_di
     assert "timed out after 0.5 s (rollout.env_step_timeout_s)" in message
 
 
+class FailsAlways(FailsOnSomeSeeds):
+    def step(self, action):
+        raise RuntimeError("always")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dynamic_sampling", [False, True])
+def test_a_step_with_every_group_dropped_ends_the_run_with_or_without_dynamic_sampling(
+    eos_model_dir, rewards_py, tmp_path, dynamic_sampling
+):
+    # Before: with drop_zero_variance_groups the step logged env/groups_dropped 4,
+    # dynamic_sampling/groups_kept 0, no update, and the run ended normally with no line.
+    with pytest.raises(TrainingError) as info:
+        _train(
+            eos_model_dir,
+            rewards_py,
+            tmp_path / "d",
+            {"name": "tests.envs.test_retries:FailsAlways"},
+            steps=1,
+            top={"drop_zero_variance_groups": dynamic_sampling},
+            env_error_budget=1.0,
+            env_retries=0,
+        )
+    message = str(info.value)
+    assert "env.name=tests.envs.test_retries:FailsAlways" in message and "no group is left" in message
+    assert "always" in message  # the first error
+
+
 @pytest.mark.integration
 def test_an_environment_calling_os_exit_costs_a_retry_not_the_run(eos_model_dir, rewards_py, tmp_path):
     # Today the run (here: the test process) ends with exit status 0 and the steps are lost.

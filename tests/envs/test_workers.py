@@ -44,6 +44,14 @@ class Does(Environment):
             os.chdir("/")
         if act == "gil":
             ctypes.PyDLL(None).sleep(20)  # PyDLL keeps the GIL through the C call
+        if act == "escape":  # out of the worker's process group: a new session, SIGTERM ignored
+            ignore = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+            child = subprocess.Popen([sys.executable, "-c", ignore], start_new_session=True)
+            # and an orphan: sh ends at once, leaving its sleep (new session) to be re-parented
+            shell = f"sleep 60 & echo $! >> {self.row['pidfile']}"
+            subprocess.Popen(["sh", "-c", shell], start_new_session=True).wait()
+            with open(self.row["pidfile"], "a") as f:
+                f.write(f"{child.pid}\n")
         if act == "fork":
             child = os.fork()
             if child == 0:
@@ -135,6 +143,32 @@ def test_what_an_environment_forks_is_gone_when_the_runner_closes(tmp_path):
     while any(_alive(p) for p in children + workers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(_alive(p) for p in children + workers)
+
+
+def test_what_an_environment_starts_in_a_new_session_is_gone_when_the_runner_closes(tmp_path):
+    # Before: a child in a new session (SIGTERM ignored) and an orphan re-parented to init escaped
+    # the worker's process-group kill and ran on after the run.
+    pidfile = tmp_path / "pids"
+    r, _ = runner(Does, ONE_TURN)
+    try:
+        _, _, episodes, _ = _run(r, "escape", pidfile=str(pidfile))
+        assert not episodes.failed.any()
+        workers = [w.process.pid for w in r.host.slots if w is not None]
+    finally:
+        r.close()
+    started = [int(p) for p in pidfile.read_text().split()]
+    assert len(started) == 4  # 2 episodes, each a direct child and an orphaned sleep
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in started + workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    try:
+        assert not any(_alive(p) for p in started + workers)
+    finally:  # never leave them behind, whatever the result
+        for p in started:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.mark.parametrize("end", ["exit", "SIGKILL"])

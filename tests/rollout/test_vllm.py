@@ -635,3 +635,43 @@ def test_the_bind_list_takes_the_first_cpu_threads_allowed_cpus(monkeypatch, tmp
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")  # the user's own: left alone
     vllm_module._set_env_defaults(str(tmp_path), cpu_threads=1)
     assert vllm_module.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "3"
+
+
+def test_a_model_vllm_cannot_run_is_one_error_line_naming_the_engine_option(tmp_path, capsys):
+    """head_dim 32 / 4 = 8, a size vLLM's CPU attention kernels lack: vLLM loaded the model and
+    failed at the first step's sampling with its own traceback ("Unsupported CPU attention
+    configuration"). Now the engine fails at start and train / eval say which option to change."""
+    if torch.cuda.is_available():
+        pytest.skip("the refused head size is a limit of vLLM's CPU backend")
+    from policygrad.cli import main
+    from policygrad.rollout.vllm import VLLMStartError
+    from policygrad.run import Run
+    from policygrad.trainer.config import ConfigError, load_config
+    from tests.trainer.conftest import tiny_overrides
+
+    path = tmp_path / "head_dim_8"
+    _, tok = make_tiny_llama(path, seed=0)
+    refused = r"^vLLM could not start on this model: RuntimeError: Unsupported CPU attention"
+    with pytest.raises(VLLMStartError, match=refused):
+        VLLMRolloutEngine(str(path), tok, [2], max_model_len=64, kv_cache_gb=0.05, cache_dir=str(tmp_path))
+
+    assert main(["eval", "--model", str(path), "--limit", "1", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err  # vLLM's progress bars and notes too
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith(
+        "error: --engine auto chose the vllm engine (vllm is installed), which cannot run this model: "
+        "vLLM could not start on this model: RuntimeError: Unsupported CPU attention configuration"
+    )
+    assert lines[0].endswith("; use --engine hf")
+
+    tree = tiny_overrides(str(path), "answer_correctness", tmp_path / "run", rollout={"engine": "vllm"})
+    with pytest.raises(ConfigError) as info:
+        run = Run(load_config(None, tree))
+        try:
+            run.train()
+        finally:
+            run.close()
+    message = str(info.value)
+    assert message.startswith("rollout.engine=vllm chose the vllm engine, which cannot run this model: ")
+    assert message.endswith("; use rollout.engine=hf") and "\n" not in message

@@ -110,3 +110,13 @@ def test_auto_engine_falls_back_to_hf_when_vllm_does_not_import(monkeypatch):
     assert RolloutConfig(engine="vllm").resolved_engine() == ("vllm", "configured")
     monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
     assert RolloutConfig(engine="auto").resolved_engine() == ("hf", "auto: vllm not installed")
+
+
+def test_env_retries_is_bounded():
+    # an environment that always fails is retried env_retries times per episode and step: 1e9 was
+    # a run that never finished its step (and a stop signal waits for the step)
+    for good in (0, 10):
+        RolloutConfig(env_retries=good).validate("rollout")
+    for bad in (11, 10**9, -1, True, 1.5):
+        with pytest.raises(ConfigError, match=r"rollout\.env_retries must be an int in \[0, 10\], got "):
+            RolloutConfig(env_retries=bad).validate("rollout")

@@ -191,9 +191,49 @@ def test_state_round_trips_and_missing_keys_read_as_zero():
     watch = UpdateWatch(config())
     watch.observe({"optim/steps": 4})
     watch.observe({})
-    assert watch.state_dict() == {"applied": 4, "steps": 2, "empty_in_a_row": 1}
+    assert watch.state_dict() == {
+        "applied": 4,
+        "steps": 2,
+        "empty_in_a_row": 1,
+        "skipped_nonfinite": 0,
+        "diverged": 0,
+    }
     resumed = UpdateWatch(config())
     resumed.load_state_dict(watch.state_dict())
     assert resumed.state_dict() == watch.state_dict()
     resumed.load_state_dict({"steps": 7})
-    assert resumed.state_dict() == {"applied": 0, "steps": 7, "empty_in_a_row": 0}
+    assert resumed.state_dict() == {
+        "applied": 0,
+        "steps": 7,
+        "empty_in_a_row": 0,
+        "skipped_nonfinite": 0,
+        "diverged": 0,
+    }
+
+
+def test_a_run_that_skipped_non_finite_steps_ends_with_one_warning():
+    watch = UpdateWatch(config(optim={"lr": 1e6}))
+    watch.observe({"optim/steps": 1})
+    assert watch.end_warning() is None
+    watch.observe({"optim/steps": 0, "optim/skipped_nonfinite": 1})
+    watch.observe({"optim/steps": 0, "optim/skipped_nonfinite": 2, "critic/skipped_nonfinite": 1})
+    warning = watch.end_warning()
+    assert warning.startswith(
+        "warning: the run diverged over its 3 steps: 4 optimizer steps were skipped because the loss or "
+        "the gradient was not finite"
+    )
+    assert "lower optim.lr (lr=1e+06)" in warning and "\n" not in warning
+    resumed = UpdateWatch(config(optim={"lr": 1e6}))
+    resumed.load_state_dict(watch.state_dict())
+    assert resumed.end_warning() == warning
+
+
+def test_a_run_whose_policy_stopped_responding_ends_with_the_warning():
+    watch = UpdateWatch(config())
+    watch.observe({"optim/steps": 1})
+    # a gradient of exactly 0 while half the groups scored differently: diverged (see above)
+    watch.observe({"optim/steps": 1, "optim/grad_norm": 0.0, "reward/zero_variance_group_frac": 0.5})
+    warning = watch.end_warning()
+    assert warning.startswith(
+        "warning: the run diverged over its 2 steps: in 1 steps the policy's gradient was exactly 0"
+    )

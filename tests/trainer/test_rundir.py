@@ -347,7 +347,13 @@ def test_the_update_watch_names_the_cause_and_the_limit():
         watch.check_trained()
     watch.observe({"optim/steps": 2})
     watch.check_trained()
-    assert watch.state_dict() == {"applied": 2, "steps": 2, "empty_in_a_row": 0}
+    assert watch.state_dict() == {
+        "applied": 2,
+        "steps": 2,
+        "empty_in_a_row": 0,
+        "skipped_nonfinite": 0,
+        "diverged": 0,
+    }
 
 
 def test_steps_with_an_exactly_zero_gradient_are_not_updates():
@@ -381,7 +387,13 @@ def test_steps_with_an_exactly_zero_gradient_are_not_updates():
     watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.5})
     watch.observe({**flat, "optim/grad_norm": 1e-12})
     watch.check_trained()
-    assert watch.state_dict() == {"applied": 2, "steps": 2, "empty_in_a_row": 0}
+    assert watch.state_dict() == {
+        "applied": 2,
+        "steps": 2,
+        "empty_in_a_row": 0,
+        "skipped_nonfinite": 0,
+        "diverged": 0,
+    }
     watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.0})
     assert watch.empty_in_a_row == 1
 

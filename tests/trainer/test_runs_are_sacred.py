@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import os
 import shutil
@@ -931,3 +932,23 @@ def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step
     assert " is on a disk with 0 MB free, and one checkpoint of this run takes about " in line
     assert line.endswith("free space, or set output_dir on a disk with room")
     assert not os.path.exists(run)
+
+
+def test_a_run_that_ends_having_skipped_non_finite_steps_says_it_diverged(make_config, caplog):
+    """optim.lr=1e6: the first update applies, the later steps' loss is not finite and they are
+    skipped, too few for max_skipped_updates (20) to end the run; it ended with its usual line only
+    (exit 0, weights diverged). Now one warning line says so and names optim.lr."""
+    cfg = make_config("lr", reward_fn="length_fraction", steps=3, optim={"lr": 1e6})
+    run = Run(cfg)
+    try:
+        with caplog.at_level(logging.INFO, logger="policygrad"):
+            summary = run.train()
+    finally:
+        run.close()
+    skipped = sum(r["optim/skipped_nonfinite"] for r in _rows(run.run_dir))
+    assert summary["updates_applied"] >= 1 and skipped >= 1
+    lines = [r.getMessage() for r in caplog.records]
+    warnings = [line for line in lines if line.startswith("warning: the run diverged")]
+    assert len(warnings) == 1
+    assert f"{skipped} optimizer steps were skipped" in warnings[0]
+    assert "lower optim.lr (lr=1e+06)" in warnings[0]
