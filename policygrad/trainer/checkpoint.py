@@ -231,10 +231,18 @@ def check_room_for_checkpoint(folder: str, needed: int) -> None:
         return
     if free < needed:
         raise TrainingError(
-            f"output_dir {folder} is on a disk with {free / 1e6:.0f} MB free, and one checkpoint of this run "
-            f"takes about {needed / 1e6:.0f} MB (weights and AdamW state): its trained steps could not be "
-            "saved; free space, or set output_dir on a disk with room"
+            f"output_dir {folder} is on a disk with {_size(free)} free, and one checkpoint of this run "
+            f"takes about {_size(needed)} (weights and AdamW state): the steps it trains could not be "
+            "saved, so nothing was trained; free space, or set output_dir on a disk with room"
         )
+
+
+def _size(n: int) -> str:
+    """``n`` bytes in the unit that shows its size (decimal units, as ``df -H``)."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if n < 10 * scale else f"{n / scale:.0f} {unit}"
+    return f"{n} bytes"
 
 
 # Below this much free space a failed write is most likely a full disk (torch.save then reports

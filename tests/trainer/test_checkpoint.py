@@ -261,5 +261,14 @@ def test_a_disk_without_room_for_one_checkpoint_is_refused_naming_both_sizes(tmp
     assert seen == [str(tmp_path)]  # the nearest folder that exists
     with pytest.raises(TrainingError) as info:
         check_room_for_checkpoint(str(folder), 5 * 10**6 + 1)
-    assert str(info.value).startswith(f"output_dir {folder} is on a disk with 5 MB free, and one checkpoint")
-    assert "takes about 5 MB" in str(info.value) and not folder.exists()
+    message = str(info.value)
+    assert message.startswith(f"output_dir {folder} is on a disk with 5.0 MB free, and one checkpoint")
+    assert "takes about 5.0 MB" in message and not folder.exists()
+    # the unit follows the size: 120 kB free against a 350 kB checkpoint reads as such, not "0 MB"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 120_000, 120_000))
+    small = r"with 120 kB free, and one checkpoint of this run takes about 349 kB"
+    with pytest.raises(TrainingError, match=small):
+        check_room_for_checkpoint(str(folder), 348_672)
+    large = r"with 120 kB free, .* takes about 12 GB .* so nothing was trained"
+    with pytest.raises(TrainingError, match=large):
+        check_room_for_checkpoint(str(folder), 12 * 10**9)

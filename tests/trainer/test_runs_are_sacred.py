@@ -929,7 +929,8 @@ def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step
     monkeypatch.setattr(shutil, "disk_usage", lambda _path: usage(10**9, 10**9 - 1000, 1000))
     assert main(["train", cfg]) == 2
     line = _one_error_line(capsys.readouterr().err)
-    assert " is on a disk with 0 MB free, and one checkpoint of this run takes about " in line
+    assert " is on a disk with 1.0 kB free, and one checkpoint of this run takes about " in line
+    assert "so nothing was trained" in line
     assert line.endswith("free space, or set output_dir on a disk with room")
     assert not os.path.exists(run)
 
