@@ -49,7 +49,6 @@ import copy
 import ctypes
 import functools
 import inspect
-import io
 import logging
 import multiprocessing.connection
 import numbers
@@ -66,7 +65,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from policygrad.envs.base import StepResult
-from policygrad.rewards.isolation import main_module_hidden, worker_context
+from policygrad.rewards.isolation import main_module_hidden, plain_loads, worker_context
 
 __all__ = [
     "InProcessHost",
@@ -175,15 +174,8 @@ def _decode(node: tuple) -> Any:
     return _opaque_type(node[1])(node[2])
 
 
-class _PlainUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(
-            f"an environment worker sent a {module}.{name} object; only plain data is accepted"
-        )
-
-
 def _loads(data: bytes) -> Any:
-    return _PlainUnpickler(io.BytesIO(data)).load()
+    return plain_loads(data, "environment worker")
 
 
 # --------------------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ import contextlib
 import copy
 import functools
 import inspect
+import io
 import logging
 import multiprocessing
 import numbers
@@ -84,6 +85,7 @@ __all__ = [
     "isolate_reward_functions",
     "is_user_reward",
     "main_module_hidden",
+    "plain_loads",
     "worker_context",
 ]
 
@@ -235,16 +237,23 @@ def _from_plain(result: tuple) -> Any:
 class _PlainUnpickler(pickle.Unpickler):
     """Unpickles only builtin containers and scalars: a reply can never name a class to import."""
 
+    def __init__(self, data: bytes, sender: str):
+        super().__init__(io.BytesIO(data))
+        self.sender = sender
+
     def find_class(self, module, name):
         raise pickle.UnpicklingError(
-            f"the reward worker sent a {module}.{name} object; only plain data is accepted"
+            f"the {self.sender} sent a {module}.{name} object; only plain data is accepted"
         )
 
 
-def _loads(data: bytes) -> Any:
-    import io
+def plain_loads(data: bytes, sender: str = "reward worker") -> Any:
+    """A worker's reply, refusing any pickled class (``sender`` names the worker in the error).
 
-    return _PlainUnpickler(io.BytesIO(data)).load()
+    Raises:
+        pickle.UnpicklingError: the reply names a class.
+    """
+    return _PlainUnpickler(data, sender).load()
 
 
 # --------------------------------------------------------------------------------------------
@@ -401,7 +410,7 @@ class RewardWorker:
                     f"did not return within reward.timeout_s={timeout:g} s {what}; it was stopped"
                 )
             try:
-                reply = _loads(self._conn.recv_bytes())
+                reply = plain_loads(self._conn.recv_bytes())
             except (EOFError, OSError):
                 self._process.join(5)
                 code = self._process.exitcode
