@@ -459,7 +459,7 @@ def policygrad_config(base: dict[str, Any], overrides: Sequence[str]):
     """A validated ``TrainConfig`` from a nested dict of settings and ``key=value`` overrides
     (values parsed as YAML, dotted keys as in ``policygrad train --key=value``)."""
     # imported here: keeps torch out of the coordinator and the TRL worker, which import this module
-    from policygrad.trainer.config import load_config, parse_overrides
+    from policygrad.config.train import load_config, parse_overrides
 
     tree = json.loads(json.dumps(base))
     extra = parse_overrides([o if o.startswith("--") else f"--{o}" for o in overrides])
@@ -708,7 +708,7 @@ def run_main(main: Callable[[], int]) -> None:
     """Exit with ``main()``'s status; a WorkerError or a config mistake (an ``--pg-override`` key
     or value) prints its message instead of a traceback."""
     # imported here: keeps torch out of the coordinator until a worker has failed
-    from policygrad.trainer.config import ConfigError
+    from policygrad.config.train import ConfigError
 
     try:
         code = main()

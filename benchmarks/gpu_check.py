@@ -56,9 +56,9 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
+from policygrad.config.train import load_config  # noqa: E402
 from policygrad.run import Run  # noqa: E402
-from policygrad.trainer.config import load_config  # noqa: E402
-from policygrad.trainer.resume import set_base_lr  # noqa: E402
+from policygrad.run.resume import set_base_lr  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _roofline  # noqa: E402

@@ -393,7 +393,7 @@ def settings(args, cfg) -> dict[str, Any]:
     import torch
 
     from policygrad.allocator import plan_preload
-    from policygrad.trainer.precision import resolve_precision
+    from policygrad.parallel.precision import resolve_precision
 
     inherited = os.environ.get("LD_PRELOAD") or None
     return {

@@ -6,7 +6,7 @@ from a YAML file.
                                train_dataset=dataset, steps=100)
 
 Everything :func:`train` accepts maps onto the same validated
-:class:`~policygrad.trainer.config.TrainConfig` and the same
+:class:`~policygrad.config.train.TrainConfig` and the same
 :class:`~policygrad.run.Run` the CLI uses; objects reach the trainer through its
 injection points (``model=``, ``reward_functions=``, ``train_source=``, ``eval_rows=``), and
 ``RUN_DIR/config.yaml`` records each object by its import path (``module:qualname``) when it has
@@ -19,10 +19,10 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from policygrad.config.train import TrainConfig, load_config
 from policygrad.data.sources import PromptDataset, load_prompt_records
 from policygrad.rewards.callables import describe_object
 from policygrad.run import Run
-from policygrad.trainer.config import TrainConfig, load_config
 
 __all__ = ["train"]
 
@@ -193,7 +193,7 @@ def train(
             field (``prompt``, ``question``, ...) and, for answer-checking rewards, an answer
             field; ``data.prompt_field`` / ``data.answer_field`` map others.
         eval_dataset: held-out rows, in any of the same forms (default: the config's).
-        config: a :class:`~policygrad.trainer.config.TrainConfig`, a dict (nested or dotted
+        config: a :class:`~policygrad.config.train.TrainConfig`, a dict (nested or dotted
             keys) or a YAML path.
         resume_from: a run directory to continue from its latest checkpoint (pass the same
             objects again).

@@ -38,8 +38,8 @@ once. Checkpoints are also written every save_every_minutes (10) minutes and on 
 
 def _user_errors():
     # imported per command: each command loads only its own modules (help and argument errors come fast)
-    from policygrad.trainer.config import ConfigError
-    from policygrad.trainer.errors import TrainingError
+    from policygrad.config.train import ConfigError
+    from policygrad.errors import TrainingError
 
     # OSError covers missing files and unwritable folders; ImportError and SyntaxError come from a
     # user's reward-function file. POLICYGRAD_DEBUG=1 shows the full traceback instead.
@@ -92,7 +92,7 @@ def _load_train_config(config_path: str | None, resume: str | None, rest: list[s
     ``config_path``) with ``rest`` applied, in the run's own folder; else ``config_path`` (or the
     defaults) with ``rest`` applied."""
     # imported per command: each command loads only its own modules (help and argument errors come fast)
-    from policygrad.trainer.config import ConfigError, load_config, parse_overrides
+    from policygrad.config.train import ConfigError, load_config, parse_overrides
 
     if resume is not None:
         saved = os.path.join(resume, "config.yaml")
@@ -113,9 +113,9 @@ def _load_train_config(config_path: str | None, resume: str | None, rest: list[s
 
 def cmd_train(argv: list[str]) -> int:
     # imported per command: each command loads only its own modules (help and argument errors come fast)
+    from policygrad.parallel.distributed import init_from_env, shutdown
     from policygrad.run import Run
-    from policygrad.trainer.distributed import init_from_env, shutdown
-    from policygrad.trainer.interrupts import EXIT_STATUS, Stopped, StopSignals
+    from policygrad.run.interrupts import EXIT_STATUS, Stopped, StopSignals
 
     if argv and argv[0] in ("-h", "--help"):
         print(TRAIN_USAGE)
@@ -149,11 +149,11 @@ def cmd_train(argv: list[str]) -> int:
 
 def cmd_eval(argv: list[str]) -> int:
     # imported per command: each command loads only its own modules (help and argument errors come fast)
+    from policygrad.config.train import RewardConfig, TrainConfig
     from policygrad.data.sources import is_code_dataset
+    from policygrad.evaluate.single_turn import eval_output_path, evaluate_model
     from policygrad.lab.common import OneLineArgumentParser, check_temperature
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import RewardConfig, TrainConfig
-    from policygrad.trainer.evaluate import eval_output_path, evaluate_model
 
     p = OneLineArgumentParser(
         prog="policygrad eval",
@@ -286,8 +286,8 @@ def eval_data_config(args, dataset: str):
         ValueError: ``--split`` or ``--dataset-config`` given for a dataset it does nothing for
             (a single file, a built-in dataset; ``--dataset-config``: anything but a Hub dataset).
     """
+    from policygrad.config.train import DataConfig
     from policygrad.data.sources import inert_dataset_option
-    from policygrad.trainer.config import DataConfig
 
     flags = (
         ("--split", args.split, "split", "a split of a dataset folder or a Hub dataset"),
@@ -358,8 +358,8 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
 
 def _eval_env(args, ks: list[int]) -> int:
     """``policygrad eval --env``: greedy (and sampled) episodes, success and pass@k."""
-    from policygrad.trainer.episode_eval import default_env_dataset, evaluate_env_model
-    from policygrad.trainer.evaluate import eval_output_path
+    from policygrad.evaluate.episodes import default_env_dataset, evaluate_env_model
+    from policygrad.evaluate.single_turn import eval_output_path
 
     options = _env_options(args.env_options)
     dataset = args.dataset or default_env_dataset(args.env)
@@ -503,7 +503,7 @@ def _said_by_rank_0(e: Exception) -> bool:
     """Under torchrun every rank reads the same config, so a config error is raised by all of
     them: rank 0 alone prints it. Errors of one rank's work (a reward, a row) print where they
     happen."""
-    from policygrad.trainer.config import ConfigError  # imported here: only on an error
+    from policygrad.config.train import ConfigError  # imported here: only on an error
 
     rank = int(os.environ.get("RANK", "0") or 0)
     return isinstance(e, ConfigError) and rank > 0 and int(os.environ.get("WORLD_SIZE", "1") or 1) > 1

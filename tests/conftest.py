@@ -58,7 +58,7 @@ def float32_auto_precision(monkeypatch):
     """``model.precision: auto`` resolves to fp32 on a CPU in every test, whether or not this
     CPU has bf16 instructions (auto picks bf16-mixed on those), so a test's numbers do not depend
     on the machine. Tests of the auto rule pass ``fast_cpu_bf16`` or patch it themselves."""
-    monkeypatch.setattr("policygrad.trainer.precision.cpu_has_fast_bf16", lambda _cpuinfo=None: False)
+    monkeypatch.setattr("policygrad.parallel.precision.cpu_has_fast_bf16", lambda _cpuinfo=None: False)
 
 
 @pytest.fixture(scope="session")

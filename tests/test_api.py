@@ -107,7 +107,7 @@ def test_async_rewards_work(tiny_dir, tmp_path):
 
 
 def test_config_forms_and_mistakes(tiny_dir, tmp_path):
-    from policygrad.trainer.config import ConfigError, TrainConfig
+    from policygrad.config.train import ConfigError, TrainConfig
 
     base = TrainConfig(algorithm="rloo", seed=3)
     summary = policygrad.train(tiny_dir, digit_reward, ROWS, config=base, **_small(tmp_path, "cfg"))
@@ -140,7 +140,7 @@ def test_a_model_object_is_recorded_as_model_name_and_another_name_is_refused(ti
     # The run trains the object: config.yaml must name it, or a --resume would load another model.
     from transformers import AutoModelForCausalLM
 
-    from policygrad.trainer.config import ConfigError
+    from policygrad.config.train import ConfigError
 
     model = AutoModelForCausalLM.from_pretrained(tiny_dir)
     other = tmp_path / "other_model"
@@ -161,8 +161,8 @@ def test_a_model_object_is_recorded_as_model_name_and_another_name_is_refused(ti
 def test_a_trainer_given_a_model_object_records_it_in_config_yaml(tiny_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from policygrad.config.train import load_config
     from policygrad.run import Run
-    from policygrad.trainer.config import load_config
 
     cfg = load_config(None, _small(tmp_path, "direct"))
     assert cfg.model.name == "bundled:smollm2-135m-instruct"  # the default: not the trained model
@@ -189,7 +189,7 @@ def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tm
 
 def test_an_environment_instance_is_refused_with_the_class_or_factory_to_pass(tiny_dir, tmp_path):
     # Before: AttributeError: 'FindChar' object has no attribute 'strip', after the model loaded.
-    from tests.trainer.test_evaluate import FindChar
+    from tests.evaluate.test_single_turn import FindChar
 
     with pytest.raises(TypeError) as info:
         policygrad.train(tiny_dir, [], ROWS, env=FindChar(char="v"), **_small(tmp_path, "instance"))

@@ -28,7 +28,7 @@ TEST_FILE_OF = {
     # The code_tests reward's pure parts (its sandbox runs are in tests/sandbox/test_runner.py).
     "policygrad/rewards/code.py": "tests/rewards/test_code_reward.py",
     # Episode evaluation is tested beside the single-turn evaluation it mirrors.
-    "policygrad/trainer/episode_eval.py": "tests/trainer/test_evaluate.py",
+    "policygrad/evaluate/episodes.py": "tests/evaluate/test_single_turn.py",
     # The builtin:guess rows are tested with the environment that plays them.
     "policygrad/data/guess_task.py": "tests/envs/test_guess.py",
 }

@@ -804,7 +804,7 @@ def vineppo_advantages(
     A response is cut at split points ``0 = s_0 < s_1 < ... < s_n`` (token offsets) into
     segments; ``V(s_i)`` is the mean reward of K continuations the policy samples from the
     prompt plus the response's first ``s_i`` tokens (the trainer supplies them, see
-    :mod:`policygrad.trainer.vine`). Every token of segment i gets the segment's advantage::
+    :mod:`policygrad.produce.vine`). Every token of segment i gets the segment's advantage::
 
         A_i = sum_{t in segment i} r_t + V(s_{i+1}) - V(s_i),   V(s_{n+1}) = 0 (the end)
 

@@ -184,7 +184,7 @@ def encode_prompts(tokenizer, rows: Sequence, data) -> list[list[int]]:
     Args:
         tokenizer: the policy's tokenizer.
         rows: dataset rows (dicts with ``"prompt"``).
-        data: the run's data section (``policygrad.trainer.config.DataConfig``).
+        data: the run's data section (``policygrad.config.train.DataConfig``).
 
     Raises:
         ValueError: as :func:`tokenize_prompts` (a prompt over ``max_prompt_length`` names the row).

@@ -588,7 +588,7 @@ def build_train_source(data, *, seed: int):
     """The train stream of a run: an object with ``train_row(i)`` (a pure function of ``i``).
 
     Args:
-        data: the run's data section (``policygrad.trainer.config.DataConfig``: ``dataset``,
+        data: the run's data section (``policygrad.config.train.DataConfig``: ``dataset``,
             ``difficulty``, ``prompt_field``, ``answer_field``, ``shuffle``).
         seed: the run seed.
 

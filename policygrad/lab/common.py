@@ -218,7 +218,7 @@ def check_temperature(value: float, name: str = "--temperature") -> float:
         ValueError: names the option and the smallest allowed value.
     """
     # imported here: the CLI imports this module cheaply, and trainer.config loads torch
-    from policygrad.trainer.config import MIN_TEMPERATURE  # the run's bound
+    from policygrad.config.train import MIN_TEMPERATURE  # the run's bound
 
     if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
         raise ValueError(f"{name} must be a finite number >= {MIN_TEMPERATURE}, got {value}")

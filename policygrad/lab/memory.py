@@ -102,11 +102,11 @@ SFT_MODELS = AlgorithmModels(
 @functools.cache
 def algorithm_models() -> Mapping[str, AlgorithmModels]:
     """``sft`` and every algorithm the trainer knows, read from its registry
-    (:data:`policygrad.trainer.config.ALGORITHMS`), so a new preset has a bill: a critic when the
+    (:data:`policygrad.config.train.ALGORITHMS`), so a new preset has a bill: a critic when the
     preset trains one, and a reference (for a KL to it) for every RL algorithm."""
     # imported here: trainer.config loads torch, and this module must import without it
+    from policygrad.config.train import ALGORITHMS
     from policygrad.core.advantages import estimator_spec
-    from policygrad.trainer.config import ALGORITHMS
 
     table = {"sft": SFT_MODELS}
     for name, preset in ALGORITHMS.items():
@@ -732,7 +732,7 @@ def check_options(
         raise ValueError(f"--lora-rank must be an int >= 0 (0 = full fine-tune), got {lora_rank!r}")
     if strategy == SHARDED and world_size > 1 and lora_rank:  # train refuses it (one process: no strategy)
         # imported here: the trainer package loads torch, and this module must import without it
-        from policygrad.trainer.errors import fsdp_lora_refusal
+        from policygrad.errors import fsdp_lora_refusal
 
         raise ValueError(fsdp_lora_refusal(strategy="--strategy", lora="--lora-rank", ddp="--strategy ddp"))
     if (batch is None) != (seq_len is None):

@@ -67,8 +67,8 @@ from policygrad.lab.common import (
     write_json,
 )
 from policygrad.models.forward import policy_logprobs
+from policygrad.parallel.precision import resolve_precision, unsupported_reason
 from policygrad.rollout.hf import HFRolloutEngine
-from policygrad.trainer.precision import resolve_precision, unsupported_reason
 
 DEFAULT_PROMPTS = (
     "Write a short story about a lighthouse keeper.",

@@ -10,9 +10,9 @@ than reaching new ones (teaching). This command measures that curve on a small s
 - both models answer the same held-out rows (those ``policygrad eval`` picks for the dataset,
   default the built-in arithmetic task's held-out split), each with one greedy completion and n
   sampled ones, through the engine and generation code of ``policygrad eval``
-  (:mod:`policygrad.trainer.evaluate`), one model after the other;
+  (:mod:`policygrad.evaluate.single_turn`), one model after the other;
 - pass@k for k = 1, 2, 4, ..., n (and n itself) with the unbiased estimator of Chen et al. 2021
-  (:func:`~policygrad.trainer.evaluate.pass_at_k`), averaged over the rows;
+  (:func:`~policygrad.evaluate.single_turn.pass_at_k`), averaged over the rows;
 - coverage: the rows each model solves at least once in n samples, and those only one of them
   solves.
 
@@ -104,9 +104,9 @@ def pass_at_k_curve(correct: Sequence[int], n: int, ks: Sequence[int]) -> dict[i
 
     Raises:
         ValueError: a count outside 0 .. n or a k outside 1 .. n (from
-            :func:`~policygrad.trainer.evaluate.pass_at_k`; k < 1 named here).
+            :func:`~policygrad.evaluate.single_turn.pass_at_k`; k < 1 named here).
     """
-    from policygrad.trainer.evaluate import pass_at_k  # imported here: it loads torch
+    from policygrad.evaluate.single_turn import pass_at_k  # imported here: it loads torch
 
     out = {}
     for k in ks:
@@ -162,8 +162,8 @@ def measure(
     engine_name: str = "",
 ) -> ModelPassK:
     """Greedy correctness and n sampled completions per row, scored, with ``policygrad eval``'s
-    generation and scoring (:func:`~policygrad.trainer.evaluate.greedy_eval` and the same
-    sampling call as :func:`~policygrad.trainer.evaluate.evaluate`, so a seed gives the samples
+    generation and scoring (:func:`~policygrad.evaluate.single_turn.greedy_eval` and the same
+    sampling call as :func:`~policygrad.evaluate.single_turn.evaluate`, so a seed gives the samples
     ``policygrad eval --samples n`` draws).
 
     Args:
@@ -181,8 +181,8 @@ def measure(
         ValueError: samples < 1 or a k outside 1 .. n.
     """
     # The sampling helpers of policygrad eval, so both commands draw the same completions.
+    from policygrad.evaluate.single_turn import greedy_eval, sample_completions, score_completions
     from policygrad.rewards.verifiers import answer_correctness
-    from policygrad.trainer.evaluate import greedy_eval, sample_completions, score_completions
 
     if samples < 1:
         raise ValueError(f"--samples must be >= 1, got {samples}")
@@ -455,7 +455,7 @@ def run_passk(
     Args:
         base, trained: anything ``policygrad eval --model`` takes (``bundled:NAME``, a model
             folder, a run's ``checkpoints/step_N/model`` (full or LoRA adapter), a cached hub id).
-        data: a :class:`~policygrad.trainer.config.DataConfig` with ``eval_dataset`` set
+        data: a :class:`~policygrad.config.train.DataConfig` with ``eval_dataset`` set
             (default: the built-in arithmetic task's held-out split, ``limit`` rows).
         limit: the first ``limit`` held-out rows (all when fewer); samples: n per row;
         ks: the k of the curve (default :func:`k_ladder`), each in 1 .. n.
@@ -470,9 +470,9 @@ def run_passk(
         ValueError: limit or samples < 1, a k outside 1 .. n, a bad model spec (named by
             ``--base`` / ``--trained``); ConfigError / OSError: a bad engine or dataset.
     """
+    from policygrad.config.train import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
+    from policygrad.evaluate.single_turn import eval_engine
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
-    from policygrad.trainer.evaluate import eval_engine
 
     if limit < 1:
         raise ValueError(f"--limit must be >= 1, got {limit}")
@@ -572,8 +572,8 @@ def main(argv: list[str]) -> str:
     """``policygrad lab passk --base M --trained M ...``: every flag is checked before a model
     loads."""
     from policygrad.cli import eval_data_config  # the rows policygrad eval picks for the same flags
+    from policygrad.config.train import RewardConfig, TrainConfig
     from policygrad.rewards.code import TaskReward
-    from policygrad.trainer.config import RewardConfig, TrainConfig
 
     args = build_parser().parse_args(argv)
     for flag, value in (("--limit", args.limit), ("--samples", args.samples),

@@ -147,7 +147,7 @@ class ValueModel(torch.nn.Module):
         """Write :meth:`trainable_state_dict` to ``folder/value_model.safetensors``; returns the path.
 
         ``state``: the full weights to take the trainable ones from instead (an FSDP-sharded
-        critic's, gathered by :func:`policygrad.trainer.sharding.full_state_dict`)."""
+        critic's, gathered by :func:`policygrad.parallel.sharding.full_state_dict`)."""
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)

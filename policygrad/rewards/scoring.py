@@ -87,7 +87,7 @@ class Scores:
     def gather(self, gather_rows: Callable[[torch.Tensor], torch.Tensor]) -> Scores:
         """Every process's rows as one batch, from a collective row gather ``gather_rows(tensor)``
         (the rows of every process's tensor in rank order, e.g.
-        ``policygrad.trainer.distributed.Dist.gather_rows``; called once per tensor, fields in
+        ``policygrad.parallel.distributed.Dist.gather_rows``; called once per tensor, fields in
         declaration order and components in their order, on every process); ``metrics``
         recomputed from the gathered rows as in :meth:`concat`."""
         return Scores._build(self, lambda name, key: gather_rows(_entry(self, name, key)))

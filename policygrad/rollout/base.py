@@ -310,7 +310,7 @@ class Rollout:
             gather_rows: ``gather_rows(tensor, left=bool) -> tensor``, the rows of every process's
                 ``tensor`` [B_r, ...] concatenated in rank order, a second dimension padded to
                 the widest (on the left with ``left``), e.g.
-                ``policygrad.trainer.distributed.Dist.gather_rows``. Called once per tensor field,
+                ``policygrad.parallel.distributed.Dist.gather_rows``. Called once per tensor field,
                 in field order, on every process (an optional field must be None on every
                 process or on none).
             group_offset: the :attr:`num_groups` of the processes before this one (an exclusive

@@ -6,6 +6,13 @@ resume, checkpoints, signals, evaluation cadence, trackers, the summary and the 
     summary = run.train()
 """
 
-from policygrad.run.run import Run
-
 __all__ = ["Run"]
+
+
+def __getattr__(name: str):
+    if name == "Run":
+        # imported on first use: the trainer's parts import run.checkpoint, and Run imports the trainer
+        from policygrad.run.run import Run
+
+        return Run
+    raise AttributeError(f"module 'policygrad.run' has no attribute {name!r}")

@@ -3,7 +3,7 @@ resumed run before anything is built, the prompt-length check once the tokenizer
 taking the folder (lock, config, metrics log, trackers) once every part is built.
 
 Nothing is written until every check has passed; then :func:`take_run_dir` locks the folder
-(:mod:`policygrad.trainer.rundir`) and writes the run's files, and a failure while doing so
+(:mod:`policygrad.run.rundir`) and writes the run's files, and a failure while doing so
 leaves a new run's folder as empty as it was.
 """
 
@@ -14,22 +14,22 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.data.chat import encode_prompts
-from policygrad.trainer import rundir
-from policygrad.trainer.build import engine_context
-from policygrad.trainer.checkpoint import (
+from policygrad.errors import TrainingError
+from policygrad.parallel.distributed import NullLogger
+from policygrad.run import rundir
+from policygrad.run.checkpoint import (
     checkpoint_path,
     find_checkpoints,
     latest_checkpoint,
     load_trainer_state,
     recover_interrupted_saves,
 )
-from policygrad.trainer.config import ConfigError, TrainConfig
-from policygrad.trainer.distributed import NullLogger
-from policygrad.trainer.errors import TrainingError
-from policygrad.trainer.logging import MetricsLogger
-from policygrad.trainer.resume import TRAINING_OPTIONS, config_changes
-from policygrad.trainer.trackers import build_trackers, read_tracker_ids
+from policygrad.run.logging import MetricsLogger
+from policygrad.run.resume import TRAINING_OPTIONS, config_changes
+from policygrad.run.trackers import build_trackers, read_tracker_ids
+from policygrad.trainer.build import engine_context
 
 __all__ = ["Resume", "TakenDir", "check_prompts", "check_resume", "take_run_dir"]
 
@@ -39,7 +39,7 @@ log = logging.getLogger("policygrad")
 @dataclass(frozen=True)
 class Resume:
     """A checked ``--resume``: the newest complete checkpoint, its trainer state, and the options
-    that changed (``{field: (saved, new)}``, see :mod:`policygrad.trainer.resume`)."""
+    that changed (``{field: (saved, new)}``, see :mod:`policygrad.run.resume`)."""
 
     checkpoint: str
     state: dict[str, Any]
@@ -130,7 +130,7 @@ def take_run_dir(
 ) -> TakenDir:
     """Lock the run directory and write the run's files: a new run deletes what an old run wrote
     there (``overwrite``, or what a start that saved no checkpoint left: see
-    :func:`~policygrad.trainer.rundir.holds_run`) and writes ``config.yaml``; a resumed one tidies
+    :func:`~policygrad.run.rundir.holds_run`) and writes ``config.yaml``; a resumed one tidies
     interrupted saves, records changed options and drops metrics logged after its checkpoint
     (``step``). Data-parallel: rank 0 alone (``is_main``); the other ranks write nothing.
 

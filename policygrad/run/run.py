@@ -17,32 +17,31 @@ from typing import Any
 
 from tqdm import tqdm
 
+from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.data.sources import build_eval_rows
+from policygrad.errors import CheckpointError, CheckpointSaveError, TrainingError
+from policygrad.evaluate.episodes import evaluate_episodes
+from policygrad.evaluate.single_turn import evaluate as evaluate_rows
+from policygrad.evaluate.single_turn import write_jsonl
+from policygrad.learn.health import UpdateWatch, check_finite_weights
 from policygrad.models.adapters import is_peft_model
+from policygrad.parallel.distributed import Dist, NullLogger
 from policygrad.rewards.code import TaskReward
-from policygrad.run import stops
-from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
-from policygrad.trainer import rundir
-from policygrad.trainer.checkpoint import (
+from policygrad.run import rundir, stops
+from policygrad.run.checkpoint import (
     check_room_for_checkpoint,
     checkpoint_bytes,
     checkpoint_path,
     prune_checkpoints,
     save_checkpoint,
 )
-from policygrad.trainer.config import ConfigError, TrainConfig
-from policygrad.trainer.distributed import Dist, NullLogger
-from policygrad.trainer.episode_eval import evaluate_episodes
-from policygrad.trainer.errors import CheckpointError, CheckpointSaveError, TrainingError
-from policygrad.trainer.evaluate import evaluate as evaluate_rows
-from policygrad.trainer.evaluate import write_jsonl
-from policygrad.trainer.export import export_merged, final_metrics, model_card
+from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
+from policygrad.run.export import export_merged, final_metrics, model_card
+from policygrad.run.interrupts import Stopped, StopSignals
+from policygrad.run.logging import MetricsLogger, peak_rss_gb
+from policygrad.run.resume import set_base_lr
 from policygrad.trainer.factory import build_trainer, prepare_config
-from policygrad.trainer.health import UpdateWatch, check_finite_weights
-from policygrad.trainer.interrupts import Stopped, StopSignals
-from policygrad.trainer.logging import MetricsLogger, peak_rss_gb
 from policygrad.trainer.loop import Trainer
-from policygrad.trainer.resume import set_base_lr
 
 __all__ = ["Run"]
 
@@ -70,7 +69,7 @@ class Run:
             ``env.name``; recorded like ``reward_functions``.
 
     Nothing is written until every check has passed and every part is built; then the run
-    directory is locked (:mod:`policygrad.trainer.rundir`) until :meth:`train` returns or
+    directory is locked (:mod:`policygrad.run.rundir`) until :meth:`train` returns or
     :meth:`close` is called.
 
     Raises:
@@ -178,7 +177,7 @@ class Run:
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoint's trainer state: :meth:`Trainer.state_dict` and the counts of applied
-        and skipped updates (:class:`~policygrad.trainer.health.UpdateWatch`)."""
+        and skipped updates (:class:`~policygrad.learn.health.UpdateWatch`)."""
         return {**self.trainer.state_dict(), "updates": self.watch.state_dict()}
 
     def load_state_dict(self, resume: Resume) -> None:
@@ -198,7 +197,7 @@ class Run:
         """Held-out evaluation through the run's rollout engine, all rows in one ``generate`` call
         (``batch_size`` caps it): greedy accuracy judged by the rows' verifier (``eval_reward``:
         answer correctness, or ``code_tests`` on rows with code tests) and, with ``eval_samples`` =
-        n >= 2, pass@k and maj@k for each k of ``eval_k`` (:func:`policygrad.trainer.evaluate.evaluate`).
+        n >= 2, pass@k and maj@k for each k of ``eval_k`` (:func:`policygrad.evaluate.single_turn.evaluate`).
 
         Returns:
             ``(metrics, records)``: metrics under their :data:`METRICS` names (``eval/accuracy``,
@@ -532,7 +531,7 @@ class Run:
 
     def save_checkpoint(self, state: dict[str, Any] | None = None) -> str:
         """Write ``RUN_DIR/checkpoints/step_N`` as a transaction (see
-        :mod:`policygrad.trainer.checkpoint`) from ``state`` (default: :meth:`state_dict` now).
+        :mod:`policygrad.run.checkpoint`) from ``state`` (default: :meth:`state_dict` now).
         Returns its path. A collective under FSDP (the ranks write their shards first).
 
         Raises:
@@ -565,7 +564,7 @@ class Run:
 
     def model_card(self, step: int, *, kind: str | None = None) -> str:
         """The ``README.md`` of a model folder this run exports at ``step`` (see
-        :mod:`policygrad.trainer.export`): base model, algorithm and settings, data, steps, the
+        :mod:`policygrad.run.export`): base model, algorithm and settings, data, steps, the
         last logged metrics, library version."""
         return model_card(
             self.config.to_dict(),

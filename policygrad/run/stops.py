@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 
-from policygrad.trainer.checkpoint import checkpoint_path
+from policygrad.run.checkpoint import checkpoint_path
 
 __all__ = ["how_to_go_on", "warn_stopped_after_step", "warn_stopped_at_once"]
 

@@ -12,12 +12,18 @@ from dataclasses import asdict
 
 import torch
 
+from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
 from policygrad.data.ptx import PtxData
 from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
 from policygrad.envs.registry import check_environment_spec, environment_factory
+from policygrad.learn.critic import CriticTrainer
+from policygrad.learn.objective import PolicyObjective
+from policygrad.learn.optim import OptimizerStep, lr_schedule, make_adamw
+from policygrad.learn.update import PolicyStep
 from policygrad.models.value import load_value_model
+from policygrad.parallel.precision import Precision
 from policygrad.rewards.code import configure_code_rewards
 from policygrad.rewards.isolation import isolate_reward_functions
 from policygrad.rewards.normalize import RewardNormalizer
@@ -26,13 +32,7 @@ from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.hf import HFRolloutEngine
 from policygrad.rollout.vllm import VLLMRolloutEngine, VLLMStartError
-from policygrad.trainer.config import ConfigError, TrainConfig
-from policygrad.trainer.critic import CriticTrainer
 from policygrad.trainer.models import Models
-from policygrad.trainer.objective import PolicyObjective
-from policygrad.trainer.optim import OptimizerStep, lr_schedule, make_adamw
-from policygrad.trainer.precision import Precision
-from policygrad.trainer.update import PolicyStep
 
 __all__ = [
     "build_critic",
@@ -292,7 +292,7 @@ def build_scorer(cfg: TrainConfig, *, device: torch.device, dtype: torch.dtype, 
 def build_critic(
     cfg: TrainConfig, *, model_path: str, device: torch.device, checkpoint, strategy, precision: Precision
 ):
-    """The value model and its :class:`~policygrad.trainer.critic.CriticTrainer` (None without a
+    """The value model and its :class:`~policygrad.learn.critic.CriticTrainer` (None without a
     critic), parameters in the precision's dtype. ``strategy.prepare_critic(critic)`` runs after
     the checkpoint weights load and before the optimizer is built on the parameters (FSDP
     sharding)."""
@@ -345,7 +345,7 @@ def optimizer_steps(cfg: TrainConfig) -> int:
 
 
 def policy_optimizer(cfg: TrainConfig, policy, *, device: torch.device, strategy, scaler=None):
-    """The policy's AdamW, its schedule and the :class:`~policygrad.trainer.optim.OptimizerStep`
+    """The policy's AdamW, its schedule and the :class:`~policygrad.learn.optim.OptimizerStep`
     (``scaler``: fp16-mixed's ``torch.amp.GradScaler``, or None)."""
     o = cfg.optim
     params = [p for p in policy.parameters() if p.requires_grad]
@@ -375,7 +375,7 @@ def build_ptx(cfg: TrainConfig, tokenizer):
 
 
 def build_objective(cfg: TrainConfig, kl):
-    """The :class:`~policygrad.trainer.objective.PolicyObjective` of the config: the registered
+    """The :class:`~policygrad.learn.objective.PolicyObjective` of the config: the registered
     policy loss with only the options the user set, the aggregation, the KL placement's loss term,
     the entropy bonus and the truncated importance correction."""
     r = cfg.rollout
@@ -399,7 +399,7 @@ def build_objective(cfg: TrainConfig, kl):
 def build_policy_step(
     cfg: TrainConfig, policy, objective, optimizer_step, *, ptx, device: torch.device, strategy, precision
 ):
-    """The :class:`~policygrad.trainer.update.PolicyStep` run on every minibatch."""
+    """The :class:`~policygrad.learn.update.PolicyStep` run on every minibatch."""
     return PolicyStep(
         policy,
         objective,

@@ -18,20 +18,20 @@ import math
 import os
 from typing import Any
 
+from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.core.advantages import get_advantage_estimator
 from policygrad.data.sources import build_train_source
 from policygrad.data.stream import PromptStream
+from policygrad.parallel.distributed import Dist
+from policygrad.parallel.precision import resolve_precision, resumed_precision
+from policygrad.parallel.recompute import Recompute, pending_state_bytes
+from policygrad.parallel.strategy import make_strategy
+from policygrad.parallel.threads import ThreadGovernor
 from policygrad.rewards.callables import describe_object
+from policygrad.seeds import Seeds
 from policygrad.trainer import build
-from policygrad.trainer.config import ConfigError, TrainConfig
-from policygrad.trainer.distributed import Dist
 from policygrad.trainer.loop import Trainer
 from policygrad.trainer.models import build_models, record_model_object
-from policygrad.trainer.precision import resolve_precision, resumed_precision
-from policygrad.trainer.recompute import Recompute, pending_state_bytes
-from policygrad.trainer.seeds import Seeds
-from policygrad.trainer.strategy import make_strategy
-from policygrad.trainer.threads import ThreadGovernor
 
 log = logging.getLogger("policygrad")
 
@@ -149,7 +149,7 @@ def build_trainer(
     Args:
         checkpoint: a checkpoint folder whose policy (and critic) weights are loaded.
         checkpoint_precision: the precision its trainer state records (``model.precision=auto``
-            keeps it: :func:`~policygrad.trainer.precision.resumed_precision`).
+            keeps it: :func:`~policygrad.parallel.precision.resumed_precision`).
         engine: a rollout engine to use instead of the one ``rollout.engine`` names (its own
             precision: the run's autocast wraps only the engines it builds).
         model, tokenizer: a loaded model to train in place instead of ``model.name``.
@@ -283,7 +283,7 @@ def build_trainer(
 
 
 def build_recompute(cfg: TrainConfig, policy, critic_trainer, optimizer, *, precision, device):
-    """The :class:`~policygrad.trainer.recompute.Recompute` of ``model.gradient_checkpointing=auto``
+    """The :class:`~policygrad.parallel.recompute.Recompute` of ``model.gradient_checkpointing=auto``
     (None for ``true`` / ``false``), the setting logged at start as the rollout engine is."""
     setting = cfg.model.gradient_checkpointing
     if setting != "auto":

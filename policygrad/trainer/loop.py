@@ -11,12 +11,12 @@
    policy's old log-probs when the update is not exactly on-policy, the critic's values;
 4. **token rewards -> advantages**: the KL placement shapes the per-token rewards, the
    registered estimator turns them (and the values) into advantages and returns, all in one
-   immutable :class:`~policygrad.trainer.experience.Experience`;
+   immutable :class:`~policygrad.learn.experience.Experience`;
 5. **update**: ``ppo_epochs`` x ``num_minibatches`` minibatch views of the experience, one policy
    step each (micro-batches whose losses use the minibatch's global counts) and one critic step;
 6. **sync**: a rollout engine that holds its own copy of the weights receives the new ones;
 7. **KL controller**: the adaptive controller sees the batch's KL to the reference;
-8. **metrics**: every name from :data:`policygrad.trainer.metrics.METRICS`.
+8. **metrics**: every name from :data:`policygrad.learn.metrics.METRICS`.
 
 The loop never tests an algorithm's, a loss's, a KL placement's or an engine's name: the config
 resolves registered parts, and each declares what it needs.
@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from policygrad.config.train import TrainConfig
+from policygrad.config.training import MAX_LOSS_COEF
 from policygrad.core.advantages import AdvantageEstimator, monte_carlo_returns
 from policygrad.core.entropy import AdaptiveEntropyController, covariance_selection, token_covariance
 from policygrad.core.kl import AdaptiveKLController, FixedKLController, KLPlacement, kl_estimate
@@ -41,19 +43,11 @@ from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.ptx import PtxData
 from policygrad.data.stream import PromptStream
 from policygrad.envs.episodes import EpisodeRunner
-from policygrad.models.forward import inference_logprobs
-from policygrad.rewards.scoring import Scorer
-from policygrad.rollout.base import RolloutEngine
-from policygrad.trainer.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
-from policygrad.trainer.config import TrainConfig
-from policygrad.trainer.config_training import MAX_LOSS_COEF
-from policygrad.trainer.critic import CriticTrainer
-from policygrad.trainer.distributed import Dist
-from policygrad.trainer.errors import CheckpointError, TrainingError
-from policygrad.trainer.experience import Experience
-from policygrad.trainer.health import check_finite_advantages
-from policygrad.trainer.logging import peak_rss_gb
-from policygrad.trainer.metrics import (
+from policygrad.errors import CheckpointError, TrainingError
+from policygrad.learn.critic import CriticTrainer
+from policygrad.learn.experience import Experience
+from policygrad.learn.health import check_finite_advantages
+from policygrad.learn.metrics import (
     async_metrics,
     batch_metrics,
     critic_metrics,
@@ -61,15 +55,21 @@ from policygrad.trainer.metrics import (
     mean_value,
     mismatch_metrics,
 )
-from policygrad.trainer.objective import PolicyObjective, positive_samples
-from policygrad.trainer.pipeline import RolloutPipeline
-from policygrad.trainer.precision import Precision
-from policygrad.trainer.production import finish, produce
-from policygrad.trainer.runtime import release_free_memory, synced_clock
-from policygrad.trainer.seeds import Seeds
-from policygrad.trainer.strategy import Strategy
-from policygrad.trainer.threads import ThreadGovernor
-from policygrad.trainer.update import PolicyStep, UpdateStats
+from policygrad.learn.objective import PolicyObjective, positive_samples
+from policygrad.learn.update import PolicyStep, UpdateStats
+from policygrad.models.forward import inference_logprobs
+from policygrad.parallel.distributed import Dist
+from policygrad.parallel.precision import Precision
+from policygrad.parallel.runtime import release_free_memory, synced_clock
+from policygrad.parallel.strategy import Strategy
+from policygrad.parallel.threads import ThreadGovernor
+from policygrad.produce.production import finish, produce
+from policygrad.produce.rollouts import RolloutPipeline
+from policygrad.rewards.scoring import Scorer
+from policygrad.rollout.base import RolloutEngine
+from policygrad.run.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
+from policygrad.run.logging import peak_rss_gb
+from policygrad.seeds import Seeds
 
 __all__ = ["Trainer", "TrainingError"]
 
@@ -85,7 +85,7 @@ class Trainer:
     checkpoints, signals, evaluation, trackers). The trainer writes no file.
 
     ``threads`` holds torch's thread count: ``num_threads``, or (null) a count that fits the
-    machine's load, re-read before each step (:mod:`policygrad.trainer.threads`).
+    machine's load, re-read before each step (:mod:`policygrad.parallel.threads`).
 
     Seams (attributes a caller may replace): ``engine``, ``scorer`` (rewards ->
     :class:`~policygrad.rewards.scoring.Scores`), ``estimator`` (the registered advantage

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from policygrad.config.train import ConfigError, ModelConfig, TrainConfig
 from policygrad.models.adapters import (
     FrozenStart,
     describe_model,
@@ -31,8 +32,7 @@ from policygrad.models.loading import (
     prepare_tokenizer,
 )
 from policygrad.models.swiglu import use_memory_efficient_mlp
-from policygrad.trainer.checkpoint import load_policy_weights
-from policygrad.trainer.config import ConfigError, ModelConfig, TrainConfig
+from policygrad.run.checkpoint import load_policy_weights
 
 __all__ = ["Models", "adopt_model", "build_models", "load_eval_models", "record_model_object"]
 

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 
+from policygrad.config.train import DataConfig
 from policygrad.data.hub import load_hub_rows, looks_like_hub_id
 from policygrad.data.sources import build_eval_rows, build_train_source, load_prompt_dataset
-from policygrad.trainer.config import DataConfig
 
 pytestmark = pytest.mark.unit
 

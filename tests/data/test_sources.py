@@ -96,7 +96,7 @@ def test_split_folder_json_list_and_limit(tmp_path):
 
 def test_dataset_options_that_choose_nothing_are_refused(tmp_path):
     # Before: data.split and data.dataset_config were ignored for a single file without a word.
-    from policygrad.trainer.config import DataConfig
+    from policygrad.config.train import DataConfig
 
     one = str(_write_jsonl(tmp_path / "one.jsonl", [{"prompt": "a", "answer": "1"}]))
     with pytest.raises(ValueError) as info:

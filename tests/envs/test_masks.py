@@ -11,11 +11,11 @@ from policygrad.core.advantages import estimate_advantages
 from policygrad.core.kl import get_kl_placement
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import AGGREGATION_MODES
+from policygrad.learn.experience import Experience
+from policygrad.learn.metrics import critic_metrics, mismatch_metrics
+from policygrad.learn.objective import MinibatchCounts, PolicyObjective
 from policygrad.models.forward import policy_logprobs
 from policygrad.rollout.base import Rollout
-from policygrad.trainer.experience import Experience
-from policygrad.trainer.metrics import critic_metrics, mismatch_metrics
-from policygrad.trainer.objective import MinibatchCounts, PolicyObjective
 from tests.tiny import make_tiny_llama
 
 pytestmark = pytest.mark.unit

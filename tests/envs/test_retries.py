@@ -12,11 +12,11 @@ import time
 
 import pytest
 
+from policygrad.config.train import load_config
 from policygrad.envs import Environment, StepResult
+from policygrad.errors import TrainingError
 from policygrad.rollout.base import prompt_seed
 from policygrad.run import Run
-from policygrad.trainer.config import load_config
-from policygrad.trainer.errors import TrainingError
 from tests.envs.test_episodes import enc, runner, turns_script
 from tests.tiny import EOS_ID
 
@@ -141,7 +141,7 @@ class ExitsOnce(FailsOnSomeSeeds):
 
 
 def _train(eos_model_dir, rewards_py, out, env, steps=2, top=None, **rollout):
-    from tests.trainer.conftest import tiny_overrides
+    from tests.training import tiny_overrides
 
     tree = tiny_overrides(eos_model_dir, f"{rewards_py}:digit_fraction", out, steps=steps)
     tree["reward"] = {"functions": []}

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
+from policygrad.config.train import load_config
 from policygrad.envs import Environment, StepResult
 from policygrad.run import Run
 from policygrad.trainer import TrainingError
-from policygrad.trainer.config import load_config
-from tests.trainer.conftest import tiny_overrides
+from tests.training import tiny_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -215,7 +215,7 @@ class TurnLength(Environment):
 
 
 def test_dynamic_sampling_keeps_the_groups_whose_turn_rewards_differ(eos_model_dir, rewards_py, tmp_path):
-    from tests.trainer.conftest import write_jsonl
+    from tests.training import write_jsonl
 
     data = write_jsonl(
         tmp_path / "same.jsonl",

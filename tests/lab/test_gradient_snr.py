@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from policygrad.core.kl import kl_shaped_rewards
+from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import tokenize_user_prompts
 from policygrad.lab.gradient_snr import (
     RIDGE_GRID,
@@ -22,7 +23,6 @@ from policygrad.lab.gradient_snr import (
     select_parameters,
 )
 from policygrad.rollout.hf import HFRolloutEngine
-from policygrad.trainer.evaluate import decode_completions
 
 pytestmark = pytest.mark.integration
 

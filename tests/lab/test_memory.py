@@ -9,6 +9,7 @@ import json
 import pytest
 
 from policygrad.cli import main
+from policygrad.config.train import ALGORITHMS
 from policygrad.lab.memory import (
     BYTES_FROZEN,
     BYTES_TRAINABLE,
@@ -24,7 +25,6 @@ from policygrad.lab.memory import (
     run_memory,
 )
 from policygrad.models.loading import apply_lora, load_causal_lm
-from policygrad.trainer.config import ALGORITHMS
 
 pytestmark = pytest.mark.integration
 
@@ -245,7 +245,7 @@ def test_fsdp_prices_one_rank_of_the_sharded_models():
 
 def test_fsdp_with_lora_is_refused_as_train_refuses_it(capsys):
     # Before: priced, though train refuses the combination; both say it in the same words.
-    from policygrad.trainer.errors import fsdp_lora_refusal
+    from policygrad.errors import fsdp_lora_refusal
 
     argv = ["--params", "7e9", "--world-size", "2", "--strategy", "fsdp", "--lora-rank", "8"]
     assert main(["memory", *argv]) == 2

@@ -11,6 +11,7 @@ import os
 import pytest
 
 from policygrad.cli import main
+from policygrad.config.train import DataConfig
 from policygrad.lab.passk import (
     ModelPassK,
     PassKResult,
@@ -21,9 +22,8 @@ from policygrad.lab.passk import (
     passk_table,
     write_outputs,
 )
-from policygrad.trainer.config import DataConfig
+from tests.evaluate.test_single_turn import FixedEngine
 from tests.tiny import make_tiny_tokenizer
-from tests.trainer.test_evaluate import FixedEngine
 
 
 @pytest.mark.unit

@@ -191,7 +191,7 @@ def _scores(B: int, start: int, failed_rows=()) -> Scores:
 
 
 def _concat_by_hand(scores):
-    """What ``policygrad.trainer.stages.concat_batches`` wrote out before Scores.concat."""
+    """What ``policygrad.produce.stages.concat_batches`` wrote out before Scores.concat."""
     raw, failed = torch.cat([s.raw for s in scores]), torch.cat([s.failed for s in scores])
     components = {k: torch.cat([s.components[k] for s in scores]) for k in scores[0].components}
     return Scores(

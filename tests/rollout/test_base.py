@@ -72,7 +72,7 @@ def _pad(t, width, *, left):
 
 
 def _concat_by_hand(rollouts):
-    """The field list ``policygrad.trainer.stages.concat_batches`` wrote out before Rollout.concat."""
+    """The field list ``policygrad.produce.stages.concat_batches`` wrote out before Rollout.concat."""
     P = max(r.prompt_ids.shape[1] for r in rollouts)
     T = max(r.response_ids.shape[1] for r in rollouts)
     offsets, total = [], 0

@@ -644,10 +644,10 @@ def test_a_model_vllm_cannot_run_is_one_error_line_naming_the_engine_option(tmp_
     if torch.cuda.is_available():
         pytest.skip("the refused head size is a limit of vLLM's CPU backend")
     from policygrad.cli import main
+    from policygrad.config.train import ConfigError, load_config
     from policygrad.rollout.vllm import VLLMStartError
     from policygrad.run import Run
-    from policygrad.trainer.config import ConfigError, load_config
-    from tests.trainer.conftest import tiny_overrides
+    from tests.training import tiny_overrides
 
     path = tmp_path / "head_dim_8"
     _, tok = make_tiny_llama(path, seed=0)

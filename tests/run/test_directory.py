@@ -8,11 +8,11 @@ from types import SimpleNamespace
 
 import pytest
 
+from policygrad.config.train import ConfigError, load_config
+from policygrad.errors import TrainingError
+from policygrad.run.checkpoint import COMPLETE_FILE, checkpoint_path, save_checkpoint
 from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
-from policygrad.trainer.checkpoint import COMPLETE_FILE, checkpoint_path, save_checkpoint
-from policygrad.trainer.config import ConfigError, load_config
-from policygrad.trainer.errors import TrainingError
-from policygrad.trainer.rundir import LOCK_FILE, RunLock, write_config
+from policygrad.run.rundir import LOCK_FILE, RunLock, write_config
 from tests.tiny import make_tiny_tokenizer
 
 pytestmark = pytest.mark.unit

@@ -14,14 +14,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from policygrad.config.train import load_config
+from policygrad.errors import CheckpointError, CheckpointSaveError
+from policygrad.learn.health import UpdateWatch
+from policygrad.parallel.distributed import Dist
 from policygrad.run import Run
+from policygrad.run.checkpoint import checkpoint_problem, load_trainer_state
 from policygrad.run.directory import Resume
-from policygrad.trainer.checkpoint import checkpoint_problem, load_trainer_state
-from policygrad.trainer.config import load_config
-from policygrad.trainer.distributed import Dist
-from policygrad.trainer.errors import CheckpointError, CheckpointSaveError
-from policygrad.trainer.health import UpdateWatch
-from policygrad.trainer.rundir import RunLock
+from policygrad.run.rundir import RunLock
 
 pytestmark = pytest.mark.integration  # the last test trains the tiny model; the others need none
 

@@ -17,7 +17,7 @@ from policygrad.models.adapters import load_model, resolve_model_source
 from policygrad.models.forward import inference_logprobs
 from policygrad.models.loading import apply_lora, load_causal_lm
 from policygrad.run import Run
-from tests.trainer.conftest import write_jsonl
+from tests.training import write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -152,7 +152,7 @@ def test_a_full_model_checkpoint_carries_a_model_card(make_config, tmp_path):
 
 
 def test_adapter_mistakes_are_one_line_errors(make_config, eos_model_dir, trained_adapter, tmp_path):
-    from policygrad.trainer.config import ConfigError
+    from policygrad.config.train import ConfigError
 
     with pytest.raises(ConfigError, match="model.adapter with model.lora.rank=4"):
         make_config("x", model={"adapter": trained_adapter, "lora": {"rank": 4}})
@@ -169,7 +169,7 @@ def test_a_merged_export_keeps_modules_the_adapter_trains_whole(eos_model_dir, t
     tied model loaded its embedding as the head: logits off by up to 15.6 on the bundled model)."""
     from peft import LoraConfig, get_peft_model
 
-    from policygrad.trainer.export import export_merged
+    from policygrad.run.export import export_merged
     from tests.tiny import make_tiny_tokenizer
 
     base = load_causal_lm(eos_model_dir)
@@ -197,7 +197,7 @@ def test_a_merged_export_keeps_modules_the_adapter_trains_whole(eos_model_dir, t
 def test_an_export_deletes_what_a_killed_export_left(eos_model_dir, tmp_path):
     import subprocess
 
-    from policygrad.trainer.export import export_merged
+    from policygrad.run.export import export_merged
     from tests.tiny import make_tiny_tokenizer
 
     dead = subprocess.Popen(["true"])

@@ -11,15 +11,15 @@ import numpy as np
 import pytest
 import torch
 
+from policygrad.config.train import ConfigError
 from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
+from policygrad.learn.optim import OptimizerStep
+from policygrad.parallel.distributed import Dist
+from policygrad.parallel.strategy import Single
 from policygrad.rollout import vllm as vllm_module
 from policygrad.trainer import build
-from policygrad.trainer.config import ConfigError
-from policygrad.trainer.distributed import Dist
-from policygrad.trainer.optim import OptimizerStep
-from policygrad.trainer.strategy import Single
-from tests.trainer.conftest import config_with
+from tests.training import config_with
 
 pytestmark = pytest.mark.unit
 
@@ -149,7 +149,7 @@ def test_no_ptx_stream_without_a_coefficient(tmp_path):
 
 
 def test_vllm_auto_dtype_follows_fp16_mixed_on_cuda_only():
-    from policygrad.trainer.precision import Precision
+    from policygrad.parallel.precision import Precision
 
     fp16_cuda = Precision("fp16-mixed", torch.float32, torch.float16, "cuda", loss_scaling=True)
     fp16_cpu = Precision("fp16-mixed", torch.float32, torch.float16, "cpu", loss_scaling=True)

@@ -13,9 +13,9 @@ import torch
 import yaml
 
 from policygrad.cli import main
+from policygrad.evaluate.single_turn import pass_at_k
 from policygrad.rewards.verifiers import extract_answer
-from policygrad.trainer.evaluate import pass_at_k
-from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
+from tests.training import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -281,14 +281,14 @@ def test_eval_env_plays_episodes_and_writes_every_one(eos_model_dir, tmp_path, c
     out = tmp_path / "episodes.jsonl"
     result = _eval(
         [
-            "--env", "tests.trainer.test_evaluate:FindChar", "--env-options", '{"char": "v"}',
+            "--env", "tests.evaluate.test_single_turn:FindChar", "--env-options", '{"char": "v"}',
             "--model", eos_model_dir, "--dataset", data, "--limit", "3", "--max-new-tokens", "6",
             "--max-turns", "2", "--samples", "2", "--output", str(out),
         ],
         capsys,
     )
     assert (result["n"], result["output"]) == (3, str(out))
-    assert result["env"] == "tests.trainer.test_evaluate:FindChar"
+    assert result["env"] == "tests.evaluate.test_single_turn:FindChar"
     with open(out, encoding="utf-8") as f:
         records = [json.loads(line) for line in f]
     assert [r["prompt"] for r in records] == [f"Say {i}." for i in range(3)]
@@ -330,7 +330,7 @@ def test_eval_env_whose_every_episode_failed_is_an_error_and_some_failed_are_cou
 ):
     # Before: every episode failed in the environment, yet the exit status was 0 with a summary of
     # zeros (success 0.0) that reads like a model that never succeeds.
-    env = "tests.trainer.test_evaluate:FailsOnBad"
+    env = "tests.evaluate.test_single_turn:FailsOnBad"
     common = ["--env", env, "--model", eos_model_dir, "--max-new-tokens", "4", "--max-turns", "2"]
     all_bad = write_jsonl(tmp_path / "bad.jsonl", [{"question": f"bad {i}", "answer": "1"} for i in range(3)])
     out = tmp_path / "episodes.jsonl"
@@ -373,7 +373,7 @@ def test_eval_writes_where_its_output_pointed_when_it_started(
     (tmp_path / "elsewhere").mkdir()
     data = write_jsonl(tmp_path / "p.jsonl", [{"question": f"Say {i}.", "answer": str(i)} for i in range(2)])
     options = json.dumps({"to": str(tmp_path / "elsewhere")})
-    env = "tests.trainer.test_evaluate:ChdirOnStep"
+    env = "tests.evaluate.test_single_turn:ChdirOnStep"
     argv = ["--env", env, "--env-options", options, "--model", eos_model_dir]
     result = _eval([*argv, "--dataset", data, "--max-new-tokens", "3", "--output", "eps.jsonl"], capsys)
     assert result["output"] == str(tmp_path / "eps.jsonl") and (tmp_path / "eps.jsonl").is_file()
@@ -437,14 +437,14 @@ def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     assert line.startswith("error: --env-options {\"low\": 9, \"high\": 2} do not fit builtin:guess: low=9")
     line = _fails([*common, "--env", "builtin:nope"], capsys)
     assert line.startswith("error: --env: unknown environment 'builtin:nope'; give builtin:guess, ")
-    line = _fails([*common, "--env", "tests.trainer.test_evaluate:NoSuchClass"], capsys)
+    line = _fails([*common, "--env", "tests.evaluate.test_single_turn:NoSuchClass"], capsys)
     assert "--env" in line and "NoSuchClass" in line
     # A class the module does not have is not fixed by other options (before: "give options
-    # tests.trainer.test_evaluate:NoSuchClass accepts"): the line lists the classes it has.
+    # tests.evaluate.test_single_turn:NoSuchClass accepts"): the line lists the classes it has.
     assert "give options" not in line
     assert line.endswith(
-        "its Environment classes: ChdirOnStep, FailsOnBad, FindChar; give tests.trainer.test_evaluate:NAME "
-        "with one of them"
+        "its Environment classes: ChdirOnStep, FailsOnBad, FindChar; give "
+        "tests.evaluate.test_single_turn:NAME with one of them"
     )
     line = _fails([*common, "--max-turns", "3"], capsys)
     assert line == (

@@ -8,11 +8,11 @@ import os
 
 import pytest
 
+from policygrad.config.train import ConfigError, load_config
 from policygrad.rewards.code import CodeTests
 from policygrad.run import Run
 from policygrad.sandbox.runner import available_isolation
-from policygrad.trainer.config import ConfigError, load_config
-from tests.trainer.conftest import tiny_overrides
+from tests.training import tiny_overrides
 
 pytestmark = pytest.mark.integration
 

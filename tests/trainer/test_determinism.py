@@ -21,7 +21,7 @@ import pytest
 import torch
 import yaml
 
-from tests.trainer.conftest import checkpoint_weights, tiny_overrides
+from tests.training import checkpoint_weights, tiny_overrides
 
 pytestmark = pytest.mark.integration
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
+from policygrad.learn.metrics import is_known_metric
 from policygrad.run import Run
-from policygrad.trainer.metrics import is_known_metric
 
 pytestmark = pytest.mark.integration
 

@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
+from policygrad.config.train import ConfigError, ModelConfig
 from policygrad.envs import Environment, StepResult
-from policygrad.trainer.config import ConfigError, ModelConfig
-from policygrad.trainer.distributed import Dist
+from policygrad.parallel.distributed import Dist
 from policygrad.trainer.factory import build_trainer, prepare_config, read_chat_template
-from tests.trainer.conftest import config_with
+from tests.training import config_with
 
 pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
 

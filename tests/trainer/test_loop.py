@@ -18,17 +18,17 @@ from unittest import mock
 import pytest
 import torch
 
+from policygrad.config.train import ConfigError
 from policygrad.core.masking import aggregate
+from policygrad.learn.optim import OptimizerStep
 from policygrad.models.forward import policy_logprobs
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rewards.registry import RewardFunctionError
 from policygrad.rollout import HFRolloutEngine
 from policygrad.run import Run
 from policygrad.trainer import TrainingError
-from policygrad.trainer.config import ConfigError
 from policygrad.trainer.loop import Trainer
-from policygrad.trainer.optim import OptimizerStep
-from tests.trainer.conftest import checkpoint_weights, write_jsonl
+from tests.training import checkpoint_weights, write_jsonl
 
 pytestmark = pytest.mark.integration
 

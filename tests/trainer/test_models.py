@@ -10,11 +10,11 @@ import os
 import pytest
 import torch
 
-from policygrad.trainer.checkpoint import CheckpointError
-from policygrad.trainer.config import ConfigError, ModelConfig
+from policygrad.config.train import ConfigError, ModelConfig
+from policygrad.run.checkpoint import CheckpointError
 from policygrad.trainer.models import adopt_model, build_models, load_eval_models, record_model_object
 from tests.tiny import EOS_ID, make_tiny_llama
-from tests.trainer.conftest import config_with
+from tests.training import config_with
 
 pytestmark = pytest.mark.integration
 

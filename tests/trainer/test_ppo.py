@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from policygrad.config.train import ConfigError, load_config
 from policygrad.core.advantages import estimate_advantages, monte_carlo_returns
 from policygrad.core.masking import masked_mean, masked_var
 from policygrad.data.ptx import PtxData
@@ -24,11 +25,10 @@ from policygrad.models.loading import load_causal_lm, load_tokenizer
 from policygrad.models.swiglu import use_memory_efficient_mlp
 from policygrad.rewards.reward_model import RewardModel
 from policygrad.run import Run
-from policygrad.trainer.config import ConfigError, load_config
 from tests.models.test_value import PAD_SPIKE, make_tiny_reward_model
 from tests.tiny import make_tiny_llama
-from tests.trainer.conftest import interrupted_and_resumed, write_jsonl
 from tests.trainer.test_loop import comparable, model_weights, poison_masked_positions, same_tree
+from tests.training import interrupted_and_resumed, write_jsonl
 
 pytestmark = pytest.mark.integration
 

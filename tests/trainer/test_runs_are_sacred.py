@@ -25,9 +25,9 @@ from safetensors.torch import load_file
 
 from policygrad.cli import main
 from policygrad.run import Run
-from policygrad.trainer.checkpoint import COMPLETE_FILE, checkpoint_problem
+from policygrad.run.checkpoint import COMPLETE_FILE, checkpoint_problem
 from policygrad.trainer.loop import Trainer
-from tests.trainer.conftest import checkpoint_weights, tiny_overrides, write_jsonl
+from tests.training import checkpoint_weights, tiny_overrides, write_jsonl
 
 pytestmark = pytest.mark.integration
 
@@ -481,7 +481,7 @@ def test_a_run_whose_advantages_are_all_zero_says_it_trained_nothing(make_config
     """GRPO on a constant reward: each group's samples score the same, every advantage is 0, the
     gradient is exactly 0 and the weights do not move; the run must say so, not "applied 2
     updates". An entropy bonus on the same reward is another loss term: that run trains."""
-    from policygrad.trainer.errors import TrainingError
+    from policygrad.errors import TrainingError
 
     run = Run(make_config("constant", reward_fn="zero", steps=2))
     before = {k: p.detach().clone() for k, p in run.trainer.policy.named_parameters()}
@@ -523,7 +523,7 @@ def test_a_policy_that_no_longer_responds_is_named_diverged_not_flat_rewards(
 
     from safetensors.torch import load_file, save_file
 
-    from policygrad.trainer.errors import TrainingError
+    from policygrad.errors import TrainingError
 
     model = tmp_path / "uniform"
     shutil.copytree(eos_model_dir, model)
@@ -722,7 +722,7 @@ def test_a_full_disk_at_the_first_checkpoint_names_the_file_and_advises_what_wor
 ):
     import errno
 
-    from policygrad.trainer import checkpoint
+    from policygrad.run import checkpoint
 
     cfg, run = run_yaml("full_first", steps=1)
     real_save = torch.save
@@ -746,7 +746,7 @@ def test_a_full_disk_writing_metrics_names_the_file(tmp_path):
     import errno
     import types
 
-    from policygrad.trainer import logging as metrics_logging
+    from policygrad.run import logging as metrics_logging
 
     def full(_fd, _data):
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -810,7 +810,7 @@ def _signal_inside(cfg, attr: str, sig: str, tmp_path) -> tuple[int, str, str]:
 def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_command_works(
     sig, run_yaml, tmp_path
 ):
-    from policygrad.trainer.interrupts import EXIT_STATUS
+    from policygrad.run.interrupts import EXIT_STATUS
 
     cfg, run = run_yaml(f"eval_{sig}", steps=1, eval_before=True, data={"eval_size": 2})
     returncode, out, err = _signal_inside(cfg, "evaluate_rows", sig, tmp_path)
@@ -850,7 +850,7 @@ def test_sigterm_during_the_final_evaluation_stops_at_once_with_the_final_checkp
 def test_a_full_disk_before_any_checkpoint_advises_a_new_start_not_resume(run_yaml, monkeypatch, capsys):
     import errno
 
-    from policygrad.trainer.logging import MetricsLogger
+    from policygrad.run.logging import MetricsLogger
 
     cfg, run = run_yaml("full_before", steps=1, eval_before=True, data={"eval_size": 2})
     log = MetricsLogger.log
@@ -878,8 +878,8 @@ def test_a_disk_that_fills_before_the_first_checkpoint_says_which_steps_are_lost
     # Before: the line said to free space and start again, not that two trained steps were gone.
     import errno
 
-    from policygrad.trainer import checkpoint
-    from policygrad.trainer.logging import MetricsLogger
+    from policygrad.run import checkpoint
+    from policygrad.run.logging import MetricsLogger
 
     cfg, run = run_yaml("full_mid", steps=3)
     log = MetricsLogger.log

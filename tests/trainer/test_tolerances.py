@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from policygrad.trainer.metrics import METRICS
+from policygrad.learn.metrics import METRICS
 from tests.trainer.tolerances import BOUNDS, REL, allowed_gap, assert_same_metrics, bound_of, conditioning
 
 pytestmark = pytest.mark.unit

@@ -22,7 +22,7 @@ condition number. Each such metric has its own bound below, built from two assum
 
 and from the conditioning of the batch the reference run trained on (:func:`conditioning`: means
 of |log-prob|, |advantage| and their deviations, read by :func:`recording_conditioning` where the
-trainer computes ``entropy/cov``). Every metric name of :data:`policygrad.trainer.metrics.METRICS`
+trainer computes ``entropy/cov``). Every metric name of :data:`policygrad.learn.metrics.METRICS`
 is classified in :data:`BOUNDS`: a new metric fails :func:`assert_same_metrics` until someone decides
 how it is conditioned (tests/trainer/test_tolerances.py checks the table covers every name).
 """
@@ -37,9 +37,9 @@ from unittest import mock
 
 import torch
 
+from policygrad.learn.metrics import METRICS
+from policygrad.learn.optim import OptimizerStep
 from policygrad.trainer import loop
-from policygrad.trainer.metrics import METRICS
-from policygrad.trainer.optim import OptimizerStep
 
 REL = 1e-5
 FLOOR = 1e-7
@@ -331,7 +331,7 @@ PLAIN = (
 )
 # Every metric name of METRICS (and "step"): a bound function, or None for the volatile ones,
 # never compared (a name under time/, perf/ or memory/ is a wall-clock, throughput or memory
-# reading by the naming rule of policygrad/trainer/metrics.py, so the prefix classifies it).
+# reading by the naming rule of policygrad/learn/metrics.py, so the prefix classifies it).
 # A name in none of these raises in bound_of.
 BOUNDS: dict[str, Callable | None] = {
     **{name: _plain for name in PLAIN},

@@ -1,0 +1,592 @@
+"""The base of the configuration tree, and the sections that make and score a batch.
+
+The base: :class:`ConfigError`, ``MIN_TEMPERATURE``, the checks every section validates with
+(:func:`check_choice`, :func:`check_positive`) and :func:`build_dataclass`, which builds a
+section (or the whole tree) from a YAML mapping, coercing each value to its annotated type. The
+sections: the policy (:class:`ModelConfig` with its :class:`LoraConfig`), the prompts
+(:class:`DataConfig`), sampling (:class:`RolloutConfig`) and the environment
+(:class:`EnvConfig`); the rewards are in :mod:`policygrad.config.rewards`.
+
+The training sections and the algorithm presets are in :mod:`policygrad.config.training`;
+the whole tree (``TrainConfig``) and its loading in :mod:`policygrad.config.train`, which
+re-exports every public name here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from policygrad.rollout import vllm as vllm_engine
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the field."""
+
+
+# The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
+# the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
+MIN_TEMPERATURE = 1e-3
+# The most fresh attempts of a failed episode (rollout.env_retries): each is a whole episode again.
+MAX_ENV_RETRIES = 10
+
+
+def check_choice(path: str, value: Any, choices) -> None:
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
+
+
+def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is a number > 0 (>= 0 with
+    ``allow_zero``). ``why``: appended to the message (what the field means, what a bad value would do)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
+
+
+def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` and its valid range (``low``: its lower end as
+    written, ``[0`` or ``(0``) when ``value`` (a number, its lower bound already checked) is above
+    ``limit``."""
+    if value > limit:
+        raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
+
+
+@dataclass
+class LoraConfig:
+    """LoRA adapters (peft). ``rank: 0`` means a full fine-tune, and then the other options,
+    which only shape adapters, must keep their defaults. ``dropout`` is in [0, 1)."""
+
+    rank: int = 0
+    alpha: float = 32.0
+    dropout: float = 0.0
+    target_modules: str | list[str] = "all-linear"
+
+    def validate(self, path: str) -> None:
+        check_positive(f"{path}.rank", self.rank, allow_zero=True)
+        check_positive(f"{path}.alpha", self.alpha)
+        check_positive(f"{path}.dropout", self.dropout, allow_zero=True)
+        if self.dropout >= 1:  # 1 would zero every adapter input: the adapters could not train
+            raise ConfigError(
+                f"{path}.dropout must be in [0, 1) (the probability of zeroing an adapter input), "
+                f"got {self.dropout!r}"
+            )
+        if self.rank == 0:
+            defaults = LoraConfig(rank=0)
+            names = ("alpha", "dropout", "target_modules")
+            changed = [n for n in names if getattr(self, n) != getattr(defaults, n)]
+            if changed:
+                name = f"{path}.{changed[0]}"
+                raise ConfigError(
+                    f"{name}={getattr(self, changed[0])!r} has no effect with {path}.rank=0 (a full "
+                    f"fine-tune, no adapters); set {path}.rank >= 1 for LoRA or unset {name}"
+                )
+
+
+@dataclass
+class ModelConfig:
+    """The policy. ``name``: ``bundled:smollm2-135m-instruct``, a local HF folder, or a hub id.
+
+    ``dtype``: ``auto`` picks float32 on CPU (bf16 matmul is several times slower on CPUs without
+    AMX/AVX512-BF16) and bfloat16 on CUDA; ``float32`` / ``bfloat16`` force one. It is the dtype
+    of the frozen networks (reward models, vLLM's weights); the trained ones, and the reference
+    (a copy of the starting policy, computing as it does), follow ``precision``: ``fp32``,
+    ``bf16-mixed`` (float32 parameters and optimizer state, bf16 compute under autocast),
+    ``bf16-pure`` (bf16 parameters stepped by AdamW: small updates round away; an explicit
+    opt-in), ``fp16-mixed`` (float32 parameters, fp16 compute under autocast, dynamic loss
+    scaling; the ``optim/loss_scale`` metric; on CUDA the vLLM engine's ``rollout.dtype: auto``
+    is then float16; Qi et al. 2025 trace much of the sampler/trainer mismatch to bf16 rounding)
+    or ``auto`` (bf16-mixed on CUDA with bf16, on a CPU with AVX512-BF16 or AMX-BF16, or with
+    ``dtype=bfloat16``; else fp32); see :mod:`policygrad.parallel.precision`.
+
+    ``lm_head_dtype``: ``auto`` (or null, the default: the LM head computes as the body does) or
+    ``float32``: under ``bf16-mixed`` / ``fp16-mixed`` the head's matmul, the logits and the
+    log-probs run in float32 while the body runs under the autocast (ScaleRL's fp32 head, Khatri
+    et al. 2025), for the trainer's forwards, the reference and the hf engine's sampling (vLLM
+    keeps ``dtype``). Under ``fp32`` it is accepted and changes nothing (the head already is
+    float32); ``bf16-pure`` (bf16 head weights) refuses it.
+
+    ``trust_remote_code``: run the Python code a model folder or hub repository ships with its
+    weights (transformers' ``trust_remote_code``). Off by default, and never asked interactively:
+    a model that needs it is refused with an error naming this option.
+
+    ``gradient_checkpointing``: ``auto`` (the default), ``true`` or ``false``. ``true``
+    recomputes every decoder layer's forward in the backward (each layer keeps only its input:
+    far less activation memory, about one extra forward, ~+30% step time); ``auto`` turns it on
+    at the first policy update whose longest micro-batch would not fit without it (model states
+    not yet allocated + that micro-batch's saved activations and logits over 90% of the free
+    memory of the device: :func:`policygrad.lab.memory.resolve_gradient_checkpointing`), says so
+    once with the numbers, and keeps it on; it never turns on where the activations fit.
+
+    ``adapter``: a trained PEFT adapter folder to start from (``name`` is then its base model);
+    ``name`` may also be an adapter folder itself (a LoRA run's ``checkpoints/step_N/model``),
+    whose ``base_model_name_or_path`` is the base. The run trains that adapter, and the reference
+    is the starting policy (base plus the starting adapter, frozen). See
+    :mod:`policygrad.models.adapters`.
+    """
+
+    name: str = "bundled:smollm2-135m-instruct"
+    dtype: str = "auto"
+    precision: str = "auto"
+    lm_head_dtype: str | None = "auto"
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    gradient_checkpointing: bool | str = field(
+        default="auto",
+        metadata={"choices": "auto (recompute only when the activations would not fit), true or false"},
+    )
+    trust_remote_code: bool = False
+    adapter: str | None = None
+
+    def validate(self, path: str) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError(f"{path}.name must be a model folder, hub id or bundled:NAME")
+        check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16"})
+        check_choice(
+            f"{path}.precision", self.precision, {"auto", "fp32", "bf16-mixed", "bf16-pure", "fp16-mixed"}
+        )
+        if self.lm_head_dtype is not None:
+            check_choice(f"{path}.lm_head_dtype", self.lm_head_dtype, {"auto", "float32"})
+        if self.lm_head_dtype == "float32" and self.precision == "bf16-pure":
+            raise ConfigError(
+                f"{path}.lm_head_dtype=float32 with {path}.precision=bf16-pure: the head's weights are "
+                f"bfloat16 there; set {path}.precision=bf16-mixed or unset {path}.lm_head_dtype"
+            )
+        self.lora.validate(f"{path}.lora")
+        if isinstance(self.gradient_checkpointing, str):
+            self.gradient_checkpointing = self.gradient_checkpointing.strip().lower()
+        if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
+            raise ConfigError(
+                f"{path}.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; choose "
+                + _choices(type(self), "gradient_checkpointing")
+            )
+        if self.adapter is not None and self.lora.rank > 0:
+            raise ConfigError(
+                f"{path}.adapter with {path}.lora.rank={self.lora.rank}: the run trains the adapter it "
+                f"starts from (its own rank and targets); unset {path}.lora.rank"
+            )
+
+
+@dataclass
+class DataConfig:
+    """Training and held-out prompts.
+
+    ``dataset``: ``builtin:arithmetic`` (procedurally generated, the default), a local file or
+    folder (JSONL, JSON, Parquet, CSV, ``save_to_disk``; GSM8K's ``question``/``answer`` format
+    works without a field mapping) or a Hugging Face Hub dataset id such as ``openai/gsm8k``
+    (``datasets.load_dataset`` with ``dataset_config`` and ``split``; from the local cache when
+    ``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE`` is set, see :mod:`policygrad.data.hub`).
+    ``split`` / ``eval_split`` choose a split of a dataset folder or a Hub dataset and
+    ``dataset_config`` a Hub dataset's configuration; set (off their defaults) for a dataset they
+    choose nothing in (a single file, a built-in task), they are refused when the run reads its
+    data. ``prompt_field`` and ``answer_field`` map other formats. ``eval_dataset``: a path or Hub id;
+    empty means the built-in task's held-out split, or a Hub dataset's ``eval_split``.
+    ``eval_size``: held-out problems per evaluation. ``chat_template``: a Jinja chat template (the
+    text, or the path of a file holding it) used instead of the tokenizer's, for every prompt.
+    """
+
+    dataset: str = "builtin:arithmetic"
+    difficulty: str = "medium"
+    prompt_field: str | None = None
+    answer_field: str | None = None
+    system_prompt: str | None = None
+    use_chat_template: bool = True
+    max_prompt_length: int = 512
+    eval_dataset: str | None = None
+    eval_size: int = 200
+    shuffle: bool = True
+    dataset_config: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+    chat_template: str | None = None
+
+    def validate(self, path: str) -> None:
+        check_positive(f"{path}.max_prompt_length", self.max_prompt_length)
+        check_positive(f"{path}.eval_size", self.eval_size, allow_zero=True)
+        for name in ("split", "eval_split"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
+                raise ConfigError(f"{path}.{name} must name a split, e.g. train or test")
+
+
+# Rollout options that only multi-turn episodes read.
+EPISODE_OPTIONS = (
+    "max_turns",
+    "max_episode_tokens",
+    "max_observation_tokens",
+    "env_step_timeout_s",
+    "env_workers",
+    "env_error_budget",
+    "env_retries",
+    "env_isolation",
+)
+
+
+@dataclass
+class EnvConfig:
+    """A multi-turn environment (:mod:`policygrad.envs`); without one, a run is single-turn.
+
+    ``name``: ``builtin:guess``, ``builtin:calculator``, ``builtin:code_feedback``,
+    ``package.module:Class`` or ``path/to/file.py:Class`` (an
+    :class:`~policygrad.envs.Environment`; an object given to ``policygrad.train(env=...)`` is
+    recorded by import path). ``options``: keyword arguments of the class. The episode limits are
+    in ``rollout`` (``max_turns`` ...).
+    """
+
+    name: str | None = None
+    options: dict = field(default_factory=dict)
+
+    def validate(self, path: str) -> None:
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigError(f"{path}.name must name an environment (e.g. builtin:guess) or be null")
+        if not isinstance(self.options, dict):
+            raise ConfigError(f"{path}.options must be a mapping of keyword arguments, got {self.options!r}")
+        if self.options and self.name is None:
+            raise ConfigError(f"{path}.options is set but {path}.name is null; name the environment")
+
+
+@dataclass
+class RolloutConfig:
+    """Sampling. B = ``prompts_per_step`` x ``group_size`` sequences per step.
+
+    ``top_k: 0`` and ``top_p: 1.0`` sample the full softmax at ``temperature``; training
+    log-probs always use the same temperature and truncation as the sampler.
+
+    ``engine``: ``hf`` (transformers ``generate`` on the live policy), ``vllm`` (a vLLM engine
+    in the same process, weights pushed to it after every update) or ``auto`` (``vllm`` when the
+    ``vllm`` package is installed, else ``hf``; the choice is printed at start). ``dtype``: the
+    vLLM engine's weights and compute (``auto`` = the policy's); ``bfloat16`` on an fp32 policy
+    is a faster but mismatched sampler. ``vllm_kv_cache_gb`` (CPU) / ``vllm_gpu_memory_utilization``
+    (GPU): the engine's KV-cache budget. ``vllm_prefix_caching``: reuse the prompt's KV across the
+    G samples (the cache is reset after every weight push).
+
+    ``is_correction``: truncated importance sampling against the train/inference mismatch (Yao et
+    al. 2025, truncated importance sampling) and the lag of rollouts sampled ahead: ``none``,
+    ``token`` or ``sequence`` weights ``pi_trainer / pi_sampler``, capped at ``is_cap``;
+    ``is_mode: truncate`` clips the weight at the cap, ``mask`` drops the tokens (token) or
+    sequences (sequence) above it; ``is_floor`` (null: none) also drops those whose weight is
+    below it (IcePop's two-sided mask). The policy loss of every token is multiplied by its
+    weight. ``auto`` (the default): ``token`` when ``max_staleness`` > 0, else ``none``.
+
+    ``max_staleness`` (k, default 0): rollouts run ahead of training with a fixed lag: the batch
+    trained at step m is sampled with the weights after update max(0, m - k), in a background
+    thread (``async_executor: thread``; ``inline`` runs each job in the trainer's thread, the
+    same numbers without overlap) while the policy trains. A stale batch's old log-probs are
+    recomputed at the start of its step (the proximal policy) and the sampler's stay the
+    behaviour policy of the importance weights (AReaL's decoupled objective); ``is_correction:
+    none`` with k > 0 is accepted with a warning. 0 builds no pipeline (the synchronous step).
+    Needs an engine with its own weights (vllm; the hf engine samples from a copy of the policy).
+
+    ``per_prompt_seeds`` (true): each prompt samples from its own seed (run seed, step, global
+    position), so its samples do not depend on the batch or rank it is in and one process trains
+    on what N processes do. ``false`` (torch's global stream) only continues a run recorded with
+    it; a new run refuses it.
+
+    ``ignore_eos``: every response runs to exactly ``max_new_tokens`` tokens, an end-of-sequence
+    id sampled along the way kept as an ordinary token (vLLM's ``ignore_eos``); no response
+    counts as truncated. For measuring equal work (benchmarks), not for training a model to stop.
+
+    With an environment (``env.name``; :mod:`policygrad.envs.episodes`): ``max_new_tokens`` is
+    per turn; ``max_turns`` the most policy turns of an episode (reaching it is not a
+    truncation); ``max_episode_tokens`` the most tokens after the prompt, actions and
+    observations (null: only the model's context); ``max_observation_tokens`` the most tokens of
+    one observation message's content (longer ones keep head and tail; null: no cut);
+    ``env_step_timeout_s`` the most seconds of one environment call (an episode over it fails;
+    null: no limit; kept by the trainer, a worker over it is killed); ``env_isolation`` (true)
+    runs the environments in ``env_workers`` worker processes, so ``os._exit``, a crash, a signal,
+    ``chdir`` or a fork in them fails episodes, never the run (false: threads of the trainer's
+    process, for trusted environments; see :mod:`policygrad.envs.workers`); ``env_workers``
+    environment calls run at once; ``env_retries`` (1) fresh attempts of an episode that failed
+    in the environment (raised, timed out, its worker died), from scratch with the same reset
+    seed and turns sampled again from seeds derived from the attempt, before it counts as
+    failed; a group with an episode still failed leaves the batch whole (``env/groups_dropped``);
+    ``env_retries`` is at most 10; ``env_error_budget`` the largest fraction of a step's episodes
+    that may fail (they carry no loss) before the run stops. These options need ``env.name``."""
+
+    engine: str = "auto"
+    per_prompt_seeds: bool = True
+    ignore_eos: bool = False
+    prompts_per_step: int = 4
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 32
+    dtype: str = "auto"
+    vllm_kv_cache_gb: float = 1.0
+    vllm_gpu_memory_utilization: float = 0.3
+    vllm_prefix_caching: bool = True
+    is_correction: str = "auto"
+    is_cap: float = 2.0
+    is_mode: str = "truncate"
+    is_floor: float | None = None
+    max_staleness: int = 0
+    async_executor: str = "thread"
+    max_turns: int = 4
+    max_episode_tokens: int | None = None
+    max_observation_tokens: int | None = None
+    env_step_timeout_s: float | None = 60.0
+    env_workers: int = 4
+    env_error_budget: float = 0.25
+    env_retries: int = 1
+    env_isolation: bool = True
+
+    def validate(self, path: str) -> None:
+        check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
+        check_positive(f"{path}.max_turns", self.max_turns)
+        for name in ("max_episode_tokens", "max_observation_tokens", "env_step_timeout_s"):
+            if getattr(self, name) is not None:
+                check_positive(f"{path}.{name}", getattr(self, name))
+        check_positive(f"{path}.env_workers", self.env_workers)
+        retries = self.env_retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_ENV_RETRIES:
+            # bounded: an environment that always fails is retried this many times per episode
+            # and step, so a huge value is a run that never finishes a step (and a stop signal
+            # waits for the step)
+            raise ConfigError(
+                f"{path}.env_retries must be an int in [0, {MAX_ENV_RETRIES}], got {self.env_retries!r}"
+            )
+        if not isinstance(self.env_isolation, bool):
+            raise ConfigError(f"{path}.env_isolation must be true or false, got {self.env_isolation!r}")
+        if not 0.0 <= self.env_error_budget <= 1.0:
+            raise ConfigError(f"{path}.env_error_budget must be in [0, 1], got {self.env_error_budget!r}")
+        check_positive(f"{path}.prompts_per_step", self.prompts_per_step)
+        check_positive(f"{path}.group_size", self.group_size)
+        check_positive(f"{path}.temperature", self.temperature)
+        if self.temperature < MIN_TEMPERATURE:
+            raise ConfigError(
+                f"{path}.temperature={self.temperature!r} is below {MIN_TEMPERATURE}: logits / temperature "
+                "overflows float32 (or keeps no precision in the log-probs the update needs); use "
+                f"{path}.temperature >= {MIN_TEMPERATURE} (0.1 samples almost greedily)"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{path}.top_p must be in (0, 1], got {self.top_p!r}")
+        check_positive(f"{path}.top_k", self.top_k, allow_zero=True)
+        check_positive(f"{path}.max_new_tokens", self.max_new_tokens)
+        check_choice(f"{path}.dtype", self.dtype, {"auto", "float32", "bfloat16", "float16"})
+        check_positive(f"{path}.vllm_kv_cache_gb", self.vllm_kv_cache_gb)
+        if not 0 < self.vllm_gpu_memory_utilization <= 1:
+            raise ConfigError(
+                f"{path}.vllm_gpu_memory_utilization must be in (0, 1], "
+                f"got {self.vllm_gpu_memory_utilization!r}"
+            )
+        check_choice(f"{path}.is_correction", self.is_correction, {"auto", "none", "token", "sequence"})
+        check_positive(f"{path}.is_cap", self.is_cap)
+        check_choice(f"{path}.is_mode", self.is_mode, {"truncate", "mask"})
+        if self.is_floor is not None and not 0 < self.is_floor < self.is_cap:
+            raise ConfigError(
+                f"{path}.is_floor must be in (0, {path}.is_cap={self.is_cap}), got {self.is_floor!r} "
+                "(IcePop uses 0.5 with a cap of 2)"
+            )
+        check_positive(f"{path}.max_staleness", self.max_staleness, allow_zero=True)
+        check_choice(f"{path}.async_executor", self.async_executor, {"thread", "inline"})
+        if self.max_staleness and not self.per_prompt_seeds:
+            raise ConfigError(
+                f"{path}.max_staleness={self.max_staleness} needs per-prompt seeds (a batch sampled ahead "
+                f"must not depend on when it runs); drop {path}.per_prompt_seeds=false"
+            )
+
+    def resolved_is_correction(self) -> str:
+        """``is_correction`` with ``auto`` resolved: ``token`` when rollouts run ahead, else ``none``."""
+        if self.is_correction != "auto":
+            return self.is_correction
+        return "token" if self.max_staleness > 0 else "none"
+
+    def resolved_engine(self) -> tuple[str, str]:
+        """``(engine, why)``: ``auto`` becomes ``vllm`` when the vllm package is installed *and*
+        imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
+        if self.engine != "auto":
+            return self.engine, "configured"
+        if not vllm_engine.vllm_available():
+            return "hf", "auto: vllm not installed"
+        try:
+            import vllm  # noqa: F401
+        except Exception as e:  # any import failure means: not usable here
+            return "hf", f"auto: vllm is installed but does not import ({type(e).__name__}: {e})"
+        return "vllm", "auto: vllm installed"
+
+
+def check_episode_options(config) -> None:
+    """The checks that tie ``env.name`` to the other sections of ``config`` (a ``TrainConfig``
+    whose sections and estimator are valid): without an environment the episode options keep
+    their defaults and some reward function scores; with one no option that would never end a
+    turn, and no advantage estimator that needs inputs episodes lack (ReMax's greedy baseline).
+
+    Raises:
+        ConfigError: naming the option and the fix.
+    """
+    rollout = config.rollout
+    if not config.env.name:
+        if not config.reward.functions:
+            raise ConfigError("reward.functions is empty; give at least one reward function")
+        defaults = RolloutConfig()
+        for name in EPISODE_OPTIONS:
+            if getattr(rollout, name) != getattr(defaults, name):
+                raise ConfigError(
+                    f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) "
+                    f"or leave rollout.{name} at its default"
+                )
+        return
+    if rollout.ignore_eos:
+        raise ConfigError(
+            "rollout.ignore_eos with env.name would never end a turn; set rollout.ignore_eos=false"
+        )
+    spec = config.estimator_spec
+    if spec.inputs:
+        raise ConfigError(
+            f"advantage estimator {spec.name!r} needs {', '.join(spec.inputs)}, which "
+            "multi-turn episodes do not provide; use grpo, rloo, reinforce, reinforce_pp or gae"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a section, or the whole tree, from a YAML mapping.
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _coerce(path: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML value to the annotated type, or raise a ConfigError naming ``path``."""
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if dataclasses.is_dataclass(annotation):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path} must be a mapping of its fields, got {value!r}")
+        return build_dataclass(annotation, value, path)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
+        return _coerce_union(path, value, annotation, args)
+    if annotation is Any:
+        return value
+    if annotation is bool:
+        return _coerce_bool(path, value)
+    if annotation is int:
+        return _coerce_int(path, value)
+    if annotation is float:
+        return _coerce_float(path, value)
+    if annotation is str:
+        return _coerce_str(path, value)
+    if origin in (list, tuple):
+        return _coerce_sequence(path, value, origin, args)
+    if origin is dict:
+        return _coerce_mapping(path, value)
+    return value
+
+
+def _coerce_union(path: str, value: Any, annotation: Any, args: tuple) -> Any:
+    """``value`` as the first member of the union ``annotation`` (members ``args``) that takes it."""
+    if value is None and type(None) in args:
+        return None
+    errors = []
+    for arg in args:
+        if arg is type(None):
+            continue
+        try:
+            return _coerce(path, value, arg)
+        except ConfigError as e:
+            errors.append(str(e))
+    raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
+
+
+def _coerce_bool(path: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    raise ConfigError(f"{path} must be true or false, got {value!r}")
+
+
+def _coerce_int(path: str, value: Any) -> int:
+    """An int; a float with an integer value (``1e3``) becomes one, a bool is refused."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise ConfigError(f"{path} must be an integer, got {value!r}")
+    return value
+
+
+def _coerce_float(path: str, value: Any) -> float:
+    """A finite float; an int or a numeric string is converted, a bool is refused."""
+    if isinstance(value, str):
+        # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
+        try:
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{path} must be a number, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{path} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def _coerce_str(path: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{path} must be a string, got {value!r}")
+    return value
+
+
+def _coerce_sequence(path: str, value: Any, origin: Any, args: tuple) -> list | tuple:
+    """A ``list[X]`` (each item coerced to X) or a ``tuple[X, Y, ...]`` (item i to the i-th type)."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{path} must be a list, got {value!r}")
+    if origin is tuple:
+        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
+
+
+def _coerce_mapping(path: str, value: Any) -> dict:
+    """An option mapping: its values have no annotated type, only exponent strings become floats."""
+    if not isinstance(value, dict):
+        raise ConfigError(f"{path} must be a mapping, got {value!r}")
+    return {key: _yaml_number(item) for key, item in value.items()}
+
+
+# A number in exponent form without a dot in its mantissa (3e-4), which YAML 1.1 reads as a string.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _yaml_number(value: Any) -> Any:
+    """``"3e-4"`` -> 3e-4 inside option mappings (``loss.options``, ``advantage.options``), whose
+    values have no annotated type to coerce to; every other value is returned unchanged."""
+    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+        return float(value)
+    return value
+
+
+def build_dataclass(cls, data: dict[str, Any], prefix: str = ""):
+    """``cls`` (a config dataclass) from a mapping of its fields, each value coerced to its annotated
+    type; ``prefix``: the dotted path of ``cls`` in the tree, named in every error."""
+    types = _field_types(cls)
+    unknown = sorted(set(data) - set(types))
+    if unknown:
+        where = f"{prefix}." if prefix else ""
+        # loss and advantage take the registered loss's or estimator's own options by name
+        hint = (
+            f" (an option of the chosen function goes in {where}options.{unknown[0]})"
+            if "options" in types
+            else ""
+        )
+        raise ConfigError(
+            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}{hint}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        try:
+            kwargs[name] = _coerce(path, value, types[name])
+        except ConfigError:
+            choices = _choices(cls, name)
+            if not choices:
+                raise
+            # a field that takes a few named values says those, not its Python annotation
+            raise ConfigError(f"{path}={value!r} is not valid; choose {choices}") from None
+    return cls(**kwargs)
+
+
+def _choices(cls, name: str) -> str:
+    """The ``choices`` text of field ``name`` of config dataclass ``cls`` ("" when it has none)."""
+    return next((f.metadata.get("choices", "") for f in dataclasses.fields(cls) if f.name == name), "")

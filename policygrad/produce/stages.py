@@ -1,0 +1,189 @@
+"""The rollout stages of an RL step that go beyond one call each: sampling with DAPO's dynamic
+sampling, and the providers of an advantage estimator's extra inputs.
+
+- :class:`SampledBatch`: n prompts, their B = n x G completions and their scores.
+- :func:`groups_with_signal`: which groups a round keeps under dynamic sampling (Yu et al.
+  2025, DAPO, section 3.2: a group whose task reward is the same for every sample gives a group
+  baseline no signal), judged on a named reward component before normalisation and the truncation
+  penalty.
+- :data:`ESTIMATOR_INPUTS`: registered providers of the inputs an estimator declares (ReMax's
+  ``baseline_rewards``: the score of a greedy response to each prompt, Li et al. 2023, eq. 6;
+  VinePPO's Monte-Carlo values, :mod:`policygrad.produce.vine`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from policygrad.core.groups import fill_with_group_mean, varied_group_rows
+from policygrad.envs.episodes import Episodes
+from policygrad.rewards.scoring import Scores
+from policygrad.rollout.base import Rollout, decode_completions
+
+__all__ = [
+    "ESTIMATOR_INPUTS",
+    "SampledBatch",
+    "EstimatorInput",
+    "concat_batches",
+    "groups_with_signal",
+    "register_estimator_input",
+]
+
+
+@dataclass(frozen=True)
+class SampledBatch:
+    """n dataset rows, their prompt token ids, and G scored completions each (B = n x G rows,
+    the samples of prompt i in rows i*G .. i*G+G-1, ``rollout.group_index`` = the prompt)."""
+
+    rows: list[dict[str, Any]]
+    prompt_ids: list[list[int]]
+    rollout: Rollout
+    completions: list[str]
+    scores: Scores
+    episodes: Episodes | None = None  # multi-turn: what the environment said beyond the scores
+    version: int = 0  # the policy version (updates applied) whose weights sampled it
+
+    @property
+    def group_size(self) -> int:
+        """G."""
+        return self.rollout.group_size
+
+    @property
+    def returns(self) -> torch.Tensor:
+        """float32 [B], each sample's return as trained: its score (``scores.scores``: the reward
+        functions' weighted sum and an environment's final reward, normalised, through the
+        truncation policy, on the last action token) plus, with an environment, the sum of its
+        turn rewards (on their own tokens). Without an environment: ``scores.scores`` itself."""
+        if self.episodes is None:
+            return self.scores.scores
+        return self.scores.scores + self.episodes.turn_rewards.sum(-1).to(self.scores.scores)
+
+    def select_groups(self, groups: Sequence[int]) -> SampledBatch:
+        """The batch of the prompts ``groups`` (positions 0..n-1), renumbered 0..k-1."""
+        G = self.group_size
+        rows = torch.tensor([i * G + g for i in groups for g in range(G)], dtype=torch.long)
+        rollout = self.rollout.select(rows)
+        rollout = dataclasses.replace(rollout, group_index=torch.arange(len(groups)).repeat_interleave(G))
+        return SampledBatch(
+            [self.rows[i] for i in groups],
+            [self.prompt_ids[i] for i in groups],
+            rollout,
+            [self.completions[r] for r in rows.tolist()],
+            self.scores.select(rows),
+            self.episodes.select(rows) if self.episodes is not None else None,
+            self.version,
+        )
+
+
+def concat_batches(batches: Sequence[SampledBatch]) -> SampledBatch:
+    """One batch of several (same G): prompts left-padded and responses right-padded to the
+    widest, groups renumbered in order (:meth:`Rollout.concat`, :meth:`Scores.concat`). A single
+    batch is returned as it is."""
+    if len(batches) == 1:
+        return batches[0]
+    return SampledBatch(
+        [row for b in batches for row in b.rows],
+        [ids for b in batches for ids in b.prompt_ids],
+        Rollout.concat([b.rollout for b in batches]),
+        [c for b in batches for c in b.completions],
+        Scores.concat([b.scores for b in batches]),
+        Episodes.concat([b.episodes for b in batches]) if batches[0].episodes is not None else None,
+        batches[0].version,
+    )
+
+
+def groups_with_signal(
+    components: dict[str, torch.Tensor], group_index: torch.Tensor, n: int, group_size: int, component: str
+) -> list[int]:
+    """Positions of the n prompts whose G samples do not all score the same on reward
+    ``component`` of ``components`` (the reward functions' raw scores: before normalisation and
+    the truncation penalty; a row where the function failed, NaN, takes its group's mean, so it
+    decides nothing).
+
+    Raises:
+        KeyError: ``component`` is not one of ``components``.
+    """
+    raw = components[component]
+    missing = torch.isnan(raw)
+    group_index = group_index.cpu()
+    if missing.any():
+        raw = fill_with_group_mean(torch.where(missing, 0.0, raw), missing, group_index)
+    varied = varied_group_rows(raw, group_index)
+    return [i for i in range(n) if bool(varied[i * group_size])]
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs that estimators declare (``register_advantage_estimator(..., inputs=(...))``).
+
+
+@dataclass(frozen=True)
+class EstimatorInput:
+    """The provider of an estimator input, in the two halves of the sample stage
+    (:mod:`policygrad.produce.production`):
+
+    - ``sample(trainer, chosen) -> payload``: the producer's part (it may call the rollout
+      engine and the reward functions, nothing that needs the trainer's state or another rank);
+      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on,
+      the ``step``, and their ``rollout`` (B rows in the batch's order).
+      The payload holds tensors, lists and numbers only (a checkpoint may keep it).
+    - ``finish(trainer, payload, batch) -> Tensor [B]`` (or [B, T]): the trainer's thread, with
+      the finished :class:`SampledBatch`.
+    - ``metrics(trainer, payload) -> dict``, optional: the trainer's thread, the step metrics of
+      the extra sampling (it may sum over ranks).
+    """
+
+    sample: Callable[[Any, Any], Any]
+    finish: Callable[[Any, Any, SampledBatch], torch.Tensor]
+    metrics: Callable[[Any, Any], dict[str, float]] | None = None
+
+
+ESTIMATOR_INPUTS: dict[str, EstimatorInput] = {}
+
+
+def register_estimator_input(name: str, provider: EstimatorInput) -> EstimatorInput:
+    """Register the provider of estimator input ``name``.
+
+    Raises:
+        ValueError: ``name`` already has a provider.
+    """
+    if name in ESTIMATOR_INPUTS:
+        raise ValueError(f"estimator input {name!r} already has a provider")
+    ESTIMATOR_INPUTS[name] = provider
+    return provider
+
+
+def _sample_greedy_baseline(trainer, chosen) -> dict[str, torch.Tensor]:
+    r = trainer.config.rollout
+    greedy = trainer.engine.generate(
+        chosen.prompt_ids,
+        group_size=1,
+        max_new_tokens=r.max_new_tokens,
+        greedy=True,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+    )
+    completions = decode_completions(trainer.tokenizer, greedy)
+    return {
+        "rewards": trainer.scorer.raw(chosen.rows, completions, repeat=1).rewards,
+        "truncated": greedy.truncated,
+    }
+
+
+def _finish_greedy_baseline(trainer, payload, batch: SampledBatch) -> torch.Tensor:
+    base = trainer.scorer.finish_baseline(payload["rewards"], payload["truncated"])
+    return base.repeat_interleave(batch.group_size)
+
+
+# float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li et al.
+# 2023, eq. 6), normalised with the run's statistics (not updated) and through the same truncation
+# policy, repeated over the prompt's G rows.
+register_estimator_input("baseline_rewards", EstimatorInput(_sample_greedy_baseline, _finish_greedy_baseline))
+
+# VinePPO's providers register themselves (the module imports this one's names).
+from policygrad.produce import vine as _vine  # noqa: E402, F401
