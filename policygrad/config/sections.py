@@ -1,11 +1,12 @@
-"""The base of the configuration tree, and the sections that make and score a batch.
+"""The sections that make and score a batch.
 
-The base: :class:`ConfigError`, ``MIN_TEMPERATURE``, the checks every section validates with
-(:func:`check_choice`, :func:`check_positive`) and :func:`build_dataclass`, which builds a
-section (or the whole tree) from a YAML mapping, coercing each value to its annotated type. The
-sections: the policy (:class:`ModelConfig` with its :class:`LoraConfig`), the prompts
-(:class:`DataConfig`), sampling (:class:`RolloutConfig`) and the environment
-(:class:`EnvConfig`); the rewards are in :mod:`policygrad.config.rewards`.
+The base they stand on: :class:`ConfigError`, ``MIN_TEMPERATURE`` and the checks every section
+validates with are in :mod:`policygrad.config.checks` (``ConfigError`` is importable from here
+too); :func:`~policygrad.config.coerce.build_dataclass`, which builds a section (or the whole
+tree) from a YAML mapping, in :mod:`policygrad.config.coerce`. The sections: the policy
+(:class:`ModelConfig` with its :class:`LoraConfig`), the prompts (:class:`DataConfig`), sampling
+(:class:`RolloutConfig`) and the environment (:class:`EnvConfig`); the rewards are in
+:mod:`policygrad.config.rewards`.
 
 The training sections and the algorithm presets are in :mod:`policygrad.config.training`;
 the whole tree (``TrainConfig``) and its loading in :mod:`policygrad.config.train`, which
@@ -14,49 +15,17 @@ re-exports every public name here.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-import re
-import typing
 from dataclasses import dataclass, field
-from typing import Any
 
-from policygrad.rollout import vllm as vllm_engine
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range. The message names the field."""
-
-
-# The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
-# the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
-MIN_TEMPERATURE = 1e-3
-# The most fresh attempts of a failed episode (rollout.env_retries): each is a whole episode again.
-MAX_ENV_RETRIES = 10
-
-
-def check_choice(path: str, value: Any, choices) -> None:
-    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is one of ``choices``."""
-    if value not in choices:
-        raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
-
-
-def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
-    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is a number > 0 (>= 0 with
-    ``allow_zero``). ``why``: appended to the message (what the field means, what a bad value would do)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{path} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and not allow_zero):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
-
-
-def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str = "") -> None:
-    """Raise a :class:`ConfigError` naming ``path`` and its valid range (``low``: its lower end as
-    written, ``[0`` or ``(0``) when ``value`` (a number, its lower bound already checked) is above
-    ``limit``."""
-    if value > limit:
-        raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
+from policygrad.config.checks import (
+    MAX_ENV_RETRIES,
+    MIN_TEMPERATURE,
+    ConfigError,
+    check_choice,
+    check_positive,
+)
+from policygrad.config.coerce import field_choices
+from policygrad.specs import engines
 
 
 @dataclass
@@ -164,7 +133,7 @@ class ModelConfig:
         if not (isinstance(self.gradient_checkpointing, bool) or self.gradient_checkpointing == "auto"):
             raise ConfigError(
                 f"{path}.gradient_checkpointing={self.gradient_checkpointing!r} is not valid; choose "
-                + _choices(type(self), "gradient_checkpointing")
+                + field_choices(type(self), "gradient_checkpointing")
             )
         if self.adapter is not None and self.lora.rank > 0:
             raise ConfigError(
@@ -402,7 +371,7 @@ class RolloutConfig:
         imports (an install built for another torch does not), else ``hf``; ``why`` says which."""
         if self.engine != "auto":
             return self.engine, "configured"
-        if not vllm_engine.vllm_available():
+        if not engines.vllm_available():
             return "hf", "auto: vllm not installed"
         try:
             import vllm  # noqa: F401
@@ -442,151 +411,3 @@ def check_episode_options(config) -> None:
             f"advantage estimator {spec.name!r} needs {', '.join(spec.inputs)}, which "
             "multi-turn episodes do not provide; use grpo, rloo, reinforce, reinforce_pp or gae"
         )
-
-
-# ----------------------------------------------------------------------------------------------
-# Building a section, or the whole tree, from a YAML mapping.
-
-
-def _field_types(cls) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
-
-
-def _coerce(path: str, value: Any, annotation: Any) -> Any:
-    """Convert a YAML value to the annotated type, or raise a ConfigError naming ``path``."""
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if dataclasses.is_dataclass(annotation):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{path} must be a mapping of its fields, got {value!r}")
-        return build_dataclass(annotation, value, path)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", typing.Union)):
-        return _coerce_union(path, value, annotation, args)
-    if annotation is Any:
-        return value
-    if annotation is bool:
-        return _coerce_bool(path, value)
-    if annotation is int:
-        return _coerce_int(path, value)
-    if annotation is float:
-        return _coerce_float(path, value)
-    if annotation is str:
-        return _coerce_str(path, value)
-    if origin in (list, tuple):
-        return _coerce_sequence(path, value, origin, args)
-    if origin is dict:
-        return _coerce_mapping(path, value)
-    return value
-
-
-def _coerce_union(path: str, value: Any, annotation: Any, args: tuple) -> Any:
-    """``value`` as the first member of the union ``annotation`` (members ``args``) that takes it."""
-    if value is None and type(None) in args:
-        return None
-    errors = []
-    for arg in args:
-        if arg is type(None):
-            continue
-        try:
-            return _coerce(path, value, arg)
-        except ConfigError as e:
-            errors.append(str(e))
-    raise ConfigError(f"{path}={value!r} has the wrong type ({annotation}): {'; '.join(errors)}")
-
-
-def _coerce_bool(path: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    raise ConfigError(f"{path} must be true or false, got {value!r}")
-
-
-def _coerce_int(path: str, value: Any) -> int:
-    """An int; a float with an integer value (``1e3``) becomes one, a bool is refused."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        raise ConfigError(f"{path} must be an integer, got {value!r}")
-    return value
-
-
-def _coerce_float(path: str, value: Any) -> float:
-    """A finite float; an int or a numeric string is converted, a bool is refused."""
-    if isinstance(value, str):
-        # YAML 1.1 reads a number without a dot in its mantissa (1e-5) as a string.
-        try:
-            value = float(value)
-        except ValueError:
-            raise ConfigError(f"{path} must be a number, got {value!r}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ConfigError(f"{path} must be a finite number, got {value!r}")
-    return float(value)
-
-
-def _coerce_str(path: str, value: Any) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{path} must be a string, got {value!r}")
-    return value
-
-
-def _coerce_sequence(path: str, value: Any, origin: Any, args: tuple) -> list | tuple:
-    """A ``list[X]`` (each item coerced to X) or a ``tuple[X, Y, ...]`` (item i to the i-th type)."""
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{path} must be a list, got {value!r}")
-    if origin is tuple:
-        return tuple(_coerce(f"{path}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
-    return [_coerce(f"{path}[{i}]", v, args[0]) for i, v in enumerate(value)]
-
-
-def _coerce_mapping(path: str, value: Any) -> dict:
-    """An option mapping: its values have no annotated type, only exponent strings become floats."""
-    if not isinstance(value, dict):
-        raise ConfigError(f"{path} must be a mapping, got {value!r}")
-    return {key: _yaml_number(item) for key, item in value.items()}
-
-
-# A number in exponent form without a dot in its mantissa (3e-4), which YAML 1.1 reads as a string.
-_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
-
-
-def _yaml_number(value: Any) -> Any:
-    """``"3e-4"`` -> 3e-4 inside option mappings (``loss.options``, ``advantage.options``), whose
-    values have no annotated type to coerce to; every other value is returned unchanged."""
-    if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
-        return float(value)
-    return value
-
-
-def build_dataclass(cls, data: dict[str, Any], prefix: str = ""):
-    """``cls`` (a config dataclass) from a mapping of its fields, each value coerced to its annotated
-    type; ``prefix``: the dotted path of ``cls`` in the tree, named in every error."""
-    types = _field_types(cls)
-    unknown = sorted(set(data) - set(types))
-    if unknown:
-        where = f"{prefix}." if prefix else ""
-        # loss and advantage take the registered loss's or estimator's own options by name
-        hint = (
-            f" (an option of the chosen function goes in {where}options.{unknown[0]})"
-            if "options" in types
-            else ""
-        )
-        raise ConfigError(
-            f"unknown config key {where}{unknown[0]}; valid keys here: {', '.join(sorted(types))}{hint}"
-        )
-    kwargs = {}
-    for name, value in data.items():
-        path = f"{prefix}.{name}" if prefix else name
-        try:
-            kwargs[name] = _coerce(path, value, types[name])
-        except ConfigError:
-            choices = _choices(cls, name)
-            if not choices:
-                raise
-            # a field that takes a few named values says those, not its Python annotation
-            raise ConfigError(f"{path}={value!r} is not valid; choose {choices}") from None
-    return cls(**kwargs)
-
-
-def _choices(cls, name: str) -> str:
-    """The ``choices`` text of field ``name`` of config dataclass ``cls`` ("" when it has none)."""
-    return next((f.metadata.get("choices", "") for f in dataclasses.fields(cls) if f.name == name), "")

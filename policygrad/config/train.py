@@ -4,15 +4,19 @@ One dataclass per pipeline stage; a YAML file and ``--key=value`` overrides map 
 to one (``--kl.beta=0.04`` sets ``TrainConfig.kl.beta``): :func:`load_config`,
 :func:`parse_overrides`. Every field is validated when the tree is built, and every error names
 the field and says how to fix it. :class:`TrainConfig` checks what spans sections: the algorithm
-preset against the registries of ``policygrad.core``, the estimator's minimum group size, the
-loss's options, the KL placement against the sampler's truncation.
+preset against the registries' torch-free declarations (:mod:`policygrad.specs`), the
+estimator's minimum group size, the loss's options (:mod:`policygrad.config.algorithm`), the KL
+placement against the sampler's truncation. Importing the config imports no torch,
+transformers or vLLM; checking an estimator's or a loss's option values runs it once on a dummy
+batch, which imports ``policygrad.core`` then.
 
-The sections are defined in :mod:`policygrad.config.sections` (the base: ``ConfigError``,
-the checks, the coercion of YAML values; the model, data, rollout and reward sections) and
-:mod:`policygrad.config.training` (the algorithm presets ``ALGORITHMS``; the KL,
-advantage, loss, optimizer, critic, ptx, dynamic-sampling and distributed sections). Every
-public name of both is re-exported here, so ``from policygrad.config.train import X`` is the
-one import for the whole tree.
+The base is :mod:`policygrad.config.checks` (``ConfigError``, the checks) and
+:mod:`policygrad.config.coerce` (the coercion of YAML values); the sections are defined in
+:mod:`policygrad.config.sections` (the model, data, rollout and environment sections),
+:mod:`policygrad.config.rewards` and :mod:`policygrad.config.training` (the algorithm presets
+``ALGORITHMS``; the KL, advantage, loss, optimizer, critic, ptx, dynamic-sampling and
+distributed sections). Every public name of those is re-exported here, so
+``from policygrad.config.train import X`` is the one import for the whole tree.
 """
 
 from __future__ import annotations
@@ -24,19 +28,17 @@ from typing import Any
 
 import yaml
 
+from policygrad.config.algorithm import validate_estimator, validate_policy_loss
+from policygrad.config.checks import MIN_TEMPERATURE, ConfigError, check_choice, check_positive
+from policygrad.config.coerce import build_dataclass
 from policygrad.config.rewards import CodeRewardConfig, RewardConfig, reward_component_names
 from policygrad.config.sections import (
-    MIN_TEMPERATURE,
-    ConfigError,
     DataConfig,
     EnvConfig,
     LoraConfig,
     ModelConfig,
     RolloutConfig,
-    build_dataclass,
-    check_choice,
     check_episode_options,
-    check_positive,
 )
 from policygrad.config.training import (
     ALGORITHMS,
@@ -50,15 +52,9 @@ from policygrad.config.training import (
     OptimConfig,
     PtxConfig,
 )
-from policygrad.core.advantages import (
-    EstimatorSpec,
-    check_estimator_options,
-    estimator_spec,
-    list_advantage_estimators,
-)
-from policygrad.core.kl import KLPlacement, get_kl_placement
-from policygrad.core.losses import check_policy_loss_options, list_policy_losses, policy_loss_options
-from policygrad.data.sources import is_code_dataset
+from policygrad.specs.datasets import is_code_dataset
+from policygrad.specs.estimators import EstimatorSpec, estimator_spec
+from policygrad.specs.kl import kl_placement_spec
 
 log = logging.getLogger("policygrad")
 
@@ -214,15 +210,16 @@ class TrainConfig:
                 "data.eval_size > 0 (held-out problems per evaluation) or eval_every=0"
             )
         self._validate_code_rewards()
-        if self.kl_placement.needs_reference and (self.rollout.top_k or self.rollout.top_p < 1.0):
+        truncated = self.rollout.top_k or self.rollout.top_p < 1.0
+        if kl_placement_spec(self.kl.placement).needs_reference and truncated:
             raise ConfigError(
                 f"kl.placement={self.kl.placement!r} with rollout.top_k/top_p truncation is not supported: "
                 "the truncated sampler's log-probs are not comparable to the reference's full softmax, so "
                 "the KL would not be 0 even for an unchanged policy; set rollout.top_k=0 and "
                 "rollout.top_p=1.0, or kl.placement=none"
             )
-        self._validate_policy_loss()
-        self._validate_estimator()
+        validate_policy_loss(self)
+        validate_estimator(self)
         check_episode_options(self)
         batch = self.rollout.prompts_per_step * self.rollout.group_size
         if batch < self.optim.num_minibatches:
@@ -303,70 +300,6 @@ class TrainConfig:
             return []
         return sorted(set(self.eval_k)) if self.eval_k else [1, self.eval_samples]
 
-    def _validate_policy_loss(self) -> None:
-        """The loss is registered; every option set is one it declares, with a valid value."""
-        if self.loss.policy_loss is not None:
-            check_choice("loss.policy_loss", self.loss.policy_loss, set(list_policy_losses()))
-        name = self.policy_loss_name
-        declared = ", ".join(f"{k} (default {v!r})" for k, v in policy_loss_options(name).items())
-        declared = declared or "(none)"
-        for key, (path, value) in self.loss.set_options().items():
-            try:
-                check_policy_loss_options(name, {key: value})
-            except (ValueError, TypeError) as e:
-                if key not in policy_loss_options(name):
-                    raise ConfigError(
-                        f"{path}: {e}; unset {path} or choose a policy loss that has it"
-                    ) from None
-                raise ConfigError(
-                    f"{path}={value!r} is not valid for policy loss {name!r}: {e} (its options: {declared})"
-                ) from None
-        try:  # each value passed alone; now all of them together
-            check_policy_loss_options(name, self.loss_options)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(
-                f"loss: the options {self.loss_options!r} are not valid together for policy loss "
-                f"{name!r}: {e} (its options: {declared})"
-            ) from None
-
-    def _validate_estimator(self) -> None:
-        """The estimator is registered, its options valid, and G at least its minimum group size."""
-        if self.advantage.estimator is not None:
-            check_choice("advantage.estimator", self.advantage.estimator, set(list_advantage_estimators()))
-        name, options = self.estimator_name, self.estimator_options
-        try:
-            check_estimator_options(name, options)
-        except (ValueError, TypeError) as e:
-            raise ConfigError(f"advantage.options: {e}") from None
-        spec = self.estimator_spec
-        if "vine_values" in spec.inputs and self.reward.whiten:
-            raise ConfigError(
-                "reward.whiten=true rescales the per-token rewards but not VinePPO's Monte-Carlo values "
-                f"(advantage estimator {name!r}), so the two would not be on one scale; set "
-                "reward.whiten=false (advantage.whiten=true rescales the advantages instead)"
-            )
-        need = spec.min_group_size(options)
-        if self.rollout.group_size >= need:
-            return
-        # The options that raise the minimum (e.g. reinforce_pp's group_baseline): without any one
-        # of them the estimator would need fewer samples per prompt.
-        culprits = [
-            key
-            for key in options
-            if spec.min_group_size({k: v for k, v in options.items() if k != key}) < need
-        ]
-        with_options = "".join(f" with {k}={options[k]!r}" for k in culprits)
-        fix = f"set rollout.group_size >= {need}"
-        if culprits:
-            fix += " or change " + ", ".join(f"advantage.options.{k}" for k in culprits)
-        else:
-            fix += " or choose an estimator that does not compare samples of the same prompt"
-        raise ConfigError(
-            f"algorithm={self.algorithm!r} needs rollout.group_size >= {need} (advantage estimator "
-            f"{name!r}{with_options} compares samples of the same prompt), got {self.rollout.group_size}; "
-            f"{fix}"
-        )
-
     def _validate_dynamic_sampling(self) -> None:
         ds = self.dynamic_sampling
         if not self.drop_zero_variance_groups:
@@ -419,8 +352,11 @@ class TrainConfig:
         return {key: value for key, (_, value) in self.loss.set_options().items()}
 
     @property
-    def kl_placement(self) -> KLPlacement:
-        """The registered KL placement of ``kl.placement``."""
+    def kl_placement(self):
+        """The registered :class:`~policygrad.core.kl.KLPlacement` of ``kl.placement`` (its torch
+        functions; its declaration, torch-free, is ``specs.kl.kl_placement_spec``)."""
+        from policygrad.core.kl import get_kl_placement  # torch: keeps `import policygrad.config` light
+
         return get_kl_placement(self.kl.placement)
 
     @property

@@ -2,10 +2,11 @@
 
 Algorithms are *presets*, not code paths: ``ALGORITHMS[name]`` says which registered advantage
 estimator, which estimator options, which policy loss and which loss aggregation the algorithm
-uses. What a choice needs comes from ``policygrad.core``'s registries, never from its name: the
-estimator's :class:`~policygrad.core.advantages.EstimatorSpec` (values, trainer-supplied inputs,
-minimum group size), the policy loss's declared options and the KL placement's
-:class:`~policygrad.core.kl.KLPlacement`. So an algorithm added here needs no change in the
+uses. What a choice needs comes from the registries' torch-free declarations
+(:mod:`policygrad.specs`), never from its name: the estimator's
+:class:`~policygrad.specs.estimators.EstimatorSpec` (values, trainer-supplied inputs, minimum
+group size), the policy loss's declared options and the KL placement's
+:class:`~policygrad.specs.kl.KLPlacementSpec`. So an algorithm added here needs no change in the
 training loop, and every option is checked against the registries when the tree is built,
 before any model loads.
 
@@ -22,15 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from policygrad.config.sections import (
-    ConfigError,
-    LoraConfig,
-    check_at_most,
-    check_choice,
-    check_positive,
-)
-from policygrad.core.kl import KL_KINDS, KL_PLACEMENTS, get_kl_placement
-from policygrad.core.masking import AGGREGATION_MODES
+from policygrad.config.checks import ConfigError, check_at_most, check_choice, check_positive
+from policygrad.config.sections import LoraConfig
+from policygrad.specs.aggregation import AGGREGATION_MODES
+from policygrad.specs.kl import KL_KINDS, KL_PLACEMENTS, kl_placement_spec
 
 # The most a loss term's coefficient may weigh. The policy-gradient loss is of order 1 (advantages
 # are normalised or bounded rewards); a term weighted 100 times more no longer leaves an RL update,
@@ -50,10 +46,10 @@ class AlgorithmPreset:
     registry (``TrainConfig.estimator_spec``).
 
     Fields:
-        estimator: name registered with ``core.advantages.register_advantage_estimator``.
+        estimator: a registered estimator (``specs.estimators.list_advantage_estimators``).
         estimator_options: keyword options passed to the estimator.
-        policy_loss: name registered with ``core.losses.register_policy_loss``.
-        loss_agg_mode: one of ``core.masking.AGGREGATION_MODES``.
+        policy_loss: a registered policy loss (``specs.losses.list_policy_losses``).
+        loss_agg_mode: one of ``specs.aggregation.AGGREGATION_MODES``.
         reference: the paper the preset follows.
         critic: the algorithm trains a value model; the trainer builds one and passes its
             values V(s_t) to the estimator (``critic.enabled`` overrides).
@@ -96,7 +92,7 @@ ALGORITHMS: dict[str, AlgorithmPreset] = {
 class KLConfig:
     """KL to the reference model.
 
-    ``placement``: a registered :class:`~policygrad.core.kl.KLPlacement` (``KL_PLACEMENTS``):
+    ``placement``: a registered KL placement (:data:`~policygrad.specs.kl.KL_PLACEMENTS`):
     ``none`` (no reference model is loaded), ``reward`` (per-token -beta * KL in the reward,
     PPO-RLHF style) or ``loss`` (a KL term added to the loss, GRPO style). ``kind``: the
     estimator k1/k2/k3; ``None`` means the placement's default (k1 in the reward, k3 in the
@@ -120,13 +116,14 @@ class KLConfig:
         check_choice(f"{path}.controller", self.controller, {"fixed", "adaptive"})
         check_positive(f"{path}.target", self.target)
         check_positive(f"{path}.horizon", self.horizon)
-        if self.controller == "adaptive" and not get_kl_placement(self.placement).needs_reference:
+        if self.controller == "adaptive" and not kl_placement_spec(self.placement).needs_reference:
             raise ConfigError(
                 f"{path}.controller=adaptive with {path}.placement={self.placement!r}: there is no KL for "
                 f"the controller to steer; set {path}.placement=reward or loss (with {path}.beta), or "
                 f"{path}.controller=fixed"
             )
-        if get_kl_placement(self.placement).needs_reference and self.beta == 0 and self.controller == "fixed":
+        needs_reference = kl_placement_spec(self.placement).needs_reference
+        if needs_reference and self.beta == 0 and self.controller == "fixed":
             raise ConfigError(
                 f"{path}.placement={self.placement!r} with {path}.beta=0 computes a KL that has no "
                 f"effect; set {path}.beta > 0 or {path}.placement=none"
@@ -136,7 +133,7 @@ class KLConfig:
         """``kind``, or the placement's ``default_kind`` when it is null."""
         if self.kind is not None:
             return self.kind
-        return get_kl_placement(self.placement).default_kind
+        return kl_placement_spec(self.placement).default_kind
 
 
 @dataclass
@@ -163,7 +160,7 @@ class LossConfig:
     """Policy loss. ``policy_loss`` / ``agg_mode``: ``null`` keeps the preset's.
 
     Options of the policy loss: each loss declares its options and the paper's defaults
-    (``policygrad.core.losses.policy_loss_options``: ppo ``clip_low`` 0.2, ``clip_high`` 0.2,
+    (``policygrad.specs.losses.policy_loss_options``: ppo ``clip_low`` 0.2, ``clip_high`` 0.2,
     ``dual_clip`` None; gspo 3e-4 / 4e-4; cispo ``clip_low`` None, ``clip_high`` 0.28). Only the
     options set here reach the loss; the others keep the loss's defaults.
 

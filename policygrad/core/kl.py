@@ -1,4 +1,7 @@
-"""KL to the reference policy: per-token estimators, KL-shaped rewards, KL loss terms, controllers.
+"""KL to the reference policy: per-token estimators, KL-shaped rewards, KL loss terms, placements.
+
+The coefficient's controllers are in :mod:`policygrad.core.kl_control` (re-exported here); the
+kinds and the placements' declarations in :mod:`policygrad.specs.kl` (torch-free, for the config).
 
 Conventions (Schulman 2020, "Approximating KL divergence"): "reverse KL" is KL(pi || pi_ref),
 the one in the RLHF objective; "forward KL" is KL(pi_ref || pi). Samples are tokens drawn from
@@ -23,12 +26,13 @@ Two places to put the KL (or none), each a registered :class:`KLPlacement` (:dat
 from __future__ import annotations
 
 import abc
-import numbers
-from typing import Any
 
 import torch
 
+from policygrad.specs.kl import KL_KINDS, KL_PLACEMENTS, KLPlacementSpec, check_kl_kind, kl_placement_spec
+
 from .checks import as_bool_mask, check_2d, check_real, check_same_shape, check_tensor
+from .kl_control import AdaptiveKLController, FixedKLController
 
 __all__ = [
     "KL_KINDS",
@@ -42,14 +46,6 @@ __all__ = [
     "kl_shaped_rewards",
     "last_token_rewards",
 ]
-
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
-"""Valid ``kind`` values of the KL estimators (Schulman 2020)."""
-
-
-def _check_kind(kind: object) -> None:
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; valid kinds: {', '.join(KL_KINDS)}")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
@@ -82,7 +78,7 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -
     """
     logprobs = check_tensor(logprobs, "logprobs")
     check_same_shape(logprobs, "logprobs", ref_logprobs=ref_logprobs)
-    _check_kind(kind)
+    check_kl_kind(kind)
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio
@@ -131,7 +127,7 @@ def kl_shaped_rewards(
     scores = check_tensor(scores, "scores")
     if tuple(scores.shape) != (logprobs.shape[0],):
         raise ValueError(f"scores must have shape [B] = ({logprobs.shape[0]},), got {tuple(scores.shape)}")
-    _check_kind(kind)
+    check_kl_kind(kind)
     beta = check_real(beta, "beta")
     if beta < 0:
         raise ValueError(f"beta must be >= 0 (the KL coefficient), got {beta}")
@@ -240,7 +236,7 @@ def kl_loss(
         response_mask=response_mask,
         old_logprobs=old_logprobs,
     )
-    _check_kind(kind)
+    check_kl_kind(kind)
     mask = as_bool_mask(logprobs, response_mask, "logprobs", "response_mask")
     zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
     lp = torch.where(mask, logprobs, zero)
@@ -265,7 +261,8 @@ class KLPlacement(abc.ABC):
     Get the registered instances with :func:`get_kl_placement`; the names are
     :data:`KL_PLACEMENTS`.
 
-    Attributes:
+    Attributes (from the placement's declaration, a
+    :class:`~policygrad.specs.kl.KLPlacementSpec` of the same name):
         name: the registry key (``kl.placement`` in the config).
         needs_reference: the placement reads ``ref_logprobs`` (a reference model is needed).
         shapes_rewards: the per-token rewards read the behaviour log-probs (a KL penalty in the
@@ -274,10 +271,12 @@ class KLPlacement(abc.ABC):
             reward, Ziegler et al. 2019; k3 in the loss, Shao et al. 2024, eq. 4).
     """
 
-    name: str
-    needs_reference: bool
-    shapes_rewards: bool = False
-    default_kind: str
+    def __init__(self, spec: KLPlacementSpec) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self.needs_reference = spec.needs_reference
+        self.shapes_rewards = spec.shapes_rewards
+        self.default_kind = spec.default_kind
 
     @abc.abstractmethod
     def token_rewards(
@@ -346,10 +345,6 @@ def _require_reference(placement: KLPlacement, ref_logprobs: torch.Tensor | None
 class _NoKL(KLPlacement):
     """No KL: no reference model; the token rewards carry the score only."""
 
-    name = "none"
-    needs_reference = False
-    default_kind = "k1"
-
     def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
         return last_token_rewards(scores, response_mask)
 
@@ -359,11 +354,6 @@ class _NoKL(KLPlacement):
 
 class _KLInReward(KLPlacement):
     """Per-token ``-beta * KL`` in the reward (PPO-RLHF: Ziegler et al. 2019; Ouyang et al. 2022)."""
-
-    name = "reward"
-    needs_reference = True
-    shapes_rewards = True
-    default_kind = "k1"
 
     def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):
         ref_logprobs = _require_reference(self, ref_logprobs)
@@ -376,10 +366,6 @@ class _KLInReward(KLPlacement):
 class _KLInLoss(KLPlacement):
     """A per-token KL term in the loss (GRPO: Shao et al. 2024, eq. 3-4, with k3)."""
 
-    name = "loss"
-    needs_reference = True
-    default_kind = "k3"
-
     def token_rewards(self, scores, logprobs, ref_logprobs, response_mask, *, beta, kind):  # noqa: ARG002 (the KLPlacement interface)
         return last_token_rewards(scores, response_mask)
 
@@ -388,10 +374,10 @@ class _KLInLoss(KLPlacement):
         return kl_loss(logprobs, ref_logprobs, response_mask, kind=kind, old_logprobs=old_logprobs)
 
 
-_PLACEMENTS: dict[str, KLPlacement] = {p.name: p for p in (_NoKL(), _KLInReward(), _KLInLoss())}
-
-KL_PLACEMENTS: tuple[str, ...] = ("none", "reward", "loss")
-"""Names of the registered KL placements (valid ``kl.placement`` values)."""
+_PLACEMENTS: dict[str, KLPlacement] = {
+    name: implementation(kl_placement_spec(name))
+    for name, implementation in (("none", _NoKL), ("reward", _KLInReward), ("loss", _KLInLoss))
+}
 
 
 def get_kl_placement(name: str) -> KLPlacement:
@@ -400,148 +386,4 @@ def get_kl_placement(name: str) -> KLPlacement:
     Raises:
         ValueError: unknown name (the message lists :data:`KL_PLACEMENTS`).
     """
-    try:
-        return _PLACEMENTS[name]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"unknown KL placement {name!r}; valid placements: {', '.join(KL_PLACEMENTS)}"
-        ) from None
-
-
-class FixedKLController:
-    """Constant KL coefficient beta (InstructGPT, Ouyang et al. 2022, beta = 0.02).
-
-    Same interface as :class:`AdaptiveKLController` so the trainer can hold either.
-
-    Args:
-        beta: KL coefficient, finite and >= 0.
-
-    Raises:
-        TypeError: ``beta`` not a number. ValueError: ``beta`` < 0 or not finite.
-    """
-
-    def __init__(self, beta: float) -> None:
-        beta = check_real(beta, "beta")
-        if beta < 0:
-            raise ValueError(f"beta must be >= 0, got {beta}")
-        self.value = beta
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        """Ignore the measurement (the coefficient is fixed); validate it and return ``.value``.
-
-        Raises:
-            TypeError/ValueError: ``current_kl`` not a finite number, ``n_steps`` not an int >= 0.
-        """
-        check_real(current_kl, "current_kl")
-        _check_n_steps(n_steps)
-        return self.value
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"value": beta}``."""
-        return {"value": self.value}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``.value`` from :meth:`state_dict`'s output.
-
-        Raises:
-            ValueError: the ``value`` key is missing or invalid.
-        """
-        value = _state_value(state_dict, "value")
-        if value < 0:
-            raise ValueError(f"state_dict['value'] must be >= 0, got {value}")
-        self.value = value
-
-    def __repr__(self) -> str:
-        return f"FixedKLController(beta={self.value})"
-
-
-def _check_n_steps(n_steps: object) -> int:
-    if isinstance(n_steps, bool) or not isinstance(n_steps, numbers.Integral):
-        raise TypeError(f"n_steps must be an int (samples or steps since the last update), got {n_steps!r}")
-    if n_steps < 0:
-        raise ValueError(f"n_steps must be >= 0, got {n_steps}")
-    return int(n_steps)
-
-
-def _state_value(state_dict: object, key: str) -> float:
-    if not isinstance(state_dict, dict):
-        raise TypeError(f"state_dict must be a dict, got {type(state_dict).__name__}")
-    if key not in state_dict:
-        raise ValueError(f"state_dict is missing the key {key!r} (keys present: {sorted(state_dict)})")
-    return check_real(state_dict[key], f"state_dict[{key!r}]")
-
-
-class AdaptiveKLController:
-    """Proportional controller of the KL coefficient (Ziegler et al. 2019, section 2.2).
-
-    After a batch with measured KL ``current_kl`` covering ``n_steps`` steps (samples):
-
-        e = clip(current_kl / target - 1, -0.2, 0.2)
-        beta <- beta * (1 + e * n_steps / horizon)
-
-    so beta grows when the KL is above target and shrinks below it, by at most 20% per
-    ``horizon`` steps (Ziegler et al. 2019, section 2.2, eq. 2; ``n_steps / horizon`` plays the
-    role of K_beta).
-
-    Args:
-        init_beta: initial coefficient, finite and >= 0.
-        target: target KL (nats, in the units of ``current_kl``), > 0.
-        horizon: steps over which the full +-20% correction applies, > 0.
-
-    Raises:
-        TypeError: an argument is not a number. ValueError: ``init_beta`` < 0, ``target`` <= 0,
-        ``horizon`` <= 0, or a non-finite value.
-    """
-
-    def __init__(self, init_beta: float, target: float, horizon: float) -> None:
-        init_beta = check_real(init_beta, "init_beta")
-        target = check_real(target, "target")
-        horizon = check_real(horizon, "horizon")
-        if init_beta < 0:
-            raise ValueError(f"init_beta must be >= 0, got {init_beta}")
-        if target <= 0:
-            raise ValueError(f"target must be > 0 (the target KL), got {target}")
-        if horizon <= 0:
-            raise ValueError(f"horizon must be > 0, got {horizon}")
-        self.value = init_beta
-        self.target = target
-        self.horizon = horizon
-
-    def update(self, current_kl: float, n_steps: int) -> float:
-        """Apply one controller step and return the new ``.value``.
-
-        Args:
-            current_kl: measured KL of the last batch (float or 1-element tensor), finite.
-            n_steps: steps (samples) the measurement covers, int >= 0.
-
-        Raises:
-            TypeError/ValueError: ``current_kl`` not a finite number; ``n_steps`` not an int >= 0.
-        """
-        current_kl = check_real(current_kl, "current_kl")
-        n_steps = _check_n_steps(n_steps)
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-        return self.value
-
-    def state_dict(self) -> dict[str, Any]:
-        """``{"value", "target", "horizon"}``: everything needed to resume."""
-        return {"value": self.value, "target": self.target, "horizon": self.horizon}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore ``.value``, ``.target`` and ``.horizon`` from :meth:`state_dict`'s output.
-
-        Raises:
-            ValueError: a key is missing or holds an invalid value.
-        """
-        value = _state_value(state_dict, "value")
-        target = _state_value(state_dict, "target")
-        horizon = _state_value(state_dict, "horizon")
-        if value < 0 or target <= 0 or horizon <= 0:
-            raise ValueError(
-                "invalid state_dict: need value >= 0, target > 0, horizon > 0; "
-                f"got {value}, {target}, {horizon}"
-            )
-        self.value, self.target, self.horizon = value, target, horizon
-
-    def __repr__(self) -> str:
-        return f"AdaptiveKLController(value={self.value}, target={self.target}, horizon={self.horizon})"
+    return _PLACEMENTS[kl_placement_spec(name).name]

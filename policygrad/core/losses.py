@@ -28,8 +28,12 @@ Metrics (detached 0-d tensors, over the valid tokens of the given batch):
   over these tokens, so the exact average over micro-batches (and ranks) is
   ``sum(metric * num_tokens) / sum(num_tokens)``; ``ratio_max`` combines with ``max``.
 
-Registered losses: ``vanilla``, ``ppo``, ``gspo``, ``cispo``, ``clip_cov``, ``kl_cov``. Adding one is
-one decorated function: ``@register_policy_loss("name")``. A loss declares its options (keyword-only
+Registered losses: ``vanilla``, ``ppo``, ``gspo``, ``cispo`` (:mod:`policygrad.core.policy_losses`),
+``clip_cov``, ``kl_cov`` (:mod:`policygrad.core.covariance_losses`). Their options and defaults
+(the papers' values) are declared without torch in :mod:`policygrad.specs.losses`, which the
+config reads; this module registers each function against its declaration (its keyword-only
+options must be exactly the declared ones, with the declared defaults). Adding one is one
+decorated function: ``@register_policy_loss("name")``. A loss declares its options (keyword-only
 parameters whose defaults are the paper's values); :func:`policy_loss_options` lists them and
 :func:`check_policy_loss_options` validates a configuration's options before training starts.
 """
@@ -43,22 +47,24 @@ from typing import Any
 
 import torch
 
-from .checks import (
-    as_bool_mask,
-    check_2d,
-    check_chunk_size,
-    check_floating,
-    check_fraction,
-    check_number,
-    check_same_shape,
-    check_temperature,
-    check_tensor,
+from policygrad.specs.losses import (
+    SELECTION_ARG,
+    check_new_policy_loss_name,
+    check_policy_loss_option_names,
+    declare_policy_loss,
+    describe_options,
+    list_policy_losses,
+    policy_loss_options,
 )
-from .entropy import check_selection_options, covariance_selection, token_covariance
+
+from .checks import check_chunk_size, check_floating, check_number, check_temperature, check_tensor
+from .covariance_losses import clip_cov_loss, kl_cov_loss
 from .logprobs import row_blocks
-from .masking import masked_mean, masked_sum
+from .masking import masked_mean
+from .policy_losses import cispo_loss, gspo_loss, ppo_loss, prepare_loss_inputs, vanilla_loss
 
 __all__ = [
+    "SELECTION_ARG",
     "PolicyLossFn",
     "check_policy_loss_options",
     "cispo_loss",
@@ -78,15 +84,6 @@ __all__ = [
 PolicyLossFn = Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """``fn(logprobs, old_logprobs, advantages, response_mask, **options) -> (loss_matrix, metrics)``."""
 
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {}
-
-SELECTION_ARG = "selected"
-"""A keyword a loss that acts on a batch-level token selection (``clip_cov``, ``kl_cov``) takes
-besides its options: the [B, T] bool selection computed by the trainer over the whole step batch
-(so micro-batches and ranks cannot change it). Not an option: a config cannot set it. Such a
-loss carries ``fn.token_selection`` (its :func:`~policygrad.core.entropy.covariance_selection`
-mode); called without ``selected`` it selects over the tokens it is given."""
-
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator registering a policy loss under ``name``.
@@ -94,8 +91,9 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     Usage: ``@register_policy_loss("my_loss")`` above a function with the module's signature.
     The loss declares its options as keyword-only parameters, each with a default (the paper's
     value); registration records them, in signature order, as ``fn.options`` (a dict name ->
-    default), read by :func:`policy_loss_options` and :func:`check_policy_loss_options`. The
-    function itself is registered and returned unchanged.
+    default), read by :func:`policy_loss_options` and :func:`check_policy_loss_options`, and
+    declared in :mod:`policygrad.specs.losses` so the config accepts the name. The function
+    itself is registered and returned unchanged.
 
     Raises:
         TypeError: ``name`` is not a non-empty string; the function does not take exactly the
@@ -105,13 +103,12 @@ def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """
     if not isinstance(name, str) or not name:
         raise TypeError(f"policy loss name must be a non-empty string, got {name!r}")
-    if name in _POLICY_LOSSES:
-        raise ValueError(f"policy loss {name!r} is already registered; choose another name")
+    check_new_policy_loss_name(name)
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
-        if name in _POLICY_LOSSES:
-            raise ValueError(f"policy loss {name!r} is already registered; choose another name")
+        check_new_policy_loss_name(name)
         fn.options = _declared_options(name, fn)
+        declare_policy_loss(name, fn.options)
         _POLICY_LOSSES[name] = fn
         return fn
 
@@ -142,6 +139,39 @@ def _declared_options(name: str, fn: PolicyLossFn) -> dict[str, Any]:
     return options
 
 
+def _implement(name: str, fn: PolicyLossFn) -> PolicyLossFn:
+    """Register the built-in loss ``fn`` against its declaration in :mod:`policygrad.specs.losses`.
+
+    Raises:
+        TypeError: ``fn``'s options or their defaults are not exactly the declared ones (the
+            declaration is what the config validates against).
+    """
+    options = _declared_options(name, fn)
+    declared = policy_loss_options(name)
+    if list(options.items()) != list(declared.items()):
+        raise TypeError(
+            f"policy loss {name!r} is declared with the options {describe_options(declared)} in "
+            f"policygrad.specs.losses, but its function takes {describe_options(options)}; make them agree"
+        )
+    fn.options = options
+    return fn
+
+
+# The built-in losses, each registered against its declaration (explicitly, not by an import side
+# effect of the modules that define them).
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {
+    name: _implement(name, fn)
+    for name, fn in (
+        ("vanilla", vanilla_loss),
+        ("ppo", ppo_loss),
+        ("gspo", gspo_loss),
+        ("cispo", cispo_loss),
+        ("clip_cov", clip_cov_loss),
+        ("kl_cov", kl_cov_loss),
+    )
+}
+
+
 def get_policy_loss(name: str) -> PolicyLossFn:
     """The policy loss registered under ``name``.
 
@@ -151,26 +181,6 @@ def get_policy_loss(name: str) -> PolicyLossFn:
     if name not in _POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {name!r}; registered: {', '.join(list_policy_losses())}")
     return _POLICY_LOSSES[name]
-
-
-def list_policy_losses() -> list[str]:
-    """Sorted names of the registered policy losses."""
-    return sorted(_POLICY_LOSSES)
-
-
-def policy_loss_options(name: str) -> dict[str, Any]:
-    """The options the policy loss ``name`` declares, with their defaults (a new dict).
-
-    ``policy_loss_options("gspo") == {"clip_low": 3e-4, "clip_high": 4e-4}``.
-
-    Raises:
-        ValueError: unknown name (the message lists the registered ones).
-    """
-    return dict(get_policy_loss(name).options)
-
-
-def _describe_options(options: Mapping[str, Any]) -> str:
-    return ", ".join(f"{k} (default {v!r})" for k, v in options.items()) or "(none)"
 
 
 def check_policy_loss_options(name: str, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -195,452 +205,11 @@ def check_policy_loss_options(name: str, options: Mapping[str, Any]) -> dict[str
         TypeError: ``options`` is not a mapping; a value of the wrong type (the loss's message).
     """
     fn = get_policy_loss(name)
-    if not isinstance(options, Mapping):
-        raise TypeError(
-            f"policy loss options must be a mapping of name -> value, got {type(options).__name__}"
-        )
-    declared = fn.options
-    unknown = [key for key in options if key not in declared]
-    if unknown:
-        which = f"option {unknown[0]!r}" if len(unknown) == 1 else f"options {', '.join(map(repr, unknown))}"
-        raise ValueError(f"policy loss {name!r} has no {which}; its options: {_describe_options(declared)}")
+    check_policy_loss_option_names(name, options)
     zeros = torch.zeros(1, 2)
     with torch.no_grad():
         fn(zeros, zeros, zeros, torch.ones(1, 2), **options)
     return dict(options)
-
-
-# --------------------------------------------------------------------------------------------
-# shared helpers
-
-
-def _prepare(
-    first_name: str, first: torch.Tensor, **others: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-    """Validate [B, T] inputs; return the bool mask, ``first`` and the others (detached), 0 where masked."""
-    first = check_tensor(first, first_name)
-    check_2d(first, first_name)
-    check_floating(first, first_name)
-    for name, value in others.items():
-        check_tensor(value, name)  # None is not an optional input here
-    check_same_shape(first, first_name, **others)
-    mask = as_bool_mask(first, others.pop("response_mask"), first_name, "response_mask")
-    zero = torch.zeros((), dtype=first.dtype, device=first.device)
-    clean_first = torch.where(mask, first, zero)
-    cleaned = [
-        torch.where(mask, v.detach().to(device=first.device, dtype=first.dtype), zero)
-        for v in others.values()
-    ]
-    return mask, clean_first, cleaned
-
-
-def _ratio_metrics(
-    log_ratio: torch.Tensor,
-    ratio: torch.Tensor,
-    mask: torch.Tensor,
-    clipped_low: torch.Tensor | None = None,
-    clipped_high: torch.Tensor | None = None,
-    clipped_dual: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
-    """Detached float32 metrics over valid tokens (see the module docstring)."""
-    with torch.no_grad():
-        log_ratio = log_ratio.detach().float()
-        ratio = ratio.detach().float()
-        none = torch.zeros_like(mask)
-        low = (clipped_low if clipped_low is not None else none) & mask
-        high = (clipped_high if clipped_high is not None else none) & mask
-        dual = (clipped_dual if clipped_dual is not None else none) & mask
-        k3 = torch.expm1(log_ratio) - log_ratio
-        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-        ratio_max = torch.where(mask, ratio, zero).max() if mask.numel() else zero
-        return {
-            "clipfrac": masked_mean((low | high | dual).float(), mask),
-            "clipfrac_low": masked_mean(low.float(), mask),
-            "clipfrac_high": masked_mean(high.float(), mask),
-            "clipfrac_dual": masked_mean(dual.float(), mask),
-            "approx_kl": masked_mean(k3, mask),
-            "ratio_mean": masked_mean(ratio, mask),
-            "ratio_max": ratio_max,
-            "num_tokens": mask.sum(),
-        }
-
-
-def _clipped_surrogate(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    clip_low: float,
-    clip_high: float,
-    dual_clip: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token ``-min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)``, dual-clipped for A < 0.
-
-    Written region by region so the value is the formula's and the gradient is exactly zero in
-    the clipped regions (no tie-splitting at the band's edge): A > 0 and r > 1 + clip_high gives
-    the constant ``-(1 + clip_high) A``; A < 0 and r < 1 - clip_low gives ``-(1 - clip_low) A``;
-    A < 0 and r > dual_clip gives ``-dual_clip A``; elsewhere ``-r A`` (gradient ``-A r grad log pi``).
-    Returns ``(loss, clipped_low, clipped_high, clipped_dual)``.
-    """
-    with torch.no_grad():
-        r = ratio.detach()
-        positive = advantages > 0
-        negative = advantages < 0
-        clipped_high = positive & (r > 1.0 + clip_high)
-        clipped_low = negative & (r < 1.0 - clip_low)
-        if dual_clip is not None:
-            clipped_dual = negative & (r > dual_clip)
-        else:
-            clipped_dual = torch.zeros_like(positive)
-    surrogate_ratio = torch.where(
-        clipped_high,
-        ratio.new_tensor(1.0 + clip_high),
-        torch.where(clipped_low, ratio.new_tensor(1.0 - clip_low), ratio),
-    )
-    loss = -advantages * surrogate_ratio
-    if dual_clip is not None:
-        loss = torch.where(clipped_dual, -dual_clip * advantages, loss)
-    return loss, clipped_low, clipped_high, clipped_dual
-
-
-# --------------------------------------------------------------------------------------------
-# registered policy losses
-
-
-@register_policy_loss("vanilla")
-def vanilla_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """On-policy policy gradient (REINFORCE): ``loss = -A * logprob`` per valid token.
-
-    Williams (1992), REINFORCE; the policy-gradient theorem of Sutton et al. (2000). Its
-    gradient is ``-A grad log pi``; averaging over samples estimates the negated policy gradient.
-    ``old_logprobs`` enters only the metrics (ratio, approx_kl; on-policy the ratio is 1).
-
-    Args:
-        logprobs: [B, T] float log pi of the sampled tokens, with gradient.
-        old_logprobs: [B, T] log-probs of the sampling policy (metrics only).
-        advantages: [B, T] advantages (detached).
-        response_mask: [B, T], nonzero = valid token.
-
-    Returns:
-        ``(loss_matrix [B, T] in logprobs' dtype, 0 on masked positions; metrics)`` with the
-        module's metrics (all clip fractions are 0).
-
-    Raises:
-        TypeError: an input is not a tensor, ``logprobs`` not floating.
-        ValueError: ``logprobs`` not 2-D, or another input's shape differs (names it).
-    """
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-    zero = torch.zeros((), dtype=lp.dtype, device=lp.device)
-    loss = torch.where(mask, -adv * lp, zero)
-    log_ratio = (lp - old).detach()
-    return loss, _ratio_metrics(log_ratio, torch.exp(log_ratio), mask)
-
-
-@register_policy_loss("ppo")
-def ppo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO's clipped surrogate, per token, with optional clip-higher and dual clip.
-
-    ``loss = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A)`` with ``r = pi / pi_old``
-    (Schulman et al. 2017, eq. 7). ``clip_high > clip_low`` is DAPO's clip-higher (Yu et al.
-    2025, section 3.1, which uses 0.2 / 0.28). ``dual_clip = c > 1`` caps the loss of
-    tokens with A < 0 at ``-c A`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games with
-    Deep RL", eq. 5), so a bad token whose ratio exploded cannot dominate the batch.
-
-    Gradient by region (Schulman et al. 2017, figure 1): A > 0, r > 1 + clip_high -> 0; A < 0,
-    r < 1 - clip_low -> 0; A < 0, r > c -> 0 (dual clip); elsewhere ``-A r grad log pi``. At
-    r = 1 (the first step on fresh samples) this is exactly the vanilla gradient.
-
-    Args:
-        logprobs: [B, T] float log pi of the sampled tokens, with gradient.
-        old_logprobs: [B, T] log pi_old (the sampling policy), detached.
-        advantages: [B, T], detached.
-        response_mask: [B, T], nonzero = valid token.
-        clip_low: lower band 1 - clip_low, in [0, 1].
-        clip_high: upper band 1 + clip_high, >= 0.
-        dual_clip: None, or the dual-clip constant c > 1.
-
-    Returns:
-        ``(loss_matrix [B, T], metrics)``; 0 on masked positions; the module's metrics.
-
-    Raises:
-        TypeError: an input is not a tensor or an option not a number.
-        ValueError: shape mismatch (names the argument); ``clip_low`` outside [0, 1];
-            ``clip_high`` < 0; ``dual_clip`` <= 1.
-    """
-    clip_low = check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
-    clip_high = check_fraction(clip_high, "clip_high", allow_none=False)
-    if dual_clip is not None:
-        dual_clip = check_number(dual_clip, "dual_clip", or_none=True)
-        if not (math.isfinite(dual_clip) and dual_clip > 1.0):
-            raise ValueError(f"dual_clip must be a finite number > 1 (e.g. 3.0), or None; got {dual_clip}")
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-    log_ratio = lp - old
-    ratio = torch.exp(log_ratio)
-    loss, low, high, dual = _clipped_surrogate(ratio, adv, clip_low, clip_high, dual_clip)
-    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-    return loss, _ratio_metrics(log_ratio, ratio, mask, low, high, dual)
-
-
-@register_policy_loss("gspo")
-def gspo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float = 3e-4,
-    clip_high: float = 4e-4,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GSPO: clipped surrogate on the length-normalised sequence ratio (Zheng et al. 2025).
-
-    ``s_i = exp(mean over valid t of (log pi - log pi_old))`` = (pi(y_i) / pi_old(y_i))^(1/|y_i|),
-    clipped per sequence to [1 - clip_low, 1 + clip_high] (GSPO eq. 5-7). Implemented in the
-    paper's token-level form (GSPO-token, eq. 13-14): ``s_it = sg(s_i) * pi_t / sg(pi_t)``, whose
-    value is ``s_i`` on every token and whose gradient w.r.t. ``log pi_t`` is ``s_i``; the
-    per-token loss is ``-min(s_it A_it, clip(s_it) A_it)``. Reduced with the ``seq-mean-token-mean``
-    aggregation (mean over each sequence's tokens, then over sequences) and a per-sequence
-    advantage, the gradient equals the sequence-level GSPO gradient
-    ``-A_i grad s_i``. Defaults 3e-4 / 4e-4 are the paper's clipping ranges (section 5.1);
-    sequence ratios are far closer to 1 than token ratios, hence the tiny band.
-
-    Metrics: as the module's, with ``ratio_mean`` / ``ratio_max`` of the sequence ratio ``s_i``
-    (each sequence weighted by its valid tokens), the clip fractions counting the valid tokens
-    of clipped sequences, and ``approx_kl`` from the token ratios.
-
-    Args:
-        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
-        clip_low: lower band of the sequence ratio, in [0, 1].
-        clip_high: upper band, >= 0.
-
-    Returns:
-        ``(loss_matrix [B, T], metrics)``; 0 on masked positions. A row with no valid token
-        contributes 0 and no gradient.
-
-    Raises:
-        TypeError/ValueError: as :func:`ppo_loss`.
-    """
-    clip_low = check_fraction(clip_low, "clip_low", allow_none=False, upper=1.0)
-    clip_high = check_fraction(clip_high, "clip_high", allow_none=False)
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-    token_log_ratio = lp - old
-    lengths = mask.sum(dim=-1).clamp_min(1).to(lp.dtype)
-    seq_log_ratio = masked_sum(token_log_ratio, mask, dim=-1) / lengths  # [B]
-    log_s = seq_log_ratio.detach()[:, None] + lp - lp.detach()
-    s = torch.exp(log_s)
-    loss, low, high, _ = _clipped_surrogate(s, adv, clip_low, clip_high, None)
-    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-    metrics = _ratio_metrics(token_log_ratio, s, mask, low, high)
-    return loss, metrics
-
-
-@register_policy_loss("cispo")
-def cispo_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float | None = None,
-    clip_high: float | None = 0.28,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """CISPO: clipped, detached importance weight times the REINFORCE term (MiniMax-M1, 2025).
-
-    ``loss = -sg(clip(r, 1 - clip_low, 1 + clip_high)) * A * log pi`` with ``r = pi / pi_old``
-    (MiniMax-M1 technical report, eq. 4-5). Unlike PPO no token's gradient is ever dropped: the
-    clip bounds the weight, the gradient ``-w A grad log pi`` always flows. ``clip_low=None``
-    means no lower bound, as in the paper (which sets the lower range large and tunes only the
-    upper one, without publishing its value); ``clip_high=None`` means no upper bound. The
-    default ``clip_high=0.28`` borrows DAPO's upper clip; tune it.
-
-    Metrics: as the module's, except that the clip fractions count tokens whose weight was
-    truncated (any sign of A): ``clipfrac_high`` r > 1 + clip_high, ``clipfrac_low``
-    r < 1 - clip_low. Their gradient is scaled down, not removed.
-
-    Args:
-        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
-        clip_low: None or a number in [0, 1].
-        clip_high: None or a number >= 0.
-
-    Returns:
-        ``(loss_matrix [B, T], metrics)``; 0 on masked positions.
-
-    Raises:
-        TypeError/ValueError: as :func:`ppo_loss`.
-    """
-    clip_low = check_fraction(clip_low, "clip_low", allow_none=True, upper=1.0)
-    clip_high = check_fraction(clip_high, "clip_high", allow_none=True)
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-    log_ratio = (lp - old).detach()
-    ratio = torch.exp(log_ratio)
-    lower = None if clip_low is None else 1.0 - clip_low
-    upper = None if clip_high is None else 1.0 + clip_high
-    weight = ratio.clamp(min=lower, max=upper) if (lower is not None or upper is not None) else ratio
-    loss = torch.where(mask, -(weight * adv) * lp, torch.zeros((), dtype=lp.dtype, device=lp.device))
-    low = ratio < lower if lower is not None else None
-    high = ratio > upper if upper is not None else None
-    return loss, _ratio_metrics(log_ratio, ratio, mask, low, high)
-
-
-def _selected_tokens(selected, mask: torch.Tensor, compute) -> torch.Tensor:
-    """The trainer's step-level selection (bool [B, T], checked), else ``compute()`` over this batch."""
-    if selected is None:
-        return compute()
-    selected = check_tensor(selected, SELECTION_ARG)
-    check_same_shape(mask, "response_mask", selected=selected)
-    return selected.to(device=mask.device).bool() & mask
-
-
-@register_policy_loss("clip_cov")
-def clip_cov_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    clip_cov_ratio: float = 2e-4,
-    clip_cov_lb: float = 1.0,
-    clip_cov_ub: float = 5.0,
-    selected: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clip-Cov: PPO's clipped surrogate with the gradient of a few high-covariance tokens removed
-    (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs", section 5, eq. 8).
-
-    Tokens whose log-prob/advantage covariance summand (:func:`~policygrad.core.entropy.token_covariance`)
-    lies in ``[clip_cov_lb, clip_cov_ub]`` are the ones that lower the entropy most; a random
-    ``clip_cov_ratio`` of the valid tokens among them (at least one) get loss 0 and no gradient,
-    the rest the PPO loss of :func:`ppo_loss`. Called directly, the covariance is of this batch
-    (``logprobs`` detached) and tokens PPO already clips are not chosen; in training the trainer
-    passes ``selected``, drawn once over the step's whole batch from the sampling policy's
-    log-probs (see :data:`SELECTION_ARG`). Defaults: the paper's ratio 2e-4 and band [1, 5].
-
-    Metrics: the module's (of the PPO part), plus ``cov_selected_frac`` (fraction of valid tokens
-    whose gradient the selection removed).
-
-    Args:
-        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
-        clip_low, clip_high: PPO's band.
-        clip_cov_ratio: fraction of valid tokens to detach, in [0, 1].
-        clip_cov_lb, clip_cov_ub: the covariance band, ``lb <= ub``.
-        selected: see :data:`SELECTION_ARG`.
-
-    Returns:
-        ``(loss_matrix [B, T], metrics)``; 0 on masked and selected positions.
-
-    Raises:
-        TypeError/ValueError: as :func:`ppo_loss`; ``clip_cov_ratio`` outside [0, 1]; lb > ub.
-    """
-    loss, metrics = ppo_loss(
-        logprobs, old_logprobs, advantages, response_mask, clip_low=clip_low, clip_high=clip_high
-    )
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-
-    def select() -> torch.Tensor:
-        ratio = torch.exp(lp.detach() - old)
-        clipped = ((adv > 0) & (ratio > 1 + clip_high)) | ((adv < 0) & (ratio < 1 - clip_low))
-        cov = token_covariance(lp.detach(), adv, mask)
-        return covariance_selection(
-            cov,
-            mask,
-            mode="clip_cov",
-            ratio=clip_cov_ratio,
-            lb=clip_cov_lb,
-            ub=clip_cov_ub,
-            eligible=~clipped,
-        )
-
-    # the options are checked even when the trainer supplies the selection
-    check_selection_options("clip_cov", clip_cov_ratio, clip_cov_lb, clip_cov_ub)
-    chosen = _selected_tokens(selected, mask, select)
-    loss = torch.where(chosen, torch.zeros((), dtype=loss.dtype, device=loss.device), loss)
-    metrics["cov_selected_frac"] = masked_mean(chosen.float(), mask)
-    return loss, metrics
-
-
-clip_cov_loss.token_selection = "clip_cov"
-
-
-@register_policy_loss("kl_cov")
-def kl_cov_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    kl_cov_ratio: float = 2e-3,
-    kl_cov_coef: float = 1.0,
-    selected: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """KL-Cov: the unclipped surrogate ``-r A`` plus a KL penalty ``coef |log pi - log pi_old|`` on
-    the tokens with the largest log-prob/advantage covariance (Cui et al. 2025, section 5, eq. 9).
-
-    The ``floor(kl_cov_ratio x N)`` valid tokens with the largest covariance summand
-    (:func:`~policygrad.core.entropy.token_covariance`) get the penalty; the others only ``-r A``
-    (no clip: the penalty is the trust region, where it matters). Called directly the covariance
-    is of this batch; in training the trainer passes ``selected`` (:data:`SELECTION_ARG`).
-    Defaults: the paper's 2e-3 (its 7B setting; 2e-4 for 32B) and coefficient 1.
-
-    Metrics: the module's (no clip fractions: nothing is clipped), plus ``cov_selected_frac``.
-
-    Args:
-        logprobs, old_logprobs, advantages, response_mask: [B, T] as in :func:`ppo_loss`.
-        kl_cov_ratio: fraction of valid tokens penalised, in [0, 1].
-        kl_cov_coef: the penalty's coefficient, >= 0.
-        selected: see :data:`SELECTION_ARG`.
-
-    Returns:
-        ``(loss_matrix [B, T], metrics)``; 0 on masked positions.
-
-    Raises:
-        TypeError/ValueError: shape mismatch; ``kl_cov_ratio`` outside [0, 1]; ``kl_cov_coef`` < 0.
-    """
-    kl_cov_coef = check_number(kl_cov_coef, "kl_cov_coef")
-    if not (math.isfinite(kl_cov_coef) and kl_cov_coef >= 0):
-        raise ValueError(f"kl_cov_coef must be a finite number >= 0, got {kl_cov_coef}")
-    check_selection_options("kl_cov", kl_cov_ratio)
-    mask, lp, (old, adv) = _prepare(
-        "logprobs", logprobs, old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask
-    )
-    log_ratio = lp - old
-    ratio = torch.exp(log_ratio)
-
-    def select() -> torch.Tensor:
-        return covariance_selection(
-            token_covariance(lp.detach(), adv, mask), mask, mode="kl_cov", ratio=kl_cov_ratio
-        )
-
-    chosen = _selected_tokens(selected, mask, select)
-    loss = -adv * ratio + torch.where(chosen, kl_cov_coef * log_ratio.abs(), 0.0)
-    loss = torch.where(mask, loss, torch.zeros((), dtype=loss.dtype, device=loss.device))
-    metrics = _ratio_metrics(log_ratio, ratio, mask)
-    metrics["cov_selected_frac"] = masked_mean(chosen.float(), mask)
-    return loss, metrics
-
-
-kl_cov_loss.token_selection = "kl_cov"
 
 
 # --------------------------------------------------------------------------------------------
@@ -683,7 +252,7 @@ def value_loss(
         clip_range = check_number(clip_range, "clip_range", or_none=True)
         if not (math.isfinite(clip_range) and clip_range > 0):
             raise ValueError(f"clip_range must be a finite number > 0, or None to disable; got {clip_range}")
-    mask, v, (old, ret) = _prepare(
+    mask, v, (old, ret) = prepare_loss_inputs(
         "values", values, old_values=old_values, returns=returns, response_mask=response_mask
     )
     error = (v - ret).square()

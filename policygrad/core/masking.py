@@ -25,6 +25,8 @@ import numbers
 
 import torch
 
+from policygrad.specs.aggregation import AGGREGATION_MODES
+
 from .checks import as_bool_mask, check_2d, check_tensor
 
 __all__ = [
@@ -36,15 +38,6 @@ __all__ = [
     "masked_var",
     "masked_whiten",
 ]
-
-AGGREGATION_MODES: tuple[str, ...] = (
-    "token-mean",
-    "token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-sum-norm",
-)
-"""The reduction modes accepted by :func:`aggregate`."""
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim: int | tuple[int, ...] | None = None) -> torch.Tensor:

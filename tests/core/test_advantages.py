@@ -14,17 +14,22 @@ from policygrad.core.advantages import (
     estimate_advantages,
     estimator_spec,
     get_advantage_estimator,
-    group_mean_std,
     list_advantage_estimators,
     monte_carlo_returns,
     register_advantage_estimator,
-    sequence_rewards,
 )
+from policygrad.specs import estimators as estimator_specs
 
 pytestmark = pytest.mark.unit
 
 NAN = float("nan")
 BUILTIN = ("gae", "grpo", "reinforce", "reinforce_pp", "remax", "rloo")
+
+
+def _unregister(name):
+    """Take a test-only estimator out of both registries: its function and its declaration."""
+    adv_module._ESTIMATORS.pop(name, None)
+    estimator_specs._SPECS.pop(name, None)
 
 
 def one_token(rewards, dtype=torch.float64):
@@ -80,7 +85,7 @@ def test_duplicate_registration_raises_and_new_estimators_get_the_shared_checks(
         with pytest.raises(TypeError, match=r"'test_only_constant'.*'levle'.*level"):
             estimate_advantages(name, r, m, group_index=torch.tensor([0]), levle=3.0)
     finally:
-        adv_module._ESTIMATORS.pop(name, None)
+        _unregister(name)
     assert name not in list_advantage_estimators()
 
 
@@ -199,7 +204,7 @@ def test_direct_call_group_size_rule_follows_the_options():
         estimate_advantages(name, r4, m4, group_index=torch.tensor([0, 0, 1, 1]))
         estimate_advantages(name, r4, m4, group_index=torch.tensor([0, 0, 0, 1]), wide=True)
     finally:
-        adv_module._ESTIMATORS.pop(name, None)
+        _unregister(name)
 
 
 def test_check_estimator_options_refuses_unknown_options_and_inputs():
@@ -277,7 +282,7 @@ def test_registration_declares_capabilities():
                 name, torch.zeros(1, 1), torch.ones(1, 1), group_index=torch.tensor([0]), wdie=1
             )
     finally:
-        adv_module._ESTIMATORS.pop(name, None)
+        _unregister(name)
 
 
 def test_registration_checks_the_capabilities():
@@ -351,412 +356,6 @@ def test_outputs_are_detached_and_in_the_rewards_dtype():
         )
         assert not a.requires_grad and not ret.requires_grad, name
         assert a.dtype == ret.dtype == torch.float32, name
-
-
-# ---------------------------------------------------------------------------------------------
-# The baseline identity, by exact enumeration
-# ---------------------------------------------------------------------------------------------
-
-
-def _expected_gradient(logits, rewards, baseline):
-    """sum_s sum_a p(s) pi(a|s) A(s,a) grad log pi(a|s), with A from the `reinforce` estimator.
-
-    logits: [S, K] leaf tensor; rewards: [S, K]; baseline: float, [S] state baseline or [S, K].
-    Each (s, a) pair is one single-token "sequence"; p(s) is uniform.
-    """
-    num_states, k = rewards.shape
-    token_rewards = rewards.reshape(-1, 1)
-    if isinstance(baseline, torch.Tensor) and baseline.dim() == 1:
-        baseline = baseline.repeat_interleave(k)  # a state baseline, the same for every action
-    elif isinstance(baseline, torch.Tensor):
-        baseline = baseline.reshape(-1)  # depends on the action: allowed to bias
-    a, _ = estimate_advantages(
-        "reinforce",
-        token_rewards,
-        torch.ones_like(token_rewards),
-        group_index=torch.arange(num_states).repeat_interleave(k),
-        baseline=baseline,
-    )
-    logp = torch.log_softmax(logits, dim=-1)
-    weights = logp.exp().detach() / num_states  # p(s) pi(a|s), a constant of the sum
-    surrogate = (weights * a.reshape(num_states, k) * logp).sum()
-    (grad,) = torch.autograd.grad(surrogate, logits)
-    return grad
-
-
-def test_constant_baseline_leaves_the_expected_gradient_unchanged():
-    logits = torch.tensor([[0.3, -1.2, 0.8]], dtype=torch.float64, requires_grad=True)
-    rewards = torch.tensor([[1.0, 3.0, -2.0]], dtype=torch.float64)
-    g0 = _expected_gradient(logits, rewards, 0.0)
-    # The exact gradient of E[R] = sum_a pi(a) R(a) w.r.t. the logits is pi * (R - E[R]).
-    pi = torch.softmax(logits.detach(), -1)
-    torch.testing.assert_close(g0, pi * (rewards - (pi * rewards).sum()), rtol=0, atol=1e-14)
-    for b in (5.0, -3.0, 100.0):
-        torch.testing.assert_close(_expected_gradient(logits, rewards, b), g0, rtol=0, atol=1e-12)
-    # An action-dependent baseline does move it (b = R zeroes every advantage): the check can fail.
-    assert _expected_gradient(logits, rewards, rewards).abs().max().item() == 0.0
-    assert g0.abs().max().item() > 0.1
-
-
-def test_state_only_baseline_leaves_the_expected_gradient_unchanged():
-    logits = torch.tensor([[0.3, -1.2, 0.8], [2.0, 0.0, -1.0]], dtype=torch.float64, requires_grad=True)
-    rewards = torch.tensor([[1.0, 3.0, -2.0], [0.5, 0.0, 4.0]], dtype=torch.float64)
-    g0 = _expected_gradient(logits, rewards, 0.0)
-    state_baseline = torch.tensor([7.0, -2.5], dtype=torch.float64)
-    torch.testing.assert_close(_expected_gradient(logits, rewards, state_baseline), g0, rtol=0, atol=1e-12)
-
-
-# ---------------------------------------------------------------------------------------------
-# Sequence-level estimators
-# ---------------------------------------------------------------------------------------------
-
-
-def test_sequence_reward_is_the_sum_of_valid_token_rewards_spread_on_valid_tokens():
-    # row 0: -0.1 - 0.1 + 1.0 = 0.8 ; row 1: -0.2 + 0.5 = 0.3 (position 2 is padding)
-    r = torch.tensor([[-0.1, -0.1, 1.0], [-0.2, 0.5, 99.0]], dtype=torch.float64)
-    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    torch.testing.assert_close(sequence_rewards(r, m), torch.tensor([0.8, 0.3], dtype=torch.float64))
-    a, ret = estimate_advantages("reinforce", r, m, group_index=torch.tensor([0, 0]), baseline=0.5)
-    expected = torch.tensor([[0.3, 0.3, 0.3], [-0.2, -0.2, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(a, expected, rtol=0, atol=1e-15)
-    torch.testing.assert_close(ret, torch.tensor([[0.8] * 3, [0.3, 0.3, 0.0]], dtype=torch.float64))
-
-
-def test_reinforce_baseline_forms():
-    r, m = one_token([1.0, 2.0, 4.0])
-    gi = torch.tensor([0, 1, 2])
-    a, _ = estimate_advantages("reinforce", r, m, group_index=gi)
-    assert torch.equal(a[:, 0], torch.tensor([1.0, 2.0, 4.0], dtype=torch.float64))  # default b = 0
-    a, _ = estimate_advantages("reinforce", r, m, group_index=gi, baseline=torch.tensor([1.0, 1.0, 5.0]))
-    assert torch.equal(a[:, 0], torch.tensor([0.0, 1.0, -1.0], dtype=torch.float64))
-    with pytest.raises(ValueError, match="baseline"):
-        estimate_advantages("reinforce", r, m, group_index=gi, baseline=torch.ones(2))
-    with pytest.raises(TypeError, match="baseline"):
-        estimate_advantages("reinforce", r, m, group_index=gi, baseline="mean")
-
-
-def test_rloo_hand_values():
-    # group {1, 2, 6}: others' means 4, 3.5, 1.5 -> -3, -1.5, 4.5; group {5, 5}: 0, 0
-    r, m = one_token([1.0, 2.0, 6.0, 5.0, 5.0])
-    a, ret = estimate_advantages("rloo", r, m, group_index=torch.tensor([0, 0, 0, 1, 1]))
-    assert torch.equal(a[:, 0], torch.tensor([-3.0, -1.5, 4.5, 0.0, 0.0], dtype=torch.float64))
-    assert torch.equal(ret, r)
-
-
-def test_rloo_group_of_one_is_an_error():
-    r, m = one_token([1.0, 2.0, 6.0])
-    with pytest.raises(ValueError, match="group_size must be >= 2.*\\[7\\]"):
-        estimate_advantages("rloo", r, m, group_index=torch.tensor([3, 3, 7]))
-
-
-def test_group_mean_difference_is_scaled_rloo():
-    # RLOO (Kool et al. 2019): R_i - mean(R) = (k-1)/k * (R_i - mean of the others), for each k.
-    gen = torch.Generator().manual_seed(0)
-    sizes = [2, 3, 4, 5, 8]
-    gi = torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes))
-    r = torch.randn(len(gi), 1, generator=gen, dtype=torch.float64)
-    m = torch.ones_like(r)
-    rloo, _ = estimate_advantages("rloo", r, m, group_index=gi)
-    centred, _ = estimate_advantages("grpo", r, m, group_index=gi, scale="none")
-    k = torch.tensor(sizes, dtype=torch.float64).repeat_interleave(torch.tensor(sizes))[:, None]
-    torch.testing.assert_close(centred, (k - 1) / k * rloo, rtol=0, atol=1e-14)
-    # and rloo itself is the leave-one-out difference, checked with a plain loop
-    for i in range(len(gi)):
-        others = [r[j, 0].item() for j in range(len(gi)) if gi[j] == gi[i] and j != i]
-        assert rloo[i, 0].item() == pytest.approx(r[i, 0].item() - sum(others) / len(others), abs=1e-14)
-
-
-def test_grpo_bug_report_case_in_any_row_order_and_micro_batch():
-    # Bug-report case 5: groups [1, 0 | 1, 1]. Group 0: mean 0.5, unbiased std
-    # sqrt((0.25 + 0.25) / 1) = 0.70711 -> 0.5 / (0.70711 + 1e-4) = 0.70700; group 1: all equal -> 0.
-    r, m = one_token([1.0, 0.0, 1.0, 1.0])
-    gi = torch.tensor([0, 0, 1, 1])
-    expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / (math.sqrt(0.5) + 1e-4)
-    a, ret = estimate_advantages("grpo", r, m, group_index=gi, eps=1e-4)
-    torch.testing.assert_close(a[:, 0], expected, rtol=0, atol=1e-15)
-    assert abs(a[0, 0].item() - 0.707) < 5e-4
-    assert torch.equal(ret, r)
-    for perm in ([2, 0, 3, 1], [1, 3, 2, 0], [3, 2, 1, 0]):
-        perm = torch.tensor(perm)
-        a_perm, _ = estimate_advantages("grpo", r[perm], m[perm], group_index=gi[perm], eps=1e-4)
-        torch.testing.assert_close(a_perm[:, 0], expected[perm], rtol=0, atol=1e-15)
-    for rows in ([0, 1], [2, 3]):  # each group as its own micro-batch
-        a_mb, _ = estimate_advantages("grpo", r[rows], m[rows], group_index=gi[rows], eps=1e-4)
-        torch.testing.assert_close(a_mb[:, 0], expected[rows], rtol=0, atol=1e-15)
-    # Dr.GRPO centred advantage: R - group mean
-    a, _ = estimate_advantages("grpo", r, m, group_index=gi, scale="none")
-    assert torch.equal(a[:, 0], torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64))
-
-
-def test_grpo_batch_scale_and_population_std():
-    r, m = one_token([1.0, 0.0, 1.0, 1.0])
-    gi = torch.tensor([0, 0, 1, 1])
-    # batch mean 0.75; deviations .25, -.75, .25, .25; squares sum 0.75; unbiased var 0.25 -> std 0.5
-    # group-centred [0.5, -0.5, 0, 0] / 0.5 = [1, -1, 0, 0]
-    a, _ = estimate_advantages("grpo", r, m, group_index=gi, scale="batch", eps=0.0)
-    assert torch.equal(a[:, 0], torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64))
-    # population std: group 0 std 0.5 -> [1, -1]; batch std sqrt(0.75 / 4) = 0.43301
-    a, _ = estimate_advantages("grpo", r, m, group_index=gi, unbiased=False, eps=0.0)
-    assert torch.equal(a[:, 0], torch.tensor([1.0, -1.0, 0.0, 0.0], dtype=torch.float64))
-    a, _ = estimate_advantages("grpo", r, m, group_index=gi, scale="batch", unbiased=False, eps=0.0)
-    torch.testing.assert_close(
-        a[:, 0],
-        torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / math.sqrt(0.1875),
-        rtol=0,
-        atol=1e-15,
-    )
-
-
-def test_grpo_all_equal_group_is_exactly_zero_in_float32():
-    # In float32 the group mean of seven 0.1s or three 0.9s is not exactly 0.1 / 0.9 (checked
-    # below), so a naive (R - mean) / (std + eps) is a rounding-error ratio, not 0.
-    r, m = one_token([0.1] * 7 + [0.9] * 3, dtype=torch.float32)
-    gi = torch.tensor([0] * 7 + [1] * 3)
-    for rows in (slice(0, 7), slice(7, 10)):
-        assert (r[rows] - r[rows].sum() / r[rows].numel()).abs().max().item() > 0  # the premise
-    for scale in ("group", "batch", "none"):
-        for eps in (1e-6, 0.0):
-            a, _ = estimate_advantages("grpo", r, m, group_index=gi, scale=scale, eps=eps)
-            assert torch.equal(a, torch.zeros_like(a)), (scale, eps)
-    a, _ = estimate_advantages("rloo", r, m, group_index=gi)
-    assert torch.equal(a, torch.zeros_like(a))
-
-
-def test_grpo_errors():
-    r, m = one_token([1.0, 0.0, 1.0])
-    with pytest.raises(ValueError, match="group_size must be >= 2"):
-        estimate_advantages("grpo", r, m, group_index=torch.tensor([0, 0, 1]))
-    # a lone sample is allowed without a group std: its centred advantage is 0
-    a, _ = estimate_advantages("grpo", r, m, group_index=torch.tensor([0, 0, 1]), scale="none")
-    assert torch.equal(a[:, 0], torch.tensor([0.5, -0.5, 0.0], dtype=torch.float64))
-    with pytest.raises(ValueError, match="group, batch, none"):
-        estimate_advantages("grpo", r, m, group_index=torch.tensor([0, 0, 0]), scale="prompt")
-    with pytest.raises(ValueError, match="eps"):
-        estimate_advantages("grpo", r, m, group_index=torch.tensor([0, 0, 0]), eps=-1.0)
-
-
-def test_group_statistics_never_mix_prompts():
-    gen = torch.Generator().manual_seed(1)
-    gi = torch.tensor([4, 9, 4, 2, 9, 2, 4, 9])  # non-contiguous, not 0..K-1
-    r = torch.randn(8, 1, generator=gen, dtype=torch.float64)
-    m = torch.ones_like(r)
-    for name, opts in (("rloo", {}), ("grpo", {}), ("grpo", {"scale": "none"})):
-        a, _ = estimate_advantages(name, r, m, group_index=gi, **opts)
-        # changing the other groups' rewards leaves group 4's advantages unchanged
-        r2 = r.clone()
-        r2[gi != 4] = torch.randn(int((gi != 4).sum()), 1, generator=gen, dtype=torch.float64) * 50
-        a2, _ = estimate_advantages(name, r2, m, group_index=gi, **opts)
-        assert torch.equal(a2[gi == 4], a[gi == 4]), name
-        # the advantages of a group equal those of the group alone
-        alone, _ = estimate_advantages(name, r[gi == 9], m[gi == 9], group_index=gi[gi == 9], **opts)
-        torch.testing.assert_close(a[gi == 9], alone, rtol=0, atol=1e-15)
-        # shuffling rows together with group_index permutes the advantages
-        perm = torch.randperm(8, generator=gen)
-        a_perm, _ = estimate_advantages(name, r[perm], m[perm], group_index=gi[perm], **opts)
-        torch.testing.assert_close(a_perm, a[perm], rtol=0, atol=1e-15)
-
-
-def test_group_mean_std_helper():
-    # group 0: {1, 3} mean 2, unbiased std sqrt(2); group 1: {4} (size 1) std NaN unbiased, 0 population
-    rewards = torch.tensor([1.0, 4.0, 3.0], dtype=torch.float64)
-    gi = torch.tensor([0, 1, 0])
-    centred, std, size = group_mean_std(rewards, gi)
-    assert torch.equal(centred, torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64))
-    assert std[0].item() == pytest.approx(math.sqrt(2), abs=1e-15) and math.isnan(std[1].item())
-    assert torch.equal(size, torch.tensor([2, 1, 2]))
-    _, std, _ = group_mean_std(rewards, gi, unbiased=False)
-    assert torch.equal(std, torch.tensor([1.0, 0.0, 1.0], dtype=torch.float64))
-
-
-def test_remax_hand_values_and_missing_baseline():
-    r, m = one_token([1.0, 0.0, 0.5])
-    gi = torch.tensor([0, 0, 1])
-    a, _ = estimate_advantages(
-        "remax", r, m, group_index=gi, baseline_rewards=torch.tensor([0.25, 0.25, 1.0])
-    )
-    assert torch.equal(a[:, 0], torch.tensor([0.75, -0.25, -0.5], dtype=torch.float64))
-    with pytest.raises(ValueError, match="baseline_rewards is required"):
-        estimate_advantages("remax", r, m, group_index=gi)
-    with pytest.raises(ValueError, match="baseline_rewards"):
-        estimate_advantages("remax", r, m, group_index=gi, baseline_rewards=torch.zeros(2))
-
-
-# ---------------------------------------------------------------------------------------------
-# REINFORCE++
-# ---------------------------------------------------------------------------------------------
-
-
-def test_reinforce_pp_reward_to_go_then_whitening():
-    r = torch.tensor([[-0.1, -0.1, 1.0], [-0.2, 0.5, NAN]], dtype=torch.float64)
-    m = torch.tensor([[1, 1, 1], [1, 1, 0]])
-    gi = torch.tensor([0, 0])
-    a, ret = estimate_advantages("reinforce_pp", r, m, group_index=gi)
-    # reward-to-go (gamma 1): row 0 [0.8, 0.9, 1.0], row 1 [0.3, 0.5]
-    rtg = torch.tensor([[0.8, 0.9, 1.0], [0.3, 0.5, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(ret, rtg, rtol=0, atol=1e-15)
-    # valid mean 3.5 / 5 = 0.7; deviations .1 .2 .3 -.4 -.2; squares sum .34; unbiased var .085
-    dev = torch.tensor([[0.1, 0.2, 0.3], [-0.4, -0.2, 0.0]], dtype=torch.float64)
-    torch.testing.assert_close(a, dev / math.sqrt(0.085 + 1e-8), rtol=0, atol=1e-12)
-    # gamma 0.5, row 0: t2 1.0; t1 -0.1 + 0.5 * 1.0 = 0.4; t0 -0.1 + 0.5 * 0.4 = 0.1
-    _, ret = estimate_advantages("reinforce_pp", r, m, group_index=gi, gamma=0.5)
-    torch.testing.assert_close(ret[0], torch.tensor([0.1, 0.4, 1.0], dtype=torch.float64), rtol=0, atol=1e-15)
-
-
-def test_reinforce_pp_group_baseline():
-    # rewards [1, 0 | 1, 1]; group means 0.5, 1 -> shifted [0.5, -0.5, 0, 0]; mean 0;
-    # unbiased var (0.25 + 0.25) / 3 = 1/6 -> [0.5, -0.5, 0, 0] * sqrt(6) = [1.2247, -1.2247, 0, 0]
-    r, m = one_token([1.0, 0.0, 1.0, 1.0])
-    gi = torch.tensor([0, 0, 1, 1])
-    a, ret = estimate_advantages("reinforce_pp", r, m, group_index=gi, group_baseline=True)
-    expected = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64) / math.sqrt(1 / 6 + 1e-8)
-    torch.testing.assert_close(a[:, 0], expected, rtol=0, atol=1e-12)
-    assert torch.equal(ret, r)  # the returns are the unshifted reward-to-go
-
-
-def test_reinforce_pp_needs_two_valid_tokens():
-    with pytest.raises(ValueError, match="at least 2"):
-        estimate_advantages(
-            "reinforce_pp", torch.tensor([[1.0, 0.0]]), torch.tensor([[1, 0]]), group_index=torch.tensor([0])
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# GAE
-# ---------------------------------------------------------------------------------------------
-
-
-def reference_gae(rewards, values, length, gamma, lam):
-    """Plain loop over the first `length` tokens of one row (GAE, Schulman et al. 2015b, eq. 16)."""
-    adv = [0.0] * length
-    last = 0.0
-    for t in reversed(range(length)):
-        next_value = values[t + 1] if t + 1 < length else 0.0  # V = 0 after the last valid token
-        delta = rewards[t] + gamma * next_value - values[t]
-        last = delta + gamma * lam * last
-        adv[t] = last
-    return adv
-
-
-def test_gae_never_bootstraps_from_padding_bug_report_case():
-    # Bug-report case 4: mask [1, 1, 0], rewards [0, 1, 0], values [0, 0, 100], gamma 1, lam 0.95.
-    # t=1: delta = 1 + 1 * 0 - 0 = 1 -> A = 1; t=0: delta = 0 + 0 - 0 = 0 -> A = 0 + 0.95 * 1 = 0.95.
-    # (Bootstrapping from V=100 at the padded position would give [5.7, 6.0, 0].)
-    r = torch.tensor([[0.0, 1.0, 0.0]])
-    v = torch.tensor([[0.0, 0.0, 100.0]])
-    m = torch.tensor([[1, 1, 0]])
-    a, ret = estimate_advantages("gae", r, m, group_index=torch.tensor([0]), values=v, gamma=1.0, lam=0.95)
-    torch.testing.assert_close(a, torch.tensor([[0.95, 1.0, 0.0]]), rtol=0, atol=1e-7)
-    torch.testing.assert_close(ret, torch.tensor([[0.95, 1.0, 0.0]]), rtol=0, atol=1e-7)  # + V = 0
-
-
-def test_gae_lambda_one_is_monte_carlo_minus_value_and_lambda_zero_is_td():
-    r = torch.tensor([[0.1, -0.2, 0.3, 1.0, 7.0]], dtype=torch.float64)
-    v = torch.tensor([[0.5, 0.4, -0.3, 0.2, 9.0]], dtype=torch.float64)
-    m = torch.tensor([[1, 1, 1, 1, 0]])
-    gi = torch.tensor([0])
-    for gamma in (1.0, 0.9):
-        a, _ = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=gamma, lam=1.0)
-        # sum_l gamma^l r_{t+l} over the 4 valid tokens, minus V(s_t)
-        mc = [sum(gamma**l * r[0, t + l].item() for l in range(4 - t)) for t in range(4)]
-        expected = torch.tensor([mc[t] - v[0, t].item() for t in range(4)] + [0.0], dtype=torch.float64)
-        torch.testing.assert_close(a[0], expected, rtol=0, atol=1e-14)
-        a, ret = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=gamma, lam=0.0)
-        # TD error r_t + gamma V_{t+1} - V_t with V = 0 after the last valid token
-        next_v = [0.4, -0.3, 0.2, 0.0]
-        td = [r[0, t].item() + gamma * next_v[t] - v[0, t].item() for t in range(4)]
-        torch.testing.assert_close(a[0], torch.tensor(td + [0.0], dtype=torch.float64), rtol=0, atol=1e-14)
-        torch.testing.assert_close(ret[0, :4], a[0, :4] + v[0, :4], rtol=0, atol=1e-15)
-
-
-def _random_gae_inputs(seed, batch=6, steps=9):
-    gen = torch.Generator().manual_seed(seed)
-    r = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
-    v = torch.randn(batch, steps, generator=gen, dtype=torch.float64)
-    lengths = torch.randint(1, steps + 1, (batch,), generator=gen)
-    lengths[0] = steps
-    lengths[1] = 1
-    m = right_padded_mask(lengths, steps)
-    return r, v, m, lengths.tolist()
-
-
-@pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 1.0), (1.0, 0.0)])
-def test_gae_matches_the_reference_loop(seed, gamma, lam):
-    r, v, m, lengths = _random_gae_inputs(seed)
-    gi = torch.arange(r.shape[0])
-    a, ret = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=gamma, lam=lam)
-    for i, n in enumerate(lengths):
-        ref = reference_gae(r[i].tolist(), v[i].tolist(), n, gamma, lam)
-        expected = torch.tensor(ref + [0.0] * (r.shape[1] - n), dtype=torch.float64)
-        torch.testing.assert_close(a[i], expected, rtol=0, atol=1e-12)
-        torch.testing.assert_close(ret[i, :n], a[i, :n] + v[i, :n], rtol=0, atol=1e-14)
-        assert torch.equal(ret[i, n:], torch.zeros(r.shape[1] - n, dtype=torch.float64))
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_gae_decoupled_critic_lambda_matches_the_reference_loop(seed):
-    r, v, m, lengths = _random_gae_inputs(seed)
-    gi = torch.arange(r.shape[0])
-    a, ret = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=0.95, lam=0.9, critic_lam=1.0)
-    for i, n in enumerate(lengths):
-        policy = reference_gae(r[i].tolist(), v[i].tolist(), n, 0.95, 0.9)
-        critic = reference_gae(r[i].tolist(), v[i].tolist(), n, 0.95, 1.0)
-        torch.testing.assert_close(a[i, :n], torch.tensor(policy, dtype=torch.float64), rtol=0, atol=1e-12)
-        expected_ret = torch.tensor(critic, dtype=torch.float64) + v[i, :n]
-        torch.testing.assert_close(ret[i, :n], expected_ret, rtol=0, atol=1e-12)
-    # critic_lam equal to lam gives the coupled estimator
-    a2, ret2 = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=0.95, lam=0.9, critic_lam=0.9)
-    a3, ret3 = estimate_advantages("gae", r, m, group_index=gi, values=v, gamma=0.95, lam=0.9)
-    assert torch.equal(a2, a3) and torch.equal(ret2, ret3)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_gae_length_adaptive_lambda_matches_the_reference_loop(seed):
-    r, v, m, lengths = _random_gae_inputs(seed)
-    gi = torch.arange(r.shape[0])
-    alpha = 0.4
-    a, ret = estimate_advantages("gae", r, m, group_index=gi, values=v, length_adaptive_alpha=alpha)
-    for i, n in enumerate(lengths):
-        lam_i = min(max(1 - 1 / (alpha * n), 0.0), 1.0)  # e.g. n = 9: 1 - 1/3.6 = 0.7222; n = 1: 0
-        ref = reference_gae(r[i].tolist(), v[i].tolist(), n, 1.0, lam_i)
-        torch.testing.assert_close(a[i, :n], torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-12)
-        torch.testing.assert_close(ret[i, :n], a[i, :n] + v[i, :n], rtol=0, atol=1e-14)
-
-
-def test_gae_length_adaptive_hand_value():
-    # alpha 0.5, length 4 -> lam = 1 - 1 / (0.5 * 4) = 0.5; rewards [0, 0, 0, 1], V = 0, gamma 1:
-    # deltas [0, 0, 0, 1] -> A = [0.125, 0.25, 0.5, 1]
-    r = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
-    a, _ = estimate_advantages(
-        "gae",
-        r,
-        torch.ones(1, 4),
-        group_index=torch.tensor([0]),
-        values=torch.zeros(1, 4),
-        length_adaptive_alpha=0.5,
-    )
-    torch.testing.assert_close(a, torch.tensor([[0.125, 0.25, 0.5, 1.0]]), rtol=0, atol=0)
-
-
-def test_gae_skips_masked_holes_like_a_compacted_sequence():
-    # A mask with a hole (e.g. tool output inside a response) is the same as the row without it.
-    r = torch.tensor([[0.3, 5.0, -0.2, 1.0]], dtype=torch.float64)
-    v = torch.tensor([[0.1, 9.0, 0.4, -0.5]], dtype=torch.float64)
-    m = torch.tensor([[1, 0, 1, 1]])
-    a, _ = estimate_advantages("gae", r, m, group_index=torch.tensor([0]), values=v, gamma=0.9, lam=0.7)
-    ref = reference_gae([0.3, -0.2, 1.0], [0.1, 0.4, -0.5], 3, 0.9, 0.7)
-    torch.testing.assert_close(a[0, [0, 2, 3]], torch.tensor(ref, dtype=torch.float64), rtol=0, atol=1e-14)
-    assert a[0, 1].item() == 0.0
-
-
-def test_gae_errors():
-    r = torch.zeros(1, 2)
-    gi = torch.tensor([0])
-    with pytest.raises(ValueError, match="values"):
-        estimate_advantages("gae", r, torch.ones(1, 2), group_index=gi)
-    for opts in ({"lam": 1.5}, {"gamma": -0.1}, {"critic_lam": 2.0}, {"length_adaptive_alpha": 0.0}):
-        with pytest.raises(ValueError, match=next(iter(opts))):
-            estimate_advantages("gae", r, torch.ones(1, 2), group_index=gi, values=torch.zeros(1, 2), **opts)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from policygrad.core.losses import (
     value_loss,
 )
 from policygrad.core.masking import aggregate
+from policygrad.specs import losses as loss_specs
 
 pytestmark = pytest.mark.unit
 
@@ -51,6 +52,7 @@ def test_registry_lists_and_errors(monkeypatch):
         register_policy_loss("ppo")
 
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
+    monkeypatch.setattr(loss_specs, "_OPTIONS", dict(loss_specs._OPTIONS))  # the declarations too
 
     @register_policy_loss("negated")
     def negated(logprobs, _old_logprobs, _advantages, _response_mask):
@@ -159,6 +161,7 @@ def test_check_policy_loss_options_validates_the_values_now():
 
 def test_only_the_given_options_reach_the_loss(monkeypatch):
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
+    monkeypatch.setattr(loss_specs, "_OPTIONS", dict(loss_specs._OPTIONS))  # the declarations too
     calls = []
 
     @register_policy_loss("recording")
@@ -173,6 +176,7 @@ def test_only_the_given_options_reach_the_loss(monkeypatch):
 
 def test_registration_requires_declared_options(monkeypatch):
     monkeypatch.setattr(losses, "_POLICY_LOSSES", dict(losses._POLICY_LOSSES))
+    monkeypatch.setattr(loss_specs, "_OPTIONS", dict(loss_specs._OPTIONS))  # the declarations too
 
     def open_options(logprobs, old_logprobs, advantages, response_mask, **options):  # noqa: ARG001 (a signature to refuse)
         return logprobs, {}

@@ -1,0 +1,53 @@
+"""The base of the configuration tree: :class:`ConfigError`, the bounds every section shares and
+the checks it validates with (:func:`check_choice`, :func:`check_positive`, :func:`check_at_most`).
+
+Every error is one line that names the dotted field and says how to fix it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "MAX_ENV_RETRIES",
+    "MIN_TEMPERATURE",
+    "ConfigError",
+    "check_at_most",
+    "check_choice",
+    "check_positive",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range. The message names the field."""
+
+
+# The smallest sampling temperature: below it the tempered logits of a float32 model overflow or
+# the log-probs of every token but the top one are -1e30-like numbers with no usable precision.
+MIN_TEMPERATURE = 1e-3
+# The most fresh attempts of a failed episode (rollout.env_retries): each is a whole episode again.
+MAX_ENV_RETRIES = 10
+
+
+def check_choice(path: str, value: Any, choices) -> None:
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        raise ConfigError(f"{path}={value!r} is not valid; choose one of {sorted(choices)}")
+
+
+def check_positive(path: str, value, *, allow_zero: bool = False, why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` unless ``value`` is a number > 0 (>= 0 with
+    ``allow_zero``). ``why``: appended to the message (what the field means, what a bad value would do)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{path} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{path} must be {bound}, got {value!r}{why}")
+
+
+def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str = "") -> None:
+    """Raise a :class:`ConfigError` naming ``path`` and its valid range (``low``: its lower end as
+    written, ``[0`` or ``(0``) when ``value`` (a number, its lower bound already checked) is above
+    ``limit``."""
+    if value > limit:
+        raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
