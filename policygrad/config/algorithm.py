@@ -24,11 +24,11 @@ def validate_policy_loss(config) -> None:
     Raises:
         ConfigError: names the field, the loss and its options with their defaults.
     """
+    if config.loss.policy_loss is not None:
+        check_choice("loss.policy_loss", config.loss.policy_loss, set(list_policy_losses()))
     # torch: the values are checked by the loss itself; keeps `import policygrad.config` light
     from policygrad.core.losses import check_policy_loss_options
 
-    if config.loss.policy_loss is not None:
-        check_choice("loss.policy_loss", config.loss.policy_loss, set(list_policy_losses()))
     name = config.policy_loss_name
     declared = describe_options(policy_loss_options(name))
     for key, (path, value) in config.loss.set_options().items():

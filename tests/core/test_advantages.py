@@ -127,6 +127,27 @@ def test_builtin_estimators_declare_their_capabilities():
         estimator_spec("ppo")
 
 
+def test_every_declared_estimator_is_implemented_with_its_declared_options(monkeypatch):
+    # the declarations the config validates against (policygrad.specs.estimators) are the ones
+    # the registered callables carry, vineppo included
+    for name in list_advantage_estimators():
+        assert get_advantage_estimator(name).spec is estimator_specs.estimator_spec(name), name
+    assert get_advantage_estimator("vineppo").options == tuple(estimator_specs.VINEPPO_DEFAULTS)
+    # a function whose options drift from its declaration is refused
+    monkeypatch.setattr(estimator_specs, "_SPECS", dict(estimator_specs._SPECS))
+    estimator_specs.declare_estimator(EstimatorSpec("test_only_declared", ("level",), False, ()))
+
+    def drifted(token_rewards, response_mask, *, group_index, values=None, levle=1.0):  # noqa: ARG001 (a signature to refuse)
+        return token_rewards, token_rewards
+
+    with pytest.raises(TypeError) as info:
+        adv_module._implement("test_only_declared", drifted)
+    assert str(info.value) == (
+        "advantage estimator 'test_only_declared' is declared with the options ('level',) in "
+        "policygrad.specs.estimators, but its function takes ('levle',); make them agree"
+    )
+
+
 def test_group_baseline_with_one_sample_per_prompt_gives_zero_advantages():
     # why reinforce_pp declares min_group_size 2 with group_baseline: every row is its own group.
     # The registered estimator refuses such a batch (test below); the bare function shows why.

@@ -1,4 +1,4 @@
-"""Tests of policygrad.core.kl: estimators, KL-shaped rewards, the KL loss term, controllers."""
+"""Tests of policygrad.core.kl: estimators, KL-shaped rewards, the KL loss term, placements."""
 
 from __future__ import annotations
 
@@ -10,8 +10,6 @@ import torch
 from policygrad.core.kl import (
     KL_KINDS,
     KL_PLACEMENTS,
-    AdaptiveKLController,
-    FixedKLController,
     KLPlacement,
     get_kl_placement,
     kl_estimate,
@@ -19,6 +17,7 @@ from policygrad.core.kl import (
     kl_shaped_rewards,
     last_token_rewards,
 )
+from policygrad.specs.kl import kl_placement_spec
 
 pytestmark = pytest.mark.unit
 
@@ -355,60 +354,22 @@ def test_placement_loss_term_equals_kl_loss_bitwise(kind, weighted):
     assert torch.equal(grad_got, grad_want)
 
 
+def test_placements_implement_their_declarations():
+    # the attributes the trainer reads are the torch-free declaration's (what the config checked)
+    for name in KL_PLACEMENTS:
+        placement, spec = get_kl_placement(name), kl_placement_spec(name)
+        assert placement.spec is spec
+        fields = ("name", "needs_reference", "shapes_rewards", "default_kind")
+        assert [getattr(placement, f) for f in fields] == [getattr(spec, f) for f in fields]
+    assert [get_kl_placement(n).shapes_rewards for n in KL_PLACEMENTS] == [False, True, False]
+
+
 def test_placements_that_need_the_reference_say_so():
     scores, lp, _, _, mask = _placement_batch()
     with pytest.raises(ValueError, match="KL placement 'reward' needs ref_logprobs"):
         get_kl_placement("reward").token_rewards(scores, lp, None, mask, beta=0.1, kind="k1")
     with pytest.raises(ValueError, match="KL placement 'loss' needs ref_logprobs"):
         get_kl_placement("loss").loss_term(lp, None, mask, kind="k3", old_logprobs=None)
-
-
-# ------------------------------------------------------------------------------------------
-# controllers
-
-
-def test_case8_adaptive_controller_and_state_dict():
-    # e = clip(12 / 6 - 1, -0.2, 0.2) = 0.2; beta = 0.2 * (1 + 0.2 * 1000 / 10000) = 0.2 * 1.02 = 0.204
-    ctl = AdaptiveKLController(0.2, 6, 10000)
-    assert ctl.update(12, 1000) == pytest.approx(0.204, abs=1e-12)
-    assert ctl.value == pytest.approx(0.204, abs=1e-12)
-    fresh = AdaptiveKLController(0.2, 6, 10000)
-    fresh.load_state_dict(ctl.state_dict())
-    assert fresh.value == pytest.approx(0.204, abs=1e-12)
-    # below target: e = clip(3 / 6 - 1) = -0.2 -> 0.204 * (1 - 0.02) = 0.19992
-    fresh.update(torch.tensor(3.0), 1000)
-    assert fresh.value == pytest.approx(0.19992, abs=1e-12)
-    # small error inside the clip: kl 6.6 -> e = 0.1 -> 0.19992 * (1 + 0.1 * 0.5) = 0.209916
-    fresh.update(6.6, 5000)
-    assert fresh.value == pytest.approx(0.209916, abs=1e-9)
-
-
-def test_fixed_controller_unchanged():
-    ctl = FixedKLController(0.05)
-    assert ctl.update(100.0, 1000) == 0.05
-    assert ctl.value == 0.05
-    other = FixedKLController(0.0)
-    other.load_state_dict(ctl.state_dict())
-    assert other.value == 0.05
-
-
-def test_controller_validation():
-    with pytest.raises(ValueError, match="beta"):
-        FixedKLController(-1.0)
-    with pytest.raises(ValueError, match="init_beta"):
-        AdaptiveKLController(-0.1, 6, 10000)
-    with pytest.raises(ValueError, match="target"):
-        AdaptiveKLController(0.1, 0, 10000)
-    with pytest.raises(ValueError, match="horizon"):
-        AdaptiveKLController(0.1, 6, 0)
-    ctl = AdaptiveKLController(0.1, 6, 10000)
-    with pytest.raises(ValueError, match="current_kl"):
-        ctl.update(float("nan"), 10)
-    with pytest.raises(ValueError, match="n_steps"):
-        ctl.update(1.0, -1)
-    with pytest.raises(ValueError, match="'horizon'"):
-        ctl.load_state_dict({"value": 0.1, "target": 6.0})
-    assert ctl.value == 0.1
 
 
 def test_last_token_rewards_put_each_score_on_its_rows_last_token():

@@ -17,7 +17,7 @@ from policygrad.core.losses import get_policy_loss
 from policygrad.learn.optim import OptimizerStep
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.strategy import Single
-from policygrad.rollout import vllm as vllm_module
+from policygrad.specs import engines
 from policygrad.trainer import build
 from tests.training import config_with
 
@@ -63,7 +63,7 @@ def test_engine_context_is_capped_by_the_models_positions():
 
 def test_resolve_engine_refuses_a_vllm_dtype_when_auto_resolves_to_hf(tmp_path, monkeypatch):
     assert build.resolve_engine(_config(tmp_path)) == ("hf", "configured")
-    monkeypatch.setattr(vllm_module, "vllm_available", lambda: False)
+    monkeypatch.setattr(engines, "vllm_available", lambda: False)
     cfg = _config(tmp_path, rollout={"engine": "auto", "dtype": "bfloat16"})
     with pytest.raises(
         ConfigError, match=r"rollout.dtype='bfloat16' needs the vllm engine, but rollout.engine=auto"
