@@ -18,7 +18,7 @@ import numbers
 
 import torch
 
-from policygrad.specs.estimators import VINEPPO_PROMPT_VALUES, VINEPPO_SPLITS
+from policygrad.specs.estimators import VINEPPO_DEFAULTS, VINEPPO_PROMPT_VALUES, VINEPPO_SPLITS
 
 from .checks import check_unit_interval
 from .groups import group_mean_std
@@ -26,6 +26,8 @@ from .masking import masked_whiten
 from .sequence_estimators import sequence_rewards
 
 __all__ = ["gae_advantages", "reinforce_pp_advantages", "vineppo_advantages"]
+
+_VINE = VINEPPO_DEFAULTS  # vineppo's defaults, declared once in policygrad.specs.estimators
 
 
 def _reward_to_go(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
@@ -127,11 +129,11 @@ def vineppo_advantages(
     *,
     group_index: torch.Tensor,  # noqa: ARG001 (the estimator signature)
     values: torch.Tensor | None = None,  # noqa: ARG001 (the estimator signature)
-    rollouts: int = 9,
-    split: str = "newline",
-    segment_tokens: int = 64,
-    max_splits: int = 8,
-    prompt_value: str = "rollouts",
+    rollouts: int = _VINE["rollouts"],
+    split: str = _VINE["split"],
+    segment_tokens: int = _VINE["segment_tokens"],
+    max_splits: int = _VINE["max_splits"],
+    prompt_value: str = _VINE["prompt_value"],
     vine_values: torch.Tensor | None = None,
     vine_segments: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 import torch
 
-from policygrad.config.sections import ConfigError
+from policygrad.config.checks import ConfigError
 
 __all__ = [
     "CpuTimes",

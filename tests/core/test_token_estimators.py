@@ -3,12 +3,15 @@ the trainer calls them (VinePPO's are in tests/produce/test_vine.py with its inp
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
 import torch
 
 from policygrad.core.advantages import estimate_advantages
+from policygrad.core.token_estimators import vineppo_advantages
+from policygrad.specs.estimators import VINEPPO_DEFAULTS
 
 pytestmark = pytest.mark.unit
 
@@ -203,3 +206,16 @@ def test_gae_errors():
             estimate_advantages("gae", r, torch.ones(1, 2), group_index=gi, values=torch.zeros(1, 2), **opts)
 
 
+
+
+def test_vineppo_defaults_are_the_declared_ones():
+    # one definition: the function's defaults are read from policygrad.specs.estimators
+    params = inspect.signature(vineppo_advantages).parameters.values()
+    defaults = {p.name: p.default for p in params if p.name in VINEPPO_DEFAULTS}
+    assert defaults == VINEPPO_DEFAULTS == {
+        "rollouts": 9,
+        "split": "newline",
+        "segment_tokens": 64,
+        "max_splits": 8,
+        "prompt_value": "rollouts",
+    }
