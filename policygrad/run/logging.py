@@ -10,8 +10,6 @@ import json
 import logging
 import math
 import os
-import resource
-import sys
 from typing import Any
 
 import torch
@@ -21,13 +19,6 @@ from policygrad.run.rundir import atomic_write_text
 from policygrad.run.trackers import TensorBoardTracker
 
 log = logging.getLogger("policygrad")
-
-
-def peak_rss_gb() -> float:
-    """Peak resident set size of this process in GB (10^9 bytes), from ``getrusage``."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return kb * scale / 1e9
 
 
 def _plain(value: Any) -> Any:

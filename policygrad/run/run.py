@@ -26,6 +26,7 @@ from policygrad.evaluate.single_turn import write_jsonl
 from policygrad.learn.health import UpdateWatch, check_finite_weights
 from policygrad.models.adapters import is_peft_model
 from policygrad.parallel.distributed import Dist, NullLogger
+from policygrad.parallel.runtime import peak_rss_gb
 from policygrad.rewards.code import TaskReward
 from policygrad.run import rundir, stops
 from policygrad.run.checkpoint import (
@@ -34,11 +35,12 @@ from policygrad.run.checkpoint import (
     checkpoint_path,
     prune_checkpoints,
     save_checkpoint,
+    temp_folder,
 )
 from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
 from policygrad.run.export import export_merged, final_metrics, model_card
 from policygrad.run.interrupts import Stopped, StopSignals
-from policygrad.run.logging import MetricsLogger, peak_rss_gb
+from policygrad.run.logging import MetricsLogger
 from policygrad.run.resume import set_base_lr
 from policygrad.trainer.factory import build_trainer, prepare_config
 from policygrad.trainer.loop import Trainer
@@ -540,7 +542,7 @@ class Run:
         trainer = self.trainer
         state = self.state_dict() if state is None else state
         path = checkpoint_path(self.run_dir, state["step"])
-        tmp, critic_state = trainer.write_shards(path)
+        tmp, critic_state = trainer.write_shards(path, tmp=temp_folder(path))
         if self.dist.is_main:  # ddp: every rank holds the same full weights and state
             save_checkpoint(
                 path,

@@ -60,15 +60,14 @@ from policygrad.learn.update import PolicyStep, UpdateStats
 from policygrad.models.forward import inference_logprobs
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import Precision
-from policygrad.parallel.runtime import release_free_memory, synced_clock
+from policygrad.parallel.runtime import peak_rss_gb, release_free_memory, synced_clock
+from policygrad.parallel.state import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.parallel.strategy import Strategy
 from policygrad.parallel.threads import ThreadGovernor
 from policygrad.produce.production import finish, produce
 from policygrad.produce.rollouts import RolloutPipeline
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.base import RolloutEngine
-from policygrad.run.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
-from policygrad.run.logging import peak_rss_gb
 from policygrad.seeds import Seeds
 
 __all__ = ["Trainer", "TrainingError"]
@@ -516,10 +515,11 @@ class Trainer:
             state["data_position"] = state["pipeline"]["position"]
         return state
 
-    def write_shards(self, path: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-        """The part of checkpoint ``path`` that needs every rank (FSDP's shards; nothing otherwise):
-        ``(temporary folder or None, the critic's full weights on rank 0 or None)``. A collective."""
-        return self.strategy.write_shards(path, self._networks())
+    def write_shards(self, path: str, *, tmp: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+        """The part of checkpoint ``path`` that needs every rank (FSDP's shards, into rank 0's
+        temporary folder ``tmp``; nothing otherwise): ``(temporary folder or None, the critic's
+        full weights on rank 0 or None)``. A collective."""
+        return self.strategy.write_shards(path, self._networks(), tmp=tmp)
 
     def load_state_dict(self, state: dict[str, Any], *, checkpoint: str) -> None:
         """Put :meth:`state_dict`'s output (read from ``checkpoint``) back; a sharded optimizer
