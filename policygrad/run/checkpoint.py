@@ -32,7 +32,7 @@ import torch
 
 from policygrad.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.models.adapters import is_peft_model
-from policygrad.run.rundir import atomic_write_text, fsync_dir
+from policygrad.run.directory import atomic_write_text, checkpoints_dir, fsync_dir
 
 __all__ = [
     "CheckpointError",
@@ -57,7 +57,7 @@ COMPLETE_FILE = "COMPLETE"
 
 def checkpoint_path(run_dir: str, step: int) -> str:
     """``RUN_DIR/checkpoints/step_N``."""
-    return os.path.join(run_dir, "checkpoints", f"step_{step}")
+    return os.path.join(checkpoints_dir(run_dir), f"step_{step}")
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -102,7 +102,7 @@ def find_checkpoints(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
     Returns:
         ``(path or None, [(skipped path, why), ...])``, newest first.
     """
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return None, []
     steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
@@ -120,7 +120,7 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     """Delete the complete checkpoints of ``run_dir`` but the newest ``keep`` (>= 1); folders that
     are not complete checkpoints (a save in progress, a killed one) are left alone. Returns the
     deleted paths, oldest first."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return []
     steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
@@ -148,7 +148,7 @@ def recover_interrupted_saves(run_dir: str) -> None:
     """Tidy ``run_dir/checkpoints`` after a save was killed (call it while owning the run): a
     checkpoint moved aside to be replaced (``.step_N.old-PID``) whose replacement never arrived is
     put back, and every other hidden folder of an unfinished save is deleted."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return
     for name in sorted(os.listdir(root)):

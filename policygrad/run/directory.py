@@ -1,6 +1,11 @@
-"""The run directory: who owns it, which files a run writes there, and writing a file so that a
-crash never leaves half of it.
+"""The run directory: its layout (the one place that names the files a run writes), who owns
+it, which files a run writes there, and writing a file so that a crash never leaves half of it.
 
+* **Layout.** ``RUN_DIR/config.yaml`` (:func:`config_file`), ``metrics.jsonl``
+  (:func:`metrics_file`), ``summary.json`` (:func:`summary_file`), ``<tag>.jsonl`` of each
+  evaluation (:func:`eval_file`), ``checkpoints/`` (:func:`checkpoints_dir`; the folders in it are
+  :mod:`policygrad.run.checkpoint`'s), ``merged_model/`` and ``start_model/``. Code outside
+  :mod:`policygrad.run` that needs a run's file asks these functions for its path.
 * **Ownership.** A run holds ``RUN_DIR/.policygrad.lock`` (an exclusive ``flock``; the file
   records the owner's pid, host and start time) for its whole life. A second run in the same
   directory is refused, naming the owner; a lock file whose process is gone (the kernel released
@@ -19,6 +24,10 @@ crash never leaves half of it.
   an export, or a summary of finished steps. What a start that failed before its first
   checkpoint left (``config.yaml``, metrics, evaluations) holds nothing to resume: the next new
   run in the folder replaces it, so the corrected command works as it is.
+
+Taking the folder once a run is built (the lock, then the run's files) is
+:func:`policygrad.run.start.take_run_dir`; the checks of ``--resume`` are
+:func:`policygrad.run.resume.check_resume`.
 """
 
 from __future__ import annotations
@@ -46,12 +55,20 @@ __all__ = [
     "atomic_write_text",
     "check_new_run_dir",
     "check_not_in_use",
+    "checkpoints_dir",
+    "config_file",
+    "eval_file",
     "fsync_dir",
     "holds_run",
     "lock_owner",
+    "merged_model_dir",
+    "metrics_file",
     "remove_run_files",
     "run_files",
+    "start_model_dir",
+    "summary_file",
     "write_config",
+    "write_summary",
 ]
 
 log = logging.getLogger("policygrad")
@@ -72,6 +89,46 @@ RUN_FILES = (
     "checkpoints/step_N, tensorboard/events.out.tfevents.*, merged_model/, start_model/, wandb/, mlruns/, "
     + LOCK_FILE
 )
+
+
+# --------------------------------------------------------------------------------------------
+# Layout.
+
+
+def config_file(run_dir: str) -> str:
+    """``RUN_DIR/config.yaml``: the run's resolved config (:func:`write_config`)."""
+    return os.path.join(run_dir, "config.yaml")
+
+
+def metrics_file(run_dir: str) -> str:
+    """``RUN_DIR/metrics.jsonl``: one row of metrics per step (:mod:`policygrad.run.logging`)."""
+    return os.path.join(run_dir, "metrics.jsonl")
+
+
+def summary_file(run_dir: str) -> str:
+    """``RUN_DIR/summary.json``: what :meth:`policygrad.run.Run.train` returned (:func:`write_summary`)."""
+    return os.path.join(run_dir, "summary.json")
+
+
+def eval_file(run_dir: str, tag: str) -> str:
+    """``RUN_DIR/<tag>.jsonl``: the records of one evaluation (``eval_before``, ``eval_stepN``,
+    ``eval_after``)."""
+    return os.path.join(run_dir, f"{tag}.jsonl")
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    """``RUN_DIR/checkpoints``: the folder of :mod:`policygrad.run.checkpoint`'s ``step_N`` folders."""
+    return os.path.join(run_dir, "checkpoints")
+
+
+def merged_model_dir(run_dir: str) -> str:
+    """``RUN_DIR/merged_model``: the export with every LoRA adapter merged in."""
+    return os.path.join(run_dir, "merged_model")
+
+
+def start_model_dir(run_dir: str) -> str:
+    """``RUN_DIR/start_model``: a caller's model object written where engines and critics can load it."""
+    return os.path.join(run_dir, "start_model")
 
 
 # --------------------------------------------------------------------------------------------
@@ -129,7 +186,16 @@ def write_config(run_dir: str, config) -> None:
     """
     data = config.to_dict()
     data.pop("overwrite", None)
-    atomic_write_text(os.path.join(run_dir, "config.yaml"), yaml.safe_dump(data, sort_keys=False))
+    atomic_write_text(config_file(run_dir), yaml.safe_dump(data, sort_keys=False))
+
+
+def write_summary(run_dir: str, summary: dict[str, Any]) -> None:
+    """``RUN_DIR/summary.json``, written atomically.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    atomic_write_text(summary_file(run_dir), json.dumps(summary, indent=2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,7 +296,7 @@ def check_new_run_dir(
     """
     if os.path.exists(run_dir) and not os.path.isdir(run_dir):
         raise ConfigError(f"output_dir={run_dir!r} is a file; give a folder")
-    config = os.path.join(run_dir, "config.yaml")
+    config = config_file(run_dir)
     if os.path.isfile(config) and not _is_policygrad_config(config):
         raise ConfigError(
             f"output_dir={run_dir!r} holds a config.yaml that is not a policygrad run's (--overwrite deletes "

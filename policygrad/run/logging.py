@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from policygrad.errors import TrainingError
-from policygrad.run.rundir import atomic_write_text
+from policygrad.run.directory import atomic_write_text, metrics_file
 from policygrad.run.trackers import TensorBoardTracker
 
 log = logging.getLogger("policygrad")
@@ -89,7 +89,7 @@ class MetricsLogger:
         truncate_after_step: int | None = None,
         trackers: list | None = None,
     ):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = metrics_file(run_dir)
         if truncate_after_step is not None and os.path.exists(self.path):
             rows = [r for r in read_metrics_rows(self.path) if r.get("step", 0) <= truncate_after_step]
             atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in rows))

@@ -1,6 +1,6 @@
-"""The pieces that keep a run safe, without a model: the run directory's lock and its files,
-checkpoint transactions and completeness, ``metrics.jsonl`` with a torn last line, what may
-change on resume, the empty-update watch, the stop signals and the CLI's one-line errors."""
+"""The pieces that keep a run safe, without a model: the run directory's layout, its lock and
+its files, checkpoint transactions and completeness, ``metrics.jsonl`` with a torn last line,
+the stop signals and the CLI's one-line errors."""
 
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import yaml
 from policygrad import cli
 from policygrad.config.train import ConfigError, load_config
 from policygrad.errors import TrainingError
-from policygrad.learn.health import UpdateWatch
 from policygrad.run.checkpoint import (
     COMPLETE_FILE,
     CheckpointSaveError,
+    checkpoint_path,
     checkpoint_problem,
     find_checkpoints,
     latest_checkpoint,
@@ -31,19 +31,26 @@ from policygrad.run.checkpoint import (
     recover_interrupted_saves,
     save_checkpoint,
 )
-from policygrad.run.interrupts import StopSignals
-from policygrad.run.logging import MetricsLogger, read_metrics_rows
-from policygrad.run.resume import config_changes, set_base_lr
-from policygrad.run.rundir import (
+from policygrad.run.directory import (
     LOCK_FILE,
     RunLock,
     check_new_run_dir,
+    checkpoints_dir,
+    config_file,
+    eval_file,
     holds_run,
     lock_owner,
+    merged_model_dir,
+    metrics_file,
     remove_run_files,
     run_files,
+    start_model_dir,
+    summary_file,
     write_config,
+    write_summary,
 )
+from policygrad.run.interrupts import StopSignals
+from policygrad.run.logging import MetricsLogger, read_metrics_rows
 
 pytestmark = pytest.mark.unit
 
@@ -78,6 +85,41 @@ def _save(run, step, model=None):
         tokenizer=FakeTokenizer(),
         state={"step": step, "x": torch.zeros(3)},
     )
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_the_layout_names_each_file_and_each_is_one_a_run_wrote(tmp_path):
+    run = str(tmp_path)
+    assert config_file(run) == os.path.join(run, "config.yaml")
+    assert metrics_file(run) == os.path.join(run, "metrics.jsonl")
+    assert summary_file(run) == os.path.join(run, "summary.json")
+    assert eval_file(run, "eval_step3") == os.path.join(run, "eval_step3.jsonl")
+    assert checkpoints_dir(run) == os.path.join(run, "checkpoints")
+    assert checkpoint_path(run, 2) == os.path.join(run, "checkpoints", "step_2")
+    assert merged_model_dir(run) == os.path.join(run, "merged_model")
+    assert start_model_dir(run) == os.path.join(run, "start_model")
+    # Every path the layout names is one --overwrite recognises as the run's (run_files).
+    write_summary(run, {"steps": 1})
+    assert json.load(open(summary_file(run))) == {"steps": 1}
+    for path in (metrics_file(run), eval_file(run, "eval_before"), eval_file(run, "eval_after")):
+        open(path, "w").close()
+    for folder in (checkpoint_path(run, 2), merged_model_dir(run), start_model_dir(run)):
+        os.makedirs(folder)
+    write_config(run, load_config(None, {"output_dir": run}))
+    named = [
+        config_file(run),
+        metrics_file(run),
+        summary_file(run),
+        eval_file(run, "eval_before"),
+        eval_file(run, "eval_after"),
+        checkpoint_path(run, 2),
+        merged_model_dir(run),
+        start_model_dir(run),
+    ]
+    assert sorted(run_files(run)) == sorted(named)
+    assert run_files(run, keep=("start_model",)) == sorted(set(named) - {start_model_dir(run)})
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -295,107 +337,7 @@ def test_a_directory_has_one_owner_and_a_dead_owner_is_taken_over(tmp_path, capl
 # ----------------------------------------------------------------------------- resume
 
 
-def test_resume_applies_session_and_training_options_and_refuses_the_rest(tmp_path):
-    run = tmp_path / "run"
-    run.mkdir()
-    write_config(str(run), load_config(None, {"output_dir": str(run)}))
-    same = load_config(None, {"output_dir": str(run), "overwrite": True})
-    assert config_changes(str(run), same) == {}
-    changed = load_config(None, {"output_dir": str(run), "steps": 400, "optim": {"lr": 0.5}})
-    assert config_changes(str(run), changed) == {"optim.lr": (2e-5, 0.5), "steps": (300, 400)}
-    refused = load_config(
-        None, {"output_dir": str(run), "algorithm": "rloo", "seed": 3, "optim": {"lr": 0.5}}
-    )
-    with pytest.raises(ConfigError) as info:
-        config_changes(str(run), refused)
-    message = str(info.value)
-    assert "cannot change on resume" in message
-    assert "algorithm: 'grpo' -> 'rloo'; seed: 0 -> 3;" in message and "optim.lr" not in message
-
-
-def test_a_new_lr_keeps_the_schedule_position():
-    param = torch.nn.Parameter(torch.zeros(2))
-    optimizer = torch.optim.AdamW([param], lr=1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (k + 1))
-    for _ in range(3):
-        optimizer.step()
-        scheduler.step()
-    set_base_lr(optimizer, scheduler, 0.5)
-    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 4)
-    optimizer.step()
-    scheduler.step()
-    assert scheduler.get_last_lr() == [pytest.approx(0.5 / 5)]
-
-
 # ----------------------------------------------------------------------------- runs that train nothing
-
-
-def test_the_update_watch_names_the_cause_and_the_limit():
-    cfg = load_config(None, {"max_skipped_updates": 3})
-    watch = UpdateWatch(cfg)
-    watch.observe({"optim/steps": 0, "optim/skipped_nonfinite": 1})
-    watch.observe({"optim/steps": 0, "optim/skipped_nonfinite": 1})
-    with pytest.raises(
-        TrainingError, match=r"3 steps in a row applied no update: every optimizer step was skipped"
-    ):
-        watch.observe({"optim/steps": 0, "optim/skipped_nonfinite": 1})
-    watch = UpdateWatch(cfg)
-    watch.observe({"optim/steps": 0, "reward/invalid_frac": 1.0, "reward/valid_frac": 0.0})
-    with pytest.raises(
-        TrainingError, match="applied no update in 1 steps: the reward functions failed on every row"
-    ):
-        watch.check_trained()
-    watch.observe({"optim/steps": 2})
-    watch.check_trained()
-    assert watch.state_dict() == {
-        "applied": 2,
-        "steps": 2,
-        "empty_in_a_row": 0,
-        "skipped_nonfinite": 0,
-        "diverged": 0,
-    }
-
-
-def test_steps_with_an_exactly_zero_gradient_are_not_updates():
-    cfg = load_config(None, {"max_skipped_updates": 2})
-    flat = {"optim/steps": 1, "optim/grad_norm": 0.0, "reward/mean": 1.0}
-    flat["reward/zero_variance_group_frac"] = 1.0
-    watch = UpdateWatch(cfg)
-    watch.observe(flat)
-    with pytest.raises(TrainingError) as info:
-        watch.observe(flat)
-    assert str(info.value) == (
-        "2 steps in a row applied no update: every advantage was 0 at every step: the rewards gave each "
-        "group's samples the same score (reward/mean 1), so the gradient was exactly 0 and the weights did "
-        "not move; make reward.functions=['answer_correctness'] tell the completions apart (code rows: "
-        "code_tests), or set drop_zero_variance_groups=true to skip such groups (max_skipped_updates=2)"
-    )
-    # With an environment the episodes are scored by it first: the message names it.
-    env_cfg = load_config(None, {"max_skipped_updates": 2, "env": {"name": "builtin:guess"}})
-    watch = UpdateWatch(env_cfg)
-    watch.observe(flat)
-    with pytest.raises(TrainingError, match=r"make the environment's rewards \(env\.name=builtin:guess\)"):
-        watch.observe(flat)
-    # Groups that vary but whose advantages still vanish: the cause is the gradient, named so.
-    watch = UpdateWatch(cfg)
-    watch.observe({**flat, "reward/zero_variance_group_frac": 0.5})
-    diverged = "in 1 steps: the run diverged: the policy's gradient was exactly 0 at every"
-    with pytest.raises(TrainingError, match=diverged):
-        watch.check_trained()
-    # A critic that learned, or a policy gradient that is not 0, is an update.
-    watch = UpdateWatch(cfg)
-    watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.5})
-    watch.observe({**flat, "optim/grad_norm": 1e-12})
-    watch.check_trained()
-    assert watch.state_dict() == {
-        "applied": 2,
-        "steps": 2,
-        "empty_in_a_row": 0,
-        "skipped_nonfinite": 0,
-        "diverged": 0,
-    }
-    watch.observe({**flat, "critic/steps": 1, "critic/grad_norm": 0.0})
-    assert watch.empty_in_a_row == 1
 
 
 # ----------------------------------------------------------------------------- signals and errors
