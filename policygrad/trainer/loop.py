@@ -180,7 +180,7 @@ class Trainer:
         return self.strategy.engine_policy(self.policy)
 
     # ------------------------------------------------------------------------------------------
-    # What the run around the steps asks (policygrad.run.Run reads no other part's attributes).
+    # What the run around the steps asks, as named questions rather than the parts' own attributes.
 
     @property
     def shards_state(self) -> bool:
