@@ -58,7 +58,6 @@ import torch  # noqa: E402
 
 from policygrad.config.train import load_config  # noqa: E402
 from policygrad.run import Run  # noqa: E402
-from policygrad.run.resume import set_base_lr  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _roofline  # noqa: E402
@@ -403,7 +402,7 @@ def _run(args, device, name, peak, shape, work, peaks=None) -> dict:
     report["peaks_measured"] = peaks
     report["roofline"] = roofline(trainer, measured, args, peaks, vendor)
     # lr 1e-6: do the float32 master weights move? (bf16 weights stepped directly would not.)
-    set_base_lr(trainer.optimizer, trainer.scheduler, 1e-6)
+    trainer.set_base_lr(1e-6)
     params_now = [p for p in trainer.policy.parameters() if p.requires_grad]
     before = [p.detach().clone() for p in params_now]
     m = trainer.step()

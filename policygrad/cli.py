@@ -93,9 +93,10 @@ def _load_train_config(config_path: str | None, resume: str | None, rest: list[s
     defaults) with ``rest`` applied."""
     # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.config.train import ConfigError, load_config, parse_overrides
+    from policygrad.run.directory import config_file
 
     if resume is not None:
-        saved = os.path.join(resume, "config.yaml")
+        saved = config_file(resume)
         if not os.path.exists(saved):
             raise FileNotFoundError(
                 f"--resume {resume}: {saved} not found; is this a policygrad run directory?"

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from policygrad.lab.common import OneLineArgumentParser, pyplot
+from policygrad.run.directory import config_file, eval_file, metrics_file, summary_file
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,7 @@ def _eval_order(path: str) -> tuple[int, float]:
 def last_eval_file(run_dir: str) -> str | None:
     """``eval_after.jsonl`` if present, else the latest ``eval_stepN.jsonl`` (largest N), else
     the newest other ``eval_*.jsonl``, else ``eval_before.jsonl``; None when there is none."""
-    files = glob.glob(os.path.join(run_dir, "eval_*.jsonl"))
+    files = glob.glob(eval_file(run_dir, "eval_*"))
     return max(files, key=_eval_order) if files else None
 
 
@@ -142,7 +143,7 @@ def load_run(run_dir: str, label: str | None = None) -> Run:
     """
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"run directory {run_dir!r} does not exist")
-    metrics = os.path.join(run_dir, "metrics.jsonl")
+    metrics = metrics_file(run_dir)
     if not os.path.exists(metrics):
         raise FileNotFoundError(
             f"{run_dir!r} has no metrics.jsonl; give a directory written by `policygrad train` "
@@ -158,12 +159,12 @@ def load_run(run_dir: str, label: str | None = None) -> Run:
                 continue
             if math.isfinite(value):
                 series.setdefault(key, []).append((float(step), float(value)))
-    config_path = os.path.join(run_dir, "config.yaml")
+    config_path = config_file(run_dir)
     config_text = ""
     if os.path.exists(config_path):
         with open(config_path, encoding="utf-8") as f:
             config_text = f.read()
-    summary_path = os.path.join(run_dir, "summary.json")
+    summary_path = summary_file(run_dir)
     summary = {}
     if os.path.exists(summary_path):
         with open(summary_path, encoding="utf-8") as f:

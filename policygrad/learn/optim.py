@@ -1,5 +1,6 @@
 """The optimizer every trained network uses (AdamW, fused where torch has a fused kernel), its
-learning-rate schedule, and the one optimizer-step routine of the policy and the critic.
+learning-rate schedule (and a new base rate under it on resume, :func:`set_base_lr`), and the one
+optimizer-step routine of the policy and the critic.
 
 AdamW: fused where torch has a fused kernel.
 
@@ -73,6 +74,16 @@ def lr_schedule(optim, total: int) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def set_base_lr(optimizer, scheduler, lr: float) -> None:
+    """Give every parameter group the base learning rate ``lr``, keeping the schedule's position:
+    the current rate becomes ``lr`` x the schedule's factor at its step (``LambdaLR``)."""
+    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
+    factors = [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+    for group, factor in zip(optimizer.param_groups, factors):
+        group["initial_lr"] = lr
+        group["lr"] = lr * factor
 
 
 @dataclass

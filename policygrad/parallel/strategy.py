@@ -37,7 +37,7 @@ from policygrad.models.adapters import is_peft_model
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import Precision
 from policygrad.parallel.sharding import copy_full_weights, full_state_dict, shard_model
-from policygrad.run.checkpoint import SHARDED_DIR, save_sharded_state, temp_folder
+from policygrad.parallel.state import SHARDED_DIR, save_sharded_state
 
 __all__ = ["DDP", "FSDP", "Single", "Strategy", "make_strategy"]
 
@@ -89,10 +89,10 @@ class Single:
         del count
         return 0
 
-    def write_shards(self, path: str, models: dict) -> tuple[str | None, dict | None]:
-        """The part of checkpoint ``path`` every rank writes (none here). Returns ``(temporary
-        folder or None, the critic's full weights or None)``."""
-        del path, models
+    def write_shards(self, path: str, models: dict, *, tmp: str) -> tuple[str | None, dict | None]:
+        """The part of checkpoint ``path`` every rank writes into the save's temporary folder
+        ``tmp`` (none here). Returns ``(temporary folder or None, the critic's full weights or None)``."""
+        del path, models, tmp
         return None, None
 
 
@@ -164,10 +164,11 @@ class FSDP(Single):
     def idle_passes(self, count: int) -> int:
         return self.dist.equal_passes(count) - count
 
-    def write_shards(self, path: str, models: dict) -> tuple[str | None, dict | None]:
-        """Every rank writes its shards (``sharded/``) into rank 0's temporary folder for
-        checkpoint ``path``, and the critic's weights are gathered to rank 0; rank 0 then
-        completes the transaction from that folder. A collective.
+    def write_shards(self, path: str, models: dict, *, tmp: str) -> tuple[str | None, dict | None]:
+        """Every rank writes its shards (``sharded/``) into rank 0's ``tmp``, the temporary folder
+        of checkpoint ``path``'s save (each rank names its own; rank 0's is taken), and the
+        critic's weights are gathered to rank 0; rank 0 then completes the transaction from that
+        folder. A collective.
 
         ``models``: ``{"policy": (module, optimizer), "critic": (module, optimizer)}`` (critic optional).
 
@@ -175,7 +176,7 @@ class FSDP(Single):
             CheckpointSaveError: a shard could not be written (the temporary folder is removed).
         """
         dist = self.dist
-        tmp = dist.broadcast_object(temp_folder(path) if dist.is_main else None)
+        tmp = dist.broadcast_object(tmp if dist.is_main else None)
         if dist.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)

@@ -11,7 +11,7 @@ __all__ = ["Run"]
 
 def __getattr__(name: str):
     if name == "Run":
-        # imported on first use: the trainer's parts import run.checkpoint, and Run imports the trainer
+        # imported on first use: the command line imports run.interrupts without the trainer's modules
         from policygrad.run.run import Run
 
         return Run

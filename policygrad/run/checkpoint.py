@@ -26,23 +26,13 @@ import os
 import pickle
 import shutil
 import time
-import warnings
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from safetensors.torch import load_file
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_optimizer_state_dict,
-    set_state_dict,
-)
 
 from policygrad.errors import CheckpointError, CheckpointSaveError, TrainingError
 from policygrad.models.adapters import is_peft_model
-from policygrad.parallel.sharding import is_sharded
-from policygrad.run.rundir import atomic_write_text, fsync_dir
+from policygrad.run.directory import atomic_write_text, checkpoints_dir, fsync_dir
 
 __all__ = [
     "CheckpointError",
@@ -53,13 +43,9 @@ __all__ = [
     "checkpoint_step",
     "find_checkpoints",
     "latest_checkpoint",
-    "load_full_optimizer",
-    "load_policy_weights",
-    "load_sharded_state",
     "load_trainer_state",
     "recover_interrupted_saves",
     "save_checkpoint",
-    "save_sharded_state",
     "temp_folder",
 ]
 
@@ -67,12 +53,11 @@ log = logging.getLogger("policygrad")
 
 STATE_FILE = "trainer_state.pt"
 COMPLETE_FILE = "COMPLETE"
-SHARDED_DIR = "sharded"
 
 
 def checkpoint_path(run_dir: str, step: int) -> str:
     """``RUN_DIR/checkpoints/step_N``."""
-    return os.path.join(run_dir, "checkpoints", f"step_{step}")
+    return os.path.join(checkpoints_dir(run_dir), f"step_{step}")
 
 
 def checkpoint_step(path: str) -> int | None:
@@ -117,7 +102,7 @@ def find_checkpoints(run_dir: str) -> tuple[str | None, list[tuple[str, str]]]:
     Returns:
         ``(path or None, [(skipped path, why), ...])``, newest first.
     """
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return None, []
     steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
@@ -135,7 +120,7 @@ def prune_checkpoints(run_dir: str, keep: int) -> list[str]:
     """Delete the complete checkpoints of ``run_dir`` but the newest ``keep`` (>= 1); folders that
     are not complete checkpoints (a save in progress, a killed one) are left alone. Returns the
     deleted paths, oldest first."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return []
     steps = sorted((n for n in (checkpoint_step(d) for d in os.listdir(root)) if n is not None), reverse=True)
@@ -163,7 +148,7 @@ def recover_interrupted_saves(run_dir: str) -> None:
     """Tidy ``run_dir/checkpoints`` after a save was killed (call it while owning the run): a
     checkpoint moved aside to be replaced (``.step_N.old-PID``) whose replacement never arrived is
     put back, and every other hidden folder of an unfinished save is deleted."""
-    root = os.path.join(run_dir, "checkpoints")
+    root = checkpoints_dir(run_dir)
     if not os.path.isdir(root):
         return
     for name in sorted(os.listdir(root)):
@@ -350,46 +335,6 @@ def temp_folder(path: str) -> str:
     return os.path.join(parent, f".{name}.tmp-{os.getpid()}")
 
 
-def save_sharded_state(folder: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
-    """Write the weights and optimizer state of ``models`` (``{"policy": (module, optimizer),
-    ...}``) with ``torch.distributed.checkpoint``: every rank writes its own shards into
-    ``folder`` (a collective; every rank calls it with the same folder)."""
-    state = {}
-    for name, (model, optimizer) in models.items():
-        weights, optim = get_state_dict(model, optimizer)
-        state[name], state[f"{name}_optimizer"] = weights, optim
-    dcp.save(state, checkpoint_id=folder)
-
-
-def load_sharded_state(folder: str, models: dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]) -> None:
-    """Load :func:`save_sharded_state`'s folder into ``models``' networks and optimizers,
-    resharded to this run's ranks (or into whole networks in one process)."""
-    state = {}
-    for name, (model, optimizer) in models.items():
-        state[name], state[f"{name}_optimizer"] = get_state_dict(model, optimizer)
-    with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=folder)
-    for name, (model, optimizer) in models.items():
-        set_state_dict(
-            model, optimizer, model_state_dict=state[name], optim_state_dict=state[f"{name}_optimizer"]
-        )
-
-
-def load_full_optimizer(model, optimizer, saved: dict[str, Any]) -> None:
-    """A whole-network optimizer state (``optimizer.state_dict()``: parameters by position) into
-    ``optimizer``, whose parameters may be FSDP shards (each rank keeps its shard)."""
-    if not is_sharded(model):
-        optimizer.load_state_dict(saved)
-    else:
-        names = [n for n, p in model.named_parameters() if p.requires_grad]  # the order optimizers see
-        by_name = {
-            "state": {names[i]: value for i, value in saved["state"].items()},
-            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in saved["param_groups"]],
-        }
-        set_optimizer_state_dict(model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
-
-
 def load_trainer_state(path: str) -> dict[str, Any]:
     """The ``trainer_state.pt`` of a checkpoint folder, loaded with ``weights_only=True``.
 
@@ -419,40 +364,3 @@ def load_trainer_state(path: str) -> dict[str, Any]:
 
 
 _STATE_KEYS = ("step", "data_position", "optimizer", "scheduler", "kl_controller", "rng")
-
-
-def load_policy_weights(model, folder: str) -> None:
-    """Load saved policy weights (full model safetensors or a peft adapter) into ``model``.
-
-    Raises:
-        CheckpointError: the saved tensors do not match the model's.
-    """
-    adapter = os.path.join(folder, "adapter_model.safetensors")
-    if os.path.exists(adapter):
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, load_file(adapter))
-        return
-    state = {}
-    for name in sorted(os.listdir(folder)):
-        if name.endswith(".safetensors"):
-            try:
-                state.update(load_file(os.path.join(folder, name)))
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error type
-                raise CheckpointError(
-                    f"checkpoint weights {os.path.join(folder, name)} cannot be read ({str(e)[:200]}); "
-                    "the file is corrupt"
-                ) from None
-    try:
-        missing, unexpected = model.load_state_dict(state, strict=False)
-    except RuntimeError as e:  # a tensor of another shape: another model's checkpoint
-        first = str(e).strip().splitlines()
-        raise CheckpointError(
-            f"checkpoint {folder} does not match the model: {' '.join(first[1:2] or first[:1])[:300]}"
-        ) from None
-    missing = [k for k in missing if "lm_head" not in k]  # tied embeddings are saved once
-    if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {folder} does not match the model: missing {missing[:3]}, "
-            f"unexpected {unexpected[:3]}"
-        )

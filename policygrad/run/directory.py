@@ -1,217 +1,456 @@
-"""The run directory around a :class:`~policygrad.run.Run`: the read-only checks of a new or
-resumed run before anything is built, the prompt-length check once the tokenizer exists, and
-taking the folder (lock, config, metrics log, trackers) once every part is built.
+"""The run directory: its layout (the one place that names the files a run writes), who owns
+it, which files a run writes there, and writing a file so that a crash never leaves half of it.
 
-Nothing is written until every check has passed; then :func:`take_run_dir` locks the folder
-(:mod:`policygrad.run.rundir`) and writes the run's files, and a failure while doing so
-leaves a new run's folder as empty as it was.
+* **Layout.** ``RUN_DIR/config.yaml`` (:func:`config_file`), ``metrics.jsonl``
+  (:func:`metrics_file`), ``summary.json`` (:func:`summary_file`), ``<tag>.jsonl`` of each
+  evaluation (:func:`eval_file`), ``checkpoints/`` (:func:`checkpoints_dir`; the folders in it are
+  :mod:`policygrad.run.checkpoint`'s), ``merged_model/`` and ``start_model/``. Code outside
+  :mod:`policygrad.run` that needs a run's file asks these functions for its path.
+* **Ownership.** A run holds ``RUN_DIR/.policygrad.lock`` (an exclusive ``flock``; the file
+  records the owner's pid, host and start time) for its whole life. A second run in the same
+  directory is refused, naming the owner; a lock file whose process is gone (the kernel released
+  its ``flock``) is taken over with a message. ``flock`` is advisory and per host: two machines
+  sharing a network folder are not kept apart.
+* **What a run writes** (:data:`RUN_FILES`): ``config.yaml``, ``metrics.jsonl``,
+  ``summary.json``, the ``eval_*.jsonl`` files, ``checkpoints/step_N`` (and the hidden folders
+  of a checkpoint being written), TensorBoard event files, ``merged_model/``,
+  ``start_model/``, the trackers' ``wandb/``, ``mlruns/`` and ``trackers.json``, and the lock.
+  ``--overwrite`` deletes
+  exactly these, nothing else in the folder.
+* **Checks before anything is written** (:func:`check_new_run_dir`): a new run refuses a folder
+  that holds a run (unless ``overwrite``), a ``config.yaml`` that policygrad did not write, a
+  file in place of the folder and a folder in use; all read-only.
+* **A folder holds a run** once a step of it is worth keeping (:func:`holds_run`): a checkpoint,
+  an export, or a summary of finished steps. What a start that failed before its first
+  checkpoint left (``config.yaml``, metrics, evaluations) holds nothing to resume: the next new
+  run in the folder replaces it, so the corrected command works as it is.
+
+Taking the folder once a run is built (the lock, then the run's files) is
+:func:`policygrad.run.start.take_run_dir`; the checks of ``--resume`` are
+:func:`policygrad.run.resume.check_resume`.
 """
 
 from __future__ import annotations
 
+import errno
+import gc
+import json
 import logging
 import os
-from dataclasses import dataclass
+import re
+import shutil
+import socket
+import time
+import weakref
 from typing import Any
 
-from policygrad.config.train import ConfigError, TrainConfig
-from policygrad.data.chat import encode_prompts
-from policygrad.errors import TrainingError
-from policygrad.parallel.distributed import NullLogger
-from policygrad.run import rundir
-from policygrad.run.checkpoint import (
-    checkpoint_path,
-    find_checkpoints,
-    latest_checkpoint,
-    load_trainer_state,
-    recover_interrupted_saves,
-)
-from policygrad.run.logging import MetricsLogger
-from policygrad.run.resume import TRAINING_OPTIONS, config_changes
-from policygrad.run.trackers import build_trackers, read_tracker_ids
-from policygrad.trainer.build import engine_context
+import yaml
 
-__all__ = ["Resume", "TakenDir", "check_prompts", "check_resume", "take_run_dir"]
+from policygrad.config.train import ConfigError
+from policygrad.errors import TrainingError
+
+__all__ = [
+    "LOCK_FILE",
+    "RunLock",
+    "atomic_write_text",
+    "check_new_run_dir",
+    "check_not_in_use",
+    "checkpoints_dir",
+    "config_file",
+    "eval_file",
+    "fsync_dir",
+    "holds_run",
+    "lock_owner",
+    "merged_model_dir",
+    "metrics_file",
+    "remove_run_files",
+    "run_files",
+    "start_model_dir",
+    "summary_file",
+    "write_config",
+    "write_summary",
+]
 
 log = logging.getLogger("policygrad")
 
+LOCK_FILE = ".policygrad.lock"
 
-@dataclass(frozen=True)
-class Resume:
-    """A checked ``--resume``: the newest complete checkpoint, its trainer state, and the options
-    that changed (``{field: (saved, new)}``, see :mod:`policygrad.run.resume`)."""
-
-    checkpoint: str
-    state: dict[str, Any]
-    changes: dict[str, tuple[Any, Any]]
-
-
-def check_resume(cfg: TrainConfig, resume_from: str) -> Resume:
-    """Read-only checks of ``--resume``: the newest complete checkpoint, its trainer state, the
-    folder not in use, and the options that changed.
-
-    Raises:
-        TrainingError: no complete checkpoint (with how to go on); ConfigError: another
-            ``output_dir``, ``--overwrite``, options that cannot change, nothing left to train;
-            CheckpointError: an unreadable trainer state.
-    """
-    ckpt = latest_checkpoint(resume_from)
-    if ckpt is None:
-        _, skipped = find_checkpoints(resume_from)
-        saved = os.path.join(resume_from, "config.yaml")
-        if not skipped and os.path.isfile(saved) and not rundir.holds_run(resume_from):
-            # A start that failed before its first checkpoint: starting again is what works.
-            raise TrainingError(
-                f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints: the run "
-                "saved no checkpoint before it stopped, so there is nothing to continue; start it again "
-                f"instead (its folder is taken as new): policygrad train {saved} [--key=value ...]"
-            )
-        why = "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in skipped)
-        raise TrainingError(
-            f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
-            + (f" that is complete ({why})" if skipped else "")
-        )
-    if os.path.realpath(cfg.output_dir) != os.path.realpath(resume_from):
-        raise ConfigError(
-            f"--resume {resume_from} with output_dir={cfg.output_dir!r}: a resumed run continues in its "
-            f"own folder; to branch it, copy the folder (cp -r {resume_from} {cfg.output_dir}) and "
-            "resume the copy"
-        )
-    if cfg.overwrite:
-        raise ConfigError(f"--overwrite cannot be combined with --resume {resume_from}; give one of them")
-    rundir.check_not_in_use(resume_from)
-    changes = config_changes(resume_from, cfg)
-    read_tracker_ids(resume_from)  # a corrupt file is refused now, not after the run is taken
-    state = load_trainer_state(ckpt)
-    if state["step"] >= cfg.steps:
-        raise ConfigError(
-            f"--resume {resume_from}: the run is at step {state['step']} of steps={cfg.steps}, so there "
-            f"is nothing to train; give --steps larger than {state['step']} to continue it"
-        )
-    return Resume(ckpt, state, changes)
+# Entries of RUN_DIR a run writes: top-level files, and folders whose matching entries are its own.
+_TOP_FILES = re.compile(
+    r"^(config\.yaml|metrics\.jsonl|summary\.json|trackers\.json|eval_(before|after|step\d+)\.jsonl)$"
+)
+_CHECKPOINT_ENTRIES = re.compile(r"^(step_\d+|\.step_\d+\.(tmp|old)-\d+)$")
+_TENSORBOARD_ENTRIES = re.compile(r"^events\.out\.tfevents\..+$")
+# An export, the folder of a caller's model object, and the W&B and MLflow stores of report_to:
+# left behind by --overwrite, the old run's tracker data would sit beside the new run's.
+_TOP_FOLDERS = ("merged_model", "start_model", "wandb", "mlruns")
+RUN_FILES = (
+    "config.yaml, metrics.jsonl, summary.json, trackers.json, eval_before/eval_after/eval_stepN.jsonl, "
+    "checkpoints/step_N, tensorboard/events.out.tfevents.*, merged_model/, start_model/, wandb/, mlruns/, "
+    + LOCK_FILE
+)
 
 
-def check_prompts(trainer, eval_rows: list[dict[str, Any]]) -> None:
-    """The first batch's prompts and the held-out ones fit ``data.max_prompt_length``, and each
-    plus ``rollout.max_new_tokens`` fits the model's context.
-
-    Raises:
-        ValueError / ConfigError: naming the prompt, its length and the fix.
-    """
-    cfg = trainer.config
-    position, n = trainer.stream.position, cfg.rollout.prompts_per_step
-    first = [trainer.stream.source.train_row(position + j) for j in range(n)]  # read, not taken
-    for rows, what in ((first, "training"), (eval_rows, "held-out")):
-        if not rows:
-            continue
-        longest = max(map(len, encode_prompts(trainer.tokenizer, rows, cfg.data)))
-        need = longest + cfg.rollout.max_new_tokens
-        limit = engine_context(trainer.policy, need)
-        if limit < need:
-            raise ConfigError(
-                f"a {what} prompt of {longest} tokens plus rollout.max_new_tokens="
-                f"{cfg.rollout.max_new_tokens} exceeds the model's context of {limit} positions; lower "
-                "rollout.max_new_tokens or data.max_prompt_length, or shorten the prompts"
-            )
+# --------------------------------------------------------------------------------------------
+# Layout.
 
 
-@dataclass
-class TakenDir:
-    """What :func:`take_run_dir` returns: the folder's lock (None on ranks other than 0), the
-    metrics logger, and whether changed options wait for the next checkpoint's ``config.yaml``."""
-
-    lock: rundir.RunLock | None
-    logger: MetricsLogger | NullLogger
-    config_pending: bool = False
+def config_file(run_dir: str) -> str:
+    """``RUN_DIR/config.yaml``: the run's resolved config (:func:`write_config`)."""
+    return os.path.join(run_dir, "config.yaml")
 
 
-def take_run_dir(
-    cfg: TrainConfig, *, model_path: str, step: int, resume: Resume | None, is_main: bool
-) -> TakenDir:
-    """Lock the run directory and write the run's files: a new run deletes what an old run wrote
-    there (``overwrite``, or what a start that saved no checkpoint left: see
-    :func:`~policygrad.run.rundir.holds_run`) and writes ``config.yaml``; a resumed one tidies
-    interrupted saves, records changed options and drops metrics logged after its checkpoint
-    (``step``). Data-parallel: rank 0 alone (``is_main``); the other ranks write nothing.
+def metrics_file(run_dir: str) -> str:
+    """``RUN_DIR/metrics.jsonl``: one row of metrics per step (:mod:`policygrad.run.logging`)."""
+    return os.path.join(run_dir, "metrics.jsonl")
 
-    Raises:
-        TrainingError: another run took the folder, or wrote a newer checkpoint meanwhile.
-    """
-    if not is_main:
-        return TakenDir(None, NullLogger())
-    run_dir = cfg.output_dir
-    new_folder = not os.path.exists(run_dir)
-    # A caller's model object without a folder of its own was written to start_model/ while
-    # the run was built (engines and critics load from a folder): it is this run's, not an old one's.
-    start_model = os.path.join(run_dir, "start_model")
-    ours = ("start_model",) if os.path.realpath(model_path) == os.path.realpath(start_model) else ()
-    lock = rundir.RunLock.acquire(run_dir)
-    try:  # what was checked at the start still holds now that the folder is ours
-        if resume is None:
-            rundir.check_new_run_dir(run_dir, overwrite=cfg.overwrite, owned=True, keep=ours)
-        elif find_checkpoints(run_dir)[0] != checkpoint_path(run_dir, step):
-            raise TrainingError(
-                f"--resume {run_dir}: another run wrote a newer checkpoint while this one was "
-                "starting; resume again"
-            )
-    except BaseException:
-        lock.release()
-        raise
+
+def summary_file(run_dir: str) -> str:
+    """``RUN_DIR/summary.json``: what :meth:`policygrad.run.Run.train` returned (:func:`write_summary`)."""
+    return os.path.join(run_dir, "summary.json")
+
+
+def eval_file(run_dir: str, tag: str) -> str:
+    """``RUN_DIR/<tag>.jsonl``: the records of one evaluation (``eval_before``, ``eval_stepN``,
+    ``eval_after``)."""
+    return os.path.join(run_dir, f"{tag}.jsonl")
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    """``RUN_DIR/checkpoints``: the folder of :mod:`policygrad.run.checkpoint`'s ``step_N`` folders."""
+    return os.path.join(run_dir, "checkpoints")
+
+
+def merged_model_dir(run_dir: str) -> str:
+    """``RUN_DIR/merged_model``: the export with every LoRA adapter merged in."""
+    return os.path.join(run_dir, "merged_model")
+
+
+def start_model_dir(run_dir: str) -> str:
+    """``RUN_DIR/start_model``: a caller's model object written where engines and critics can load it."""
+    return os.path.join(run_dir, "start_model")
+
+
+# --------------------------------------------------------------------------------------------
+# Durable writes.
+
+
+def fsync_dir(path: str) -> None:
+    """Flush a folder's entries (a rename or a new file in it) to disk. No-op where folders
+    cannot be opened (Windows)."""
     try:
-        pending = False
-        if resume is None:
-            _replace_old_run(run_dir, ours)
-            rundir.write_config(run_dir, cfg)
-        else:
-            recover_interrupted_saves(run_dir)
-            if resume.changes:
-                # config.yaml records the options of the newest checkpoint: the changed ones
-                # go in with the first checkpoint trained with them, so a resume that fails
-                # before it leaves the file as it was.
-                pending = True
-                log.info(
-                    "resumed with changed options (recorded in config.yaml with the next checkpoint): %s",
-                    ", ".join(f"{k}: {old!r} -> {new!r}" for k, (old, new) in resume.changes.items()),
-                )
-        logger = MetricsLogger(
-            run_dir,
-            tensorboard=False,  # TensorBoard is one of the trackers (report_to)
-            truncate_after_step=step if resume is not None else None,
-            trackers=build_trackers(
-                cfg.trackers,
-                run_dir,
-                project=cfg.project,
-                run_name=cfg.run_name,
-                config=cfg.to_dict(),
-                resume=resume is not None,
-            ),
-        )
-        changes = resume.changes if resume is not None else {}
-        recorded = {f"config/{k}": new for k, (_, new) in changes.items() if k in TRAINING_OPTIONS}
-        if recorded:
-            logger.log(step, recorded)
-    except BaseException:
-        if resume is None:  # leave the folder as empty as it was (or absent)
-            rundir.remove_run_files(run_dir)
-        lock.release()
-        if resume is None and new_folder and os.path.isdir(run_dir) and not os.listdir(run_dir):
-            os.rmdir(run_dir)
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:  # some filesystems refuse fsync on a folder
+        if e.errno not in (errno.EINVAL, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """Replace ``path`` with ``text`` atomically: a reader (or a crash) sees the old file or the
+    new one, never a part. Written to a temporary sibling, fsynced, renamed into place.
+
+    Raises:
+        OSError: the folder is not writable, or the disk is full (the old file is intact).
+    """
+    folder = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass
+        if isinstance(e, OSError) and e.filename is None:  # a failed write names no file (a full disk)
+            raise OSError(e.errno, e.strerror, path) from e
         raise
-    return TakenDir(lock, logger, pending)
+    fsync_dir(folder)
 
 
-def _replace_old_run(run_dir: str, ours: tuple[str, ...]) -> None:
-    """Delete what an earlier run (``--overwrite``) or a start that saved no checkpoint left."""
-    a_run = rundir.holds_run(run_dir, keep=ours)
-    removed = rundir.remove_run_files(run_dir, keep=ours)
-    if removed and a_run:
-        log.info("--overwrite: deleted %d files and folders of the previous run in %s", len(removed), run_dir)
-    elif removed:
-        names = [os.path.relpath(p, run_dir) for p in removed]
-        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
-        log.info(
-            "%s holds what a start that saved no checkpoint left (%s%s): replaced by this run",
-            run_dir,
-            ", ".join(names[:5]),
-            more,
+def write_config(run_dir: str, config) -> None:
+    """``RUN_DIR/config.yaml``: the resolved config, without ``overwrite`` (re-running a run's own
+    config must never delete the run), written atomically.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    data = config.to_dict()
+    data.pop("overwrite", None)
+    atomic_write_text(config_file(run_dir), yaml.safe_dump(data, sort_keys=False))
+
+
+def write_summary(run_dir: str, summary: dict[str, Any]) -> None:
+    """``RUN_DIR/summary.json``, written atomically.
+
+    Raises:
+        OSError: it cannot be written.
+    """
+    atomic_write_text(summary_file(run_dir), json.dumps(summary, indent=2))
+
+
+# --------------------------------------------------------------------------------------------
+# What a run writes.
+
+
+def run_files(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """The entries of ``run_dir`` that a run wrote (paths, top-level files and folders' own
+    entries), the lock file and the top-level names in ``keep`` excluded; ``[]`` when the folder
+    does not exist."""
+    if not os.path.isdir(run_dir):
+        return []
+    found = []
+    for name in sorted(os.listdir(run_dir)):
+        path = os.path.join(run_dir, name)
+        if name in keep:
+            continue
+        if _TOP_FILES.match(name) and os.path.isfile(path):
+            found.append(path)
+        elif name in _TOP_FOLDERS and os.path.isdir(path):
+            found.append(path)
+        elif name == "checkpoints" and os.path.isdir(path):
+            found += [os.path.join(path, n) for n in sorted(os.listdir(path)) if _CHECKPOINT_ENTRIES.match(n)]
+        elif name == "tensorboard" and os.path.isdir(path):
+            found += [
+                os.path.join(path, n) for n in sorted(os.listdir(path)) if _TENSORBOARD_ENTRIES.match(n)
+            ]
+    return found
+
+
+def holds_run(run_dir: str, keep: tuple[str, ...] = ()) -> bool:
+    """Whether ``run_dir`` holds a run worth keeping: a ``checkpoints/step_N`` folder (complete or
+    not: a half-written one is never deleted unasked), ``merged_model/``, or a ``summary.json``
+    of a run that finished steps (its checkpoints may have been deleted by hand). What else a run
+    writes (:func:`run_files`: ``config.yaml``, metrics, evaluations, the lock) is what a start
+    that failed before its first checkpoint leaves, and does not count; nor do the names in
+    ``keep``."""
+    for path in run_files(run_dir, keep):
+        name, parent = os.path.basename(path), os.path.basename(os.path.dirname(path))
+        if (parent == "checkpoints" and name.startswith("step_")) or name == "merged_model":
+            return True
+        if name == "summary.json" and _summary_steps(path) != 0:
+            return True
+    return False
+
+
+def _summary_steps(path: str) -> int | None:
+    """The steps a ``summary.json`` records; None when it cannot be read (then it counts as a run's)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            steps = json.load(f).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
+
+
+def _is_policygrad_config(path: str) -> bool:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return False
+    return isinstance(data, dict) and {"algorithm", "model", "rollout", "reward"} <= set(data)
+
+
+def remove_run_files(run_dir: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """Delete what a run wrote in ``run_dir`` (:func:`run_files`, but for the names in ``keep``),
+    then the ``checkpoints`` and ``tensorboard`` folders if that left them empty. Everything else
+    stays. Returns the paths deleted. Call it only while holding the folder's :class:`RunLock`.
+
+    Raises:
+        OSError: a file cannot be deleted.
+    """
+    removed = run_files(run_dir, keep)
+    for path in removed:
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.remove(path)
+    for name in ("checkpoints", "tensorboard"):
+        folder = os.path.join(run_dir, name)
+        if os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
+    return removed
+
+
+def check_new_run_dir(
+    run_dir: str, *, overwrite: bool, owned: bool = False, keep: tuple[str, ...] = ()
+) -> None:
+    """Read-only checks that a new run may start in ``run_dir``: nothing is written. ``owned``:
+    the caller holds the folder's :class:`RunLock` (the owner check is skipped). ``keep``: entries
+    the starting run itself wrote while it was being built (``start_model``), not a run's.
+
+    Raises:
+        ConfigError: ``run_dir`` is a file; it holds a ``config.yaml`` that policygrad did not
+            write; it holds a run and ``overwrite`` is False.
+        TrainingError: another live run owns it (:func:`lock_owner`).
+    """
+    if os.path.exists(run_dir) and not os.path.isdir(run_dir):
+        raise ConfigError(f"output_dir={run_dir!r} is a file; give a folder")
+    config = config_file(run_dir)
+    if os.path.isfile(config) and not _is_policygrad_config(config):
+        raise ConfigError(
+            f"output_dir={run_dir!r} holds a config.yaml that is not a policygrad run's (--overwrite deletes "
+            "only what a run writes, and this file is not one of those); choose another --output_dir"
         )
+    if not owned:
+        check_not_in_use(run_dir)
+    if holds_run(run_dir, keep) and not overwrite:
+        raise ConfigError(
+            f"output_dir={run_dir!r} already holds a run; continue it with --resume {run_dir}, choose a new "
+            "--output_dir, or replace it with --overwrite=true"
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# Ownership.
+
+
+def _describe(info: dict[str, Any]) -> str:
+    started = info.get("started")
+    when = (
+        time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+        if isinstance(started, (int, float))
+        else "?"
+    )
+    return f"pid {info.get('pid', '?')} on {info.get('host', '?')}, started {when}"
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    os.lseek(fd, 0, os.SEEK_SET)
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    try:
+        info = json.loads(data.decode("utf-8")) if data.strip() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        info = {"pid": "?", "unreadable": True}
+    return info if isinstance(info, dict) else {}
+
+
+def _try_flock(fd: int) -> bool:
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
+def lock_owner(run_dir: str) -> dict[str, Any] | None:
+    """The live owner of ``run_dir`` (``{"pid", "host", "started"}``), or None when no running
+    process holds its lock. Read-only: the lock file is neither created nor changed."""
+    path = os.path.join(run_dir, LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        if _try_flock(fd):
+            return None  # free: nobody holds it (we drop it again on close)
+        return _read_info(fd)
+    finally:
+        os.close(fd)
+
+
+def _in_use_error(run_dir: str, info: dict[str, Any]) -> TrainingError:
+    if info.get("pid") == os.getpid():
+        return TrainingError(
+            f"output_dir={run_dir!r} is in use by another Trainer in this process ({_describe(info)}); "
+            "finish its train() or call its close() first"
+        )
+    return TrainingError(
+        f"output_dir={run_dir!r} is in use by another run ({_describe(info)}); wait for it to end, or "
+        "choose another --output_dir"
+    )
+
+
+def check_not_in_use(run_dir: str) -> None:
+    """Read-only: refuse ``run_dir`` while another live run owns it.
+
+    Raises:
+        TrainingError: naming the owner's pid, host and start time.
+    """
+    info = lock_owner(run_dir)
+    if info is not None and info.get("pid") == os.getpid():
+        gc.collect()  # a Trainer of this process that nobody references any more releases on collection
+        info = lock_owner(run_dir)
+    if info is not None:
+        raise _in_use_error(run_dir, info)
+
+
+def _release(path: str, fd: int) -> None:
+    try:
+        if os.stat(path).st_ino == os.fstat(fd).st_ino:
+            os.remove(path)  # before unlocking, so a waiting run never locks a file about to vanish
+    except OSError:
+        pass
+    os.close(fd)  # closing drops the flock
+
+
+class RunLock:
+    """Exclusive ownership of a run directory (see the module docstring). Use :meth:`acquire`;
+    :meth:`release` (or garbage collection, or the process's end) gives it up."""
+
+    def __init__(self, run_dir: str, path: str, fd: int, info: dict[str, Any]):
+        self.run_dir, self.path, self.info = run_dir, path, info
+        self._finalizer = weakref.finalize(self, _release, path, fd)
+
+    @classmethod
+    def acquire(cls, run_dir: str) -> RunLock:
+        """Create ``run_dir`` if needed and take its lock.
+
+        Raises:
+            TrainingError: another live process (or another Trainer of this one) holds it.
+            OSError: the folder or the lock file cannot be created.
+        """
+        os.makedirs(run_dir, exist_ok=True)
+        path = os.path.join(run_dir, LOCK_FILE)
+        for attempt in range(5):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            if not _try_flock(fd):
+                info = _read_info(fd)
+                os.close(fd)
+                if info.get("pid") == os.getpid() and attempt == 0:
+                    gc.collect()  # see check_not_in_use
+                    continue
+                raise _in_use_error(run_dir, info)
+            try:  # the file we locked must still be the one at ``path`` (an owner unlinks it on release)
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            previous = _read_info(fd)
+            if previous:
+                log.warning(
+                    "note: took over the lock of %s: a run (%s) that ended without releasing it",
+                    run_dir,
+                    _describe(previous),
+                )
+            info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            os.write(fd, (json.dumps(info) + "\n").encode("utf-8"))
+            os.fsync(fd)
+            return cls(run_dir, path, fd, info)
+        raise TrainingError(f"output_dir={run_dir!r}: could not take its lock {path}; try again")
+
+    @property
+    def held(self) -> bool:
+        return self._finalizer.alive
+
+    def release(self) -> None:
+        """Give the directory up (idempotent): the lock file is removed and unlocked."""
+        self._finalizer()

@@ -21,6 +21,7 @@ import yaml
 
 from policygrad import __version__
 from policygrad.models.adapters import is_peft_model, merged_weights, tied_pairs_that_differ
+from policygrad.run.directory import metrics_file
 
 __all__ = ["export_merged", "final_metrics", "model_card", "write_model_card"]
 
@@ -40,7 +41,7 @@ CARD_METRICS = (
 def final_metrics(run_dir: str, *, up_to_step: int | None = None) -> dict[str, float]:
     """The last logged value of each of :data:`CARD_METRICS` in ``RUN_DIR/metrics.jsonl``
     (rows after ``up_to_step`` ignored); empty when there is no file."""
-    path = os.path.join(run_dir, "metrics.jsonl")
+    path = metrics_file(run_dir)
     found: dict[str, float] = {}
     if not os.path.exists(path):
         return found

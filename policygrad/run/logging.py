@@ -10,24 +10,15 @@ import json
 import logging
 import math
 import os
-import resource
-import sys
 from typing import Any
 
 import torch
 
 from policygrad.errors import TrainingError
-from policygrad.run.rundir import atomic_write_text
+from policygrad.run.directory import atomic_write_text, metrics_file
 from policygrad.run.trackers import TensorBoardTracker
 
 log = logging.getLogger("policygrad")
-
-
-def peak_rss_gb() -> float:
-    """Peak resident set size of this process in GB (10^9 bytes), from ``getrusage``."""
-    kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    scale = 1 if sys.platform == "darwin" else 1024  # macOS reports bytes, Linux KiB
-    return kb * scale / 1e9
 
 
 def _plain(value: Any) -> Any:
@@ -98,7 +89,7 @@ class MetricsLogger:
         truncate_after_step: int | None = None,
         trackers: list | None = None,
     ):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.path = metrics_file(run_dir)
         if truncate_after_step is not None and os.path.exists(self.path):
             rows = [r for r in read_metrics_rows(self.path) if r.get("step", 0) <= truncate_after_step]
             atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in rows))

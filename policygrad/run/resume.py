@@ -13,16 +13,26 @@ ignored:
   ``config/<field>`` row at the step the run resumes from;
 * anything else (the model, the algorithm, the data, the seed, ...) would make the checkpoint
   mean something else: refused, naming each option with its saved and given value.
+
+:func:`check_resume` makes every read-only check of a ``--resume`` before anything is built
+(the newest complete checkpoint, the folder not in use, the changes) and returns a
+:class:`Resume`; a new learning rate is applied by the trainer (``Trainer.set_base_lr``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from policygrad.config.train import ConfigError, TrainConfig, load_config
+from policygrad.errors import TrainingError
+from policygrad.run import directory
+from policygrad.run.checkpoint import find_checkpoints, latest_checkpoint, load_trainer_state
+from policygrad.run.directory import checkpoints_dir, config_file
+from policygrad.run.trackers import read_tracker_ids
 
-__all__ = ["SESSION_OPTIONS", "TRAINING_OPTIONS", "config_changes", "set_base_lr"]
+__all__ = ["SESSION_OPTIONS", "TRAINING_OPTIONS", "Resume", "check_resume", "config_changes", "saved_config"]
 
 SESSION_OPTIONS = frozenset(
     {
@@ -79,7 +89,7 @@ def saved_config(run_dir: str) -> TrainConfig:
         FileNotFoundError: the run has no ``config.yaml``.
         ConfigError: the saved config is not valid any more (the message names the field).
     """
-    path = os.path.join(run_dir, "config.yaml")
+    path = config_file(run_dir)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--resume {run_dir}: {path} not found; is this a policygrad run directory?")
     try:
@@ -110,19 +120,61 @@ def config_changes(run_dir: str, config: TrainConfig) -> dict[str, tuple[Any, An
         raise ConfigError(
             f"--resume {run_dir}: these options cannot change on resume (the checkpoint was trained with the "
             f"saved ones): {listed}; drop them, or start a new run from the checkpoint's weights "
-            f"(model.name={os.path.join(run_dir, 'checkpoints', 'step_N', 'model')}) in a new --output_dir"
+            f"(model.name={os.path.join(checkpoints_dir(run_dir), 'step_N', 'model')}) in a new --output_dir"
         )
     return changes
 
 
-def set_base_lr(optimizer, scheduler, lr: float) -> None:
-    """Give every parameter group the base learning rate ``lr``, keeping the schedule's position:
-    the current rate becomes ``lr`` x the schedule's factor at its step (``LambdaLR``)."""
-    scheduler.base_lrs = [lr for _ in optimizer.param_groups]
-    for group, factor in zip(optimizer.param_groups, _factors(scheduler)):
-        group["initial_lr"] = lr
-        group["lr"] = lr * factor
+@dataclass(frozen=True)
+class Resume:
+    """A checked ``--resume``: the newest complete checkpoint, its trainer state, and the options
+    that changed (``{field: (saved, new)}``, see :mod:`policygrad.run.resume`)."""
+
+    checkpoint: str
+    state: dict[str, Any]
+    changes: dict[str, tuple[Any, Any]]
 
 
-def _factors(scheduler) -> list[float]:
-    return [fn(scheduler.last_epoch) for fn in scheduler.lr_lambdas]
+def check_resume(cfg: TrainConfig, resume_from: str) -> Resume:
+    """Read-only checks of ``--resume``: the newest complete checkpoint, its trainer state, the
+    folder not in use, and the options that changed.
+
+    Raises:
+        TrainingError: no complete checkpoint (with how to go on); ConfigError: another
+            ``output_dir``, ``--overwrite``, options that cannot change, nothing left to train;
+            CheckpointError: an unreadable trainer state.
+    """
+    ckpt = latest_checkpoint(resume_from)
+    if ckpt is None:
+        _, skipped = find_checkpoints(resume_from)
+        saved = config_file(resume_from)
+        if not skipped and os.path.isfile(saved) and not directory.holds_run(resume_from):
+            # A start that failed before its first checkpoint: starting again is what works.
+            raise TrainingError(
+                f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints: the run "
+                "saved no checkpoint before it stopped, so there is nothing to continue; start it again "
+                f"instead (its folder is taken as new): policygrad train {saved} [--key=value ...]"
+            )
+        why = "; ".join(f"{os.path.basename(p)}: {reason}" for p, reason in skipped)
+        raise TrainingError(
+            f"--resume {resume_from}: no checkpoint found under {resume_from}/checkpoints"
+            + (f" that is complete ({why})" if skipped else "")
+        )
+    if os.path.realpath(cfg.output_dir) != os.path.realpath(resume_from):
+        raise ConfigError(
+            f"--resume {resume_from} with output_dir={cfg.output_dir!r}: a resumed run continues in its "
+            f"own folder; to branch it, copy the folder (cp -r {resume_from} {cfg.output_dir}) and "
+            "resume the copy"
+        )
+    if cfg.overwrite:
+        raise ConfigError(f"--overwrite cannot be combined with --resume {resume_from}; give one of them")
+    directory.check_not_in_use(resume_from)
+    changes = config_changes(resume_from, cfg)
+    read_tracker_ids(resume_from)  # a corrupt file is refused now, not after the run is taken
+    state = load_trainer_state(ckpt)
+    if state["step"] >= cfg.steps:
+        raise ConfigError(
+            f"--resume {resume_from}: the run is at step {state['step']} of steps={cfg.steps}, so there "
+            f"is nothing to train; give --steps larger than {state['step']} to continue it"
+        )
+    return Resume(ckpt, state, changes)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import logging
 import os
 import time
@@ -19,27 +18,24 @@ from tqdm import tqdm
 
 from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.data.sources import build_eval_rows
-from policygrad.errors import CheckpointError, CheckpointSaveError, TrainingError
+from policygrad.errors import TrainingError
 from policygrad.evaluate.episodes import evaluate_episodes
 from policygrad.evaluate.single_turn import evaluate as evaluate_rows
 from policygrad.evaluate.single_turn import write_jsonl
-from policygrad.learn.health import UpdateWatch, check_finite_weights
+from policygrad.learn.health import check_finite_weights
 from policygrad.models.adapters import is_peft_model
 from policygrad.parallel.distributed import Dist, NullLogger
+from policygrad.parallel.runtime import peak_rss_gb
 from policygrad.rewards.code import TaskReward
-from policygrad.run import rundir, stops
-from policygrad.run.checkpoint import (
-    check_room_for_checkpoint,
-    checkpoint_bytes,
-    checkpoint_path,
-    prune_checkpoints,
-    save_checkpoint,
-)
-from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
+from policygrad.run import directory, stops
+from policygrad.run.checkpoint import check_room_for_checkpoint, checkpoint_bytes
 from policygrad.run.export import export_merged, final_metrics, model_card
+from policygrad.run.health import UpdateWatch
 from policygrad.run.interrupts import Stopped, StopSignals
-from policygrad.run.logging import MetricsLogger, peak_rss_gb
-from policygrad.run.resume import set_base_lr
+from policygrad.run.logging import MetricsLogger
+from policygrad.run.resume import Resume, check_resume
+from policygrad.run.saves import Checkpoints
+from policygrad.run.start import check_prompts, take_run_dir
 from policygrad.trainer.factory import build_trainer, prepare_config
 from policygrad.trainer.loop import Trainer
 
@@ -69,7 +65,7 @@ class Run:
             ``env.name``; recorded like ``reward_functions``.
 
     Nothing is written until every check has passed and every part is built; then the run
-    directory is locked (:mod:`policygrad.run.rundir`) until :meth:`train` returns or
+    directory is locked (:mod:`policygrad.run.directory`) until :meth:`train` returns or
     :meth:`close` is called.
 
     Raises:
@@ -88,6 +84,7 @@ class Run:
     eval_rows: list[dict[str, Any]]
     eval_reward: TaskReward  # the rows' own verifier: code_tests in the run's sandbox on code rows
     watch: UpdateWatch
+    checkpoints: Checkpoints
     logger: MetricsLogger | NullLogger | None
 
     def __init__(
@@ -109,7 +106,6 @@ class Run:
         )
         self.config, self.run_dir = cfg, cfg.output_dir
         self.logger, self._lock = None, None
-        self._saved_step: int | None = None  # the step of the newest checkpoint on disk
         self._steps_done = False  # train() finished its steps (a signal then has nothing to wait for)
         self._summary: dict[str, Any] = {"run_dir": self.run_dir}  # train()'s summary so far
         # 1. Read-only checks of the run directory (and the checkpoint to resume from), once every
@@ -123,7 +119,7 @@ class Run:
                     "rollout.per_prompt_seeds=false only continues a run recorded with it (--resume); a new "
                     "run samples each prompt from its own seed, so drop the option"
                 )
-            rundir.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
+            directory.check_new_run_dir(self.run_dir, overwrite=cfg.overwrite)
         else:
             resume = check_resume(cfg, resume_from)
         self.dist.barrier()  # every rank has checked before rank 0 may write (step 3)
@@ -145,15 +141,16 @@ class Run:
         )
         self.eval_reward = TaskReward(dataclasses.asdict(cfg.reward.code))
         self.watch = UpdateWatch(cfg)
+        self.checkpoints = Checkpoints(cfg, self.trainer, self.watch, self.dist, self.model_card)
         if resume is not None:
             self.load_state_dict(resume)
-        check_finite_weights(
-            self.trainer.policy, f"model.name={cfg.model.name!r}" if resume is None else resume.checkpoint
-        )
-        check_prompts(self.trainer, self.eval_rows)
+        policy = self.trainer.policy
+        where = f"model.name={cfg.model.name!r}" if resume is None else resume.checkpoint
+        check_finite_weights(policy, where)
+        check_prompts(cfg, self.trainer.tokenizer, policy, self.trainer.next_rows(), self.eval_rows)
         if self.dist.is_main:  # before the first step: a disk that cannot hold a checkpoint loses them all
             try:
-                needed = checkpoint_bytes(self.trainer.policy, self.trainer.critic)
+                needed = checkpoint_bytes(policy, self.trainer.critic)
                 check_room_for_checkpoint(cfg.output_dir, needed)
             except BaseException:
                 self.close()
@@ -170,25 +167,19 @@ class Run:
         except BaseException:
             self.close()
             raise
-        self._lock, self.logger, self._config_pending = taken.lock, taken.logger, taken.config_pending
+        self._lock, self.logger = taken.lock, taken.logger
+        self.checkpoints.config_pending = taken.config_pending
 
     # ------------------------------------------------------------------------------------------
     # State.
 
     def state_dict(self) -> dict[str, Any]:
-        """The checkpoint's trainer state: :meth:`Trainer.state_dict` and the counts of applied
-        and skipped updates (:class:`~policygrad.learn.health.UpdateWatch`)."""
-        return {**self.trainer.state_dict(), "updates": self.watch.state_dict()}
+        """The checkpoint's trainer state (:meth:`Checkpoints.state_dict`)."""
+        return self.checkpoints.state_dict()
 
     def load_state_dict(self, resume: Resume) -> None:
-        """Continue from a checked checkpoint: the trainer's state, the update counts, and the
-        learning rate given anew on resume."""
-        self.trainer.load_state_dict(resume.state, checkpoint=resume.checkpoint)
-        if "updates" in resume.state:
-            self.watch.load_state_dict(resume.state["updates"])
-        self._saved_step = self.trainer.step_idx
-        if "optim.lr" in resume.changes:
-            set_base_lr(self.trainer.optimizer, self.trainer.scheduler, self.config.optim.lr)
+        """Continue from a checked checkpoint (:meth:`Checkpoints.load_state_dict`)."""
+        self.checkpoints.load_state_dict(resume)
 
     # ------------------------------------------------------------------------------------------
     def evaluate(
@@ -270,34 +261,19 @@ class Run:
         except Stopped as stop:
             return self._stopped_at_once(stop.signal)
         except KeyboardInterrupt as exc:  # a second Ctrl-C
-            pipeline = self.trainer.pipeline
-            if pipeline is not None and not pipeline.close(timeout=1.0):
-                # Stop at once: the job in flight may wait minutes for a reward call; closing the
-                # reward worker ends that call, and the thread with it.
-                self.trainer.scorer.close()
-                pipeline.close(timeout=10.0)
-            saved = self._saved_step
-            if saved:
-                log.warning(
-                    "stopped at once; the newest checkpoint is %s; continue with: "
-                    "policygrad train --resume %s",
-                    checkpoint_path(self.run_dir, saved),
-                    self.run_dir,
-                )
-            else:
-                log.warning(
-                    "stopped at once, before any checkpoint was saved; run the same command again to "
-                    "start over"
-                )
+            self.trainer.stop_at_once()
+            stops.warn_stopped_twice(self.run_dir, self.checkpoints.saved_step)
             exc.reported = True  # the command line adds no line of its own
             raise
         except OSError as exc:
             if exc.errno != errno.ENOSPC:
                 raise
             where = exc.filename or f"the run's files in {self.run_dir}"
-            lost = self._unsaved_steps()
+            saved = self.checkpoints.saved_step
+            lost = stops.unsaved_steps(self.trainer.step_idx, saved)
             raise TrainingError(
-                f"no space left on device writing {where}; {lost}free space, then {self._go_on()}"
+                f"no space left on device writing {where}; {lost}free space, then "
+                f"{stops.how_to_go_on(self.run_dir, saved)}"
             ) from exc
         finally:
             self.logger.close()
@@ -323,14 +299,11 @@ class Run:
         interrupted, stopped_early = self._steps(signals, bar, start)
         bar.close()
         summary["steps"] = trainer.step_idx
-        recompute = getattr(trainer.policy_step, "recompute", None)
-        summary["gradient_checkpointing"] = (
-            recompute.enabled if recompute is not None else cfg.model.gradient_checkpointing is True
-        )
+        summary["gradient_checkpointing"] = trainer.gradient_checkpointing
         summary["updates_applied"] = self.watch.applied
         summary["stopped_by_max_minutes"] = stopped_early
         summary["train_minutes"] = (time.perf_counter() - start) / 60
-        if trainer.step_idx and self._saved_step != trainer.step_idx:
+        if trainer.step_idx and self.checkpoints.saved_step != trainer.step_idx:
             self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
         if interrupted:
             return self._stopped_after_step(interrupted, summary)
@@ -368,14 +341,14 @@ class Run:
             minutes = (time.perf_counter() - start) / 60
             if self.dist.first(cfg.max_minutes is not None and minutes > cfg.max_minutes):
                 return None, True
-            safe = self._safe_point()
+            safe = self.checkpoints.safe_point()
             try:
                 self._train_step(bar)
-                if self.dist.first(self._checkpoint_due(last_save)):
+                if self.dist.first(self.checkpoints.due(last_save)):
                     self.save_checkpoint()
                     last_save = time.perf_counter()
             except Exception as exc:
-                self._save_after_error(safe, exc)
+                self.checkpoints.save_after_error(safe, exc)
                 raise
         return None, False
 
@@ -423,96 +396,29 @@ class Run:
             return received
         return (received or "SIGTERM") if self.dist.any(received is not None) else None
 
-    def _checkpoint_due(self, last_save: float) -> bool:
-        cfg = self.config
-        by_steps = bool(cfg.save_every) and self.trainer.step_idx % cfg.save_every == 0
-        minutes = (time.perf_counter() - last_save) / 60
-        by_time = bool(cfg.save_every_minutes) and minutes >= cfg.save_every_minutes
-        return by_steps or by_time
-
-    def _optimizer_steps(self) -> tuple[int, ...]:
-        critic = self.trainer.critic_trainer
-        return (self.trainer.scheduler.last_epoch, critic.scheduler.last_epoch if critic is not None else 0)
-
-    def _safe_point(self) -> tuple[dict[str, Any], tuple[int, ...]]:
-        """The state before a step (tensors by reference: they stay valid until an optimizer
-        step) and the optimizer-step counts that tell whether one happened since."""
-        return self.state_dict(), self._optimizer_steps()
-
-    def _save_after_error(self, safe, exc: Exception) -> None:
-        """Keep the finished steps when a step fails: save the last completed step (the state
-        before the failing step, if no optimizer step of it was applied yet)."""
-        state, steps_then = safe
-        step = self.trainer.step_idx
-        if isinstance(exc, CheckpointSaveError) or not step:
-            return  # the save itself failed (the disk is full), or no step was completed
-        if not self.trainer.strategy.saves_alone:
-            # A sharded save needs every rank, and the others are not here: the newest checkpoint stands.
-            newest = f"is of step {self._saved_step}" if self._saved_step else "does not exist yet"
-            log.warning(
-                "note: a sharded run cannot save after an error on one rank; the newest checkpoint %s", newest
-            )
-            return
-        if step == state["step"] and self._optimizer_steps() != steps_then:
-            log.warning(
-                "note: the error came during step %d, after an optimizer step of it, so that step cannot be "
-                "saved; the newest checkpoint is of step %s",
-                step + 1,
-                self._saved_step,
-            )
-            return
-        if step != state["step"]:
-            state = self.state_dict()  # the step completed; the error came after it
-        if state["step"] in (0, self._saved_step):
-            return
-        try:
-            path = self.save_checkpoint(state=state)
-        except CheckpointError as e:
-            log.warning("note: could not save a checkpoint before stopping: %s", e)
-            return
-        log.warning(
-            "saved checkpoint %s before stopping on the error; once it is fixed, continue with: "
-            "policygrad train --resume %s",
-            path,
-            self.run_dir,
-        )
-
     # ------------------------------------------------------------------------------------------
     # Stopping.
-
-    def _unsaved_steps(self) -> str:
-        """What a stop on a full disk loses: the completed steps after the newest checkpoint (the
-        save after the error could not be written either), said so the user knows, or ''."""
-        step, saved = self.trainer.step_idx, self._saved_step or 0
-        if step <= saved:
-            return ""
-        steps = f"step {step}" if step == saved + 1 else f"steps {saved + 1}-{step}"
-        newest = f" (the newest checkpoint is of step {saved})" if saved else ""
-        return f"the training of {steps} could not be saved on the full disk{newest} and is lost; "
-
-    def _go_on(self) -> str:
-        return stops.how_to_go_on(self.run_dir, self._saved_step)
 
     def _stopped_at_once(self, signal_name: str) -> dict[str, Any]:
         """The summary (also written) and the one message of a run a signal stopped where there
         was nothing to wait for: before its first step, or after its final checkpoint."""
         summary = {**self._summary, "steps": self.trainer.step_idx, "interrupted": signal_name}
         self._write_summary(summary)
-        stops.warn_stopped_at_once(
-            signal_name, self.run_dir, self._saved_step, self.trainer.step_idx, steps_done=self._steps_done
-        )
+        saved, step = self.checkpoints.saved_step, self.trainer.step_idx
+        stops.warn_stopped_at_once(signal_name, self.run_dir, saved, step, steps_done=self._steps_done)
         return summary
 
     def _stopped_after_step(self, signal_name: str, summary: dict[str, Any]) -> dict[str, Any]:
         summary["interrupted"] = signal_name
         self._write_summary(summary)
-        stops.warn_stopped_after_step(signal_name, self.run_dir, self._saved_step, self.trainer.step_idx)
+        saved, step = self.checkpoints.saved_step, self.trainer.step_idx
+        stops.warn_stopped_after_step(signal_name, self.run_dir, saved, step)
         return summary
 
     def _write_summary(self, summary: dict[str, Any]) -> None:
         if not self.dist.is_main:
             return
-        rundir.atomic_write_text(os.path.join(self.run_dir, "summary.json"), json.dumps(summary, indent=2))
+        directory.write_summary(self.run_dir, summary)
 
     def close(self) -> None:
         """Shut down the rollout engine (vLLM holds its own weights, KV cache and process state)
@@ -530,37 +436,13 @@ class Run:
     # Checkpoints and exports.
 
     def save_checkpoint(self, state: dict[str, Any] | None = None) -> str:
-        """Write ``RUN_DIR/checkpoints/step_N`` as a transaction (see
-        :mod:`policygrad.run.checkpoint`) from ``state`` (default: :meth:`state_dict` now).
-        Returns its path. A collective under FSDP (the ranks write their shards first).
+        """Write ``RUN_DIR/checkpoints/step_N`` from ``state`` (default: :meth:`state_dict` now) and
+        return its path (:meth:`Checkpoints.save`: a transaction; a collective under FSDP).
 
         Raises:
             CheckpointSaveError: it could not be written; the older checkpoints are intact.
         """
-        trainer = self.trainer
-        state = self.state_dict() if state is None else state
-        path = checkpoint_path(self.run_dir, state["step"])
-        tmp, critic_state = trainer.write_shards(path)
-        if self.dist.is_main:  # ddp: every rank holds the same full weights and state
-            save_checkpoint(
-                path,
-                policy=trainer.whole_policy,
-                tokenizer=trainer.tokenizer,
-                state=state,
-                critic=trainer.critic,
-                critic_state=critic_state,
-                model_card=self.model_card(state["step"]),
-                tmp=tmp,
-            )
-            if self._config_pending:
-                rundir.write_config(self.run_dir, self.config)
-                self._config_pending = False
-            if self.config.keep_checkpoints:
-                prune_checkpoints(self.run_dir, self.config.keep_checkpoints)
-        if trainer.strategy.shards_state:
-            self.dist.barrier()  # the checkpoint is complete before any rank goes on
-        self._saved_step = state["step"]
-        return path
+        return self.checkpoints.save(state)
 
     def model_card(self, step: int, *, kind: str | None = None) -> str:
         """The ``README.md`` of a model folder this run exports at ``step`` (see
@@ -577,7 +459,7 @@ class Run:
     def export_merged(self, folder: str | None = None) -> str:
         """Write the policy with every LoRA adapter merged in as a plain Hugging Face model folder
         (default ``RUN_DIR/merged_model``) with its model card. Returns the folder."""
-        folder = folder or os.path.join(self.run_dir, "merged_model")
+        folder = folder or directory.merged_model_dir(self.run_dir)
         if not self.dist.is_main:
             return folder
         card = self.model_card(self.trainer.step_idx, kind="merged model")

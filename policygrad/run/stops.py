@@ -1,5 +1,6 @@
-"""What a run says when it stops before its end: how to go on, and the one warning of each kind
-of stop (before the first step, after a step, after the final checkpoint)."""
+"""What a run says when it stops before its end: how to go on, what a full disk lost, and the one
+warning of each kind of stop (before the first step, after a step, after the final checkpoint, at
+once on a second Ctrl-C)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ import os
 
 from policygrad.run.checkpoint import checkpoint_path
 
-__all__ = ["how_to_go_on", "warn_stopped_after_step", "warn_stopped_at_once"]
+__all__ = [
+    "how_to_go_on",
+    "unsaved_steps",
+    "warn_stopped_after_step",
+    "warn_stopped_at_once",
+    "warn_stopped_twice",
+]
 
 log = logging.getLogger("policygrad")
 
@@ -67,3 +74,28 @@ def warn_stopped_after_step(signal_name: str, run_dir: str, saved_step: int | No
             checkpoint_path(run_dir, saved_step),
             how_to_go_on(run_dir, saved_step),
         )
+
+
+def warn_stopped_twice(run_dir: str, saved_step: int | None) -> None:
+    """A second Ctrl-C stopped the run at once: the newest checkpoint and how to go on."""
+    if saved_step:
+        log.warning(
+            "stopped at once; the newest checkpoint is %s; continue with: policygrad train --resume %s",
+            checkpoint_path(run_dir, saved_step),
+            run_dir,
+        )
+    else:
+        log.warning(
+            "stopped at once, before any checkpoint was saved; run the same command again to start over"
+        )
+
+
+def unsaved_steps(step: int, saved_step: int | None) -> str:
+    """What a stop on a full disk loses: the completed steps after the newest checkpoint (the
+    save after the error could not be written either), said so the user knows, or ''."""
+    saved = saved_step or 0
+    if step <= saved:
+        return ""
+    steps = f"step {step}" if step == saved + 1 else f"steps {saved + 1}-{step}"
+    newest = f" (the newest checkpoint is of step {saved})" if saved else ""
+    return f"the training of {steps} could not be saved on the full disk{newest} and is lost; "

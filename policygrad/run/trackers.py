@@ -31,7 +31,7 @@ from typing import Any
 
 from policygrad.errors import TrainingError
 from policygrad.learn.metrics import tracker_metric_name
-from policygrad.run.rundir import atomic_write_text
+from policygrad.run.directory import atomic_write_text
 
 __all__ = ["TRACKER_EXTRAS", "Tracker", "build_trackers", "read_tracker_ids", "tracker_scalars"]
 

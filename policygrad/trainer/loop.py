@@ -56,19 +56,19 @@ from policygrad.learn.metrics import (
     mismatch_metrics,
 )
 from policygrad.learn.objective import PolicyObjective, positive_samples
+from policygrad.learn.optim import set_base_lr
 from policygrad.learn.update import PolicyStep, UpdateStats
 from policygrad.models.forward import inference_logprobs
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import Precision
-from policygrad.parallel.runtime import release_free_memory, synced_clock
+from policygrad.parallel.runtime import peak_rss_gb, release_free_memory, synced_clock
+from policygrad.parallel.state import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.parallel.strategy import Strategy
 from policygrad.parallel.threads import ThreadGovernor
 from policygrad.produce.production import finish, produce
 from policygrad.produce.rollouts import RolloutPipeline
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.base import RolloutEngine
-from policygrad.run.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
-from policygrad.run.logging import peak_rss_gb
 from policygrad.seeds import Seeds
 
 __all__ = ["Trainer", "TrainingError"]
@@ -178,6 +178,48 @@ class Trainer:
     def whole_policy(self) -> torch.nn.Module:
         """The unsharded policy: what the engine samples from and exports write (FSDP: the copy)."""
         return self.strategy.engine_policy(self.policy)
+
+    # ------------------------------------------------------------------------------------------
+    # What the run around the steps asks, as named questions rather than the parts' own attributes.
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether a checkpoint needs every rank (FSDP: :meth:`write_shards`)."""
+        return self.strategy.shards_state
+
+    @property
+    def saves_alone(self) -> bool:
+        """Whether rank 0 can write a checkpoint without the other ranks (after an error on one)."""
+        return self.strategy.saves_alone
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether the policy's updates recompute activations (``auto``: as decided at the updates)."""
+        recompute = getattr(self.policy_step, "recompute", None)
+        if recompute is None:
+            return self.config.model.gradient_checkpointing is True
+        return recompute.enabled
+
+    def optimizer_steps(self) -> tuple[int, int]:
+        """The optimizer steps applied so far (policy, critic): whether one happened since a state."""
+        critic = self.critic_trainer
+        return (self.scheduler.last_epoch, critic.scheduler.last_epoch if critic is not None else 0)
+
+    def next_rows(self) -> list[dict[str, Any]]:
+        """The rows of the next step's prompts, read from the stream, not taken."""
+        position, n = self.stream.position, self.config.rollout.prompts_per_step
+        return [self.stream.source.train_row(position + j) for j in range(n)]
+
+    def set_base_lr(self, lr: float) -> None:
+        """A new base learning rate for the policy under its schedule's position (a resume's ``optim.lr``)."""
+        set_base_lr(self.optimizer, self.scheduler, lr)
+
+    def stop_at_once(self) -> None:
+        """End the rollout pipeline's job in flight without waiting for it (a second Ctrl-C): it may
+        wait minutes for a reward call; closing the reward worker ends that call, and the thread."""
+        if self.pipeline is not None and not self.pipeline.close(timeout=1.0):
+            self.scorer.close()
+            self.pipeline.close(timeout=10.0)
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
@@ -516,10 +558,11 @@ class Trainer:
             state["data_position"] = state["pipeline"]["position"]
         return state
 
-    def write_shards(self, path: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-        """The part of checkpoint ``path`` that needs every rank (FSDP's shards; nothing otherwise):
-        ``(temporary folder or None, the critic's full weights on rank 0 or None)``. A collective."""
-        return self.strategy.write_shards(path, self._networks())
+    def write_shards(self, path: str, *, tmp: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
+        """The part of checkpoint ``path`` that needs every rank (FSDP's shards, into rank 0's
+        temporary folder ``tmp``; nothing otherwise): ``(temporary folder or None, the critic's
+        full weights on rank 0 or None)``. A collective."""
+        return self.strategy.write_shards(path, self._networks(), tmp=tmp)
 
     def load_state_dict(self, state: dict[str, Any], *, checkpoint: str) -> None:
         """Put :meth:`state_dict`'s output (read from ``checkpoint``) back; a sharded optimizer

@@ -32,7 +32,7 @@ from policygrad.models.loading import (
     prepare_tokenizer,
 )
 from policygrad.models.swiglu import use_memory_efficient_mlp
-from policygrad.run.checkpoint import load_policy_weights
+from policygrad.parallel.state import load_policy_weights
 
 __all__ = ["Models", "adopt_model", "build_models", "load_eval_models", "record_model_object"]
 

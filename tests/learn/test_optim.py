@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from policygrad.learn.optim import OptimizerStep, lr_schedule, make_adamw
+from policygrad.learn.optim import OptimizerStep, lr_schedule, make_adamw, set_base_lr
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.strategy import Single
 
@@ -251,3 +251,36 @@ def test_a_nonfinite_loss_before_any_scaled_loss_still_backs_the_scale_off():
 
 def test_without_a_scaler_the_step_reports_no_loss_scale():
     assert _step(_net()).loss_scale is None
+
+
+def test_set_base_lr_keeps_the_schedules_position():
+    params = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(1))]
+    optimizer = torch.optim.SGD([{"params": [params[0]]}, {"params": [params[1]]}], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+    for _ in range(2):
+        optimizer.step()
+        scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.025, 0.025], abs=1e-15)  # 0.1 x 0.25
+    set_base_lr(optimizer, scheduler, 0.2)
+    # Step 2 of the schedule: factor 0.5^2 = 0.25, so the rate is 0.2 x 0.25 = 0.05 at once ...
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.05, 0.05], abs=1e-15)
+    assert scheduler.base_lrs == [0.2, 0.2]
+    assert [g["initial_lr"] for g in optimizer.param_groups] == [0.2, 0.2]
+    # ... and the schedule goes on from there: step 3, 0.2 x 0.125 = 0.025.
+    optimizer.step()
+    scheduler.step()
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.025, 0.025], abs=1e-15)
+
+
+def test_a_new_lr_keeps_the_schedule_position():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = torch.optim.AdamW([param], lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1.0 / (k + 1))
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    set_base_lr(optimizer, scheduler, 0.5)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(0.5 / 4)
+    optimizer.step()
+    scheduler.step()
+    assert scheduler.get_last_lr() == [pytest.approx(0.5 / 5)]

@@ -3,13 +3,15 @@ memory back to the operating system (glibc ``malloc_trim``)."""
 
 from __future__ import annotations
 
+import sys
 import time
+import types
 
 import pytest
 import torch
 
 from policygrad.parallel import runtime
-from policygrad.parallel.runtime import release_free_memory, synced_clock
+from policygrad.parallel.runtime import peak_rss_gb, release_free_memory, synced_clock
 
 pytestmark = pytest.mark.unit
 
@@ -63,3 +65,17 @@ def test_malloc_trim_is_none_where_libc_cannot_be_loaded(monkeypatch):
 
     monkeypatch.setattr(runtime.ctypes, "CDLL", missing)
     assert runtime._malloc_trim() is None
+
+
+def test_peak_rss_is_kib_on_linux_and_bytes_on_macos(monkeypatch):
+    monkeypatch.setattr(
+        runtime.resource, "getrusage", lambda _who: types.SimpleNamespace(ru_maxrss=2_000_000)
+    )
+    monkeypatch.setattr(sys, "platform", "linux")
+    assert peak_rss_gb() == pytest.approx(2_000_000 * 1024 / 1e9, rel=1e-12)  # 2.048 GB
+    monkeypatch.setattr(sys, "platform", "darwin")
+    assert peak_rss_gb() == pytest.approx(2_000_000 / 1e9, rel=1e-12)  # 0.002 GB
+
+
+def test_peak_rss_of_this_process_is_positive():
+    assert 0 < peak_rss_gb() < 1e4

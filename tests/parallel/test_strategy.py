@@ -92,7 +92,8 @@ def test_single_methods_are_identities():
     assert single.engine_policy(policy) is policy
     assert single.sync_gradients([], True) is True and single.sync_gradients([], False) is False
     assert single.idle_passes(0) == 0 and single.idle_passes(5) == 0
-    assert single.write_shards("/x/step_1", {"policy": (policy, None)}) == (None, None)
+    shards = single.write_shards("/x/step_1", {"policy": (policy, None)}, tmp="/x/.step_1.tmp-1")
+    assert shards == (None, None)
     synced = []
 
     class Engine:

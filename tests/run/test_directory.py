@@ -1,218 +1,407 @@
-"""The read-only checks of ``--resume`` before anything is built, the prompt-length check, and
-taking the run folder (lock, ``config.yaml``, metrics log) once the run is built."""
+"""The pieces that keep a run safe, without a model: the run directory's layout, its lock and
+its files, checkpoint transactions and completeness, ``metrics.jsonl`` with a torn last line,
+the stop signals and the CLI's one-line errors."""
 
 from __future__ import annotations
 
+import errno
+import json
+import logging
 import os
-from types import SimpleNamespace
+import signal
+import subprocess
+import sys
+import textwrap
 
 import pytest
+import torch
+import yaml
 
+from policygrad import cli
 from policygrad.config.train import ConfigError, load_config
 from policygrad.errors import TrainingError
-from policygrad.run.checkpoint import COMPLETE_FILE, checkpoint_path, save_checkpoint
-from policygrad.run.directory import Resume, check_prompts, check_resume, take_run_dir
-from policygrad.run.rundir import LOCK_FILE, RunLock, write_config
-from tests.tiny import make_tiny_tokenizer
+from policygrad.run.checkpoint import (
+    COMPLETE_FILE,
+    CheckpointSaveError,
+    checkpoint_path,
+    checkpoint_problem,
+    find_checkpoints,
+    latest_checkpoint,
+    prune_checkpoints,
+    recover_interrupted_saves,
+    save_checkpoint,
+)
+from policygrad.run.directory import (
+    LOCK_FILE,
+    RunLock,
+    check_new_run_dir,
+    checkpoints_dir,
+    config_file,
+    eval_file,
+    holds_run,
+    lock_owner,
+    merged_model_dir,
+    metrics_file,
+    remove_run_files,
+    run_files,
+    start_model_dir,
+    summary_file,
+    write_config,
+    write_summary,
+)
+from policygrad.run.interrupts import StopSignals
+from policygrad.run.logging import MetricsLogger, read_metrics_rows
 
 pytestmark = pytest.mark.unit
 
-STATE = {"data_position": 0, "optimizer": {}, "scheduler": {}, "kl_controller": {}, "rng": {}}
 
+class FakeModel:
+    """Writes a model folder like ``save_pretrained``; ``fail_after`` raises ENOSPC after that
+    many bytes of its weights file."""
 
-def _config(run_dir, **fields):
-    tree = {
-        "model": {"name": "org/model"},
-        "reward": {"functions": ["r.py:f"]},
-        "output_dir": str(run_dir),
-        "steps": 5,
-        "tensorboard": False,
-    }
-    for key, value in fields.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
+    def __init__(self, fail_after: int | None = None, payload: bytes = b"w" * 1000):
+        self.fail_after, self.payload = fail_after, payload
 
-
-class _Files:
     def save_pretrained(self, folder, **_):
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-            f.write(b"w" * 10)
+            if self.fail_after is None:
+                f.write(self.payload)
+                return
+            f.write(self.payload[: self.fail_after])
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(folder, "model.safetensors"))
 
 
-def _run(run_dir, *steps):
-    """A run folder with ``config.yaml`` and complete checkpoints at ``steps``."""
-    os.makedirs(run_dir, exist_ok=True)
-    write_config(str(run_dir), _config(run_dir))
-    for step in steps:
-        save_checkpoint(
-            checkpoint_path(str(run_dir), step),
-            policy=_Files(),
-            tokenizer=_Files(),
-            state={**STATE, "step": step},
+class FakeTokenizer:
+    def save_pretrained(self, folder, **_):
+        with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+            f.write("{}")
+
+
+def _save(run, step, model=None):
+    return save_checkpoint(
+        os.path.join(run, "checkpoints", f"step_{step}"),
+        policy=model or FakeModel(),
+        tokenizer=FakeTokenizer(),
+        state={"step": step, "x": torch.zeros(3)},
+    )
+
+
+# ----------------------------------------------------------------------------- layout
+
+
+def test_the_layout_names_each_file_and_each_is_one_a_run_wrote(tmp_path):
+    run = str(tmp_path)
+    assert config_file(run) == os.path.join(run, "config.yaml")
+    assert metrics_file(run) == os.path.join(run, "metrics.jsonl")
+    assert summary_file(run) == os.path.join(run, "summary.json")
+    assert eval_file(run, "eval_step3") == os.path.join(run, "eval_step3.jsonl")
+    assert checkpoints_dir(run) == os.path.join(run, "checkpoints")
+    assert checkpoint_path(run, 2) == os.path.join(run, "checkpoints", "step_2")
+    assert merged_model_dir(run) == os.path.join(run, "merged_model")
+    assert start_model_dir(run) == os.path.join(run, "start_model")
+    # Every path the layout names is one --overwrite recognises as the run's (run_files).
+    write_summary(run, {"steps": 1})
+    assert json.load(open(summary_file(run))) == {"steps": 1}
+    for path in (metrics_file(run), eval_file(run, "eval_before"), eval_file(run, "eval_after")):
+        open(path, "w").close()
+    for folder in (checkpoint_path(run, 2), merged_model_dir(run), start_model_dir(run)):
+        os.makedirs(folder)
+    write_config(run, load_config(None, {"output_dir": run}))
+    named = [
+        config_file(run),
+        metrics_file(run),
+        summary_file(run),
+        eval_file(run, "eval_before"),
+        eval_file(run, "eval_after"),
+        checkpoint_path(run, 2),
+        merged_model_dir(run),
+        start_model_dir(run),
+    ]
+    assert sorted(run_files(run)) == sorted(named)
+    assert run_files(run, keep=("start_model",)) == sorted(set(named) - {start_model_dir(run)})
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+class TorchWriteFails:
+    """A model whose save fails the way torch.save does on a full disk: a RuntimeError that
+    never says so."""
+
+    def save_pretrained(self, folder, **_):
+        os.makedirs(folder, exist_ok=True)
+        raise RuntimeError(
+            "[enforce fail at inline_container.cc:672] . unexpected pos 261965440 vs 261965332"
         )
-    return str(run_dir)
 
 
-def test_a_resume_takes_the_newest_checkpoint_its_state_and_the_changes(tmp_path):
-    run = _run(tmp_path / "run", 1, 2)
-    got = check_resume(_config(run, optim={"lr": 5e-6}), run)
-    assert isinstance(got, Resume)
-    assert got.checkpoint == checkpoint_path(run, 2) and got.state["step"] == 2
-    assert list(got.changes) == ["optim.lr"] and got.changes["optim.lr"][1] == 5e-6
-    assert check_resume(_config(run), run).changes == {}
-    assert not os.path.exists(os.path.join(run, LOCK_FILE))  # read-only: nothing taken
+def test_a_failed_write_on_a_nearly_full_disk_says_the_disk_is_probably_full(tmp_path, monkeypatch):
+    import shutil as shutil_module
 
-
-def test_a_start_that_saved_no_checkpoint_is_told_to_start_again(tmp_path):
-    run = _run(tmp_path / "run")
-    with pytest.raises(TrainingError) as e:
-        check_resume(_config(run), run)
-    assert str(e.value) == (
-        f"--resume {run}: no checkpoint found under {run}/checkpoints: the run saved no checkpoint before it "
-        "stopped, so there is nothing to continue; start it again instead (its folder is taken as new): "
-        f"policygrad train {run}/config.yaml [--key=value ...]"
+    usage = shutil_module.disk_usage(tmp_path)
+    monkeypatch.setattr(
+        "policygrad.run.checkpoint.shutil.disk_usage", lambda _p: usage._replace(free=300 * 2**20)
     )
-
-
-def test_no_complete_checkpoint_names_the_skipped_ones(tmp_path):
-    run = _run(tmp_path / "run", 3)
-    os.remove(os.path.join(checkpoint_path(run, 3), COMPLETE_FILE))
-    with pytest.raises(TrainingError) as e:
-        check_resume(_config(run), run)
-    assert str(e.value) == (
-        f"--resume {run}: no checkpoint found under {run}/checkpoints that is complete "
-        "(step_3: no completion marker (its save did not finish))"
-    )
-    empty = str(tmp_path / "empty")  # no config.yaml either
     with pytest.raises(
-        TrainingError, match=r"^--resume .*/empty: no checkpoint found under .*/empty/checkpoints$"
+        CheckpointSaveError, match=r"step_1: the disk is probably full \(300 MiB free; RuntimeError"
     ):
-        check_resume(_config(empty), empty)
-
-
-def test_a_resume_continues_in_its_own_folder(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    other = tmp_path / "branch"
-    with pytest.raises(ConfigError, match=rf"--resume {run} with output_dir='{other}'.*cp -r {run} {other}"):
-        check_resume(_config(other), run)
-    assert check_resume(_config(run + "/"), run).state["step"] == 1  # the same folder, spelled otherwise
-
-
-def test_overwrite_cannot_be_combined_with_resume(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    with pytest.raises(
-        ConfigError, match=f"--overwrite cannot be combined with --resume {run}; give one of them"
-    ):
-        check_resume(_config(run, overwrite=True), run)
-
-
-@pytest.mark.parametrize("steps", [2, 1])
-def test_nothing_left_to_train_is_refused(tmp_path, steps):
-    run = _run(tmp_path / "run", 2)
-    with pytest.raises(ConfigError) as e:
-        check_resume(_config(run, steps=steps), run)
-    assert str(e.value) == (
-        f"--resume {run}: the run is at step 2 of steps={steps}, so there is nothing to train; give --steps "
-        "larger than 2 to continue it"
+        _save(tmp_path, 1, TorchWriteFails())
+    monkeypatch.setattr(
+        "policygrad.run.checkpoint.shutil.disk_usage", lambda _p: usage._replace(free=50 * 2**30)
     )
+    with pytest.raises(CheckpointSaveError, match=r"step_1: RuntimeError: \[enforce fail"):
+        _save(tmp_path, 1, TorchWriteFails())
 
 
-def test_a_folder_in_use_is_refused(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    lock = RunLock.acquire(run)
+def test_a_checkpoint_is_complete_only_with_its_marker_and_sizes(tmp_path):
+    path = _save(tmp_path, 1)
+    assert checkpoint_problem(path) is None
+    marker = json.load(open(os.path.join(path, COMPLETE_FILE)))
+    assert set(marker["files"]) == {"model/model.safetensors", "model/tokenizer.json", "trainer_state.pt"}
+    with open(os.path.join(path, "model", "model.safetensors"), "ab") as f:
+        f.write(b"!")
+    assert "model/model.safetensors has 1001 bytes, not the 1000" in checkpoint_problem(path)
+    os.remove(os.path.join(path, COMPLETE_FILE))
+    assert checkpoint_problem(path) == "no completion marker (its save did not finish)"
+
+
+def test_resume_takes_the_newest_complete_checkpoint_and_says_why(tmp_path, caplog):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2)
+    half = tmp_path / "checkpoints" / "step_3"
+    (half / "model").mkdir(parents=True)  # a save killed before its marker
+    with caplog.at_level(logging.INFO, logger="policygrad"):
+        assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_2")
+    assert f"skipped checkpoint {half}: no completion marker" in caplog.text
+    assert "newest complete checkpoint: " in caplog.text
+    assert find_checkpoints(str(tmp_path / "none")) == (None, [])
+
+
+def test_a_failed_save_leaves_nothing_and_the_previous_checkpoint_intact(tmp_path):
+    first = _save(tmp_path, 1)
+    before = {n: open(os.path.join(first, n), "rb").read() for n in ("trainer_state.pt", COMPLETE_FILE)}
+    with pytest.raises(CheckpointSaveError, match=r"step_2: No space left on device \(.*model.safetensors\)"):
+        _save(tmp_path, 2, FakeModel(fail_after=100))
+    assert os.listdir(tmp_path / "checkpoints") == ["step_1"]
+    assert {n: open(os.path.join(first, n), "rb").read() for n in before} == before
+    # Saving the same step again replaces it; if that fails, the old one comes back.
+    with pytest.raises(CheckpointSaveError):
+        _save(tmp_path, 1, FakeModel(fail_after=10))
+    assert checkpoint_problem(first) is None and os.listdir(tmp_path / "checkpoints") == ["step_1"]
+
+
+def test_an_interrupted_replacement_is_put_back(tmp_path):
+    path = _save(tmp_path, 4)
+    root = tmp_path / "checkpoints"
+    os.rename(path, root / ".step_4.old-123")  # killed between moving the old one aside ...
+    (root / ".step_4.tmp-123").mkdir()  # ... and renaming the new one into place
+    recover_interrupted_saves(str(tmp_path))
+    assert os.listdir(root) == ["step_4"] and checkpoint_problem(path) is None
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def test_a_torn_last_metrics_line_is_dropped_naming_the_file(tmp_path, caplog):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1}\n{"step": 2, "a": 2}\n{"step": 3, "a"')
+    with caplog.at_level(logging.WARNING, logger="policygrad"):
+        logger = MetricsLogger(str(tmp_path), tensorboard=False, truncate_after_step=2)
+    assert f"{path}: dropped its torn last line" in caplog.text
+    logger.log(3, {"a": 3.0})
+    assert [r["step"] for r in read_metrics_rows(str(path))] == [1, 2, 3]
+    path.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    with pytest.raises(TrainingError, match=f"{path}: line 2 is not a JSON row"):
+        read_metrics_rows(str(path))
+
+
+# ----------------------------------------------------------------------------- the run directory
+
+
+def test_a_new_run_refuses_a_run_and_a_foreign_config_and_overwrite_deletes_only_run_files(tmp_path):
+    run = tmp_path / "run"
+    assert run_files(str(run)) == []
+    check_new_run_dir(str(run), overwrite=False)  # absent: fine, and still absent
+    assert not run.exists()
+    run.mkdir()
+    write_config(str(run), load_config(None, {"overwrite": True}))
+    assert "overwrite" not in yaml.safe_load((run / "config.yaml").read_text())
+    for name in ("metrics.jsonl", "summary.json", "eval_before.jsonl", "eval_step10.jsonl", "notes.txt"):
+        (run / name).write_text("x")
+    _save(run, 1)
+    (run / "checkpoints" / "mine").mkdir()
+    (run / "tensorboard").mkdir()
+    (run / "tensorboard" / "events.out.tfevents.1.host").write_text("x")
+    with pytest.raises(ConfigError, match="already holds a run; continue it with --resume"):
+        check_new_run_dir(str(run), overwrite=False)
+    check_new_run_dir(str(run), overwrite=True)
+    remove_run_files(str(run))
+    assert sorted(os.listdir(run)) == ["checkpoints", "notes.txt"]
+    assert os.listdir(run / "checkpoints") == ["mine"]
+    (run / "config.yaml").write_text("name: my project\n")
+    with pytest.raises(ConfigError, match="holds a config.yaml that is not a policygrad run's"):
+        check_new_run_dir(str(run), overwrite=True)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match="is a file"):
+        check_new_run_dir(str(tmp_path / "file"), overwrite=True)
+
+
+def test_what_a_start_without_a_checkpoint_left_is_no_run_but_a_step_or_export_is(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    write_config(str(run), load_config(None, {}))
+    for name in ("metrics.jsonl", "eval_before.jsonl", "notes.txt"):
+        (run / name).write_text("x")
+    (run / "summary.json").write_text(json.dumps({"steps": 0, "interrupted": "SIGTERM"}))
+    (run / "checkpoints" / ".step_1.tmp-7").mkdir(parents=True)  # a save that never completed
+    assert not holds_run(str(run))
+    check_new_run_dir(str(run), overwrite=False)  # the corrected command may start here
+    for kept in ("summary", "merged_model", "checkpoint"):
+        if kept == "summary":
+            (run / "summary.json").write_text(json.dumps({"steps": 3}))
+        elif kept == "merged_model":
+            (run / "summary.json").unlink()
+            (run / "merged_model").mkdir()
+        else:
+            (run / "merged_model").rmdir()
+            (run / "checkpoints" / "step_1").mkdir()  # complete or not, never deleted unasked
+        assert holds_run(str(run)), kept
+        with pytest.raises(ConfigError, match="already holds a run"):
+            check_new_run_dir(str(run), overwrite=False)
+
+
+def test_overwrite_deletes_the_trackers_stores_of_the_old_run(tmp_path):
+    # W&B's offline runs, MLflow's file store and the tracker ids a resume continues: kept, they
+    # would put the old run's tracker data beside the new run's.
+    run = tmp_path / "run"
+    (run / "wandb" / "offline-run-20260101_000000-abc").mkdir(parents=True)
+    (run / "wandb" / "offline-run-20260101_000000-abc" / "run-abc.wandb").write_text("x")
+    (run / "mlruns" / "1" / "0123").mkdir(parents=True)
+    (run / "trackers.json").write_text('{"wandb_run_id": "abc"}')
+    (run / "notes.txt").write_text("mine")
+    (run / "checkpoints" / "step_1").mkdir(parents=True)  # what makes the folder hold a run
+    assert holds_run(str(run))
+    with pytest.raises(ConfigError, match="already holds a run"):
+        check_new_run_dir(str(run), overwrite=False)
+    removed = remove_run_files(str(run))
+    assert {"mlruns", "trackers.json", "wandb"} <= {os.path.basename(p) for p in removed}
+    assert os.listdir(run) == ["notes.txt"]
+
+
+HOLDER = textwrap.dedent(
+    """
+    import fcntl, json, os, socket, sys, time
+    fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "started": 1.7e9}).encode())
+    print("locked", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_directory_has_one_owner_and_a_dead_owner_is_taken_over(tmp_path, caplog):
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(run / LOCK_FILE)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
-        # The lock of this process is live while referenced: another run owns the folder.
-        with pytest.raises(TrainingError):
-            check_resume(_config(run), run)
+        assert holder.stdout.readline().strip() == "locked"
+        assert lock_owner(str(run))["pid"] == holder.pid
+        with pytest.raises(
+            TrainingError, match=rf"in use by another run \(pid {holder.pid} on .*, started 2023-"
+        ):
+            RunLock.acquire(str(run))
+        with pytest.raises(TrainingError, match="in use by another run"):
+            check_new_run_dir(str(run), overwrite=True)
     finally:
-        lock.release()
-    assert check_resume(_config(run), run).state["step"] == 1
+        holder.kill()  # dies holding it: the kernel drops the flock, the file stays
+        holder.wait()
+    assert lock_owner(str(run)) is None
+    with caplog.at_level(logging.WARNING, logger="policygrad"):
+        lock = RunLock.acquire(str(run))
+    assert f"took over the lock of {run}: a run (pid {holder.pid} on " in caplog.text
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()
+    with pytest.raises(TrainingError, match="in use by another Trainer in this process"):
+        RunLock.acquire(str(run))
+    lock.release()
+    lock.release()
+    assert not (run / LOCK_FILE).exists()
 
 
-def test_options_that_cannot_change_are_refused(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    with pytest.raises(ConfigError, match="cannot change on resume.*seed: 0 -> 3"):
-        check_resume(_config(run, seed=3), run)
+# ----------------------------------------------------------------------------- resume
 
 
-# ----------------------------------------------------------------------------- check_prompts
+# ----------------------------------------------------------------------------- runs that train nothing
 
 
-def _trainer(prompts, *, context, max_new_tokens, max_prompt_length=None):
-    data = {"max_prompt_length": max_prompt_length} if max_prompt_length else {}
-    cfg = _config(
-        "/tmp/unused", rollout={"prompts_per_step": len(prompts), "max_new_tokens": max_new_tokens}, data=data
-    )
-    rows = [{"prompt": p} for p in prompts]
-    return SimpleNamespace(
-        config=cfg,
-        stream=SimpleNamespace(position=1, source=SimpleNamespace(train_row=lambda i: rows[i - 1])),
-        tokenizer=make_tiny_tokenizer(),
-        policy=SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context)),
-    )
+# ----------------------------------------------------------------------------- signals and errors
 
 
-def test_prompts_that_fit_the_context_pass_and_the_longest_is_refused():
-    # ChatML around a 2-character prompt: "<|im_start|>user\n" (1 + 5) + 2 + "<|im_end|>\n" (2)
-    # + "<|im_start|>assistant\n" (1 + 10) = 21 tokens of the character tokenizer.
-    short = _trainer(["hi", "ho"], context=21 + 4, max_new_tokens=4)
-    check_prompts(short, [])
-    long = _trainer(["hi", "hello"], context=21 + 4, max_new_tokens=4)  # 24 + 4 > 25
-    with pytest.raises(
-        ConfigError,
-        match=r"a training prompt of 24 tokens plus rollout.max_new_tokens=4 exceeds the model's context "
-        r"of 25",
-    ):
-        check_prompts(long, [])
-    with pytest.raises(ConfigError, match="a held-out prompt of 24 tokens"):
-        check_prompts(short, [{"prompt": "hello"}])
-
-
-# ----------------------------------------------------------------------------- take_run_dir
-
-
-def test_a_new_run_takes_its_folder_and_writes_its_config(tmp_path):
-    run = tmp_path / "new"
-    cfg = _config(run)
-    taken = take_run_dir(cfg, model_path="org/model", step=0, resume=None, is_main=True)
+def test_the_first_stop_signal_is_noted_and_the_second_stops_at_once():
+    # Python's own handler to start from: a process started in the background by a shell
+    # inherits SIGINT ignored, and StopSignals restores whatever it found.
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        assert taken.lock is not None and not taken.config_pending
-        assert {"config.yaml", LOCK_FILE} <= set(os.listdir(run))
-        assert (run / "config.yaml").read_text().count("org/model") == 1
+        with StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.received == "SIGTERM"
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
-        taken.logger.close()
-        taken.lock.release()
+        signal.signal(signal.SIGINT, inherited)
 
 
-def test_other_ranks_write_nothing(tmp_path):
-    taken = take_run_dir(_config(tmp_path / "r"), model_path="m", step=0, resume=None, is_main=False)
-    assert taken.lock is None and not (tmp_path / "r").exists()
+@pytest.mark.parametrize(
+    "error, expected",
+    [
+        (MemoryError(), "error: out of memory (MemoryError); lower rollout.prompts_per_step"),
+        (
+            RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 8 GB"),
+            "error: out of memory (DefaultCPUAllocator: not enough memory",
+        ),
+        (  # what torch raises on Linux when the allocation itself fails (torch.empty(2**46))
+            RuntimeError(
+                "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                "you tried to allocate 281474976710656 bytes. Error code 12 (Cannot allocate memory)"
+            ),
+            "error: out of memory ([enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't",
+        ),
+        (
+            OSError(errno.ENOSPC, "No space left on device", "/runs/x/metrics.jsonl"),
+            "error: no space left on device writing /runs/x/metrics.jsonl; free space",
+        ),
+        (TrainingError("checkpoint x is corrupt"), "error: checkpoint x is corrupt"),
+    ],
+)
+def test_user_errors_end_in_one_line(error, expected, monkeypatch, capsys):
+    def fails(_argv):
+        raise error
+
+    monkeypatch.setitem(cli.COMMANDS, "train", fails)
+    monkeypatch.delenv("POLICYGRAD_DEBUG", raising=False)
+    assert cli.main(["train"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(expected) and err.count("\n") == 1
+    monkeypatch.setenv("POLICYGRAD_DEBUG", "1")
+    with pytest.raises(type(error)):
+        cli.main(["train"])
 
 
-def test_a_resume_refuses_a_newer_checkpoint_written_meanwhile(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    resume = check_resume(_config(run), run)
-    _run(run, 2)  # another run saved step 2 after the checks
-    with pytest.raises(
-        TrainingError, match="another run wrote a newer checkpoint while this one was starting"
-    ):
-        take_run_dir(_config(run), model_path="m", step=1, resume=resume, is_main=True)
-    RunLock.acquire(run).release()  # the lock was released: the folder can be taken again
-
-
-def test_a_resume_with_changes_records_them_with_the_next_checkpoint(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    before = open(os.path.join(run, "config.yaml")).read()
-    os.makedirs(os.path.join(run, "checkpoints", ".step_2.tmp-5"))  # an interrupted save
-    resume = check_resume(_config(run, optim={"lr": 5e-6}), run)
-    taken = take_run_dir(
-        _config(run, optim={"lr": 5e-6}), model_path="m", step=1, resume=resume, is_main=True
-    )
-    try:
-        assert taken.config_pending
-        assert open(os.path.join(run, "config.yaml")).read() == before  # unchanged until the next checkpoint
-        assert os.listdir(os.path.join(run, "checkpoints")) == ["step_1"]  # the interrupted save is gone
-    finally:
-        taken.logger.close()
-        taken.lock.release()
+def test_keep_checkpoints_deletes_only_older_complete_checkpoints(tmp_path):
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step)
+    half = tmp_path / "checkpoints" / "step_5"
+    (half / "model").mkdir(parents=True)  # a save in progress (or killed): not this function's
+    deleted = prune_checkpoints(str(tmp_path), 2)
+    assert deleted == [str(tmp_path / "checkpoints" / f"step_{n}") for n in (1, 2)]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_3", "step_4", "step_5"]
+    assert prune_checkpoints(str(tmp_path), 2) == []  # nothing more to delete
+    assert latest_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoints" / "step_4")
+    assert prune_checkpoints(str(tmp_path / "no_run"), 1) == []

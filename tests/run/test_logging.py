@@ -8,15 +8,13 @@ import errno
 import json
 import logging
 import math
-import sys
-import types
 
 import pytest
 import torch
 
 from policygrad.errors import TrainingError
 from policygrad.run import logging as run_logging
-from policygrad.run.logging import MetricsLogger, peak_rss_gb, read_metrics_rows
+from policygrad.run.logging import MetricsLogger, read_metrics_rows
 
 pytestmark = pytest.mark.unit
 
@@ -33,20 +31,6 @@ class Tracker:
         self.closed += 1
         if self.fail_close:
             raise RuntimeError("server gone")
-
-
-def test_peak_rss_is_kib_on_linux_and_bytes_on_macos(monkeypatch):
-    monkeypatch.setattr(
-        run_logging.resource, "getrusage", lambda _who: types.SimpleNamespace(ru_maxrss=2_000_000)
-    )
-    monkeypatch.setattr(sys, "platform", "linux")
-    assert peak_rss_gb() == pytest.approx(2_000_000 * 1024 / 1e9, rel=1e-12)  # 2.048 GB
-    monkeypatch.setattr(sys, "platform", "darwin")
-    assert peak_rss_gb() == pytest.approx(2_000_000 / 1e9, rel=1e-12)  # 0.002 GB
-
-
-def test_peak_rss_of_this_process_is_positive():
-    assert 0 < peak_rss_gb() < 1e4
 
 
 def test_a_row_per_step_with_plain_values(tmp_path):

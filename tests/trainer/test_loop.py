@@ -754,3 +754,40 @@ def test_each_step_logs_its_thread_count_and_changes_none_at_torchs_count(
     assert [m["perf/threads"] for m in metrics] == [1, 1]
     assert calls == []  # between steps nothing changes torch's count
     assert run.trainer.threads.fixed is (num_threads is not None)
+
+
+def test_what_the_run_asks_the_trainer_is_answered_from_its_parts():
+    # Run reads these instead of the strategy's, policy step's, critic's, stream's or pipeline's attributes.
+    trainer = Trainer.__new__(Trainer)  # the parts only, no model
+    trainer.strategy = mock.Mock(shards_state=True, saves_alone=False)
+    trainer.scheduler = mock.Mock(last_epoch=4)
+    trainer.critic_trainer = None
+    trainer.config = mock.Mock(
+        rollout=mock.Mock(prompts_per_step=3), model=mock.Mock(gradient_checkpointing="auto")
+    )
+    trainer.stream = mock.Mock(position=2, source=mock.Mock(train_row=lambda i: {"prompt": f"p{i}"}))
+    trainer.policy_step = mock.Mock(spec=[])  # no recompute: the config's setting (auto is not True)
+    assert trainer.shards_state is True and trainer.saves_alone is False
+    assert trainer.optimizer_steps() == (4, 0) and trainer.gradient_checkpointing is False
+    trainer.critic_trainer = mock.Mock(scheduler=mock.Mock(last_epoch=7))
+    trainer.policy_step = mock.Mock(recompute=mock.Mock(enabled=True))
+    assert trainer.optimizer_steps() == (4, 7) and trainer.gradient_checkpointing is True
+    assert trainer.next_rows() == [{"prompt": "p2"}, {"prompt": "p3"}, {"prompt": "p4"}]  # read, not taken
+    assert trainer.stream.position == 2
+    # A second Ctrl-C: a job in flight that does not end within 1 s has its reward worker closed.
+    trainer.pipeline, trainer.scorer = mock.Mock(), mock.Mock()
+    trainer.pipeline.close.side_effect = [False, True]
+    trainer.stop_at_once()
+    assert trainer.pipeline.close.call_args_list == [mock.call(timeout=1.0), mock.call(timeout=10.0)]
+    trainer.scorer.close.assert_called_once_with()
+    trainer.pipeline = None
+    trainer.stop_at_once()  # no pipeline: nothing to stop
+    assert trainer.scorer.close.call_count == 1
+    # A new base learning rate under the schedule's position: factor 1 / (2 + 1) at step 2.
+    trainer.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer, lambda k: 1.0 / (k + 1))
+    for _ in range(2):
+        trainer.optimizer.step()
+        trainer.scheduler.step()
+    trainer.set_base_lr(0.3)
+    assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1, rel=1e-12)  # 0.3 / 3

@@ -768,8 +768,8 @@ SLOW_DRIVER = '''
 import sys
 import time
 
-import policygrad.run.directory as directory
 import policygrad.run.run as run_module
+import policygrad.run.start as start
 
 
 def slow(*args, **kwargs):
@@ -778,7 +778,7 @@ def slow(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    for module in (run_module, directory):
+    for module in (run_module, start):
         if hasattr(module, {attr!r}):
             setattr(module, {attr!r}, slow)
     from policygrad.cli import main
