@@ -19,7 +19,7 @@ how the sequence-level log-ratio ``S_t = sum_{s<=t} delta_s`` spreads with lengt
 sequences of ``S_t`` against ``sigma * sqrt(t)`` (sigma = per-token std; the std of a sum of t
 independent per-token differences, i.e. a random walk), and the std of the sequence
 importance weight ``W_t = exp(S_t)`` with and without truncation at ``cap``
-(:func:`policygrad.core.logprobs.truncated_importance_weights`, ``level="sequence"`` on the first
+(:func:`policygrad.core.importance.truncated_importance_weights`, ``level="sequence"`` on the first
 t tokens), plus the token-level weights ``min(exp(delta_t), cap)``: fraction truncated and spread.
 
 With ``--precisions`` (e.g. ``fp32,bf16-mixed,bf16-mixed+fp32-head,fp16-mixed``) it also measures

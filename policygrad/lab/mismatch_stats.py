@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from policygrad.core.logprobs import truncated_importance_weights
+from policygrad.core.importance import truncated_importance_weights
 from policygrad.lab.common import (
     format_table,
 )
