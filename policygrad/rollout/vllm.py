@@ -61,7 +61,8 @@ import torch
 
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.models.bundled import policygrad_home
-from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout
+from policygrad.rollout.engine import GenerationRequest, RolloutEngine
 
 __all__ = ["VLLMRolloutEngine", "VLLMStartError", "vllm_available"]
 

@@ -66,7 +66,7 @@ from policygrad.parallel.threads import ThreadGovernor
 from policygrad.produce.production import finish, produce
 from policygrad.produce.rollouts import RolloutPipeline
 from policygrad.rewards.scoring import Scorer
-from policygrad.rollout.base import RolloutEngine
+from policygrad.rollout.engine import RolloutEngine
 from policygrad.run.checkpoint import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.run.logging import peak_rss_gb
 from policygrad.seeds import Seeds
