@@ -271,6 +271,7 @@ def run_gradient_snr(
     model.eval()
     B = len(prompts) * S
 
+    # imported here: the progress bar loads only when draws are taken
     from tqdm import tqdm
 
     total = (critic_draws if use_critic else 0) + reference_draws + draws

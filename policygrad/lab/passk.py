@@ -121,6 +121,7 @@ def check_model(spec: str, flag: str) -> None:
     Raises:
         ValueError: the spec's error, prefixed with ``flag``.
     """
+    # imported here: models and their adapters load only once a model is checked
     from policygrad.models.adapters import resolve_model_source
 
     try:
@@ -168,6 +169,7 @@ def run_passk(
         ValueError: limit or samples < 1, a k outside 1 .. n, a bad model spec (named by
             ``--base`` / ``--trained``); ConfigError / OSError: a bad engine or dataset.
     """
+    # imported here: the trainer's config, evaluation and rewards load only for a measurement
     from policygrad.config.train import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
     from policygrad.evaluate.single_turn import eval_engine
     from policygrad.rewards.code import TaskReward
@@ -269,6 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> str:
     """``policygrad lab passk --base M --trained M ...``: every flag is checked before a model
     loads."""
+    # imported here: every flag is checked before the config and rewards load
     from policygrad.cli import eval_data_config  # the rows policygrad eval picks for the same flags
     from policygrad.config.train import RewardConfig, TrainConfig
     from policygrad.rewards.code import TaskReward

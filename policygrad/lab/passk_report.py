@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import html
+import json
 import os
 from typing import Any
 
@@ -231,8 +232,6 @@ def write_outputs(result: PassKResult, output_dir: str) -> PassKResult:
     Raises:
         ValueError: ``output_dir`` is a file. OSError: a failed write.
     """
-    import json
-
     out = ensure_output_dir(output_dir)
     png_tmp = os.path.join(out, f".passk.png.tmp-{os.getpid()}")
     try:

@@ -128,6 +128,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
     Raises:
         ValueError: the model cannot be found, or its config cannot be read (names ``--model``).
     """
+    # imported here: they load torch and transformers, and this module must import without them
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -370,11 +371,13 @@ def available_memory_bytes(device=None) -> int:
         OSError: neither psutil nor ``/proc/meminfo`` is there.
     """
     if device is not None and getattr(device, "type", str(device)) == "cuda":
+        # imported here: this module must import without torch
         import torch
 
         free, _ = torch.cuda.mem_get_info(device)
         return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
     try:
+        # imported here: psutil is optional (/proc/meminfo otherwise)
         import psutil
     except ImportError:
         psutil = None

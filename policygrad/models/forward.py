@@ -205,6 +205,7 @@ def _response_outputs(model, rollout: Rollout, *, share_prompts: bool, decoder) 
 
 def is_sharded_root(model) -> bool:
     """``model`` is an FSDP2 unit (``fully_shard``) not already running :func:`call_as_forward`."""
+    # imported here: torch.distributed's FSDP loads only where a model may be sharded
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule) and not model.__dict__.get("_running_as_forward", False)
@@ -371,6 +372,7 @@ def no_grad_context(model):
     """``torch.inference_mode()``, or ``torch.no_grad()`` for an FSDP2 unit: FSDP reuses the
     buffers it gathers parameters into across passes, and a buffer first written in inference
     mode cannot be written again outside it (by the training forwards)."""
+    # imported here: torch.distributed's FSDP loads only where a model may be sharded
     from torch.distributed.fsdp import FSDPModule
 
     return torch.no_grad() if isinstance(model, FSDPModule) else torch.inference_mode()

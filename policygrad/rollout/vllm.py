@@ -127,6 +127,7 @@ def _start_notes() -> dict[str, tuple[str, ...]]:
     """:data:`_START_NOTES`, plus vLLM's advice to preload tcmalloc when the ``policygrad``
     command has done so (it reads ``LD_PRELOAD``, which the command gives back to the user's value
     after loading the library: :mod:`policygrad.allocator`)."""
+    # imported here: the allocator is read only when an engine starts
     from policygrad.allocator import preloaded
 
     notes = dict(_START_NOTES)
@@ -260,10 +261,11 @@ class VLLMRolloutEngine(RolloutEngine):
         """Import vLLM and build ``self.llm`` (and ``self.on_cpu``) from ``self.model_path``; the
         caller puts back the process-wide state this changes."""
         try:
+            # imported here: vLLM is an optional dependency, loaded when an engine is built
             import vllm
         except ImportError as err:
             raise ImportError(f"vLLM failed to import ({err}); {INSTALL_HINT}") from err
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # optional, as vllm above
 
         renderer_log = logging.getLogger("vllm.renderers.base")
         if not any(isinstance(f, _DropMessages) for f in renderer_log.filters):

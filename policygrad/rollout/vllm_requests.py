@@ -14,6 +14,7 @@ __all__ = ["rollout_from_outputs", "sampling_params"]
 def sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos, eos_token_ids):
     """vLLM's ``SamplingParams`` of one prompt's request: G samples with its ``seed`` (greedy: one,
     copied to the G rows), the sampled token's log-prob, stopping only at ``eos_token_ids``."""
+    # imported here: vLLM is an optional dependency, loaded when an engine samples
     from vllm import SamplingParams
 
     common = dict(

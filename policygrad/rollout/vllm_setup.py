@@ -91,6 +91,7 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
     files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         return None
+    # imported here: safetensors is read only for a folder that holds such files
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -133,6 +134,7 @@ def model_text_config(model_path: str, max_model_len: int):
             f"model_path {model_path!r} is not a model folder with a config.json; give a local "
             "Hugging Face model folder (save_pretrained output)"
         )
+    # imported here: transformers loads only when an engine is built
     from transformers import AutoConfig
 
     text_config = _text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=False))
@@ -159,6 +161,7 @@ def take_over_shutdown(llm):
     break any other open engine, so the VLLMRolloutEngine's finalizer (or close) calls it instead."""
     client = llm.llm_engine.engine_core
     shutdown = None
+    # imported here: vLLM is an optional dependency, loaded when an engine is built
     from vllm.v1.engine.core_client import InprocClient
 
     vllm_finalizer = getattr(client, "_finalizer", None)
@@ -173,6 +176,7 @@ class ProcessState:
 
     @classmethod
     def capture(cls) -> ProcessState:
+        # imported here: numpy's global generator is captured only when an engine starts
         import numpy as np
 
         state = cls()
@@ -189,6 +193,7 @@ class ProcessState:
 
     def restore(self) -> list[str]:
         """Put everything back; returns the names of what had changed."""
+        # imported here: numpy's global generator is put back only when an engine started
         import numpy as np
 
         changed = []
