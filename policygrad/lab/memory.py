@@ -54,9 +54,9 @@ from policygrad.lab.common import (
 )
 from policygrad.lab.memory_bill import STRATEGIES, MemoryPlan, format_count
 from policygrad.lab.memory_plan import algorithm_models, check_options, plan_memory
-from policygrad.models.footprint import ModelShape, llama_linear_shapes, model_shape_from_config
+from policygrad.parallel.footprint import ModelShape, llama_linear_shapes, model_shape_from_config
 
-# The bill's parts are priced in :mod:`policygrad.models.footprint` (the model's shape and
+# The bill's parts are priced in :mod:`policygrad.parallel.footprint` (the model's shape and
 # activations, shared with the trainer's ``gradient_checkpointing: auto``),
 # :mod:`policygrad.lab.memory_bill` (its lines) and :mod:`policygrad.lab.memory_plan` (one
 # configuration's bill); this module reads the shape from the command line, plots, and runs it.

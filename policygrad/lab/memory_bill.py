@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from policygrad.models.footprint import ModelShape, format_gb
+from policygrad.parallel.footprint import ModelShape, format_gb
 
 __all__ = [
     "BYTES_FP32",

@@ -21,7 +21,7 @@ from policygrad.lab.memory_bill import (
     sharded_item,
     unsharded_copy_item,
 )
-from policygrad.models.footprint import BYTES_BF16, ModelShape, format_gb
+from policygrad.parallel.footprint import BYTES_BF16, ModelShape, format_gb
 
 __all__ = [
     "SFT_MODELS",

@@ -4,8 +4,8 @@
 never; ``auto`` (the default) decides at each policy update, before its first forward, from the
 longest micro-batch it is about to run: on when the model states not yet allocated (gradients
 and AdamW moments before the first step) plus that micro-batch's saved activations
-(:func:`~policygrad.models.footprint.activation_bytes_per_token`) and logits exceed 90% of the free
-memory of the device (:func:`~policygrad.models.footprint.resolve_gradient_checkpointing`). Once on it
+(:func:`~policygrad.parallel.footprint.activation_bytes_per_token`) and logits exceed 90% of the free
+memory of the device (:func:`~policygrad.parallel.footprint.resolve_gradient_checkpointing`). Once on it
 stays on, said once on stderr with the numbers; a run whose activations fit never changes, so it
 computes exactly what it did before ``auto`` existed.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from policygrad.models import footprint
+from policygrad.parallel import footprint
 
 __all__ = ["Recompute", "enable_checkpointing", "pending_state_bytes"]
 
@@ -56,7 +56,7 @@ class Recompute:
 
     Args:
         models: the policy, and the critic when there is one: all turn on together.
-        shape: the policy's :class:`~policygrad.models.footprint.ModelShape` (hidden size, layers, MLP
+        shape: the policy's :class:`~policygrad.parallel.footprint.ModelShape` (hidden size, layers, MLP
             width, heads, vocabulary).
         precision: ``model.precision`` resolved (a key of ``ACTIVATION_PRECISIONS``).
         device: where the models train.

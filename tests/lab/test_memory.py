@@ -1,6 +1,6 @@
 """Tests of ``policygrad memory``: a shape from the command line's numbers, the JSON and PNG it
 writes, the CLI and its one-line errors (the bill itself: test_memory_bill.py, test_memory_plan.py;
-the model's shape and activations: tests/models/test_footprint.py)."""
+the model's shape and activations: tests/parallel/test_footprint.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import pytest
 from policygrad.lab.memory import resolve_shape
 from policygrad.lab.memory_bill import BYTES_FROZEN, BYTES_TRAINABLE
 from policygrad.lab.memory_plan import plan_memory
-from policygrad.models.footprint import ModelShape, model_shape_from_config
+from policygrad.parallel.footprint import ModelShape, model_shape_from_config
 
 pytestmark = pytest.mark.integration
 

@@ -9,7 +9,7 @@ import pytest
 from policygrad.config.train import ALGORITHMS
 from policygrad.lab.memory import build_parser, resolve_shape
 from policygrad.lab.memory_plan import algorithm_models, plan_memory
-from policygrad.models.footprint import ModelShape
+from policygrad.parallel.footprint import ModelShape
 
 SHAPE = ModelShape(params=1000, vocab_size=10, num_layers=2, num_kv_heads=1, head_dim=4)
 

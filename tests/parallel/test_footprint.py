@@ -4,11 +4,16 @@ the resolver's cases), LoRA counts by hand and against peft, and a shape read fr
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from policygrad.lab.memory import resolve_shape
-from policygrad.models.footprint import (
+from policygrad.models.loading import apply_lora, load_causal_lm
+from policygrad.models.swiglu import use_memory_efficient_mlp
+from policygrad.parallel.footprint import (
     ModelShape,
     activation_bytes_per_token,
     llama_linear_shapes,
@@ -16,8 +21,6 @@ from policygrad.models.footprint import (
     model_shape_from_config,
     resolve_gradient_checkpointing,
 )
-from policygrad.models.loading import apply_lora, load_causal_lm
-from policygrad.models.swiglu import use_memory_efficient_mlp
 from tests.tiny import make_tiny_llama
 
 SMOLLM = ModelShape(
@@ -153,3 +156,17 @@ def test_lora_count_matches_peft_and_shape_from_config(tiny_model_dir):
     assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == 4096
     # B = 3, T = 5: 2 (K, V) x 2 layers x 2 heads x 8 x 3 x 5 = 960 values x 2 B = 1920 B.
     assert shape.kv_cache_bytes(3, 5) == 1920
+
+
+@pytest.mark.unit
+def test_the_planner_imports_without_torch():
+    # ``policygrad memory`` prices a model from its config alone: the footprint and the bill load
+    # torch only where a config is read (checked in a fresh interpreter).
+    code = (
+        "import sys, policygrad.parallel.footprint, policygrad.lab.memory; "
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
