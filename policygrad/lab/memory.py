@@ -369,6 +369,7 @@ __all__ = [
     "build_parser",
     "main",
     "parse_count",
+    "plan_memory",  # priced in memory_plan; here too, the bill's entry point (README, "policygrad memory")
     "plot_plans",
     "resolve_shape",
     "run_memory",
