@@ -91,7 +91,7 @@ class ModelConfig:
     far less activation memory, about one extra forward, ~+30% step time); ``auto`` turns it on
     at the first policy update whose longest micro-batch would not fit without it (model states
     not yet allocated + that micro-batch's saved activations and logits over 90% of the free
-    memory of the device: :func:`policygrad.lab.memory.resolve_gradient_checkpointing`), says so
+    memory of the device: :func:`policygrad.parallel.footprint.resolve_gradient_checkpointing`), says so
     once with the numbers, and keeps it on; it never turns on where the activations fit.
 
     ``adapter``: a trained PEFT adapter folder to start from (``name`` is then its base model);

@@ -32,6 +32,7 @@ from policygrad.core.groups import (
     varied_group_rows,
     zero_variance_group_fraction,
 )
+from policygrad.core.importance import truncated_importance_weights
 from policygrad.core.kl import (
     KL_KINDS,
     KL_PLACEMENTS,
@@ -43,7 +44,7 @@ from policygrad.core.kl import (
     kl_loss,
     kl_shaped_rewards,
 )
-from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits, truncated_importance_weights
+from policygrad.core.logprobs import logprobs_from_hidden, logprobs_from_logits
 from policygrad.core.losses import (
     check_policy_loss_options,
     entropy_from_logits,

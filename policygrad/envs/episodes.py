@@ -41,11 +41,11 @@ from policygrad.rollout.base import (
     RESPONSE,
     ROW,
     Rollout,
-    RolloutEngine,
     field_layouts,
     pad_columns,
     prompt_seed,
 )
+from policygrad.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
 

@@ -59,6 +59,7 @@ def plain(value: Any) -> Any:
     """A JSON-ready copy of ``value``: tensors and numpy scalars become Python numbers or lists,
     tuples become lists, NaN becomes None (JSON has no NaN), +-inf become the strings "inf"/"-inf"."""
     try:
+        # imported here: the command line imports this module for its parsers, before any torch work
         import torch
 
         if isinstance(value, torch.Tensor):
@@ -157,11 +158,12 @@ def pyplot():
         ImportError: matplotlib is not installed (says how to install it).
     """
     try:
+        # imported here: matplotlib loads only when a plot is drawn
         import matplotlib
     except ImportError as e:  # pragma: no cover - matplotlib is a dependency
         raise ImportError("the lab's plots need matplotlib: pip install matplotlib") from e
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     return plt
 
@@ -237,6 +239,7 @@ def set_threads(threads: int | None) -> None:
         return
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    # imported here: the command line imports this module for its parsers, before any torch work
     import torch
 
     torch.set_num_threads(threads)

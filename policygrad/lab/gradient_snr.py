@@ -52,21 +52,16 @@ Its explained variance on the fit draws and on the estimation draws is reported
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
-import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from policygrad.core.advantages import estimate_advantages
 from policygrad.core.diagnostics import explained_variance
 from policygrad.core.kl import last_token_rewards
-from policygrad.core.losses import get_policy_loss
-from policygrad.core.masking import aggregate
 from policygrad.data.sources import resolve_dataset
 from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import (
@@ -77,505 +72,33 @@ from policygrad.lab.common import (
     check_positive_int,
     check_temperature,
     ensure_output_dir,
-    format_table,
     load_lab_model,
-    pyplot,
     repeat_each,
-    save_figure,
     set_threads,
     tokenize_user_prompts,
     write_json,
 )
-from policygrad.models.forward import policy_logprobs
+from policygrad.lab.gradient_snr_estimators import (
+    DEFAULT_ESTIMATORS,
+    EstimatorSpec,
+    HeadInput,
+    LinearCritic,
+    estimator_gradients,
+    parameter_pattern,
+    parse_estimators,
+    select_parameters,
+    whole_row_logprobs,
+)
+from policygrad.lab.gradient_snr_stats import (
+    Accumulator,
+    GradientSNRResult,
+    plot_snr,
+    snr_table,
+)
 from policygrad.rewards.verifiers import answer_correctness
 from policygrad.rollout.hf import HFRolloutEngine
 
-DEFAULT_ESTIMATORS = "none,rloo2,rloo4,rloo8,grpo,gae0,gae0.5,gae0.95,gae1"
 RewardFn = Callable[..., Sequence[float]]
-
-
-# ---------------------------------------------------------------------------------------------- estimators
-
-
-@dataclasses.dataclass(frozen=True)
-class EstimatorSpec:
-    """One candidate estimator.
-
-    Fields:
-        name: display name (``no-baseline``, ``rloo(k=4)``, ``grpo``, ``gae(lam=0.95)``).
-        kind: ``none``, ``rloo``, ``grpo`` or ``gae``.
-        k: group size for ``rloo`` (``grpo`` uses all samples of a prompt; 0 otherwise).
-        lam: GAE lambda (``gae`` only).
-    """
-
-    name: str
-    kind: str
-    k: int = 0
-    lam: float = 0.0
-
-
-def parse_estimators(text: str | Sequence[str]) -> list[EstimatorSpec]:
-    """``"none,rloo4,grpo,gae0.95"`` -> specs. Items: ``none`` (or ``no-baseline``), ``rlooK``
-    (K >= 2), ``grpo``, ``gaeL`` (0 <= L <= 1).
-
-    Raises:
-        ValueError: an unknown item (lists the accepted forms), K < 2, L outside [0, 1], a
-            duplicate, or an empty list.
-    """
-    items = [t.strip() for t in text.split(",")] if isinstance(text, str) else [str(t).strip() for t in text]
-    items = [t for t in items if t]
-    if not items:
-        raise ValueError(f"--estimators is empty; e.g. {DEFAULT_ESTIMATORS}")
-    specs: list[EstimatorSpec] = []
-    for item in items:
-        low = item.lower()
-        if low in ("none", "no-baseline", "reinforce"):
-            spec = EstimatorSpec("no-baseline", "none")
-        elif low == "grpo":
-            spec = EstimatorSpec("grpo", "grpo")
-        elif m := re.fullmatch(r"rloo(?:\(k=)?(\d+)\)?", low):
-            k = int(m.group(1))
-            if k < 2:
-                raise ValueError(f"--estimators: {item!r}: RLOO needs k >= 2 samples per group")
-            spec = EstimatorSpec(f"rloo(k={k})", "rloo", k=k)
-        elif m := re.fullmatch(r"gae(?:\(lam=)?([0-9.]+)\)?", low):
-            try:
-                lam = float(m.group(1))
-            except ValueError:
-                raise ValueError(f"--estimators: {item!r}: lambda is not a number") from None
-            if not 0.0 <= lam <= 1.0:
-                raise ValueError(f"--estimators: {item!r}: lambda must be in [0, 1]")
-            spec = EstimatorSpec(f"gae(lam={lam:g})", "gae", lam=lam)
-        else:
-            raise ValueError(
-                f"--estimators: unknown estimator {item!r}; use none, rlooK (e.g. rloo4), grpo or gaeL "
-                "(e.g. gae0.95)"
-            )
-        if spec in specs:
-            raise ValueError(f"--estimators: {spec.name} is listed twice")
-        specs.append(spec)
-    return specs
-
-
-def estimator_group_index(batch: int, samples_per_prompt: int, k: int, device) -> torch.Tensor:
-    """Row r (prompt r // S, sample r % S) -> group ``(r // S) * (S // k) + (r % S) // k``."""
-    rows = torch.arange(batch, device=device)
-    return (rows // samples_per_prompt) * (samples_per_prompt // k) + (rows % samples_per_prompt) // k
-
-
-def estimator_advantages(
-    spec: EstimatorSpec,
-    token_rewards: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    samples_per_prompt: int,
-    values: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Advantages [B, T] of ``spec`` from the core registry (rows of one prompt contiguous).
-
-    Raises:
-        ValueError: ``samples_per_prompt`` not a multiple of an RLOO group size; GAE without values.
-    """
-    batch = token_rewards.shape[0]
-    device = token_rewards.device
-    if spec.kind == "none":
-        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
-        adv, _ = estimate_advantages("reinforce", token_rewards, response_mask, group_index=gi, baseline=0.0)
-    elif spec.kind == "rloo":
-        gi = estimator_group_index(batch, samples_per_prompt, spec.k, device)
-        adv, _ = estimate_advantages("rloo", token_rewards, response_mask, group_index=gi)
-    elif spec.kind == "grpo":
-        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
-        adv, _ = estimate_advantages("grpo", token_rewards, response_mask, group_index=gi, scale="group")
-    else:
-        if values is None:
-            raise ValueError(f"{spec.name} needs critic values")
-        gi = estimator_group_index(batch, samples_per_prompt, samples_per_prompt, device)
-        adv, _ = estimate_advantages(
-            "gae", token_rewards, response_mask, group_index=gi, values=values, gamma=1.0, lam=spec.lam
-        )
-    return adv
-
-
-# ---------------------------------------------------------------------------------------------- parameters
-
-
-def parameter_pattern(subset: str) -> re.Pattern | None:
-    """``--params`` checked without a model: None for ``all``, ``lm-head``, ``last-layer``, else
-    the compiled regular expression.
-
-    Raises:
-        ValueError: not a valid regular expression (names ``--params``).
-    """
-    if subset in ("all", "lm-head", "last-layer"):
-        return None
-    try:
-        return re.compile(subset)
-    except re.error as e:
-        raise ValueError(f"--params {subset!r} is not a valid regular expression ({e})") from None
-
-
-def select_parameters(model: torch.nn.Module, subset: str) -> list[tuple[str, torch.nn.Parameter]]:
-    """The parameters whose gradient is measured.
-
-    Args:
-        subset: ``last-layer`` (every parameter of the highest-numbered ``layers.N.`` block),
-            ``lm-head`` (the output head's weight; with tied embeddings this is the embedding
-            matrix, and the backward pass then runs through the whole model), ``all``, or a
-            regular expression matched (``re.search``) against parameter names.
-
-    Returns:
-        ``[(name, parameter)]`` in model order, tied tensors once.
-
-    Raises:
-        ValueError: nothing matches (the message shows some parameter names); a bad regex.
-    """
-    named = list(model.named_parameters())
-    if subset == "all":
-        return named
-    if subset == "lm-head":
-        head = model.get_output_embeddings()
-        if head is None:
-            raise ValueError("--params lm-head: this model has no output embeddings; use last-layer")
-        return [(n, p) for n, p in named if p is head.weight]
-    if subset == "last-layer":
-        layer_ids = [int(m.group(1)) for n, _ in named if (m := re.search(r"layers\.(\d+)\.", n))]
-        if not layer_ids:
-            raise ValueError("--params last-layer: no 'layers.N.' parameters in this model; give a regex")
-        last = f"layers.{max(layer_ids)}."
-        return [(n, p) for n, p in named if last in n]
-    pattern = parameter_pattern(subset)
-    chosen = [(n, p) for n, p in named if pattern.search(n)]
-    if not chosen:
-        examples = ", ".join(n for n, _ in named[:4])
-        raise ValueError(
-            f"--params {subset!r} matches no parameter; use last-layer, lm-head, all, or a regex on names "
-            f"such as: {examples}, ..."
-        )
-    return chosen
-
-
-# ---------------------------------------------------------------------------------------------- critic
-
-
-class _HeadInput:
-    """Forward pre-hook on the output head that keeps its input: the final hidden states at the
-    positions whose logits are computed ([B, T, H] for :func:`response_logits`), still in the
-    autograd graph."""
-
-    def __init__(self, model):
-        self.value: torch.Tensor | None = None
-        self.handle = model.get_output_embeddings().register_forward_pre_hook(self)
-
-    def __call__(self, _module, args):  # torch's forward pre-hook signature
-        self.value = args[0]
-
-    def remove(self):
-        self.handle.remove()
-
-
-def _whole_row_logprobs(model, rollout, temperature: float) -> torch.Tensor:
-    """[B, T] float32 log-probs at ``temperature`` from one plain forward over whole rows through
-    the lm_head module (no prompt sharing, no fused head), so a :class:`_HeadInput` hook sees the
-    final hidden state of every response position."""
-    logprobs, _ = policy_logprobs(
-        model, rollout, temperature=temperature, top_k=0, top_p=1.0, share_prompts=False, fused_head=False
-    )
-    return logprobs
-
-
-RIDGE_GRID = (1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
-"""Ridge penalties (relative to the mean diagonal of X^T X) tried by :meth:`LinearCritic.fit`."""
-
-
-def _ridge_solve(x: torch.Tensor, y: torch.Tensor, ridge: float) -> torch.Tensor:
-    """``argmin_w ||x w - y||^2 + ridge * mean(diag(x^T x)) * ||w[:-1]||^2`` (the last column, the
-    bias, unpenalised), float64."""
-    gram = x.T @ x
-    eye = torch.eye(x.shape[1], dtype=torch.float64)
-    eye[-1, -1] = 0.0
-    return torch.linalg.solve(gram + ridge * gram.diagonal().mean() * eye, x.T @ y)
-
-
-class LinearCritic:
-    """``V(s_t) = w . h_t + b`` on the frozen model's final hidden states, fit by ridge least squares.
-
-    Args:
-        ridge: penalty relative to the mean diagonal of ``X^T X`` (the bias is not penalised);
-            None (default) picks it from :data:`RIDGE_GRID` by the squared error on held-out
-            sequences when :meth:`fit` gets ``groups`` (1e-2 otherwise).
-
-    Attributes:
-        chosen_ridge: the penalty of the final fit.
-    """
-
-    def __init__(self, ridge: float | None = None):
-        self.ridge = ridge
-        self.chosen_ridge: float | None = None
-        self.weight: torch.Tensor | None = None
-
-    def fit(
-        self, features: torch.Tensor, targets: torch.Tensor, groups: torch.Tensor | None = None
-    ) -> LinearCritic:
-        """Fit on ``features`` [N, H] and ``targets`` [N] (float64 solve). Returns self.
-
-        Args:
-            groups: [N] sequence id of each token. With ``ridge=None`` and at least 4 sequences,
-                every other sequence (in id order) is held out to choose the penalty, then the
-                critic is refit on all tokens. Tokens of one sequence are never split (they are
-                strongly correlated).
-
-        Raises:
-            ValueError: fewer than 2 rows; ``groups`` of the wrong shape.
-        """
-        n = features.shape[0]
-        if n < 2:
-            raise ValueError("the critic needs at least 2 training tokens")
-        x = torch.cat([features.double(), torch.ones(n, 1, dtype=torch.float64)], 1)
-        y = targets.double()
-        ridge = self.ridge
-        if ridge is None:
-            ridge = 1e-2
-            if groups is not None:
-                if groups.shape != (n,):
-                    raise ValueError(f"groups must have shape [N] = ({n},), got {tuple(groups.shape)}")
-                ids, rank = torch.unique(groups, return_inverse=True)
-                if ids.numel() >= 4:
-                    held = rank % 2 == 1
-                    errors = []
-                    for r in RIDGE_GRID:
-                        w = _ridge_solve(x[~held], y[~held], r)
-                        errors.append(float((x[held] @ w - y[held]).square().mean()))
-                    ridge = RIDGE_GRID[min(range(len(errors)), key=errors.__getitem__)]
-        self.chosen_ridge = ridge
-        self.weight = _ridge_solve(x, y, ridge)
-        return self
-
-    def predict(self, features: torch.Tensor) -> torch.Tensor:
-        """Values for ``features`` [..., H] -> [...] float32.
-
-        Raises:
-            RuntimeError: called before :meth:`fit`.
-        """
-        if self.weight is None:
-            raise RuntimeError("LinearCritic.predict before fit")
-        w = self.weight
-        return (features.double() @ w[:-1] + w[-1]).float()
-
-
-def estimator_gradients(
-    model,
-    rollout,
-    token_rewards: torch.Tensor,
-    specs: Sequence[EstimatorSpec],
-    tensors: Sequence[torch.Tensor],
-    *,
-    samples_per_prompt: int,
-    temperature: float = 1.0,
-    critic: LinearCritic | None = None,
-    shared_head_backward: bool | None = None,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """The policy gradient of each estimator on one rollout, flattened over ``tensors``.
-
-    One forward pass (:func:`policygrad.models.forward.policy_logprobs`, full softmax at
-    ``temperature``); for each spec the advantages (:func:`estimator_advantages`), the ``vanilla``
-    loss reduced with ``seq-mean-token-sum``, and its gradient.
-
-    Shared head backward (the default whenever the output head's weight is not in ``tensors``):
-    the loss is linear in the log-probs and log-prob (b, t) depends on the head's input h only
-    through h[b, t], so one backward of ``sum(logprobs)`` to h gives every
-    ``J[b, t] = d logprob[b, t] / d h[b, t]``, and each estimator's gradient is the backward of h
-    alone with ``grad_outputs = dL/dlogprobs * J``. Exact (the chain rule, reordered), and the
-    [B, T, V] backward through the head runs once instead of once per estimator.
-
-    Args:
-        model: the causal LM; ``tensors`` must require grad, the rest may not.
-        rollout: a :class:`~policygrad.rollout.base.Rollout`.
-        token_rewards: [B, T] rewards (score on the last valid token).
-        specs: the estimators.
-        tensors: the parameters whose gradient is returned.
-        samples_per_prompt: S (rows of one prompt contiguous).
-        temperature: the sampling temperature.
-        critic: values for GAE, from the head's input at each response position.
-        shared_head_backward: force (True) or forbid (False) the shared head backward; None = auto.
-
-    Returns:
-        ``(gradients, values)``: one float64 vector per spec (the ascent direction, minus the loss
-        gradient), and the critic's values [B, T] (None without a critic).
-
-    Raises:
-        ValueError: ``shared_head_backward=True`` while the head's weight is in ``tensors``.
-    """
-
-    head = model.get_output_embeddings()
-    head_measured = head is None or any(p is head.weight for p in tensors)
-    if shared_head_backward is None:
-        shared_head_backward = not head_measured
-    elif shared_head_backward and head_measured:
-        raise ValueError(
-            "shared_head_backward=True needs the output head's weight outside the measured tensors"
-        )
-    vanilla = get_policy_loss("vanilla")
-    mask = rollout.response_mask
-    hook = _HeadInput(model) if (critic is not None or shared_head_backward) else None
-    try:
-        with torch.enable_grad():
-            # One forward over whole rows: the hook reads the lm_head input of every position.
-            logprobs = _whole_row_logprobs(model, rollout, temperature)
-    finally:
-        if hook is not None:
-            hook.remove()
-    values = critic.predict(hook.value.detach()) if critic is not None else None
-    if shared_head_backward:
-        hidden = hook.value
-        (jac,) = torch.autograd.grad(
-            logprobs, hidden, grad_outputs=torch.ones_like(logprobs), retain_graph=True
-        )
-    out = []
-    for i, spec in enumerate(specs):
-        adv = estimator_advantages(
-            spec, token_rewards, mask, samples_per_prompt=samples_per_prompt, values=values
-        )
-        loss_matrix, _ = vanilla(logprobs, logprobs.detach(), adv, mask)
-        loss = aggregate(loss_matrix, mask, "seq-mean-token-sum")
-        retain = i + 1 < len(specs)
-        if shared_head_backward:
-            (d_logprobs,) = torch.autograd.grad(loss, logprobs, retain_graph=True)
-            grads = torch.autograd.grad(
-                hidden,
-                list(tensors),
-                grad_outputs=d_logprobs[..., None] * jac,
-                retain_graph=retain,
-                allow_unused=True,
-            )
-        else:
-            grads = torch.autograd.grad(loss, list(tensors), retain_graph=retain, allow_unused=True)
-        flat = torch.cat(
-            [
-                (g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                for g, p in zip(grads, tensors)
-            ]
-        )
-        out.append(-flat)
-    return out, values
-
-
-# ---------------------------------------------------------------------------------------------- result
-
-
-@dataclasses.dataclass
-class EstimatorStats:
-    """One estimator's numbers over M draws.
-
-    Fields:
-        name: estimator; draws: M; samples_per_batch: B (same for all estimators).
-        snr: bias-corrected ``||E g||^2 / E||g - E g||^2`` (>= 0); snr_raw: ``||m||^2 / noise``.
-        cos_ref: mean over draws of ``cos(g_j, g_ref)``; cos_mean_ref: ``cos(mean g, g_ref)``.
-        grad_norm: mean ``||g_j||``; noise: ``E||g - E g||^2``.
-    """
-
-    name: str
-    draws: int
-    samples_per_batch: int
-    snr: float
-    snr_raw: float
-    cos_ref: float
-    cos_mean_ref: float
-    grad_norm: float
-    noise: float
-
-
-@dataclasses.dataclass
-class GradientSNRResult:
-    """Everything ``policygrad lab gradient-snr`` measured.
-
-    Fields:
-        estimators: :class:`EstimatorStats` in the order requested.
-        reference: the reference gradient's own statistics (``rloo(k=S)`` over the reference draws).
-        reward_mean, reward_std: of the (offset) rewards over the estimation draws.
-        reward_offset: c; num_params: size of the measured gradient; params: the subset spec.
-        critic_ev_fit, critic_ev_eval: explained variance of the linear critic (None without GAE).
-        critic_ridge: the critic's ridge penalty (None without GAE).
-        settings: the run's settings (prompts, S, draws, temperature, ...).
-        table: printed text; json_path, png_path: files written (or None).
-    """
-
-    estimators: list[EstimatorStats]
-    reference: EstimatorStats
-    reward_mean: float
-    reward_std: float
-    reward_offset: float
-    num_params: int
-    params: str
-    critic_ev_fit: float | None
-    critic_ev_eval: float | None
-    critic_ridge: float | None
-    settings: dict[str, Any]
-    table: str = ""
-    json_path: str | None = None
-    png_path: str | None = None
-
-    def stats(self, name: str) -> EstimatorStats:
-        """The statistics of estimator ``name`` (e.g. ``"rloo(k=4)"``).
-
-        Raises:
-            KeyError: unknown name (lists the measured ones).
-        """
-        for s in self.estimators:
-            if s.name == name:
-                return s
-        raise KeyError(f"no estimator {name!r}; measured: {[s.name for s in self.estimators]}")
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready dict."""
-        d = dataclasses.asdict(self)
-        d.pop("table", None)
-        return d
-
-
-class _Accumulator:
-    """Running sums of gradients, squared norms and cosines with a reference."""
-
-    def __init__(self, dim: int):
-        self.sum = torch.zeros(dim, dtype=torch.float64)
-        self.sq = 0.0
-        self.norms = 0.0
-        self.cos = 0.0
-        self.n = 0
-
-    def add(self, g: torch.Tensor, ref: torch.Tensor | None) -> None:
-        self.sum += g
-        norm = float(g.norm())
-        self.sq += norm * norm
-        self.norms += norm
-        if ref is not None:
-            denom = norm * float(ref.norm())
-            self.cos += float(g @ ref) / denom if denom > 0 else 0.0
-        self.n += 1
-
-    def stats(self, name: str, batch: int, ref: torch.Tensor | None) -> EstimatorStats:
-        m = self.sum / self.n
-        m2 = float(m @ m)
-        noise = (self.sq - self.n * m2) / (self.n - 1)
-        noise = max(noise, 0.0)
-        signal = max(m2 - noise / self.n, 0.0)
-        snr = signal / noise if noise > 0 else math.inf
-        snr_raw = m2 / noise if noise > 0 else math.inf
-        cos_mean = 1.0
-        if ref is not None:
-            denom = math.sqrt(m2) * float(ref.norm())
-            cos_mean = float(m @ ref) / denom if denom > 0 else 0.0
-        return EstimatorStats(
-            name=name,
-            draws=self.n,
-            samples_per_batch=batch,
-            snr=snr,
-            snr_raw=snr_raw,
-            cos_ref=self.cos / self.n if ref is not None else 1.0,
-            cos_mean_ref=cos_mean,
-            grad_norm=self.norms / self.n,
-            noise=noise,
-        )
 
 
 # ---------------------------------------------------------------------------------------------- experiment
@@ -627,10 +150,10 @@ def _fit_critic(model, draw: Callable, seeds: Sequence[int], temperature: float)
     feats, targets, groups, fit_batches = [], [], [], []
     for j, draw_seed in enumerate(seeds):
         rollout, scores_t, _ = draw(draw_seed)
-        hook = _HeadInput(model)
+        hook = HeadInput(model)
         try:
             with torch.no_grad():
-                _whole_row_logprobs(model, rollout, temperature)
+                whole_row_logprobs(model, rollout, temperature)
         finally:
             hook.remove()
         m = rollout.response_mask > 0
@@ -748,6 +271,7 @@ def run_gradient_snr(
     model.eval()
     B = len(prompts) * S
 
+    # imported here: the progress bar loads only when draws are taken
     from tqdm import tqdm
 
     total = (critic_draws if use_critic else 0) + reference_draws + draws
@@ -784,7 +308,7 @@ def run_gradient_snr(
 
         # The reference gradient: rloo over all S samples of a prompt, many draws.
         ref_spec = EstimatorSpec(f"reference rloo(k={S})", "rloo", k=S)
-        ref_acc = _Accumulator(num_params)
+        ref_acc = Accumulator(num_params)
         for j in range(reference_draws):
             rollout, _, token_rewards = draw(base + 100_000 + j)
             (g,), _ = estimator_gradients(
@@ -800,7 +324,7 @@ def run_gradient_snr(
         g_ref = ref_acc.sum / ref_acc.n
         reference = ref_acc.stats(ref_spec.name, B, None)
 
-        accs = [_Accumulator(num_params) for _ in specs]
+        accs = [Accumulator(num_params) for _ in specs]
         all_scores, eval_batches = [], []
         for j in range(draws):
             rollout, scores_t, token_rewards = draw(base + j)
@@ -859,76 +383,6 @@ def _ev(critic: LinearCritic | None, batches) -> float:
         masks.append(mask.reshape(-1))
     ev = explained_variance(torch.cat(values)[None], torch.cat(returns)[None], torch.cat(masks)[None])
     return float(ev)
-
-
-def snr_table(result: GradientSNRResult) -> str:
-    """The estimator table as text, with the reference and critic lines."""
-    s = result.settings
-    head = (
-        f"gradient SNR over {s['draws']} draws of B = {s['prompts']} prompts x "
-        f"{s['samples_per_prompt']} samples; "
-        f"gradient of {result.num_params:,} parameters ({result.params}); rewards mean "
-        f"{result.reward_mean:.3f} std {result.reward_std:.3f} (offset {result.reward_offset:g})"
-    )
-    rows = [[e.name, e.snr, e.snr_raw, e.cos_ref, e.cos_mean_ref, e.grad_norm] for e in result.estimators]
-    table = format_table(["estimator", "SNR", "SNR (raw)", "cos(g, ref)", "cos(mean, ref)", "|g|"], rows)
-    lines = [
-        head,
-        table,
-        "",
-        f"reference: mean of {result.reference.name} over {result.reference.draws} draws; "
-        f"single-draw SNR {result.reference.snr:.3g}",
-    ]
-    if result.critic_ev_fit is not None:
-        lines.append(
-            f"critic (linear head on final hidden states): explained variance {result.critic_ev_fit:.3f} "
-            f"on its fit draws, {result.critic_ev_eval:.3f} on the estimation draws "
-            f"(ridge {result.critic_ridge:g})"
-        )
-    return "\n".join(lines)
-
-
-def plot_snr(result: GradientSNRResult, path: str) -> str:
-    """Bars: SNR (log scale) and cosine to the reference, per estimator."""
-    plt = pyplot()
-    names = [e.name for e in result.estimators]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.9))
-    colors = [
-        "#7f7f7f"
-        if n == "no-baseline"
-        else "#1f77b4"
-        if n.startswith("rloo")
-        else "#2ca02c"
-        if n == "grpo"
-        else "#d62728"
-        for n in names
-    ]
-    snr = [e.snr if math.isfinite(e.snr) else 0.0 for e in result.estimators]
-    positive = [v for v in snr if v > 0]
-    if positive and max(positive) / min(positive) > 20:
-        # Orders of magnitude apart (a reward offset): a log axis, values floored for display.
-        floor = min(positive) / 3
-        axes[0].bar(names, [max(v, floor) for v in snr], color=colors)
-        axes[0].set_yscale("log")
-    else:
-        axes[0].bar(names, snr, color=colors)
-    axes[0].set_ylabel("||E g||^2 / E||g - E g||^2")
-    axes[0].set_title(
-        f"Gradient SNR (B = {result.estimators[0].samples_per_batch}, offset {result.reward_offset:g})"
-    )
-    axes[1].bar(names, [e.cos_ref for e in result.estimators], color=colors, label="one batch")
-    axes[1].scatter(
-        names, [e.cos_mean_ref for e in result.estimators], color="black", zorder=3, label="mean over draws"
-    )
-    axes[1].set_ylim(min(0.0, min(e.cos_ref for e in result.estimators)) - 0.05, 1.05)
-    axes[1].axhline(0, color="black", lw=0.5)
-    axes[1].set_ylabel("cosine to the reference gradient")
-    axes[1].set_title("Direction")
-    axes[1].legend(fontsize=7)
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=35, labelsize=8)
-    fig.tight_layout()
-    return save_figure(fig, path)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
+from policygrad.core.importance import truncated_importance_weights
 from policygrad.core.kl import KLPlacement
-from policygrad.core.logprobs import truncated_importance_weights
 from policygrad.core.losses import SELECTION_ARG
 from policygrad.core.masking import aggregate, masked_mean
 from policygrad.learn.experience import Experience

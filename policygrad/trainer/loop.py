@@ -68,7 +68,7 @@ from policygrad.parallel.threads import ThreadGovernor
 from policygrad.produce.production import finish, produce
 from policygrad.produce.rollouts import RolloutPipeline
 from policygrad.rewards.scoring import Scorer
-from policygrad.rollout.base import RolloutEngine
+from policygrad.rollout.engine import RolloutEngine
 from policygrad.seeds import Seeds
 
 __all__ = ["Trainer", "TrainingError"]

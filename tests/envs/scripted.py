@@ -6,7 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from policygrad.rollout.base import GenerationRequest, Rollout, RolloutEngine
+from policygrad.rollout.base import Rollout
+from policygrad.rollout.engine import GenerationRequest, RolloutEngine
 from tests.tiny import EOS_ID, PAD_ID
 
 

@@ -19,8 +19,6 @@ from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.models.forward import (
     Float32Head,
     float32_head,
-    packed_response_hidden,
-    plain_output_head,
     policy_logprobs,
     response_hidden,
     response_logits,
@@ -31,7 +29,7 @@ from tests.tiny import PAD_ID, make_tiny_llama
 pytestmark = pytest.mark.integration
 
 
-def _rollout(G: int = 3, n: int = 3, P: int = 7, T: int = 6, seed: int = 0) -> Rollout:
+def grouped_rollout(G: int = 3, n: int = 3, P: int = 7, T: int = 6, seed: int = 0) -> Rollout:
     g = torch.Generator().manual_seed(seed)
     prompt_mask = torch.ones(n, P, dtype=torch.long)
     prompt_mask[0, :3] = 0  # a left-padded prompt
@@ -67,7 +65,7 @@ def _logprobs_and_grads(model, rollout, share):
 def test_shared_prompt_forward_equals_the_plain_forward_with_gradients(rows):
     model, _ = make_tiny_llama(seed=1, initializer_range=0.3)
     model = model.double().train()
-    rollout = _rollout()
+    rollout = grouped_rollout()
     if rows == "shuffled":  # rows of a group need not be contiguous
         order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(0))
         rollout = rollout.select(order)
@@ -87,129 +85,20 @@ def test_single_token_responses_and_all_distinct_prompts():
     model, _ = make_tiny_llama(seed=2, initializer_range=0.3)
     model = model.double().eval()
     with torch.no_grad():
-        one = _rollout(T=1)  # only the last prompt position's logits are used
+        one = grouped_rollout(T=1)  # only the last prompt position's logits are used
         torch.testing.assert_close(
             response_logits(model, one, share_prompts=True),
             response_logits(model, one, share_prompts=False),
             atol=1e-12,
             rtol=0,
         )
-        distinct = _rollout(G=1)  # nothing to share: the plain path runs
+        distinct = grouped_rollout(G=1)  # nothing to share: the plain path runs
         torch.testing.assert_close(
             response_logits(model, distinct, share_prompts=True),
             response_logits(model, distinct, share_prompts=False),
             atol=0,
             rtol=0,
         )
-
-
-# ------------------------------------------------------------------------------------------
-# The padding-free training forward: responses packed end to end on their prompt's cache.
-
-
-def _varied_rollout() -> Rollout:
-    """3 prompts x G = 4 with responses of lengths 0 .. T, so packing has empty, one-token and
-    full rows to place; rows shuffled so a prompt's rows are not contiguous."""
-    rollout = _rollout(G=4, n=3, T=6)
-    lengths = torch.tensor([6, 0, 1, 3, 2, 6, 5, 1, 4, 6, 0, 2])
-    mask = (torch.arange(6)[None] < lengths[:, None]).float()
-    rollout.response_mask = mask
-    rollout.response_ids = rollout.response_ids.masked_fill(mask == 0, PAD_ID)
-    order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(3))
-    return rollout.select(order)
-
-
-@pytest.mark.parametrize("row_tokens", [512, 7, 3, 1])
-def test_packed_forward_equals_the_plain_forward_with_gradients(row_tokens):
-    # row_tokens 512: each prompt's responses share one packed row; 7 and 3: several rows per
-    # prompt, a response longer than a row gets one of its own; 1: one row per response token
-    # budget (every response alone). Hidden states and gradients match the plain forward over
-    # cat(prompt, response) (float64; gradients to ~2e-7 for the float32 RMSNorm, see the top).
-    model, _ = make_tiny_llama(seed=1, initializer_range=0.3)
-    model = model.double().train()
-    rollout = _varied_rollout()
-    valid = rollout.response_mask > 0
-    decoder, head = plain_output_head(model)
-    weights = torch.linspace(-1.0, 2.0, int(valid.sum()), dtype=torch.float64)[:, None]
-
-    def hidden_and_grads(packed: bool):
-        model.zero_grad(set_to_none=True)
-        if packed:
-            hidden = packed_response_hidden(decoder, rollout, row_tokens=row_tokens)
-        else:
-            hidden = response_hidden(model, rollout, share_prompts=False)[valid]
-        (head(hidden).log_softmax(-1) * weights).sum().backward()
-        return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain, plain_grads = hidden_and_grads(False)
-    packed, packed_grads = hidden_and_grads(True)
-    assert packed.shape == (int(valid.sum()), model.config.hidden_size)
-    torch.testing.assert_close(packed, plain, atol=1e-12, rtol=0)
-    for name, grad in plain_grads.items():
-        scale = grad.abs().max().item()
-        assert scale > 0, name
-        assert (packed_grads[name] - grad).abs().max().item() <= 2e-6 * scale, name
-
-
-def test_policy_logprobs_fused_head_equals_the_logits_path():
-    # The trainer's default (packed forward, log-probs from hidden states) against the logits
-    # path (fused_head=False): equal at valid tokens; exactly 0 elsewhere.
-    model, _ = make_tiny_llama(seed=4, initializer_range=0.3)
-    model = model.double().eval()
-    rollout = _varied_rollout()
-    valid = rollout.response_mask > 0
-    with torch.no_grad():
-        lp, ent = policy_logprobs(model, rollout, temperature=0.7, top_k=0, top_p=1.0, with_entropy=True)
-        ref_lp, ref_ent = policy_logprobs(
-            model, rollout, temperature=0.7, top_k=0, top_p=1.0, with_entropy=True, fused_head=False
-        )
-    torch.testing.assert_close(lp[valid], ref_lp[valid], atol=1e-12, rtol=0)
-    torch.testing.assert_close(ent[valid], ref_ent[valid], atol=1e-12, rtol=0)
-    assert torch.count_nonzero(lp[~valid]) == 0 and torch.count_nonzero(ent[~valid]) == 0
-
-
-def test_packing_declines_what_it_cannot_do():
-    model, _ = make_tiny_llama(seed=1)
-    decoder, _ = plain_output_head(model)
-    holes = _rollout()
-    holes.response_mask[0, 2] = 0  # not a prefix: the padded forward must run instead
-    assert packed_response_hidden(decoder, holes) is None
-    model.config._attn_implementation = "eager"  # a 4-D boolean mask is sdpa's format only
-    assert packed_response_hidden(decoder, _rollout()) is None
-
-
-def test_sliding_window_models_and_empty_responses_take_the_padded_path():
-    # A sliding window is not in the packed mask (and its cache keeps only the last keys): packing
-    # declines, and policy_logprobs still equals the logits path. T = 0: nothing to pack.
-    from transformers import MistralConfig, MistralForCausalLM
-
-    torch.manual_seed(0)
-    config = MistralConfig(
-        vocab_size=100,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        sliding_window=4,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-    )
-    model = MistralForCausalLM(config).double().eval()
-    decoder, _ = plain_output_head(model)
-    rollout = _varied_rollout()
-    assert packed_response_hidden(decoder, rollout) is None
-    valid = rollout.response_mask > 0
-    with torch.no_grad():
-        lp, _ = policy_logprobs(model, rollout, temperature=1.0, top_k=0, top_p=1.0)
-        ref, _ = policy_logprobs(model, rollout, temperature=1.0, top_k=0, top_p=1.0, fused_head=False)
-    torch.testing.assert_close(lp[valid], ref[valid], atol=1e-12, rtol=0)
-    llama, _ = make_tiny_llama(seed=1)
-    empty = _rollout().select(torch.arange(3))
-    empty.response_ids = empty.response_ids[:, :0]
-    empty.response_mask = empty.response_mask[:, :0]
-    empty.sampler_logprobs = empty.sampler_logprobs[:, :0]
-    assert packed_response_hidden(plain_output_head(llama)[0], empty) is None
 
 
 @pytest.mark.parametrize("truncation", [(None, None), (5, None), (None, 0.9), (5, 0.9)])
@@ -224,7 +113,7 @@ def test_forwards_default_to_the_rollouts_sampling_params_bit_for_bit(truncation
     model = model.eval()
     top_k, top_p = truncation
     sampling = SamplingParams(0.7, top_k, top_p)
-    rollout = dataclasses.replace(_varied_rollout(), sampling=sampling)
+    rollout = dataclasses.replace(varied_rollout(), sampling=sampling)
     config_style = {"temperature": 0.7, "top_k": top_k or 0, "top_p": 1.0 if top_p is None else top_p}
     with torch.no_grad():
         default, _ = policy_logprobs(model, rollout, with_entropy=True)
@@ -276,7 +165,7 @@ def test_float32_head_under_bf16_autocast_is_fp32_on_the_bf16_body(fused):
     computation instead."""
     model, _ = make_tiny_llama(seed=0, initializer_range=0.5)
     model.eval()
-    rollout = _rollout()
+    rollout = grouped_rollout()
     valid = rollout.response_mask > 0
     body_dtypes, head_dtypes = [], []
     body = model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -320,7 +209,7 @@ def test_float32_head_trains_like_linear_outside_autocast_and_refuses_other_head
     swapped, _ = make_tiny_llama(seed=0)
     float32_head(swapped)
     assert plain.state_dict().keys() == swapped.state_dict().keys()
-    rollout = _rollout()
+    rollout = grouped_rollout()
     grads = []
     for model in (plain, swapped):
         lp, _ = policy_logprobs(model, rollout)
@@ -335,3 +224,15 @@ def test_float32_head_trains_like_linear_outside_autocast_and_refuses_other_head
         r"torch.nn.modules.linear.Identity \(a LoRA adapter on lm_head is one\)",
     ):
         float32_head(swapped)
+
+
+def varied_rollout() -> Rollout:
+    """3 prompts x G = 4 with responses of lengths 0 .. T, so packing has empty, one-token and
+    full rows to place; rows shuffled so a prompt's rows are not contiguous."""
+    rollout = grouped_rollout(G=4, n=3, T=6)
+    lengths = torch.tensor([6, 0, 1, 3, 2, 6, 5, 1, 4, 6, 0, 2])
+    mask = (torch.arange(6)[None] < lengths[:, None]).float()
+    rollout.response_mask = mask
+    rollout.response_ids = rollout.response_ids.masked_fill(mask == 0, PAD_ID)
+    order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(3))
+    return rollout.select(order)

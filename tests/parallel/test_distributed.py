@@ -25,8 +25,9 @@ import yaml
 from safetensors.torch import load_file
 
 from policygrad.config.train import ConfigError, load_config
-from policygrad.lab.memory import model_shape_from_config, plan_memory
+from policygrad.lab.memory_plan import plan_memory
 from policygrad.parallel.distributed import Dist
+from policygrad.parallel.footprint import model_shape_from_config
 from policygrad.parallel.sharding import full_state_dict, local_bytes
 from policygrad.parallel.strategy import make_strategy
 from policygrad.run import Run

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from policygrad.config.train import ConfigError
-from policygrad.core.logprobs import truncated_importance_weights
+from policygrad.core.importance import truncated_importance_weights
 from policygrad.produce import production
 from policygrad.produce.rollouts import RolloutPipeline
 from policygrad.run import Run

@@ -16,12 +16,8 @@ from policygrad.core.advantages import estimate_advantages
 from policygrad.core.kl import kl_estimate, kl_loss, kl_shaped_rewards
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import AGGREGATION_MODES, aggregate, masked_mean
-from policygrad.models.forward import (
-    inference_logprobs,
-    packed_response_hidden,
-    plain_output_head,
-    policy_logprobs,
-)
+from policygrad.models.forward import inference_logprobs, plain_output_head, policy_logprobs
+from policygrad.models.packing import packed_response_hidden
 from policygrad.rollout.base import Rollout, SamplingParams
 from tests.tiny import EOS_ID, PAD_ID, make_tiny_llama
 

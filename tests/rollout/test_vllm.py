@@ -618,25 +618,6 @@ def test_a_generate_call_from_a_background_thread_samples_what_the_main_thread_d
     assert torch.equal(here.sampler_logprobs, there.sampler_logprobs)
 
 
-def test_the_bind_list_takes_the_first_cpu_threads_allowed_cpus(monkeypatch, tmp_path):
-    # Read only by a worker in another process (VLLM_ENABLE_V1_MULTIPROCESSING=1); in-process the
-    # engine's kernels run with torch's thread count of the thread that calls generate.
-    import policygrad.rollout.vllm as vllm_module
-
-    monkeypatch.setattr(vllm_module.os, "sched_getaffinity", lambda _pid: {0, 1, 2, 5})
-    monkeypatch.setattr(vllm_module, "_ENV_SET_HERE", {})
-    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CACHE_ROOT",
-                "TORCHINDUCTOR_CACHE_DIR", "VLLM_LOGGING_LEVEL"):
-        monkeypatch.delenv(key, raising=False)
-    vllm_module._set_env_defaults(str(tmp_path))
-    assert vllm_module.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-2,5"
-    vllm_module._set_env_defaults(str(tmp_path), cpu_threads=2)  # set by an earlier engine: replaced
-    assert vllm_module.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "3")  # the user's own: left alone
-    vllm_module._set_env_defaults(str(tmp_path), cpu_threads=1)
-    assert vllm_module.os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "3"
-
-
 def test_a_model_vllm_cannot_run_is_one_error_line_naming_the_engine_option(tmp_path, capsys):
     """head_dim 32 / 4 = 8, a size vLLM's CPU attention kernels lack: vLLM loaded the model and
     failed at the first step's sampling with its own traceback ("Unsupported CPU attention

@@ -1,27 +1,34 @@
-"""The activation estimate of the memory planner and the ``auto`` rule of gradient checkpointing:
-the formula by hand, against autograd's saved tensors on a tiny Llama, and the resolver's cases."""
+"""What a model costs in memory from its shape: the activation estimate and the ``auto`` rule of
+gradient checkpointing (the formula by hand, against autograd's saved tensors on a tiny Llama, and
+the resolver's cases), LoRA counts by hand and against peft, and a shape read from a config alone."""
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from policygrad.lab.memory import (
+from policygrad.lab.memory import resolve_shape
+from policygrad.models.loading import apply_lora, load_causal_lm
+from policygrad.models.swiglu import use_memory_efficient_mlp
+from policygrad.parallel.footprint import (
     ModelShape,
     activation_bytes_per_token,
+    llama_linear_shapes,
     logits_bytes_per_token,
+    model_shape_from_config,
     resolve_gradient_checkpointing,
 )
-from policygrad.models.swiglu import use_memory_efficient_mlp
 from tests.tiny import make_tiny_llama
-
-pytestmark = pytest.mark.unit
 
 SMOLLM = ModelShape(
     params=134_515_008, vocab_size=49152, num_layers=30, hidden_size=576, intermediate_size=1536, num_heads=9
 )
 
 
+@pytest.mark.unit
 def test_smollm2_per_token_bytes_by_hand():
     # fp32 (r = c = 4, one q/k/v input): per layer 3*576*4 + 2*4 + 576*4 + 3*576*4 + 576*4 + 9*4
     # + 110*4 + 2*1536*4 = 6912 + 8 + 2304 + 6912 + 2304 + 36 + 440 + 12288 = 31204;
@@ -35,6 +42,7 @@ def test_smollm2_per_token_bytes_by_hand():
     assert logits_bytes_per_token(SMOLLM) == 49152 * 4
 
 
+@pytest.mark.unit
 def test_unknown_sizes_or_precision_are_refused():
     with pytest.raises(ValueError, match="--intermediate"):
         activation_bytes_per_token(ModelShape(params=1, hidden_size=8, num_layers=2))
@@ -58,6 +66,7 @@ def _saved_bytes(model, ids, mask) -> int:
     return sum(seen.values())
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_estimate_matches_the_saved_tensors_of_a_tiny_llama(checkpointing):
     model, _ = make_tiny_llama(
@@ -84,6 +93,7 @@ def test_estimate_matches_the_saved_tensors_of_a_tiny_llama(checkpointing):
     assert abs(estimate - measured) / measured < 0.15, (estimate, measured)
 
 
+@pytest.mark.unit
 def test_explicit_settings_pass_through():
     for setting in (True, False):
         choice = resolve_gradient_checkpointing(
@@ -97,6 +107,7 @@ def test_explicit_settings_pass_through():
         assert choice.enabled is setting and choice.needed_bytes is None
 
 
+@pytest.mark.unit
 def test_auto_turns_on_only_over_the_available_memory_less_the_margin():
     common = dict(state_bytes=2_000, activation_bytes_per_token=900, logits_bytes_per_token=100)
     # 2000 + 8 tokens * (900 + 100) = 10000 needed; 11000 available * 0.9 = 9900: over, on
@@ -110,6 +121,7 @@ def test_auto_turns_on_only_over_the_available_memory_less_the_margin():
     assert not edge.enabled and edge.limit_bytes == 10_000
 
 
+@pytest.mark.unit
 def test_bad_setting_or_count_is_refused():
     kw = dict(
         state_bytes=0, activation_bytes_per_token=1, logits_bytes_per_token=1, tokens=1, available_bytes=1
@@ -118,3 +130,43 @@ def test_bad_setting_or_count_is_refused():
         resolve_gradient_checkpointing("sometimes", **kw)
     with pytest.raises(ValueError, match="tokens must be >= 0"):
         resolve_gradient_checkpointing("auto", **{**kw, "tokens": -1})
+
+
+@pytest.mark.integration
+def test_lora_count_by_hand_for_llama_shapes():
+    # hidden 4, 1 layer, MLP 8, no GQA: q, k, v, o are 4 -> 4 (r * 8 each), gate and up 4 -> 8
+    # (r * 12 each), down 8 -> 4 (r * 12): 4 * 8r + 3 * 12r = 68r; r = 2 -> 136.
+    shape = resolve_shape(params=1000, hidden=4, layers=1, intermediate=8)
+    assert shape.lora_params(2) == 136
+    assert shape.lora_params(2, ["q_proj", "v_proj"]) == 2 * 8 + 2 * 8
+    assert len(llama_linear_shapes(4, 3, 8)) == 21
+
+
+@pytest.mark.integration
+def test_lora_count_matches_peft_and_shape_from_config(tiny_model_dir):
+    model = load_causal_lm(tiny_model_dir)
+    shape = model_shape_from_config(tiny_model_dir)
+    # Tied embeddings counted once, as model.parameters() does.
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    assert (shape.vocab_size, shape.num_layers, shape.num_kv_heads, shape.head_dim) == (100, 2, 2, 8)
+    # Per layer (hidden 32, KV width 2 x 8 = 16, MLP 64): q 64r, k 48r, v 48r, o 64r, gate 96r,
+    # up 96r, down 96r = 512r; 2 layers -> 1024r; r = 4 -> 4096.
+    assert shape.lora_params(4) == 4096
+    peft_model = apply_lora(model, rank=4, alpha=8.0)
+    assert sum(p.numel() for p in peft_model.parameters() if p.requires_grad) == 4096
+    # B = 3, T = 5: 2 (K, V) x 2 layers x 2 heads x 8 x 3 x 5 = 960 values x 2 B = 1920 B.
+    assert shape.kv_cache_bytes(3, 5) == 1920
+
+
+@pytest.mark.unit
+def test_the_planner_imports_without_torch():
+    # ``policygrad memory`` prices a model from its config alone: the footprint and the bill load
+    # torch only where a config is read (checked in a fresh interpreter).
+    code = (
+        "import sys, policygrad.parallel.footprint, policygrad.lab.memory; "
+        "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]"
