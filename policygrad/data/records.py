@@ -76,7 +76,7 @@ def _read_source(path: str, split: str) -> tuple[str, list[tuple[str, Any]]]:
     if os.path.isdir(path):
         markers = ("dataset_dict.json", "state.json", "dataset_info.json")
         if any(os.path.exists(os.path.join(path, m)) for m in markers):
-            import datasets
+            import datasets  # heavy, and only a save_to_disk folder needs it
 
             data = datasets.load_from_disk(path)
             if isinstance(data, datasets.DatasetDict):
@@ -106,7 +106,7 @@ def _read_source(path: str, split: str) -> tuple[str, list[tuple[str, Any]]]:
         return path, _read_jsonl(path)
     for ext, builder in ((".parquet", "parquet"), (".csv", "csv")):
         if lower.endswith(ext):
-            import datasets
+            import datasets  # heavy, and only a parquet or csv file needs it
 
             return path, _rows_from_hf(datasets.load_dataset(builder, data_files=path, split="train"))
     raise ValueError(f"dataset file {path!r} has an unknown extension; use .jsonl, .json, .parquet or .csv")
