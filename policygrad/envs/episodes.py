@@ -12,22 +12,22 @@ environment's messages, as the chat template's delta: :mod:`policygrad.envs.temp
 training forward sees everything while the loss, the KL, the advantages and the lengths count
 the policy's own tokens only. A turn's reward sits on its last action token; the final reward
 (and the reward functions) on the episode's last action token.
+
+The runner's records (:class:`EpisodeLimits`, :class:`Episodes`) are :mod:`policygrad.envs.records`;
+one episode while it runs, and the columns finished episodes become, are
+:mod:`policygrad.envs.episode_state`; where the environments live is :mod:`policygrad.envs.workers`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import torch
-
 from policygrad.data.chat import tokenize_prompts
 from policygrad.envs.base import (
-    STOP_REASONS,
     TRUNCATING_STOPS,
     Environment,
     EnvironmentFailure,
@@ -35,189 +35,16 @@ from policygrad.envs.base import (
     check_reward,
     check_step_result,
 )
+from policygrad.envs.episode_state import EpisodeState, accept, group_tools, to_episodes, to_rollout
+from policygrad.envs.records import EpisodeLimits, Episodes
 from policygrad.envs.template import ChatDelta, TemplateError, cut_middle, max_token_chars
 from policygrad.envs.workers import call_all, copy_row, make_host
-from policygrad.rollout.base import (
-    RESPONSE,
-    ROW,
-    Rollout,
-    field_layouts,
-    pad_columns,
-    prompt_seed,
-)
+from policygrad.rollout.base import Rollout, prompt_seed
 from policygrad.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
 
 log = logging.getLogger("policygrad")
-
-
-@dataclasses.dataclass(frozen=True)
-class EpisodeLimits:
-    """How far an episode may run (``rollout.*`` of the config).
-
-    Attributes:
-        max_turns: the most policy turns; reaching it is the stop ``max_turns`` (not a truncation).
-        max_new_tokens: the most tokens of one turn.
-        max_episode_tokens: the most tokens after the prompt (actions and observations); None: no
-            limit but the context.
-        max_observation_tokens: the most tokens of one observation message's content (longer ones
-            keep their head and tail); None: no limit.
-        max_context: the engine's context in tokens (prompt and everything after it); None: none.
-        step_timeout_s: the most seconds one environment call may take; None: no limit.
-        workers: environment calls run at once (worker processes, or threads in-process).
-        retries: fresh attempts of an episode that failed in the environment (see
-            :meth:`EpisodeRunner.run`).
-        isolation: environments run in worker processes (:mod:`policygrad.envs.workers`).
-    """
-
-    max_turns: int = 1
-    max_new_tokens: int = 32
-    max_episode_tokens: int | None = None
-    max_observation_tokens: int | None = None
-    max_context: int | None = None
-    step_timeout_s: float | None = None
-    workers: int = 4
-    retries: int = 0
-    isolation: bool = True
-
-
-@dataclasses.dataclass
-class Episodes:
-    """What a batch of episodes produced beyond the :class:`Rollout` (B rows, as the rollout's).
-
-    Attributes:
-        turn_rewards: float32 [B, T], each turn's reward on its last action token, 0 elsewhere.
-        final_rewards: float32 [B], ``final_reward(stop_reason)`` (0 for failed episodes).
-        stop: long [B], index of each episode's stop reason in :data:`STOP_REASONS`.
-        turns: long [B], policy turns taken.
-        failed: bool [B], episodes whose environment raised, timed out or died, after their
-            retries (no loss).
-        info: key -> float32 [B], each episode's mean of ``StepResult.info[key]`` (NaN: never given).
-        transcripts: B conversations (the opening messages, then assistant / observation
-            messages), local to this process.
-        errors: B one-line error messages (None where the episode did not fail), local.
-        env_seconds: seconds spent in environment calls.
-        retries: fresh attempts made for episodes that failed in the environment.
-        close_errors: episodes whose ``close()`` failed.
-    """
-
-    turn_rewards: torch.Tensor = dataclasses.field(metadata={"layout": RESPONSE})
-    final_rewards: torch.Tensor = dataclasses.field(metadata={"layout": ROW})
-    stop: torch.Tensor = dataclasses.field(metadata={"layout": ROW})
-    turns: torch.Tensor = dataclasses.field(metadata={"layout": ROW})
-    failed: torch.Tensor = dataclasses.field(metadata={"layout": ROW})
-    info: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict, metadata={"layout": "row_dict"})
-    transcripts: list = dataclasses.field(default_factory=list, metadata={"layout": "local"})
-    errors: list = dataclasses.field(default_factory=list, metadata={"layout": "local"})
-    env_seconds: float = 0.0
-    retries: int = 0
-    close_errors: int = 0
-
-    @property
-    def stop_reasons(self) -> list[str]:
-        """The stop reason of each episode."""
-        return [STOP_REASONS[int(i)] for i in self.stop]
-
-    @property
-    def truncated(self) -> torch.Tensor:
-        """bool [B]: episodes that stopped on a cut turn (``length``, ``budget``, ``context``)."""
-        cut = torch.tensor([STOP_REASONS.index(s) for s in sorted(TRUNCATING_STOPS)])
-        return torch.isin(self.stop, cut)
-
-    def select(self, rows: torch.Tensor) -> Episodes:
-        """The episodes ``rows`` (LongTensor), in that order."""
-        index = rows.tolist()
-        return self._build(
-            lambda name: getattr(self, name)[rows],
-            {k: v[rows] for k, v in self.info.items()},
-            [
-                [self.transcripts[i] for i in index] if self.transcripts else [],
-                [self.errors[i] for i in index] if self.errors else [],
-            ],
-            (self.env_seconds, self.retries, self.close_errors),
-        )
-
-    @classmethod
-    def concat(cls, parts: Sequence[Episodes]) -> Episodes:
-        """One batch of several, rows in order, ``turn_rewards`` right-padded with 0."""
-        if len(parts) == 1:
-            return parts[0]
-        width = max(p.turn_rewards.shape[1] for p in parts)
-
-        def joined(name: str) -> torch.Tensor:
-            values = [getattr(p, name) for p in parts]
-            if name == "turn_rewards":
-                values = [pad_columns(v, width, left=False) for v in values]
-            return torch.cat(values)
-
-        keys = sorted({k for p in parts for k in p.info})
-        info = {
-            k: torch.cat([p.info.get(k, torch.full((len(p.stop),), float("nan"))) for p in parts])
-            for k in keys
-        }
-        local = [[t for p in parts for t in p.transcripts], [e for p in parts for e in p.errors]]
-        counts = tuple(sum(getattr(p, k) for p in parts) for k in ("env_seconds", "retries", "close_errors"))
-        return parts[0]._build(joined, info, local, counts)
-
-    def gather(self, gather_rows) -> Episodes:
-        """Every process's episodes (see :meth:`Rollout.gather`); ``info`` (whose keys may
-        differ between processes), transcripts and errors stay this process's."""
-        info = self.info
-        return self._build(
-            lambda name: gather_rows(getattr(self, name), left=False),
-            info,
-            [[], []],
-            (self.env_seconds, self.retries, self.close_errors),
-        )
-
-    def _build(self, tensor_of: Callable[[str], torch.Tensor], info, local, counts) -> Episodes:
-        values = {
-            name: tensor_of(name)
-            for name, layout in field_layouts(Episodes).items()
-            if layout in (RESPONSE, ROW)
-        }
-        seconds, retries, close_errors = counts
-        return Episodes(
-            **values,
-            info=info,
-            transcripts=local[0],
-            errors=local[1],
-            env_seconds=seconds,
-            retries=retries,
-            close_errors=close_errors,
-        )
-
-
-@dataclasses.dataclass
-class _Episode:
-    """One episode while it runs."""
-
-    row: Mapping[str, Any]
-    seed: int  # the episode's own seed, for turns after the first
-    reset_seed: int  # its row's seed: reset()'s
-    env: int | None = None  # the environment's handle in the runner's host
-    tools: list[dict] | None = None  # native tool schemas (see _native_tools)
-    opening: list[dict] | None = None  # what its group's reset() gave (None: every one failed)
-    start: list[dict] = dataclasses.field(default_factory=list)  # the messages of its prompt
-    attempts: int = 0  # fresh environments after the first
-    origin: int | None = None  # a retried episode's first seed
-    close_error: str | None = None
-    messages: list[dict] = dataclasses.field(default_factory=list)
-    ids: list[int] = dataclasses.field(default_factory=list)  # everything after the prompt
-    action: list[bool] = dataclasses.field(default_factory=list)  # per id: sampled by the policy
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    rewards: dict[int, float] = dataclasses.field(default_factory=dict)  # position -> turn reward
-    info: dict[str, list[float]] = dataclasses.field(default_factory=dict)
-    turns: int = 0
-    stepped: bool = True  # env.step has seen the newest turn
-    final: float = 0.0
-    last_action: str = ""
-    stop: str | None = None
-    error: str | None = None
-
-    def fail(self, message: str) -> None:
-        self.stop, self.error = "error", message
 
 
 class EpisodeRunner:
@@ -274,11 +101,11 @@ class EpisodeRunner:
         self.host.close()
 
     # ------------------------------------------------------------------------------------------
-    def _calls(self, episodes: Sequence[_Episode], method: str, args: Callable[[_Episode], tuple]):
+    def _calls(self, episodes: Sequence[EpisodeState], method: str, args: Callable[[EpisodeState], tuple]):
         """``method`` on each episode's environment: ``(ok, value or one-line error)`` each."""
         return self.host.call([(e.env, method, args(e)) for e in episodes])
 
-    def _open(self, episodes: list[_Episode]) -> None:
+    def _open(self, episodes: list[EpisodeState]) -> None:
         """Build and reset each episode's environment (reset gets its own copy of the row); one
         that fails is tried again on a fresh environment, up to ``limits.retries`` times."""
         todo = episodes
@@ -291,7 +118,7 @@ class EpisodeRunner:
             for e in todo:
                 e.attempts += 1
 
-    def _open_once(self, episodes: list[_Episode]) -> None:
+    def _open_once(self, episodes: list[EpisodeState]) -> None:
         for e in episodes:
             e.env = self.host.new_handles(1)[0]
             e.stop = e.error = None
@@ -305,7 +132,7 @@ class EpisodeRunner:
         opened = self._calls(live, "reset", lambda e: (copy_row(e.row), e.reset_seed))
         for e, outcome in zip(live, opened):
             check = lambda v: (check_messages(v[0], "reset()"), self._tools(v[1]))  # noqa: E731
-            value = _accept(e, outcome, "reset()", check)
+            value = accept(e, outcome, "reset()", check)
             if value is not None:
                 e.messages, e.tools = value
 
@@ -332,7 +159,7 @@ class EpisodeRunner:
             )
         return tools
 
-    def _opening(self, group: list[_Episode]) -> list[dict] | None:
+    def _opening(self, group: list[EpisodeState]) -> list[dict] | None:
         """The group's shared opening messages (None when every reset failed)."""
         opened = [e.messages for e in group if e.stop is None]
         for e in group:
@@ -344,7 +171,7 @@ class EpisodeRunner:
                 )
         return opened[0] if opened else None
 
-    def _prompt_ids(self, rows, groups: list[list[_Episode]]) -> list[list[int]]:
+    def _prompt_ids(self, rows, groups: list[list[EpisodeState]]) -> list[list[int]]:
         texts, ids = [], []
         for row, group in zip(rows, groups):
             messages = self._opening(group)
@@ -353,7 +180,7 @@ class EpisodeRunner:
             if self.system_prompt and messages[0]["role"] != "system":
                 messages = [{"role": "system", "content": self.system_prompt}, *messages]
             try:  # contents as plain text
-                text, opening = self.delta.prompt(messages, tools=_native_tools(group))
+                text, opening = self.delta.prompt(messages, tools=group_tools(group))
             except TemplateError as exc:  # the template refuses the opening: its episodes fail, for good
                 for e in group:
                     e.opening = None  # (a retry would get the same opening)
@@ -393,7 +220,7 @@ class EpisodeRunner:
         """
         G = group_size
         episodes = [
-            _Episode(row, prompt_seed(seed, g), seed) for row, seed in zip(rows, seeds) for g in range(G)
+            EpisodeState(row, prompt_seed(seed, g), seed) for row, seed in zip(rows, seeds) for g in range(G)
         ]
         t = time.perf_counter()
         self._open(episodes)
@@ -415,9 +242,9 @@ class EpisodeRunner:
         env_seconds += self._finish(episodes)
         env_seconds += self._retry(episodes, prompt_of, sampling)
         finals = [e.last_action for e in episodes]
-        return prompts, self._rollout(first, episodes), self._episodes(episodes, env_seconds), finals
+        return prompts, to_rollout(first, episodes, self.pad_id), to_episodes(episodes, env_seconds), finals
 
-    def _turns(self, episodes: list[_Episode], prompt_of: list[list[int]], turn: int, sampling) -> float:
+    def _turns(self, episodes: list[EpisodeState], prompt_of: list[list[int]], turn: int, sampling) -> float:
         """The turns after ``turn`` of every live episode, until each stops; each turn's
         ``env.step``. Returns the seconds spent in the environments."""
         env_seconds = 0.0
@@ -442,7 +269,7 @@ class EpisodeRunner:
                 self._take_actions([episodes[i] for i in batch], out, [allowed[i] for i in batch])
             env_seconds += self._observe([episodes[i] for i in live], [prompt_of[i] for i in live])
 
-    def _retry(self, episodes: list[_Episode], prompt_of: list[list[int]], sampling) -> float:
+    def _retry(self, episodes: list[EpisodeState], prompt_of: list[list[int]], sampling) -> float:
         """Run again from scratch each episode that failed in the environment after its reset,
         up to ``limits.retries`` fresh attempts in all: a fresh environment reset with its row
         (a fresh copy) and seed, which must give its group's opening messages, then every turn
@@ -465,7 +292,7 @@ class EpisodeRunner:
                 old = episodes[i]
                 attempt = old.attempts + 1
                 origin = old.seed if old.origin is None else old.origin
-                e = _Episode(
+                e = EpisodeState(
                     old.row, prompt_seed(origin, -attempt), old.reset_seed, attempts=attempt, origin=origin
                 )
                 e.opening = old.opening
@@ -488,7 +315,7 @@ class EpisodeRunner:
             return lim.max_episode_tokens, "budget"
         return lim.max_new_tokens, "length"
 
-    def _room(self, e: _Episode, prompt: list[int]) -> tuple[int, str]:
+    def _room(self, e: EpisodeState, prompt: list[int]) -> tuple[int, str]:
         """``(the most tokens e's next turn may have, the stop reason when that is the limit)``."""
         lim = self.limits
         room, reason = lim.max_new_tokens, "length"
@@ -498,7 +325,7 @@ class EpisodeRunner:
             room, reason = lim.max_context - len(prompt) - len(e.ids), "context"
         return room, reason
 
-    def _take_actions(self, episodes: list[_Episode], out: Rollout, caps) -> None:
+    def _take_actions(self, episodes: list[EpisodeState], out: Rollout, caps) -> None:
         """Append each episode's sampled turn (ids verbatim) and note a turn cut short."""
         lengths = out.response_lengths.tolist()
         for r, e in enumerate(episodes):
@@ -516,7 +343,7 @@ class EpisodeRunner:
             if not ids or ids[-1] not in self.end_ids:  # cut: by max_new_tokens or by a tighter limit
                 e.stop = cap[1] if n >= cap[0] else "length"
 
-    def _observe(self, episodes: list[_Episode], prompts: list[list[int]]) -> float:
+    def _observe(self, episodes: list[EpisodeState], prompts: list[list[int]]) -> float:
         """``env.step`` on every episode's new turn, a cut one included (the environment judges
         every turn the policy wrote; the episode then ends, its observation unseen); the
         observations of the live ones appended. Returns the seconds spent in the environments."""
@@ -528,7 +355,7 @@ class EpisodeRunner:
         results = self._calls([e for e, _ in live], "step", lambda e: (e.last_action,))
         seconds = time.perf_counter() - t
         for (e, prompt), outcome in zip(live, results):
-            result = _accept(e, outcome, "step()", check_step_result)
+            result = accept(e, outcome, "step()", check_step_result)
             if result is None:
                 continue
             last = len(e.ids) - 1
@@ -539,7 +366,7 @@ class EpisodeRunner:
                 self._continue(e, result, prompt)
         return seconds
 
-    def _continue(self, e: _Episode, result, prompt: list[int]) -> None:
+    def _continue(self, e: EpisodeState, result, prompt: list[int]) -> None:
         """After a turn that ended normally: stop (done, max_turns, budget, context) or append
         the observation."""
         lim = self.limits
@@ -575,7 +402,7 @@ class EpisodeRunner:
         e.logprobs.extend([0.0] * len(ids))
         e.messages.extend(observation)
 
-    def _surely_too_long(self, e: _Episode, observation: list[dict], prompt: list[int]) -> str | None:
+    def _surely_too_long(self, e: EpisodeState, observation: list[dict], prompt: list[int]) -> str | None:
         """The stop reason (``budget``, ``context``) that :meth:`_continue` would give an
         observation whose contents alone are too long to fit, decided from their length in
         characters (a token covers at most :func:`max_token_chars` of them, so ``n`` characters
@@ -600,18 +427,18 @@ class EpisodeRunner:
             # (budget - 1) characters are tokenised to find it: bounded work.
         return None
 
-    def _finish(self, episodes: list[_Episode]) -> float:
+    def _finish(self, episodes: list[EpisodeState]) -> float:
         t = time.perf_counter()
         scored = [e for e in episodes if e.stop != "error"]
         results = self._calls(scored, "final_reward", lambda e: (e.stop,))
         for e, outcome in zip(scored, results):
-            final = _accept(e, outcome, "final_reward()", lambda v: check_reward(v, "final_reward()"))
+            final = accept(e, outcome, "final_reward()", lambda v: check_reward(v, "final_reward()"))
             if final is not None:
                 e.final = final
         self._close(episodes)
         return time.perf_counter() - t
 
-    def _close(self, episodes: list[_Episode]) -> None:
+    def _close(self, episodes: list[EpisodeState]) -> None:
         """``close()`` each episode's environment that is still there; a failure is counted in
         the episode (``env/close_errors``) and said once per runner."""
         open_ = [e for e in episodes if e.env is not None and self.host.alive(e.env)]
@@ -625,75 +452,3 @@ class EpisodeRunner:
                         self.name,
                         value,
                     )
-
-    def _rollout(self, first: Rollout, episodes: list[_Episode]) -> Rollout:
-        T = max(len(e.ids) for e in episodes)
-        B = len(episodes)
-        ids = torch.full((B, T), self.pad_id, dtype=torch.long)
-        action = torch.zeros(B, T, dtype=torch.float32)
-        observed = torch.zeros(B, T, dtype=torch.float32)
-        logprobs = torch.zeros(B, T, dtype=torch.float32)
-        for r, e in enumerate(episodes):
-            n = len(e.ids)
-            ids[r, :n] = torch.tensor(e.ids, dtype=torch.long)
-            mask = torch.tensor(e.action, dtype=torch.bool)
-            action[r, :n] = mask.float()
-            observed[r, :n] = (~mask).float()
-            logprobs[r, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-        truncated = torch.tensor([e.stop in TRUNCATING_STOPS for e in episodes], dtype=torch.bool)
-        device = first.response_ids.device
-        return dataclasses.replace(
-            first,
-            response_ids=ids.to(device),
-            response_mask=action.to(device),
-            sampler_logprobs=logprobs.to(device),
-            truncated=truncated.to(device),
-            observation_mask=observed.to(device) if bool(observed.any()) else None,
-        )
-
-    def _episodes(self, episodes: list[_Episode], env_seconds: float) -> Episodes:
-        T = max(len(e.ids) for e in episodes)
-        turn_rewards = torch.zeros(len(episodes), T, dtype=torch.float32)
-        for r, e in enumerate(episodes):
-            for position, reward in e.rewards.items():
-                turn_rewards[r, position] = reward
-        keys = sorted({k for e in episodes for k in e.info})
-        nan = float("nan")
-        info = {
-            k: torch.tensor([sum(e.info[k]) / len(e.info[k]) if e.info.get(k) else nan for e in episodes])
-            for k in keys
-        }
-        return Episodes(
-            turn_rewards=turn_rewards,
-            final_rewards=torch.tensor([e.final for e in episodes], dtype=torch.float32),
-            stop=torch.tensor([STOP_REASONS.index(e.stop) for e in episodes], dtype=torch.long),
-            turns=torch.tensor([e.turns for e in episodes], dtype=torch.long),
-            failed=torch.tensor([e.stop == "error" for e in episodes], dtype=torch.bool),
-            info=info,
-            transcripts=[e.messages for e in episodes],
-            errors=[e.error for e in episodes],
-            env_seconds=env_seconds,
-            retries=sum(e.attempts for e in episodes),
-            close_errors=sum(e.close_error is not None for e in episodes),
-        )
-
-
-def _accept(e: _Episode, outcome: tuple[bool, Any], call: str, check: Callable[[Any], Any]) -> Any:
-    """The checked value of an environment call's ``outcome`` (from :func:`call_all`), or None
-    after failing episode ``e`` with one line that names ``call`` (what it raised, or why its
-    value was refused)."""
-    ok, value = outcome
-    if not ok:
-        e.fail(f"{call} failed: {value}")
-        return None
-    try:
-        return check(value)
-    except EnvironmentFailure as exc:
-        e.fail(str(exc) if str(exc).startswith(call) else f"{call} failed: {exc}")
-        return None
-
-
-def _native_tools(group: list[_Episode]) -> list[dict] | None:
-    """The native tool schemas (:func:`~policygrad.envs.workers.native_tools`, read by the
-    environment's host after ``reset``) of the group's first live episode, else None."""
-    return next((e.tools for e in group if e.env is not None and e.stop is None), None)

@@ -41,21 +41,21 @@ pickle. One that cannot be sent (defined in ``__main__``, a lambda or closure, u
 that a worker cannot load runs in the trainer's process (:class:`InProcessHost`, threads as
 before) with one warning line saying why; so does every environment with
 ``rollout.env_isolation: false`` (trusted code; saves the pipe's round trips).
+
+A worker process itself, its replies and the trainer's end of it are
+:mod:`policygrad.envs.worker_process`.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import functools
 import inspect
 import logging
 import multiprocessing.connection
-import numbers
 import os
 import pickle
 import queue
-import signal
 import sys
 import threading
 import time
@@ -64,8 +64,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from policygrad.envs.base import StepResult
-from policygrad.rewards.isolation import main_module_hidden, plain_loads, worker_context
+from policygrad.envs.worker_process import EnvWorker, decode_tree, env_call, one_line, read_reply
+from policygrad.rewards.remote import worker_context
 
 __all__ = [
     "InProcessHost",
@@ -82,288 +82,6 @@ log = logging.getLogger("policygrad")
 
 # Seconds a new worker may take to load the environment before it counts as failed to start.
 START_TIMEOUT_S = 120.0
-
-
-def one_line(exc: BaseException) -> str:
-    """An exception as the one line an episode's error carries."""
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
-def native_tools(env: Any) -> list[dict] | None:
-    """The JSON schemas of a tool environment that leaves its tools to the chat template
-    (``tool_schemas()`` with ``describe_tools`` False: the template's own tool format), else None."""
-    if getattr(env, "describe_tools", True) or not callable(getattr(env, "tool_schemas", None)):
-        return None
-    return env.tool_schemas()
-
-
-def env_call(env: Any, method: str, args: tuple) -> Any:
-    """One protocol call on ``env``: ``reset`` (``args`` = row, seed) returns ``(messages,
-    native tools)``; ``step`` (action), ``final_reward`` (stop reason) and ``close`` return what
-    the environment's method returns (``close`` of an environment without one: None)."""
-    if method == "reset":
-        messages = env.reset(args[0], seed=args[1])
-        return messages, native_tools(env)
-    if method == "step":
-        return env.step(args[0])
-    if method == "final_reward":
-        return env.final_reward(args[0])
-    if method == "close":
-        close = getattr(env, "close", None)
-        return close() if callable(close) else None
-    raise ValueError(f"unknown environment call {method!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# Plain data across the process boundary: a tagged tree the trainer decodes without importing
-# anything (its unpickler refuses every class).
-
-
-class _Opaque:
-    """Stands in for a value that is not plain data; its class is named after the original's
-    type and its repr is the original's, so a check's error reads as it would in-process."""
-
-    def __init__(self, text: str):
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-    __str__ = __repr__
-
-
-@functools.lru_cache(maxsize=256)
-def _opaque_type(name: str) -> type:
-    return type(name if name.isidentifier() else "Opaque", (_Opaque,), {})
-
-
-def _encode(value: Any, depth: int = 0) -> tuple:
-    if isinstance(value, bool) or value is None:
-        return ("v", value)
-    if isinstance(value, numbers.Integral):
-        return ("v", int(value))
-    if isinstance(value, numbers.Real):
-        return ("v", float(value))
-    if isinstance(value, str):
-        return ("v", str(value))
-    if depth < 32:
-        if isinstance(value, StepResult):
-            return (
-                "s",
-                *(_encode(getattr(value, f), depth + 1) for f in ("observation", "reward", "done", "info")),
-            )
-        if isinstance(value, Mapping):
-            return ("d", [(_encode(k, depth + 1), _encode(v, depth + 1)) for k, v in value.items()])
-        if isinstance(value, (list, tuple)):
-            return ("l" if isinstance(value, list) else "t", [_encode(v, depth + 1) for v in value])
-    return ("o", type(value).__name__, repr(value)[:200])
-
-
-def _decode(node: tuple) -> Any:
-    kind = node[0]
-    if kind == "v":
-        return node[1]
-    if kind == "s":
-        return StepResult(*(_decode(n) for n in node[1:]))
-    if kind == "d":
-        return {_decode(k): _decode(v) for k, v in node[1]}
-    if kind == "l":
-        return [_decode(v) for v in node[1]]
-    if kind == "t":
-        return tuple(_decode(v) for v in node[1])
-    return _opaque_type(node[1])(node[2])
-
-
-def _loads(data: bytes) -> Any:
-    return plain_loads(data, "environment worker")
-
-
-# --------------------------------------------------------------------------------------------
-# The worker process.
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGKILL this process when its parent ends (prctl PR_SET_PDEATHSIG), and make it
-    a child subreaper (PR_SET_CHILD_SUBREAPER): a process its environment started whose parent
-    ends (a daemon, a ``start_new_session`` child of a shell) becomes this worker's child instead
-    of init's, so :meth:`_Worker.stop` still finds it among the worker's descendants."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1: PR_SET_PDEATHSIG
-        libc.prctl(36, 1, 0, 0, 0)  # 36: PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):  # not Linux: the parent watch below still ends it
-        pass
-
-
-def descendants(pid: int) -> list[int]:
-    """The pids of every living descendant of ``pid`` (children first), from the parent links in
-    ``/proc/*/stat``; [] where there is no ``/proc``."""
-    children: dict[int, list[int]] = {}
-    try:
-        entries = os.listdir("/proc")
-    except OSError:
-        return []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ")"
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def _kill_descendants(pid: int) -> None:
-    """SIGKILL every descendant of ``pid`` (alive, a subreaper): those in other sessions and
-    process groups too, which a group kill misses. Rounds until no new one appears, since the
-    children of a killed process are re-parented to ``pid`` and found by the next round."""
-    killed: set[int] = set()
-    for _ in range(10):
-        new = [p for p in descendants(pid) if p not in killed]
-        if not new:
-            return
-        for p in new:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        killed.update(new)
-
-
-def _watch_parent() -> None:
-    parent = multiprocessing.parent_process()
-    if parent is not None:
-        parent.join()
-        os._exit(1)
-
-
-def _serve(conn, payload: bytes) -> None:
-    """A worker: load the factory from ``payload`` (``(factory, environ, sys.path, cwd)``), reply
-    ``("ready", None)`` or ``("error", line)``, then serve requests ``(handle, method, args)``
-    (method ``make`` builds environment ``handle``) with one reply each: ``("ok", tree)`` or
-    ``("error", line)``."""
-    try:
-        os.setsid()  # its own session and process group: killed as a group, out of the trainer's
-    except OSError:
-        pass
-    _die_with_parent()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    threading.Thread(target=_watch_parent, daemon=True).start()
-    environ, path, cwd, blob = pickle.loads(payload)
-    os.environ.clear()
-    os.environ.update(environ)
-    sys.path.extend(p for p in path if p not in sys.path)
-    try:
-        os.chdir(cwd)
-        factory = pickle.loads(blob)
-        reply: tuple = ("ready", None)
-    except BaseException as exc:  # noqa: BLE001 - reported to the trainer, which decides
-        factory, reply = None, ("error", one_line(exc))
-    conn.send_bytes(pickle.dumps(reply))
-    if factory is None:
-        os._exit(0)
-    home = os.getcwd()
-    envs: dict[int, Any] = {}
-    while True:
-        try:
-            handle, method, args = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            os._exit(0)  # the trainer closed the pipe
-        try:
-            if method == "make":
-                envs[handle] = factory()
-                reply = ("ok", ("v", None))
-            else:
-                try:
-                    reply = ("ok", _encode(env_call(envs[handle], method, args)))
-                finally:
-                    if method == "close":
-                        envs.pop(handle, None)
-        except BaseException as exc:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too: the call failed
-            reply = ("error", one_line(exc))
-        finally:
-            if os.getcwd() != home:
-                os.chdir(home)
-        try:
-            data = pickle.dumps(reply)
-        except Exception as exc:  # noqa: BLE001 - e.g. a recursion too deep
-            data = pickle.dumps(("error", f"its result cannot be sent back ({one_line(exc)})"))
-        conn.send_bytes(data)
-
-
-class _Worker:
-    """The trainer's end of one worker process."""
-
-    def __init__(self, ctx, payload: bytes):
-        parent, child = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_serve, args=(child, payload), name="policygrad-env-worker", daemon=True
-        )
-        with main_module_hidden():
-            self.process.start()
-        child.close()
-        self.conn = parent
-        self.ready = False
-
-    def wait_ready(self, timeout: float) -> str | None:
-        """None once the worker loaded the environment, else why it did not."""
-        if self.ready:
-            return None
-        try:
-            if not self.conn.poll(timeout):
-                return f"it did not load the environment within {timeout:g} s"
-            kind, value = _loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            return f"loading the environment ended it ({self.exit()})"
-        if kind != "ready":
-            return value
-        self.ready = True
-        return None
-
-    def exit(self) -> str:
-        """How the process ended, as a phrase."""
-        self.process.join(5)
-        code = self.process.exitcode
-        if code is None:
-            return "it stopped answering"
-        if code >= 0:
-            return f"exit status {code}"
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return name
-
-    def stop(self) -> None:
-        """Kill every descendant of the worker (what its environments started, in any session:
-        the worker is their subreaper), every process still in its group, then the worker."""
-        pid = self.process.pid
-        if pid is not None:
-            if self.process.is_alive():
-                _kill_descendants(pid)
-            try:
-                if os.getpgid(pid) == pid:
-                    os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-        if self.process.is_alive():
-            self.process.kill()
-        self.process.join(5)
-        try:
-            self.conn.close()
-        except OSError:
-            pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -461,7 +179,7 @@ class ProcessHost:
 
     def __init__(self, payload: bytes, *, workers: int, timeout_s: float | None):
         self.payload, self.timeout_s = payload, timeout_s
-        self.slots: list[_Worker | None] = [None] * max(int(workers), 1)
+        self.slots: list[EnvWorker | None] = [None] * max(int(workers), 1)
         self.lost: dict[int, str] = {}  # handle -> why its environment is gone
         self._hosted: list[set[int]] = [set() for _ in self.slots]
         self._next = 0
@@ -484,7 +202,7 @@ class ProcessHost:
         fresh = []
         for s in dict.fromkeys(slots):
             if self.slots[s] is None:
-                self.slots[s] = _Worker(self._ctx, self.payload)
+                self.slots[s] = EnvWorker(self._ctx, self.payload)
                 fresh.append(s)
         failed = {}
         for s in fresh:
@@ -583,7 +301,7 @@ class ProcessHost:
         try:
             if not worker.conn.poll():
                 raise EOFError
-            kind, value = _loads(worker.conn.recv_bytes())
+            kind, value = read_reply(worker.conn.recv_bytes())
         except (EOFError, OSError):
             why = (
                 f"its environment worker process ended ({worker.exit()}: os._exit, a crash, a signal or an "
@@ -597,7 +315,7 @@ class ProcessHost:
             self._hosted[slot].add(h)
         if method == "close":
             self._hosted[slot].discard(h)
-        return (True, _decode(value)) if kind == "ok" else (False, value)
+        return (True, decode_tree(value)) if kind == "ok" else (False, value)
 
     def close(self) -> None:
         """Stop every worker (and what it forked). Idempotent."""
@@ -606,7 +324,7 @@ class ProcessHost:
                 self._lose(s, None, "the environment workers were closed")
 
 
-def _stop_all(slots: list[_Worker | None]) -> None:
+def _stop_all(slots: list[EnvWorker | None]) -> None:
     for worker in slots:
         if worker is not None:
             worker.stop()

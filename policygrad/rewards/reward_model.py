@@ -117,6 +117,7 @@ class RewardModel:
         Raises:
             ValueError: not a folder, not a sequence classifier, more than one label.
         """
+        # Function-level: transformers is heavy and only a reward model needs it.
         from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
         folder = os.path.expanduser(path)

@@ -65,6 +65,9 @@ can only guess them from the prompt); timing side channels; kernel exploits (nam
 a virtual machine); in ``none`` mode, everything namespaces provide (a program that kills its
 supervisor leaves its other processes running). ``RLIMIT_AS`` is per process,
 so a program can hold at most ``max_processes x memory_bytes`` in total.
+
+The records it takes and gives are :mod:`policygrad.sandbox.records`; starting and ending a worker
+process is :mod:`policygrad.sandbox.launch`; the worker itself is :mod:`policygrad.sandbox.worker`.
 """
 
 from __future__ import annotations
@@ -75,14 +78,30 @@ import os
 import random
 import selectors
 import shutil
-import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+
+from policygrad.sandbox.launch import (
+    CLEAN_ENV,
+    Drain,
+    bwrap_argv,
+    close_fds,
+    interpreter,
+    kill_worker,
+    readonly_paths,
+    worker_program,
+)
+from policygrad.sandbox.records import (
+    ProgramResult,
+    SandboxError,
+    SandboxLimits,
+    SandboxUnavailable,
+    TestResult,
+    TestSpec,
+)
 
 __all__ = [
     "ISOLATION_MODES",
@@ -99,14 +118,11 @@ __all__ = [
 log = logging.getLogger("policygrad")
 
 ISOLATION_MODES = ("auto", "bwrap", "namespaces", "none")
-KEPT_OUTPUT_BYTES = 4096  # the head of a program's output kept in results, for diagnostics
 GRACE_S = 2.0  # the harness's reporting time beyond the program's wall time
 # Both sandboxes must be up within this; the program's wall time starts when they are (so a
 # loaded machine's slow start-up is never counted against a program).
 START_TIMEOUT_S = 60.0
 SETUP_FAILED = 121  # the worker's exit status when the sandbox could not be set up
-_WORKER_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py")
-_CLEAN_ENV = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8"}
 # A fresh uid per sandbox when started as root: no other process (and no file) belongs to it, so
 # RLIMIT_NPROC counts only this sandbox's processes and nothing outside can be signalled.
 _UID_RANGE = (1 << 20, 1 << 21)
@@ -121,225 +137,6 @@ print(json.dumps({"interfaces": sorted(name for _, name in socket.if_nameindex()
                   "uid": os.getuid(), "pid": os.getpid(), "env": sorted(os.environ),
                   "root": sorted(os.listdir("/"))}))
 """
-
-
-class SandboxError(OSError):
-    """The sandbox itself failed (it did not start, or its harness broke): not the program's fault.
-    An ``OSError``: the machine refused or could not run a process as asked (the CLI shows it as
-    one ``error:`` line)."""
-
-
-class SandboxUnavailable(SandboxError):
-    """No isolation of the requested kind can be established on this machine."""
-
-
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Per-program limits.
-
-    Attributes:
-        wall_time_s: seconds for the program: for :meth:`Sandbox.run`, from its start; for
-            :meth:`Sandbox.run_tests`, from the moment both sandboxes are up (start-up may take up
-            to 60 s on a loaded machine) to the last test's verdict. Then everything is killed.
-        cpu_time_s: CPU seconds per process (``RLIMIT_CPU``); None: ``wall_time_s``.
-        memory_bytes: address space per process (``RLIMIT_AS``).
-        max_processes: processes and threads of the program (``RLIMIT_NPROC``; with a fresh uid
-            per sandbox, as root, they are the program's own; otherwise the user's processes
-            count too, so in ``none`` mode as a normal user a program may not be able to fork).
-        max_write_bytes: the largest file the program may write (``RLIMIT_FSIZE``) and, with
-            namespaces or bwrap, the size of its only writable filesystem.
-        max_output_bytes: stdout + stderr read before the pipe is closed (the rest is never read).
-    """
-
-    wall_time_s: float = 10.0
-    cpu_time_s: float | None = None
-    memory_bytes: int = 1 << 30
-    max_processes: int = 64
-    max_write_bytes: int = 256 << 20
-    max_output_bytes: int = 1 << 20
-
-    def __post_init__(self):
-        for name in ("wall_time_s", "memory_bytes", "max_processes", "max_write_bytes", "max_output_bytes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"sandbox limit {name} must be a positive number, got {value!r}")
-        if self.cpu_time_s is not None and not self.cpu_time_s > 0:
-            raise ValueError(f"sandbox limit cpu_time_s must be positive or None, got {self.cpu_time_s!r}")
-        if self.memory_bytes < 64 << 20:
-            raise ValueError(
-                f"sandbox limit memory_bytes={self.memory_bytes} is below the 64 MiB an interpreter needs"
-            )
-
-    def for_worker(self) -> dict:
-        out = asdict(self)
-        out["cpu_time_s"] = self.cpu_time_s if self.cpu_time_s is not None else self.wall_time_s
-        return out
-
-
-@dataclass(frozen=True)
-class ProgramResult:
-    """What :meth:`Sandbox.run` saw: ``returncode`` (None when killed at the time limit; negative:
-    killed by that signal), the first 4 KiB of the output and its total size in bytes (counted up
-    to ``max_output_bytes``), whether the wall time ran out, and the seconds taken."""
-
-    returncode: int | None
-    output: str
-    output_bytes: int
-    timed_out: bool
-    seconds: float
-
-
-@dataclass(frozen=True)
-class TestSpec:
-    """The tests of one program, run in the harness sandbox.
-
-    Attributes:
-        names: the program's functions the tests may call (each becomes a proxy in the harness).
-        check: HumanEval's test code, defining ``check(candidate)``; called with the proxy of
-            ``entry_point``. Counts as one test.
-        entry_point: the function ``check`` receives.
-        asserts: statements run one by one (each a test), e.g. ``"assert add(2, 3) == 5"``.
-        prelude: code run in the harness before the tests (HumanEval's prompt: the helpers it
-            defines belong to the tests, not to the program).
-    """
-
-    __test__ = False  # not a pytest class
-
-    names: tuple[str, ...]
-    check: str | None = None
-    entry_point: str | None = None
-    asserts: tuple[str, ...] = ()
-    prelude: str | None = None
-
-    def __post_init__(self):
-        if self.check and not self.entry_point:
-            raise ValueError("a TestSpec with check code needs entry_point (the function check receives)")
-        if not self.check and not self.asserts:
-            raise ValueError("a TestSpec needs check code or at least one assert statement")
-
-    @property
-    def total(self) -> int:
-        return (1 if self.check else 0) + len(self.asserts)
-
-
-@dataclass(frozen=True)
-class TestResult:
-    """The verdict on one program: ``passed`` of ``total`` tests passed (a test counts only when
-    the harness reported it passed), ``timed_out`` when the wall time ran out first, ``errors``
-    (per failed test, in order: its message), the head of the program's output and the seconds
-    taken. ``all_passed`` is the binary verdict."""
-
-    __test__ = False  # not a pytest class
-
-    passed: int
-    total: int
-    timed_out: bool
-    errors: tuple[str, ...] = field(default=())
-    output: str = ""
-    seconds: float = 0.0
-
-    @property
-    def all_passed(self) -> bool:
-        return self.total > 0 and self.passed == self.total
-
-
-def _python() -> str:
-    """The interpreter the sandbox runs: this one's real file (a venv's python is a symlink)."""
-    return os.path.realpath(sys.executable)
-
-
-def _readonly_paths(python: str) -> list[str]:
-    paths = ["/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"]
-    for prefix in {sys.base_prefix, sys.base_exec_prefix, os.path.dirname(os.path.dirname(python))}:
-        if prefix and prefix not in ("/", "") and not any(prefix.startswith(p + "/") for p in ("/usr",)):
-            paths.append(os.path.realpath(prefix))
-    return [p for p in dict.fromkeys(paths) if os.path.lexists(p)]
-
-
-def _bwrap_argv(bwrap: str, python: str, limits: SandboxLimits) -> list[str]:
-    argv = [bwrap, "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
-            "--die-with-parent", "--new-session", "--hostname", "sandbox", "--cap-drop", "ALL"]
-    if os.geteuid() == 0:
-        # Kept only until the worker has switched to its fresh uid (which clears every capability).
-        argv += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
-    else:
-        argv += ["--unshare-user"]
-    made: set[str] = set()
-    for path in _readonly_paths(python):
-        if os.path.islink(path):
-            argv += ["--symlink", os.readlink(path), path]
-            continue
-        # bwrap would copy the modes of missing parents (/root is 0700): the fresh uid could not
-        # reach the interpreter's prefix below them. Make them 0755.
-        parent = os.path.dirname(path)
-        ancestors = []
-        while parent not in ("/", "") and parent not in made:
-            ancestors.append(parent)
-            parent = os.path.dirname(parent)
-        for directory in reversed(ancestors):
-            argv += ["--perms", "0755", "--dir", directory]
-            made.add(directory)
-        argv += ["--ro-bind", path, path]
-    for path in ("/etc/ld.so.cache", "/etc/localtime"):
-        argv += ["--ro-bind-try", path, path]
-    argv += ["--dev", "/dev", "--proc", "/proc",
-             "--perms", "1777", "--size", str(int(limits.max_write_bytes)), "--tmpfs", "/sandbox",
-             "--symlink", "sandbox", "/tmp", "--chdir", "/sandbox", "--clearenv"]
-    for key, value in _CLEAN_ENV.items():
-        argv += ["--setenv", key, value]
-    return argv + ["--"]
-
-
-class _Drain:
-    """Reads a program's output pipe: counts bytes up to a cap, keeps the first 4 KiB, then closes
-    the pipe (the program's later writes fail) so nothing more is read or buffered."""
-
-    def __init__(self, fd: int, cap: int, keep: int = KEPT_OUTPUT_BYTES):
-        self.fd, self.cap, self.keep = fd, cap, keep
-        self.head = bytearray()
-        self.count = 0
-
-    def feed(self, data: bytes) -> bool:
-        """Take one chunk; False when the pipe should be closed (EOF or the cap reached)."""
-        if not data:
-            return False
-        self.count += len(data)
-        if len(self.head) < self.keep:
-            self.head += data[: self.keep - len(self.head)]
-        return self.count < self.cap
-
-    @property
-    def text(self) -> str:
-        return bytes(self.head).decode("utf-8", "replace")
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    """End a worker and everything it started, and reap it: SIGTERM to its supervisor (which
-    SIGKILLs its child, the sandbox's PID 1, whose death takes the PID namespace down, and reaps
-    it; in ``none`` mode, the program's process, then every process it left behind), then SIGKILL
-    to the whole process group for whatever is left (``none`` mode, bwrap)."""
-    if proc.poll() is None:
-        try:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=2)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:  # a process in uninterruptible sleep; the kernel will finish it
-        log.warning("sandbox process %d did not exit after SIGKILL", proc.pid)
-
-
-def _close(*fds: int) -> None:
-    for fd in fds:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
 
 
 _PROBES: dict[tuple[str, str], tuple[bool, str]] = {}
@@ -372,9 +169,8 @@ class Sandbox:
                 f"unknown sandbox isolation {isolation!r}; choose one of {', '.join(ISOLATION_MODES)}"
             )
         self.limits = limits if limits is not None else SandboxLimits()
-        self.python = _python()
-        with open(_WORKER_PATH, encoding="utf-8") as handle:
-            self._worker_source = handle.read()
+        self.python = interpreter()
+        self._worker_source = worker_program()
         self.isolation, self.description = self._resolve(isolation)
 
     # ----- isolation ------------------------------------------------------------------------
@@ -440,7 +236,7 @@ class Sandbox:
     def _argv(self, mode: str) -> list[str]:
         prefix = []
         if mode == "bwrap":
-            prefix = _bwrap_argv(shutil.which("bwrap") or "bwrap", self.python, self.limits)
+            prefix = bwrap_argv(shutil.which("bwrap") or "bwrap", self.python, self.limits)
         return prefix + [self.python, "-I", "-S", "-B", "-c", self._worker_source]
 
     def _spawn(self, role: str, payload: dict, mode: str, limits: SandboxLimits, *, stdout: int,
@@ -450,7 +246,7 @@ class Sandbox:
             "isolation": mode,
             "limits": limits.for_worker(),
             "uid": _UIDS.randrange(*_UID_RANGE) if os.geteuid() == 0 and mode != "none" else None,
-            "ro_paths": _readonly_paths(self.python),
+            "ro_paths": readonly_paths(self.python),
             "fds": fds,
             "start_timeout_s": START_TIMEOUT_S,
             **payload,
@@ -461,7 +257,7 @@ class Sandbox:
             stdout=stdout,
             stderr=stdout,
             pass_fds=tuple(fds.values()),
-            env=dict(_CLEAN_ENV),
+            env=dict(CLEAN_ENV),
             cwd=cwd,
             start_new_session=True,
         )
@@ -476,7 +272,7 @@ class Sandbox:
         return tempfile.mkdtemp(prefix="policygrad-sandbox-") if mode == "none" else None
 
     @staticmethod
-    def _pump(drains: dict[int, _Drain], until_eof: int | None, deadline: Callable[[], float]) -> bool:
+    def _pump(drains: dict[int, Drain], until_eof: int | None, deadline: Callable[[], float]) -> bool:
         """Read the pipes until ``until_eof`` closes (or, None, all close) or ``deadline()``
         passes (re-read after every chunk); True when the deadline came first. Every pipe is
         closed on return."""
@@ -515,11 +311,11 @@ class Sandbox:
         try:
             proc = self._spawn(role, payload, mode, limits, stdout=out_w, fds={}, cwd=workdir or "/")
         except BaseException:
-            _close(out_r, out_w)
+            close_fds(out_r, out_w)
             raise
         finally:
-            _close(out_w)
-        drain = _Drain(out_r, int(limits.max_output_bytes))
+            close_fds(out_w)
+        drain = Drain(out_r, int(limits.max_output_bytes))
         try:
             timed_out = self._pump({out_r: drain}, out_r, lambda: start + limits.wall_time_s)
             if not timed_out:
@@ -529,7 +325,7 @@ class Sandbox:
                 except subprocess.TimeoutExpired:
                     timed_out = True
         finally:
-            _kill(proc)
+            kill_worker(proc)
             if workdir:
                 shutil.rmtree(workdir, ignore_errors=True)
         return ProgramResult(
@@ -587,15 +383,15 @@ class Sandbox:
             ))
         except BaseException:
             for proc in procs:
-                _kill(proc)
-            _close(rep_r, cand_out_r, test_out_r)
+                kill_worker(proc)
+            close_fds(rep_r, cand_out_r, test_out_r)
             raise
         finally:
-            _close(req_r, req_w, resp_r, resp_w, rep_w, cand_out_w, test_out_w)
+            close_fds(req_r, req_w, resp_r, resp_w, rep_w, cand_out_w, test_out_w)
         drains = {
-            rep_r: _Drain(rep_r, 1 << 20, keep=1 << 20),  # the verdict lines, read whole
-            cand_out_r: _Drain(cand_out_r, int(limits.max_output_bytes)),
-            test_out_r: _Drain(test_out_r, int(limits.max_output_bytes)),
+            rep_r: Drain(rep_r, 1 << 20, keep=1 << 20),  # the verdict lines, read whole
+            cand_out_r: Drain(cand_out_r, int(limits.max_output_bytes)),
+            test_out_r: Drain(test_out_r, int(limits.max_output_bytes)),
         }
         report = drains[rep_r]
         ready_at: list[float] = []
@@ -609,7 +405,7 @@ class Sandbox:
             timed_out = self._pump(drains, rep_r, deadline)
         finally:
             for proc in procs:
-                _kill(proc)
+                kill_worker(proc)
             for workdir in workdirs:
                 if workdir:
                     shutil.rmtree(workdir, ignore_errors=True)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from policygrad.envs import Environment, StepResult
-from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner, Episodes, call_all
+from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner, call_all
 from tests.envs.scripted import ScriptedEngine
 from tests.tiny import BOS_ID, EOS_ID, PAD_ID, make_tiny_tokenizer
 
@@ -261,19 +261,6 @@ def test_an_episode_does_not_depend_on_which_others_are_still_running():
     _, alone, _, _ = run(r, rows=[{"prompt": "q"}], G=2, seeds=[9])
     seen = together.seen_mask()[2:]
     assert torch.equal(together.response_ids[2:][seen], alone.response_ids[alone.seen_mask()])
-
-
-def test_episodes_select_and_concat():
-    r, _ = runner(Replies, turns_script([enc("a") + [EOS_ID], enc("b!") + [EOS_ID]]))
-    _, _, a, _ = run(r, G=2)
-    r, _ = runner(Replies, turns_script([enc("abc!") + [EOS_ID]]))
-    _, _, b, _ = run(r, G=2)
-    joined = Episodes.concat([a, b])
-    assert joined.turn_rewards.shape == (4, max(a.turn_rewards.shape[1], b.turn_rewards.shape[1]))
-    assert joined.stop_reasons == a.stop_reasons + b.stop_reasons
-    picked = joined.select(torch.tensor([3, 0]))
-    assert picked.turns.tolist() == [b.turns[1].item(), a.turns[0].item()]
-    assert picked.transcripts == [b.transcripts[1], a.transcripts[0]]
 
 
 def test_sys_exit_in_an_environment_fails_its_episode_at_once():

@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -97,16 +96,6 @@ def test_environments_run_in_other_processes_and_in_process_without_isolation():
         isolated.close()
 
 
-def test_chdir_in_an_environment_does_not_move_the_run():
-    r, _ = runner(Does, ONE_TURN)
-    home = os.getcwd()
-    try:
-        _, _, episodes, _ = _run(r, "chdir")
-        assert not episodes.failed.any() and os.getcwd() == home
-    finally:
-        r.close()
-
-
 def test_a_c_call_holding_the_gil_cannot_stretch_the_step_timeout():
     # Today the trainer's own thread waits on the GIL for the whole 20 s call.
     r, _ = runner(Does, ONE_TURN, step_timeout_s=1.0, retries=0)
@@ -119,90 +108,6 @@ def test_a_c_call_holding_the_gil_cannot_stretch_the_step_timeout():
         r.close()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[1][0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
-
-
-def test_what_an_environment_forks_is_gone_when_the_runner_closes(tmp_path):
-    # Today the forked copies of the trainer run on after it.
-    pidfile = tmp_path / "pids"
-    r, _ = runner(Does, ONE_TURN)
-    try:
-        _, _, episodes, _ = _run(r, "fork", pidfile=str(pidfile))
-        assert not episodes.failed.any()
-        workers = [w.process.pid for w in r.host.slots if w is not None]
-    finally:
-        r.close()
-    children = [int(p) for p in pidfile.read_text().split()]
-    assert len(children) == 2
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in children + workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in children + workers)
-
-
-def test_what_an_environment_starts_in_a_new_session_is_gone_when_the_runner_closes(tmp_path):
-    # Before: a child in a new session (SIGTERM ignored) and an orphan re-parented to init escaped
-    # the worker's process-group kill and ran on after the run.
-    pidfile = tmp_path / "pids"
-    r, _ = runner(Does, ONE_TURN)
-    try:
-        _, _, episodes, _ = _run(r, "escape", pidfile=str(pidfile))
-        assert not episodes.failed.any()
-        workers = [w.process.pid for w in r.host.slots if w is not None]
-    finally:
-        r.close()
-    started = [int(p) for p in pidfile.read_text().split()]
-    assert len(started) == 4  # 2 episodes, each a direct child and an orphaned sleep
-    deadline = time.monotonic() + 5
-    while any(_alive(p) for p in started + workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    try:
-        assert not any(_alive(p) for p in started + workers)
-    finally:  # never leave them behind, whatever the result
-        for p in started:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-
-@pytest.mark.parametrize("end", ["exit", "SIGKILL"])
-def test_workers_end_with_the_process_that_started_them(end, tmp_path):
-    # A script that ends without closing its runner takes its workers and what they forked with
-    # it; one killed outright (SIGKILL, no cleanup at all) still takes its workers.
-    script = textwrap.dedent(
-        f"""
-        import sys, time
-        sys.path.insert(0, {os.getcwd()!r})
-        from tests.envs.test_workers import Does, ONE_TURN, _run
-        from tests.envs.test_episodes import runner
-        r, _ = runner(Does, ONE_TURN)
-        _run(r, "fork", pidfile={str(tmp_path / "pids")!r})
-        print(" ".join(str(w.process.pid) for w in r.host.slots if w is not None), flush=True)
-        if {end!r} == "SIGKILL":
-            time.sleep(60)
-        """
-    )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        pids = [int(p) for p in proc.stdout.readline().split()]
-        assert pids
-        if end == "SIGKILL":
-            proc.send_signal(signal.SIGKILL)
-        assert proc.wait(60) == (0 if end == "exit" else -signal.SIGKILL)
-    finally:
-        proc.kill()
-    if end == "exit":
-        pids += [int(p) for p in (tmp_path / "pids").read_text().split()]
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(_alive(p) for p in pids)
 
 
 class EditsRow(Environment):

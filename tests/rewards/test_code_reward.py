@@ -18,7 +18,7 @@ from policygrad.rewards.code import (
     spec_for_row,
 )
 from policygrad.rewards.registry import BUILTIN_REWARDS, load_reward_function
-from policygrad.sandbox import worker
+from policygrad.sandbox import wire
 
 pytestmark = pytest.mark.unit
 
@@ -83,12 +83,12 @@ def test_is_code_row():
      frozenset({"a"}), b"\x00\xff", 1 + 2j, {(1, 2): [None]}],
 )
 def test_plain_data_round_trips_exactly(value):
-    back = worker.decode(json.loads(json.dumps(worker.encode(value))))
+    back = wire.decode(json.loads(json.dumps(wire.encode(value))))
     assert back == value and type(back) is type(value)
 
 
 def test_nan_crosses_as_nan():
-    assert math.isnan(worker.decode(json.loads(json.dumps(worker.encode(float("nan"))))))
+    assert math.isnan(wire.decode(json.loads(json.dumps(wire.encode(float("nan"))))))
 
 
 class _Rigged:
@@ -106,7 +106,7 @@ class _RiggedInt(int):
 )
 def test_objects_with_their_own_methods_cannot_cross(value):
     with pytest.raises(TypeError, match="cannot cross the sandbox boundary"):
-        worker.encode(value)
+        wire.encode(value)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +114,7 @@ def test_objects_with_their_own_methods_cannot_cross(value):
 )
 def test_decode_accepts_only_the_tagged_forms(obj):
     with pytest.raises(ValueError):
-        worker.decode(obj)
+        wire.decode(obj)
 
 
 def test_code_tests_is_a_builtin_reward():

@@ -9,97 +9,10 @@ import os
 import pytest
 
 from policygrad.rewards.callables import describe_object
-from policygrad.rewards.isolation import RewardWorker, is_user_reward, isolate_reward_functions
+from policygrad.rewards.isolation import is_user_reward, isolate_reward_functions
 from policygrad.rewards.registry import CompositeReward, RewardFunctionError, row_fields_from_rows
 
 pytestmark = pytest.mark.integration  # starts worker processes
-
-USER_REWARDS = """
-import os
-import sys
-import time
-
-
-def ok(prompts, completions, **fields):
-    return [float(len(c)) for c in completions]
-
-
-def exits(prompts, completions, **fields):
-    sys.exit(0)
-
-
-class Custom(BaseException):
-    pass
-
-
-def raises_base_exception(prompts, completions, **fields):
-    raise Custom("not an Exception")
-
-
-def hard_exit(prompts, completions, **fields):
-    os._exit(0)
-
-
-def moves(prompts, completions, **fields):
-    os.chdir("/")
-    return [0.5] * len(completions)
-
-
-def where(prompts, completions, **fields):
-    return [float(os.getcwd() == {cwd!r})] * len(completions)
-
-
-def pops(prompts, completions, tests=None, **fields):
-    scores = [float(len(t)) for t in tests]
-    for t in tests:
-        t.pop()
-    completions.clear()
-    return scores
-
-
-def sleeps(prompts, completions, **fields):
-    time.sleep(10_000)
-
-
-def tensor(prompts, completions, **fields):
-    import torch
-
-    return torch.full((len(completions),), 0.25)
-
-
-def matrix(prompts, completions, **fields):
-    import torch
-
-    return torch.zeros(len(completions), 2)
-
-
-class Score:
-    pass
-
-
-def custom_objects(prompts, completions, **fields):
-    return [Score() for _ in completions]
-
-
-def huge(prompts, completions, **fields):
-    return [1e39] * len(completions)
-
-
-def naps(prompts, completions, **fields):
-    time.sleep(1.0)
-    return [float(len(c)) for c in completions]
-
-
-def env_value(prompts, completions, **fields):
-    return [float(os.environ.get("POLICYGRAD_TEST_RUN_VALUE", "-1"))] * len(completions)
-"""
-
-
-@pytest.fixture(scope="module")
-def user_file(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("user_rewards") / "user_rewards.py"
-    path.write_text(USER_REWARDS.format(cwd=os.getcwd()))
-    return str(path)
 
 
 @pytest.fixture(scope="module")
@@ -209,56 +122,6 @@ def test_without_isolation_inputs_are_still_copied_and_exits_contained(user_file
     assert out.rewards.tolist() == [3.0, 3.0] and shared == [1, 2, 3]
     assert not _score(functions[1]).valid.any()
 
-
-def test_a_closed_worker_process_is_gone(user_file):
-    worker = RewardWorker(timeout_s=5)
-    worker.load(f"{user_file}:ok")
-    process = worker._process
-    assert process.is_alive()
-    worker.close()
-    process.join(5)
-    assert not process.is_alive()
-
-
-def test_sigterm_to_the_process_group_leaves_the_call_to_finish(user_file):
-    # torchrun, job schedulers and `kill -- -PGID` send SIGTERM to every process of the trainer's
-    # group, this worker included: the trainer finishes its step (this call) and then stops, so
-    # the worker must not die under it.
-    import signal
-    import threading
-
-    worker = RewardWorker(timeout_s=10)
-    worker.load(f"{user_file}:naps")
-    timer = threading.Timer(0.4, os.kill, (worker._process.pid, signal.SIGTERM))
-    timer.start()
-    try:
-        assert worker.call(f"{user_file}:naps", ["p", "p"], ["ab", "c"], {}) == [2.0, 1.0]
-        assert worker._process.is_alive()
-    finally:
-        timer.cancel()
-        worker.close()
-
-
-def test_each_run_and_call_sees_the_callers_environment(user_file, monkeypatch):
-    # Two runs in one process (a notebook, a sweep): workers come from a forkserver that the
-    # process's first run started; the second run's variables must still reach its functions.
-    spec = f"{user_file}:env_value"
-    for value in ("1.5", "2.5"):
-        monkeypatch.setenv("POLICYGRAD_TEST_RUN_VALUE", value)
-        functions, worker = isolate_reward_functions([spec], timeout_s=10.0)
-        try:
-            assert _score(functions[0]).rewards.tolist() == [float(value)] * 2, value
-            if value == "2.5":  # within one run: a change before a call reaches that call
-                monkeypatch.setenv("POLICYGRAD_TEST_RUN_VALUE", "3.5")
-                assert _score(functions[0]).rewards.tolist() == [3.5, 3.5]
-                monkeypatch.delenv("POLICYGRAD_TEST_RUN_VALUE")
-                assert _score(functions[0]).rewards.tolist() == [-1.0, -1.0]
-        finally:
-            worker.close()
-
-
-# --------------------------------------------------------------------------------------------
-# Callables given as objects (policygrad.train(reward_funcs=[fn]), Run(reward_functions=...)).
 
 CALLABLE_REWARDS = """
 import os

@@ -1,82 +1,20 @@
-"""Reward-function loading, the weighted sum with its error policy, and truncation handling."""
+"""The weighted sum of reward functions with its error policy, and row fields from dataset rows
+(loading by name: tests/rewards/test_specs.py; truncation: tests/rewards/test_truncation.py)."""
 
 from __future__ import annotations
 
 import math
-import textwrap
 
 import pytest
 import torch
 
-from policygrad.rewards.code import code_tests
 from policygrad.rewards.registry import (
-    BUILTIN_REWARDS,
     CompositeReward,
     RewardFunctionError,
-    apply_truncation_policy,
-    load_reward_function,
     row_fields_from_rows,
 )
-from policygrad.rewards.verifiers import answer_correctness, answer_format, length_penalty
 
 pytestmark = pytest.mark.unit
-
-USER_MODULE = textwrap.dedent(
-    """
-    NOT_CALLABLE = 3
-
-    def contains_please(prompts, completions, **_):
-        return [1.0 if "please" in c else 0.0 for c in completions]
-    """
-)
-
-
-@pytest.fixture
-def user_file(tmp_path):
-    path = tmp_path / "my_rewards_file.py"
-    path.write_text(USER_MODULE)
-    return path
-
-
-# ----- loading ---------------------------------------------------------------------------------
-def test_builtin_names():
-    assert BUILTIN_REWARDS == {
-        "answer_correctness": answer_correctness,
-        "answer_format": answer_format,
-        "length_penalty": length_penalty,
-        "code_tests": code_tests,
-    }
-    assert load_reward_function("answer_format") is answer_format
-    assert load_reward_function(answer_format) is answer_format  # a callable passes through
-
-
-def test_load_from_file(user_file):
-    fn = load_reward_function(f"{user_file}:contains_please")
-    assert fn(["p", "p"], ["please", "no"]) == [1.0, 0.0]
-
-
-def test_load_from_module(tmp_path, monkeypatch):
-    (tmp_path / "policygrad_test_user_rewards.py").write_text(USER_MODULE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    fn = load_reward_function("policygrad_test_user_rewards:contains_please")
-    assert fn(["p"], ["please"]) == [1.0]
-
-
-def test_load_errors(user_file, tmp_path):
-    with pytest.raises(ValueError, match="unknown reward function 'correctness'.*answer_correctness"):
-        load_reward_function("correctness")
-    with pytest.raises(FileNotFoundError, match="does not exist"):
-        load_reward_function(f"{tmp_path / 'missing.py'}:f")
-    with pytest.raises(ValueError, match="has no attribute 'nope'.*contains_please"):
-        load_reward_function(f"{user_file}:nope")
-    with pytest.raises(TypeError, match="'NOT_CALLABLE'.*is a int, not a function"):
-        load_reward_function(f"{user_file}:NOT_CALLABLE")
-    with pytest.raises(ValueError, match="cannot import module 'no_such_pkg_xyz.mod'.*No module named"):
-        load_reward_function("no_such_pkg_xyz.mod:f")
-    with pytest.raises(ValueError, match="malformed"):
-        load_reward_function("answer_format:")
-    with pytest.raises(TypeError, match="string or a callable"):
-        load_reward_function(3)
 
 
 # ----- weighted sum ----------------------------------------------------------------------------
@@ -261,31 +199,3 @@ def test_row_fields_from_rows_repeats_per_group():
     }
     with pytest.raises(ValueError, match="repeat must be a positive integer"):
         row_fields_from_rows(rows, repeat=0)
-
-
-# ----- truncation ------------------------------------------------------------------------------
-def test_truncation_policy_modes():
-    rewards = torch.tensor([1.0, 0.0, 0.5])
-    truncated = torch.tensor([False, True, True])
-    r, v = apply_truncation_policy(rewards, truncated, mode="none")
-    assert r.tolist() == [1.0, 0.0, 0.5] and v.tolist() == [True, True, True]
-    r, v = apply_truncation_policy(rewards, truncated, mode="penalty", penalty=-1.0)
-    assert r.tolist() == [1.0, -1.0, -1.0] and v.tolist() == [True, True, True]
-    r, v = apply_truncation_policy(rewards, truncated, mode="exclude", valid=[False, True, True])
-    assert r.tolist() == [1.0, 0.0, 0.5] and v.tolist() == [False, False, False]
-    assert rewards.tolist() == [1.0, 0.0, 0.5]  # input untouched
-    r, v = apply_truncation_policy([0.5], [True], mode="penalty", penalty=-0.25)
-    assert r.dtype == torch.float32 and r.tolist() == [-0.25]
-
-
-def test_truncation_policy_errors():
-    with pytest.raises(
-        ValueError, match="unknown truncation mode 'drop'; valid modes: none, penalty, exclude"
-    ):
-        apply_truncation_policy([1.0], [True], mode="drop")
-    with pytest.raises(ValueError, match="same B"):
-        apply_truncation_policy([1.0, 2.0], [True], mode="penalty")
-    with pytest.raises(ValueError, match="must be 1-D"):
-        apply_truncation_policy([[1.0]], [[True]], mode="penalty")
-    with pytest.raises(ValueError, match="penalty must be a finite number"):
-        apply_truncation_policy([1.0], [True], mode="penalty", penalty=float("inf"))

@@ -1,11 +1,12 @@
-"""The sandbox worker's parts that run without a sandbox, in this process: the wire form of
-plain data, the length-prefixed frames, modules made as an import makes them, the harness side
-of the candidate channel, the ``tests`` role against a candidate played by a thread, the
-resource limits (in a child interpreter) and the children of a process.
+"""The sandbox worker's parts that run without a sandbox, in this process: modules made as an
+import makes them, the harness side of the candidate channel, and the ``tests`` role against a
+candidate played by a thread (the wire form and the frames: tests/sandbox/test_wire.py; the
+resource limits: tests/sandbox/test_confine.py; the children of a process:
+tests/sandbox/test_procfs.py).
 
 Round trips of plain data and what cannot cross are in tests/rewards/test_code_reward.py; the
 whole worker in its sandbox (namespaces, bubblewrap, the ``script`` and ``candidate`` roles, the
-supervisor) runs in tests/rewards/test_sandbox.py."""
+supervisor) runs in tests/sandbox/test_runner.py."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ import json
 import linecache
 import os
 import struct
-import subprocess
 import sys
 import threading
 import time
@@ -29,17 +29,6 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def pipe():
-    r, w = os.pipe()
-    yield r, w
-    for fd in (r, w):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
-
-
-@pytest.fixture
 def fresh_modules():
     """Module names the worker registers in ``sys.modules``, removed after the test."""
     names = ("__tests__", "__pg_test_module__")
@@ -48,78 +37,6 @@ def fresh_modules():
         sys.modules.pop(name, None)
 
 
-# ----------------------------------------------------------------------------- wire form
-
-
-def test_the_wire_form_of_plain_data():
-    value = (1, [2.5, None], {"k": b"\x01\xff"}, {3}, frozenset(), 1 - 2j)
-    assert worker.encode(value) == {
-        "__t": "tuple",
-        "v": [
-            1,
-            [2.5, None],
-            {"__t": "dict", "v": [["k", {"__t": "bytes", "v": "01ff"}]]},
-            {"__t": "set", "v": [3]},
-            {"__t": "frozenset", "v": []},
-            {"__t": "complex", "v": [1.0, -2.0]},
-        ],
-    }
-
-
-def test_a_bytearray_crosses_as_bytes():
-    assert worker.decode(worker.encode(bytearray(b"ab"))) == b"ab"
-
-
-@pytest.mark.parametrize(
-    ("obj", "message"),
-    [
-        ({"__t": "set", "v": "ab"}, "malformed set"),
-        ({"__t": "dict", "v": [[1, 2, 3]]}, "malformed dict item"),
-        ({"__t": "complex", "v": [1.0]}, "not plain data"),
-        ({"__t": "complex", "v": ["1", 0]}, "not plain data"),
-        ({"__t": "bytes", "v": [1]}, "not plain data"),  # bytes travel as a hex string only
-        ({"__t": "tuple", "v": [], "extra": 1}, "not plain data"),
-    ],
-)
-def test_malformed_tagged_forms_are_refused(obj, message):
-    with pytest.raises(ValueError, match=message):
-        worker.decode(obj)
-
-
-# ----------------------------------------------------------------------------- frames
-
-
-def test_a_frame_is_a_big_endian_length_and_a_json_body(pipe):
-    r, w = pipe
-    worker.write_frame(w, {"a": 1})
-    body = json.dumps({"a": 1}).encode()  # b'{"a": 1}': 8 bytes
-    assert os.read(r, 100) == b"\x00\x00\x00\x08" + body
-    worker.write_frame(w, {"ok": [1, "x"]})
-    worker.write_frame(w, None)
-    assert worker.read_frame(r) == {"ok": [1, "x"]}
-    assert worker.read_frame(r, time.monotonic() + 60) is None
-
-
-def test_a_frame_over_the_limit_is_refused_before_its_body_is_read(pipe):
-    r, w = pipe
-    os.write(w, struct.pack(">I", worker.MAX_FRAME_BYTES + 1))
-    with pytest.raises(ValueError, match=r"^a 16777217-byte message exceeds the 16777216-byte limit$"):
-        worker.read_frame(r)
-
-
-@pytest.mark.parametrize("sent", [b"", b"\x00\x00", b"\x00\x00\x00\x05{}"])
-def test_a_closed_pipe_ends_the_read_wherever_it_stops(pipe, sent):
-    r, w = pipe
-    os.write(w, sent)
-    os.close(w)
-    with pytest.raises(EOFError, match="the other side closed the pipe"):
-        worker.read_frame(r)
-
-
-def test_a_passed_deadline_stops_the_read(pipe):
-    r, _ = pipe
-    with pytest.raises(TimeoutError, match="time limit reached"):
-        worker.read_frame(r, deadline=time.monotonic() - 1)
 
 
 # ----------------------------------------------------------------------------- modules
@@ -385,42 +302,3 @@ def test_a_candidate_that_does_not_start_is_a_setup_error(pipes):
     records = run_tests_role(pipes, {"asserts": ["assert True"]}, {}, first={"hello": 1})
     started = "the candidate's sandbox did not start"
     assert records == [{"setup_error": f"{started}: RuntimeError: unexpected first frame {{'hello': 1}}"}]
-
-
-# ----------------------------------------------------------------------------- limits, children
-
-
-def test_set_limits_sets_equal_soft_and_hard_limits_in_a_child_interpreter():
-    program = (
-        "import importlib.util, json, resource, sys\n"
-        f"spec = importlib.util.spec_from_file_location('w', {worker.__file__!r})\n"
-        "w = importlib.util.module_from_spec(spec); spec.loader.exec_module(w)\n"
-        "nproc = resource.getrlimit(resource.RLIMIT_NPROC)\n"
-        "w.set_limits(json.loads(sys.argv[1]))\n"
-        "names = ['CORE', 'AS', 'CPU', 'FSIZE', 'NOFILE', 'NPROC']\n"
-        "out = {n: resource.getrlimit(getattr(resource, 'RLIMIT_' + n)) for n in names}\n"
-        "out['NPROC_BEFORE'] = nproc\n"
-        "print(json.dumps(out))\n"
-    )
-    limits = {"memory_bytes": 1 << 31, "cpu_time_s": 2.2, "max_write_bytes": 1 << 20, "max_processes": 0}
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", program, json.dumps(limits)], capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    got = json.loads(done.stdout)
-    assert got["CORE"] == [0, 0]
-    assert got["AS"] == [1 << 31, 1 << 31]
-    assert got["CPU"] == [3, 3]  # 2.2 s rounded up to whole seconds
-    assert got["FSIZE"] == [1 << 20, 1 << 20]
-    assert got["NOFILE"] == [256, 256]
-    assert got["NPROC"] == got["NPROC_BEFORE"]  # max_processes 0: left as it was
-
-
-def test_children_are_read_from_proc():
-    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
-    try:
-        assert child.pid in worker._children(os.getpid())
-        assert worker._children(child.pid) == []
-    finally:
-        child.stdin.close()
-        child.wait()
