@@ -208,8 +208,7 @@ class Run:
         if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg, trainer = self.config, self.trainer
-        if trainer.pipeline is not None:  # the engine samples one thing at a time: the job in flight first
-            trainer.pipeline.drain()
+        trainer.rollouts.drain()  # the engine samples one thing at a time: a job in flight first
         if trainer.environment is not None:  # greedy episodes; success = a final reward > 0
             out = evaluate_episodes(
                 trainer.environment,
@@ -270,12 +269,12 @@ class Run:
         except Stopped as stop:
             return self._stopped_at_once(stop.signal)
         except KeyboardInterrupt as exc:  # a second Ctrl-C
-            pipeline = self.trainer.pipeline
-            if pipeline is not None and not pipeline.close(timeout=1.0):
+            rollouts = self.trainer.rollouts
+            if not rollouts.close(timeout=1.0):  # k = 0: no thread, closed at once
                 # Stop at once: the job in flight may wait minutes for a reward call; closing the
                 # reward worker ends that call, and the thread with it.
                 self.trainer.scorer.close()
-                pipeline.close(timeout=10.0)
+                rollouts.close(timeout=10.0)
             saved = self._saved_step
             if saved:
                 log.warning(
