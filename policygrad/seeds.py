@@ -7,11 +7,15 @@ prompt's samples do not depend on the batch, round or rank it lands in.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+
+import torch
 
 from policygrad.rollout.base import prompt_seed
 
-__all__ = ["Seeds", "offset_seed"]
+__all__ = ["Seeds", "offset_seed", "seeded_torch"]
 
 
 def offset_seed(base: int, k: int) -> int:
@@ -24,8 +28,8 @@ def offset_seed(base: int, k: int) -> int:
 class Seeds:
     """The seeds of a run with config seed ``run``.
 
-    - :meth:`step`: torch's global RNG at the start of step i (what the step draws outside
-      sampling, e.g. an engine without per-prompt seeds);
+    - :meth:`step`: torch's stream for what step i draws from it, each in a scope of its own
+      (:func:`seeded_torch`): an engine without per-prompt seeds, dropout in the update;
     - :meth:`update`: the minibatch permutations of step i's update;
     - :meth:`evaluation`: the sampled evaluation after step i;
     - :meth:`prompts`: one seed per prompt of a step's sampling round (SHA-256 of run seed, step,
@@ -46,3 +50,14 @@ class Seeds:
     def prompts(self, step: int, round_index: int, n: int) -> list[int]:
         """Seeds of the ``n`` prompts of round ``round_index`` of step ``step``."""
         return [prompt_seed(self.run, step, round_index, i) for i in range(n)]
+
+
+@contextlib.contextmanager
+def seeded_torch(seed: int) -> Iterator[None]:
+    """A scope in which torch's global RNG (CPU and every CUDA device) starts from ``seed``; the
+    caller's stream is put back on exit (``torch.random.fork_rng``), so what runs inside draws
+    the same numbers wherever it runs, and nothing outside sees its draws."""
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield

@@ -6,8 +6,9 @@ from __future__ import annotations
 import hashlib
 
 import pytest
+import torch
 
-from policygrad.seeds import Seeds, offset_seed
+from policygrad.seeds import Seeds, offset_seed, seeded_torch
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +57,13 @@ def test_a_prompt_seed_depends_only_on_run_step_round_and_position():
         assert all(a != b for a, b in zip(base, other))
     assert len(set(base)) == 3
     assert seeds.prompts(4, 1, 0) == []
+
+
+def test_seeded_torch_draws_what_the_seed_draws_and_leaves_the_stream_as_it_was():
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with seeded_torch(11):
+        inside = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), before)  # the caller's stream goes on as if nothing ran
+    assert torch.equal(inside, torch.rand(3, generator=torch.Generator().manual_seed(11)))
+    assert torch.equal(torch.rand(3), torch.rand(3, generator=torch.Generator().manual_seed(5)))

@@ -337,7 +337,7 @@ def async_metrics(step, batch, exp, stats, production, waited, queue, times, tot
     Args:
         step: m; batch: the step's :class:`SampledBatch` (``version``); exp: its experience;
         stats: the update's :class:`UpdateStats`; production: the pipeline's record (``seconds``);
-        waited, queue: from :meth:`RolloutPipeline.take`; times: from :meth:`RolloutPipeline.after_update`;
+        waited, queue: from :meth:`Rollouts.take`; times: from :meth:`Rollouts.after_update`;
         total: a local sum -> the sum over ranks (``Dist.total``), so the KL is of the global batch.
     """
     wait = waited + times.get("time/drain_wait_s", 0.0)

@@ -89,6 +89,14 @@ class UpdateStats:
             else:
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * weight
 
+    @property
+    def entropy_mean(self) -> float | None:
+        """The policy's mean entropy per token before the update's first optimizer step (what the
+        adaptive entropy controller follows; ``entropy/mean``), None when no micro-batch recorded
+        one (the policy did not train)."""
+        total, tokens = self.entropy_before
+        return total / tokens if tokens > 0 else None
+
     def add_critic(self, out: dict[str, float]) -> None:
         """A critic step's result (:meth:`CriticTrainer.fit`)."""
         if not out:
@@ -137,8 +145,8 @@ class UpdateStats:
         for key, value in self.timers.items():
             out[f"time/{key}_s"] = value
         out["policy/nonfinite_tokens"] = self.nonfinite_tokens
-        if self.entropy_before[1] > 0:
-            out["entropy/mean"] = self.entropy_before[0] / self.entropy_before[1]
+        if self.entropy_mean is not None:
+            out["entropy/mean"] = self.entropy_mean
         out["optim/steps"] = self.steps
         out["optim/skipped_nonfinite"] = self.skipped
         out["optim/grad_norm"] = _mean(self.grad_norms)

@@ -1,55 +1,54 @@
-"""The sample stage in two halves: what the rollout engine and the reward functions produce, and
-what the trainer's thread makes of it.
+"""The sample stage in two halves: the records the producer makes, and what the trainer's thread
+makes of them.
 
-- :func:`produce` (the **producer**): a step's prompts from the stream, G samples each from the
-  engine (or G episodes with an environment), the reward functions' raw output, DAPO's dynamic
-  sampling rounds (decided on a raw reward component, or with an environment on each sample's
-  raw return: :func:`signal_components`), and the sampled part of the estimator's
-  inputs (ReMax's greedy responses, scored). It touches no collective and no trainer state but
-  the prompt stream, so an asynchronous pipeline (:mod:`policygrad.produce.rollouts`) may run
-  it in a background thread while the trainer updates the policy.
+- The **producer** (:class:`~policygrad.produce.producer.Producer`) makes a :class:`Production`:
+  raw sampling rounds (:class:`RawRound`: samples and the reward functions' raw output), the
+  groups DAPO's dynamic sampling keeps (decided on a raw reward component, or with an environment
+  on each sample's raw return: :func:`signal_components`) and the sampled part of the estimator's
+  inputs. It touches no collective and no trainer state, so the rollouts
+  (:mod:`policygrad.produce.rollouts`) may run it in a background thread while the trainer
+  updates the policy.
 - :func:`finish` (the **trainer's thread**): the episodes' error budget (summed over ranks),
   normalisation (the normaliser's running statistics, a collective with several processes) and
   the truncation policy, the groups kept, and the estimator inputs' finishing.
 
-A synchronous step is ``finish(trainer, produce(trainer, step, version))``: the same calls as
-before the split, with each round's normalisation moved after the last round's sampling (the
-normaliser never feeds sampling, and the dynamic-sampling decision reads raw components).
+A synchronous step is ``finish(trainer, producer.produce(step, step))``, with each round's
+normalisation after the last round's sampling (the normaliser never feeds sampling, and the
+dynamic-sampling decision reads raw components).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from policygrad.data.chat import encode_prompts
 from policygrad.envs.base import FLOAT32_MAX, STOP_REASONS
 from policygrad.envs.episodes import Episodes
 from policygrad.errors import TrainingError
+from policygrad.produce.inputs import ESTIMATOR_INPUTS
 from policygrad.produce.stages import (
-    ESTIMATOR_INPUTS,
+    FinishParts,
     SampledBatch,
     concat_batches,
-    groups_with_signal,
 )
 from policygrad.rewards.registry import RewardOutput
 from policygrad.rewards.scoring import EnvironmentScores
-from policygrad.rollout.base import Rollout, SamplingParams, decode_completions
+from policygrad.rollout.base import Rollout, SamplingParams
 
 __all__ = [
     "Production",
     "RawRound",
+    "chosen_positions",
     "fail_overflowing_episodes",
     "finish",
-    "produce",
+    "finish_parts",
     "production_from_state",
     "production_state",
     "signal_components",
+    "whole_groups",
 ]
 
 
@@ -95,78 +94,7 @@ class Production:
     seconds: float
 
 
-def sample_round(trainer, step: int, rows: list[dict[str, Any]], round_index: int) -> RawRound:
-    """G samples (or episodes) of each of this rank's share of ``rows`` (all of them in one
-    process), with the reward functions' raw output. Prompt i of the step's ``round_index``-th
-    round samples from its own seed (:meth:`Seeds.prompts`), whichever rank or batch it is in
-    (torch's stream only when ``rollout.per_prompt_seeds`` is false: a resumed run recorded
-    with it)."""
-    r = trainer.config.rollout
-    share = trainer.dist.share(len(rows))
-    seeds = trainer.seeds.prompts(step, round_index, len(rows))
-    rows, seeds = rows[share], seeds[share]
-    if trainer.environment is not None:
-        prompt_ids, rollout, episodes, finals = trainer.environment.run(
-            rows,
-            group_size=r.group_size,
-            seeds=seeds,
-            per_prompt_seeds=r.per_prompt_seeds,
-            sampling={"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k},
-        )
-        raw = trainer.scorer.raw(
-            rows, finals, repeat=r.group_size, fields={"transcript": episodes.transcripts}
-        )
-        return RawRound(rows, prompt_ids, rollout, finals, raw, episodes)
-    prompt_ids = encode_prompts(trainer.tokenizer, rows, trainer.config.data)
-    rollout = trainer.engine.generate(
-        prompt_ids,
-        group_size=r.group_size,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        prompt_seeds=seeds if r.per_prompt_seeds else None,
-        ignore_eos=r.ignore_eos,
-    )
-    completions = decode_completions(trainer.tokenizer, rollout)
-    raw = trainer.scorer.raw(rows, completions, repeat=r.group_size)
-    return RawRound(rows, prompt_ids, rollout, completions, raw)
-
-
-def produce(trainer, step: int, version: int) -> Production:
-    """The producer's half of step ``step``'s sample stage (see the module docstring), sampled
-    with the engine's current weights, which are policy version ``version``. With
-    ``drop_zero_variance_groups`` (DAPO's dynamic sampling) more rounds of ``prompts_per_step``
-    prompts are sampled, up to ``dynamic_sampling.max_extra_rounds``, until ``prompts_per_step``
-    groups whose ``dynamic_sampling.reward`` component (:func:`signal_components`) varies are kept."""
-    cfg = trainer.config
-    start = time.perf_counter()
-    n = cfg.rollout.prompts_per_step
-    rounds = [sample_round(trainer, step, trainer.stream.take(n), 0)]  # every rank takes all n
-    kept = None
-    if cfg.drop_zero_variance_groups:
-        component = cfg.dynamic_sampling_reward
-        kept = [_kept(rounds[0], component)]
-        while sum(map(len, kept)) < n and len(rounds) <= cfg.dynamic_sampling.max_extra_rounds:
-            rounds.append(sample_round(trainer, step, trainer.stream.take(n), len(rounds)))
-            kept.append(_kept(rounds[-1], component))
-    chosen = _chosen_rounds(rounds, kept if kept is not None else _whole_groups(rounds[0]))
-    chosen.step = step
-    inputs = {name: ESTIMATOR_INPUTS[name].sample(trainer, chosen) for name in trainer.estimator.spec.inputs}
-    return Production(step, version, rounds, kept, inputs, time.perf_counter() - start)
-
-
-def _kept(round_: RawRound, component: str) -> list[int]:
-    """The groups dynamic sampling keeps: those with signal on ``component``
-    (:func:`signal_components`), none of whose episodes failed (:func:`_whole_groups`)."""
-    varied = groups_with_signal(
-        signal_components(round_), round_.rollout.group_index, len(round_.rows), round_.group_size, component
-    )
-    whole = _whole_groups(round_)
-    return varied if whole is None else [i for i in varied if i in whole[0]]
-
-
-def _whole_groups(round_: RawRound) -> list[list[int]] | None:
+def whole_groups(round_: RawRound) -> list[list[int]] | None:
     """``[positions of the groups none of whose episodes failed]`` when an episode of the round
     failed in the environment (after its retries), else None (every group stays). A group
     trained with a failed sample left out would compare its others to a baseline of fewer
@@ -196,39 +124,7 @@ def signal_components(round_: RawRound) -> dict[str, torch.Tensor]:
     }
 
 
-class _Chosen:
-    """The rows and prompt ids of the groups a production trains on (what an estimator input's
-    sampling half reads: ``rows``, ``prompt_ids``, ``group_size``; ``step``; and ``rollout``,
-    their B rows' samples in the batch's order, gathered on first use)."""
-
-    def __init__(self, rows, prompt_ids, group_size, rounds=None, positions=None):
-        self.rows, self.prompt_ids, self.group_size = rows, prompt_ids, group_size
-        self._rounds, self._positions = rounds, positions
-        self.step = 0
-
-    @functools.cached_property
-    def rollout(self) -> Rollout:
-        if self._positions is None:
-            return self._rounds[0].rollout
-        G = self.group_size
-        parts = [
-            self._rounds[r].rollout.select([i * G + g for i in groups for g in range(G)])
-            for r, groups in self._positions
-        ]
-        return parts[0] if len(parts) == 1 else Rollout.concat(parts)
-
-
-def _chosen_rounds(rounds: list[RawRound], kept: list[list[int]] | None) -> _Chosen:
-    G = rounds[0].group_size
-    positions = _chosen_positions(rounds, kept)
-    if positions is None:  # no dynamic sampling, or no group with signal: the first round stays
-        return _Chosen(rounds[0].rows, rounds[0].prompt_ids, G, rounds)
-    rows = [rounds[r].rows[i] for r, groups in positions for i in groups]
-    prompt_ids = [rounds[r].prompt_ids[i] for r, groups in positions for i in groups]
-    return _Chosen(rows, prompt_ids, G, rounds, positions)
-
-
-def _chosen_positions(rounds, kept) -> list[tuple[int, list[int]]] | None:
+def chosen_positions(rounds, kept) -> list[tuple[int, list[int]]] | None:
     """``[(round, its groups trained on)]``, the first ``prompts_per_step`` kept groups in order;
     None without dynamic sampling or when no group has signal."""
     if kept is None:
@@ -344,7 +240,7 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
                 trainer.dist.total(len(rounds[0].rows) - len(dropped.rows) if dropped is not rounds[0] else 0)
             )
         return dropped, rounds[0], metrics, inputs
-    positions = _chosen_positions(production.rounds, production.kept)
+    positions = chosen_positions(production.rounds, production.kept)
     sampled = concat_batches(rounds)
     kept_groups = sum(len(groups) for _, groups in positions) if positions else 0
     metrics = {
@@ -353,7 +249,7 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
         "dynamic_sampling/rounds": float(len(rounds)),
     }
     if production.rounds[0].episodes is not None:
-        whole = [_whole_groups(raw) for raw in production.rounds]
+        whole = [whole_groups(raw) for raw in production.rounds]
         dropped = sum(len(raw.rows) - len(w[0]) for raw, w in zip(production.rounds, whole) if w is not None)
         metrics["env/groups_dropped"] = float(trainer.dist.total(dropped))
         if metrics["env/groups_dropped"] == float(trainer.dist.total(len(sampled.rows))):
@@ -386,13 +282,13 @@ def no_group_left(env: str, retries: int, errors) -> str:
 
 def _drop_failed_groups(trainer, raw: RawRound, batch: SampledBatch) -> SampledBatch:
     """``batch`` without the groups that hold an episode failed in the environment
-    (:func:`_whole_groups`); with none left on this process, the batch with no row carrying loss
+    (:func:`whole_groups`); with none left on this process, the batch with no row carrying loss
     (as dynamic sampling's none-kept).
 
     Raises:
         TrainingError: no process has a group left (names the environment and the first error).
     """
-    whole = _whole_groups(raw)
+    whole = whole_groups(raw)
     if whole is None:
         return batch
     left = float(trainer.dist.total(len(whole[0])))
@@ -416,19 +312,27 @@ def _no_group_left(trainer, raws: list[RawRound]) -> None:
     raise TrainingError(no_group_left(trainer.config.env.name, trainer.config.rollout.env_retries, errors))
 
 
+def finish_parts(trainer) -> FinishParts:
+    """What the estimator inputs' finishing halves read of the trainer's: the scorer (the
+    normaliser's statistics), the data-parallel group and the estimator's options."""
+    return FinishParts(trainer.scorer, trainer.dist, trainer.config.estimator_options)
+
+
 def _inputs(trainer, production: Production, batch: SampledBatch) -> dict[str, torch.Tensor]:
-    return {
-        name: ESTIMATOR_INPUTS[name].finish(trainer, production.inputs[name], batch)
-        for name in trainer.estimator.spec.inputs
-    }
+    """The estimator inputs the producer sampled (``production.inputs``: the estimator's
+    declared ones, in its order), finished."""
+    parts = finish_parts(trainer)
+    made = production.inputs.items()
+    return {name: ESTIMATOR_INPUTS[name].finish(parts, payload, batch) for name, payload in made}
 
 
 def _input_metrics(trainer, production: Production) -> dict[str, float]:
     """The metrics of the estimator inputs that report some (VinePPO's extra sampling)."""
     out: dict[str, float] = {}
-    for name in trainer.estimator.spec.inputs:
+    parts = finish_parts(trainer)
+    for name, payload in production.inputs.items():
         if ESTIMATOR_INPUTS[name].metrics is not None:
-            out.update(ESTIMATOR_INPUTS[name].metrics(trainer, production.inputs[name]))
+            out.update(ESTIMATOR_INPUTS[name].metrics(parts, payload))
     return out
 
 

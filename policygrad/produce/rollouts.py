@@ -1,4 +1,10 @@
-"""Rollouts that run ahead of training with a fixed staleness bound (``rollout.max_staleness``).
+"""Where every step takes its batch: :class:`Rollouts`, with a fixed staleness bound
+``rollout.max_staleness`` = k.
+
+k = 0 is the synchronous run, inline: :meth:`Rollouts.take` produces the step's batch when the
+step asks for it (no thread, no job queue), :meth:`Rollouts.after_update` pushes the updated
+weights to an engine that holds its own copy, and nothing is added to the metrics or the
+checkpoint. With k > 0 generation runs ahead:
 
 With ``max_staleness = k`` the batch trained at step m is sampled with the weights after
 update ``max(0, m - k)`` (policy version ``max(0, m - k)``: the number of updates applied), so
@@ -11,9 +17,9 @@ the proximal policy is the trainer's log-probs at the start of the step, the beh
 the sampler's, and the clipped loss is weighted by their truncated ratio
 (``rollout.is_correction``).
 
-The rules that keep it exact:
+The rules that keep it exact (k > 0):
 
-- **one job at a time.** The producer (:func:`policygrad.produce.production.produce`: prompts,
+- **one job at a time.** The producer (:meth:`policygrad.produce.producer.Producer.produce`: prompts,
   sampling, the reward functions, dynamic-sampling rounds, the sampled estimator inputs) runs
   one step's batch at a time, in step order, so the prompt stream is read in the order a
   synchronous run reads it;
@@ -29,8 +35,8 @@ steps, without waiting) keeps the finished batches and the stream position where
 ones began; a resume restores them, pushes the checkpoint's weights to the engine and starts the
 unfinished jobs again, which sample exactly what they would have.
 
-Executors: ``thread`` (one background thread) and ``inline`` (each job runs when it is started,
-in the trainer's thread: the same numbers with no overlap, for tests and debugging).
+Executors (k > 0): ``thread`` (one background thread) and ``inline`` (each job runs when it is
+started, in the trainer's thread: the same numbers with no overlap, for tests and debugging).
 """
 
 from __future__ import annotations
@@ -38,13 +44,16 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from policygrad.errors import CheckpointError
+from policygrad.learn.metrics import async_metrics
 from policygrad.produce.production import Production, production_from_state, production_state
 
-__all__ = ["EXECUTORS", "RolloutPipeline"]
+__all__ = ["EXECUTORS", "Rollouts", "Taken"]
 
 EXECUTORS = ("thread", "inline")
 
@@ -61,8 +70,19 @@ class _Job:
         self.done = threading.Event()
 
 
-class RolloutPipeline:
-    """Production of the next ``max_staleness`` steps' batches while the trainer trains.
+@dataclass(frozen=True)
+class Taken:
+    """A step's batch as :meth:`Rollouts.take` hands it over: the production, the seconds the
+    trainer waited for it and the finished batches waiting after it (0 and 0 at k = 0)."""
+
+    production: Production
+    waited: float = 0.0
+    queue: int = 0
+
+
+class Rollouts:
+    """The batch of every step: produced when taken (k = 0), or the next ``max_staleness`` steps'
+    batches produced while the trainer trains (k > 0).
 
     Args:
         produce: ``produce(step, version) -> Production``, the producer's half of a step's sample
@@ -180,16 +200,19 @@ class RolloutPipeline:
         return waited
 
     # ------------------------------------------------------------------------------------------
-    def take(self, step: int) -> tuple[Production, float, int]:
-        """The batch of ``step`` (waiting for it when its job runs).
-
-        Returns:
-            ``(production, seconds the trainer waited, batches finished and waiting after it)``.
+    def take(self, step: int, *, threads: int | None = None) -> Taken:
+        """The batch of ``step``: at k = 0 produced now, with the current weights (version
+        ``step``); at k > 0 the job's, waiting for it when it runs. ``threads``: torch's thread
+        count for the jobs from now on (the trainer's, re-read before each step).
 
         Raises:
-            RuntimeError: the pipeline has no job for ``step`` (steps taken out of order).
+            RuntimeError: k > 0 and no job for ``step`` (steps taken out of order).
             Any error the producer raised for this step's batch.
         """
+        if threads is not None:
+            self.threads = threads  # the next job runs with the trainer's count
+        if not self.max_staleness:
+            return Taken(self._produce(step, step))
         self._start()
         job = self.jobs.get(step)
         if job is None:
@@ -199,7 +222,7 @@ class RolloutPipeline:
         waited = self._wait(job)
         del self.jobs[step]
         queue = sum(1 for j in self.jobs.values() if j.done.is_set())
-        return job.result, waited, queue
+        return Taken(job.result, waited, queue)
 
     def drain(self) -> float:
         """Wait for every started job; returns the seconds waited.
@@ -213,24 +236,38 @@ class RolloutPipeline:
         return waited
 
     def after_update(self, version: int, *, synced: bool) -> dict[str, float]:
-        """The policy is now version ``version``: drain, push the weights (when the update changed
-        them, ``synced``) and start the jobs now due. Returns the seconds waited and spent syncing
-        (``time/generation_wait_s`` part, ``time/weight_sync_s``).
+        """The policy is now version ``version``: drain (k > 0), push the weights (when the update
+        changed them and the engine holds its own copy, ``synced``) and start the jobs now due.
+        Returns the seconds waited (k > 0: ``time/drain_wait_s``) and spent syncing
+        (``time/weight_sync_s``, only when it synced).
 
         Raises:
             Any error a producer raised (the step fails within the step that waits for it).
         """
-        self._start()
-        waited = self.drain()
-        assert all(j.done.is_set() for j in self.jobs.values()), "a weight sync while a job runs"
+        metrics = {}
+        if self.max_staleness:
+            self._start()
+            metrics["time/drain_wait_s"] = self.drain()
+            assert all(j.done.is_set() for j in self.jobs.values()), "a weight sync while a job runs"
         self.version = version
-        metrics = {"time/drain_wait_s": waited}
         if synced:
             start = time.perf_counter()
             self._sync()
             metrics["time/weight_sync_s"] = time.perf_counter() - start
-        self._schedule()
+        if self.max_staleness:
+            self._schedule()
         return metrics
+
+    def report(self, step: int, taken: Taken, times: dict, batch, exp, stats, total) -> dict[str, float]:
+        """The step's rollout metrics: at k = 0 ``times`` (:meth:`after_update`'s) alone; at
+        k > 0 also the staleness, the queue, the waits and the behaviour KL
+        (:func:`~policygrad.learn.metrics.async_metrics`; ``batch``, ``exp``, ``stats``: the step's
+        batch, experience and update statistics; ``total``: the sum over ranks)."""
+        if not self.max_staleness:
+            return dict(times)
+        return async_metrics(
+            step, batch, exp, stats, taken.production, taken.waited, taken.queue, times, total
+        )
 
     # ------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -282,6 +319,31 @@ class RolloutPipeline:
             job.result = production
             job.done.set()
             self.jobs[job.step] = job
+
+    def save_into(self, state: dict[str, Any]) -> None:
+        """Put what a checkpoint needs into the trainer's ``state``: at k > 0 the batches sampled
+        ahead (``pipeline``: :meth:`state_dict`) and ``data_position`` where their prompts end; at
+        k = 0 nothing (a synchronous run's checkpoint has no ``pipeline`` key)."""
+        if self.max_staleness:
+            state["pipeline"] = self.state_dict()
+            state["data_position"] = state["pipeline"]["position"]
+
+    def load_from(self, state: dict[str, Any], *, checkpoint: str) -> None:
+        """Restore :meth:`save_into`'s part of the trainer's ``state`` (read from ``checkpoint``).
+
+        Raises:
+            CheckpointError: the checkpoint was written with another ``rollout.max_staleness``.
+        """
+        saved, k = state.get("pipeline"), self.max_staleness
+        if saved is None and not k:
+            return
+        if saved is None or saved["max_staleness"] != k:
+            was = saved["max_staleness"] if saved is not None else 0
+            raise CheckpointError(
+                f"checkpoint {checkpoint} was written with rollout.max_staleness={was}; resume it with that "
+                f"value (this run has {k})"
+            )
+        self.load_state_dict(saved)
 
     def close(self, *, timeout: float | None = None) -> bool:
         """Let the job in flight finish (its batch is dropped) and stop the thread. Idempotent.

@@ -6,9 +6,11 @@ sampling, and the providers of an advantage estimator's extra inputs.
   2025, DAPO, section 3.2: a group whose task reward is the same for every sample gives a group
   baseline no signal), judged on a named reward component before normalisation and the truncation
   penalty.
-- :data:`ESTIMATOR_INPUTS`: registered providers of the inputs an estimator declares (ReMax's
-  ``baseline_rewards``: the score of a greedy response to each prompt, Li et al. 2023, eq. 6;
-  VinePPO's Monte-Carlo values, :mod:`policygrad.produce.vine`).
+- :class:`EstimatorInput`: the provider of an input an estimator declares, in two halves that
+  receive the producer's parts (:class:`ProducerParts`) and the trainer thread's
+  (:class:`FinishParts`); ReMax's ``baseline_rewards`` (the score of a greedy response to each
+  prompt, Li et al. 2023, eq. 6) is here, VinePPO's Monte-Carlo values in
+  :mod:`policygrad.produce.vine`, and :data:`policygrad.produce.inputs.ESTIMATOR_INPUTS` names them.
 """
 
 from __future__ import annotations
@@ -23,15 +25,17 @@ import torch
 from policygrad.core.groups import fill_with_group_mean, varied_group_rows
 from policygrad.envs.episodes import Episodes
 from policygrad.rewards.scoring import Scores
-from policygrad.rollout.base import Rollout, decode_completions
+from policygrad.rollout.base import Rollout, SamplingParams, decode_completions
 
 __all__ = [
-    "ESTIMATOR_INPUTS",
-    "SampledBatch",
     "EstimatorInput",
+    "FinishParts",
+    "ProducerParts",
+    "SampledBatch",
     "concat_batches",
+    "finish_greedy_baseline",
     "groups_with_signal",
-    "register_estimator_input",
+    "sample_greedy_baseline",
 ]
 
 
@@ -118,7 +122,53 @@ def groups_with_signal(
 
 
 # ----------------------------------------------------------------------------------------------
-# Inputs that estimators declare (``register_advantage_estimator(..., inputs=(...))``).
+# Inputs that estimators declare (``register_advantage_estimator(..., inputs=(...))``); their
+# providers sit in one table, :data:`policygrad.produce.inputs.ESTIMATOR_INPUTS`.
+
+
+@dataclass(frozen=True)
+class ProducerParts:
+    """What an estimator input's sampling half may use: the producer's own parts, never the
+    trainer (it may run on the producer's thread while the policy trains).
+
+    Attributes:
+        engine: the rollout engine the batch was sampled with (its weights are the batch's).
+        tokenizer: the policy's tokenizer.
+        score: the reward functions' raw scoring, ``score(rows, completions, repeat=K) ->
+            RewardOutput`` (:meth:`~policygrad.rewards.scoring.Scorer.raw`: no normalisation).
+        seeds: the run's :class:`~policygrad.seeds.Seeds`.
+        params: the batch's sampling distribution (temperature, top-k, top-p).
+        max_new_tokens: the most tokens of a response.
+        ignore_eos: responses run to ``max_new_tokens`` (benchmarks).
+        per_prompt_seeds: extra samples draw from seeds of their own (False: torch's stream).
+        options: the estimator's options (``advantage.options``).
+    """
+
+    engine: Any
+    tokenizer: Any
+    score: Callable[..., Any]
+    seeds: Any
+    params: SamplingParams
+    max_new_tokens: int
+    ignore_eos: bool
+    per_prompt_seeds: bool
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class FinishParts:
+    """What an estimator input's finishing half (on the trainer's thread) may use.
+
+    Attributes:
+        scorer: the run's :class:`~policygrad.rewards.scoring.Scorer` (``finish_baseline``: the
+            normaliser's running statistics, not updated, and the truncation policy).
+        dist: the run's :class:`~policygrad.parallel.distributed.Dist` (``total``: sums over ranks).
+        options: the estimator's options (``advantage.options``).
+    """
+
+    scorer: Any
+    dist: Any
+    options: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -126,64 +176,45 @@ class EstimatorInput:
     """The provider of an estimator input, in the two halves of the sample stage
     (:mod:`policygrad.produce.production`):
 
-    - ``sample(trainer, chosen) -> payload``: the producer's part (it may call the rollout
-      engine and the reward functions, nothing that needs the trainer's state or another rank);
-      ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the groups trained on,
-      the ``step``, and their ``rollout`` (B rows in the batch's order).
+    - ``sample(parts, chosen) -> payload``: the producer's part, with :class:`ProducerParts` (it
+      may call the rollout engine and the reward functions; nothing of the trainer's or of
+      another rank); ``chosen`` has the ``rows``, ``prompt_ids`` and ``group_size`` of the
+      groups trained on, the ``step``, and their ``rollout`` (B rows in the batch's order).
       The payload holds tensors, lists and numbers only (a checkpoint may keep it).
-    - ``finish(trainer, payload, batch) -> Tensor [B]`` (or [B, T]): the trainer's thread, with
-      the finished :class:`SampledBatch`.
-    - ``metrics(trainer, payload) -> dict``, optional: the trainer's thread, the step metrics of
+    - ``finish(parts, payload, batch) -> Tensor [B]`` (or [B, T]): the trainer's thread, with
+      :class:`FinishParts` and the finished :class:`SampledBatch`.
+    - ``metrics(parts, payload) -> dict``, optional: the trainer's thread, the step metrics of
       the extra sampling (it may sum over ranks).
     """
 
-    sample: Callable[[Any, Any], Any]
-    finish: Callable[[Any, Any, SampledBatch], torch.Tensor]
-    metrics: Callable[[Any, Any], dict[str, float]] | None = None
+    sample: Callable[[ProducerParts, Any], Any]
+    finish: Callable[[FinishParts, Any, SampledBatch], torch.Tensor]
+    metrics: Callable[[FinishParts, Any], dict[str, float]] | None = None
 
 
-ESTIMATOR_INPUTS: dict[str, EstimatorInput] = {}
-
-
-def register_estimator_input(name: str, provider: EstimatorInput) -> EstimatorInput:
-    """Register the provider of estimator input ``name``.
-
-    Raises:
-        ValueError: ``name`` already has a provider.
-    """
-    if name in ESTIMATOR_INPUTS:
-        raise ValueError(f"estimator input {name!r} already has a provider")
-    ESTIMATOR_INPUTS[name] = provider
-    return provider
-
-
-def _sample_greedy_baseline(trainer, chosen) -> dict[str, torch.Tensor]:
-    r = trainer.config.rollout
-    greedy = trainer.engine.generate(
+def sample_greedy_baseline(parts: ProducerParts, chosen) -> dict[str, torch.Tensor]:
+    """ReMax's sampling half: one greedy response to each chosen prompt, its raw reward and
+    whether it was cut at the length limit."""
+    p = parts.params
+    greedy = parts.engine.generate(
         chosen.prompt_ids,
         group_size=1,
-        max_new_tokens=r.max_new_tokens,
+        max_new_tokens=parts.max_new_tokens,
         greedy=True,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
+        temperature=p.temperature,
+        top_p=p.top_p,
+        top_k=p.top_k,
     )
-    completions = decode_completions(trainer.tokenizer, greedy)
+    completions = decode_completions(parts.tokenizer, greedy)
     return {
-        "rewards": trainer.scorer.raw(chosen.rows, completions, repeat=1).rewards,
+        "rewards": parts.score(chosen.rows, completions, repeat=1).rewards,
         "truncated": greedy.truncated,
     }
 
 
-def _finish_greedy_baseline(trainer, payload, batch: SampledBatch) -> torch.Tensor:
-    base = trainer.scorer.finish_baseline(payload["rewards"], payload["truncated"])
+def finish_greedy_baseline(parts: FinishParts, payload, batch: SampledBatch) -> torch.Tensor:
+    """float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li
+    et al. 2023, eq. 6), normalised with the run's statistics (not updated) and through the same
+    truncation policy, repeated over the prompt's G rows."""
+    base = parts.scorer.finish_baseline(payload["rewards"], payload["truncated"])
     return base.repeat_interleave(batch.group_size)
-
-
-# float32 [B]: the score of one greedy response to each row's prompt (ReMax's baseline, Li et al.
-# 2023, eq. 6), normalised with the run's statistics (not updated) and through the same truncation
-# policy, repeated over the prompt's G rows.
-register_estimator_input("baseline_rewards", EstimatorInput(_sample_greedy_baseline, _finish_greedy_baseline))
-
-# VinePPO's providers register themselves (the module imports this one's names).
-from policygrad.produce import vine as _vine  # noqa: E402, F401

@@ -26,10 +26,20 @@ import torch
 
 from policygrad.core.advantages import VINEPPO_DEFAULTS
 from policygrad.core.groups import group_mean_std
-from policygrad.produce.stages import EstimatorInput, SampledBatch, register_estimator_input
+from policygrad.produce.stages import FinishParts, ProducerParts, SampledBatch
 from policygrad.rollout.base import prompt_seed
 
-__all__ = ["newline_tokens", "segment_index", "split_points", "vine_options"]
+__all__ = [
+    "finish_vine_segments",
+    "finish_vine_values",
+    "newline_tokens",
+    "sample_vine",
+    "sample_vine_segments",
+    "segment_index",
+    "split_points",
+    "vine_metrics",
+    "vine_options",
+]
 
 _VINE_SEED = 0x56494E45  # "VINE": keeps the continuations' seeds apart from the batch's own
 
@@ -106,12 +116,12 @@ def segment_index(splits: list[list[int]], width: int) -> torch.Tensor:
     return out
 
 
-def _chosen_splits(trainer, rollout) -> list[list[int]]:
-    o = vine_options(trainer.config.estimator_options)
+def _chosen_splits(parts: ProducerParts, rollout) -> list[list[int]]:
+    o = vine_options(parts.options)
     lengths = rollout.response_lengths.tolist()
     newlines = None
     if o["split"] == "newline":
-        newlines = newline_tokens(trainer.tokenizer, rollout.response_ids, lengths)
+        newlines = newline_tokens(parts.tokenizer, rollout.response_ids, lengths)
     return split_points(
         lengths,
         split=o["split"],
@@ -121,16 +131,16 @@ def _chosen_splits(trainer, rollout) -> list[list[int]]:
     )
 
 
-def sample_vine(trainer, chosen) -> dict[str, Any]:
+def sample_vine(parts: ProducerParts, chosen) -> dict[str, Any]:
     """The producer's half: K continuations of every state and their raw rewards, sampled in
     engine calls of at most the batch's number of sequences.
 
     The states, in order: with ``prompt_value="rollouts"`` each prompt (once per group), then for
     every row its split points. Each continuation may use the response budget left after its
     prefix (``rollout.max_new_tokens - p`` tokens): it is cut there and counts as truncated, as
-    the whole response would have been. With ``rollout.per_prompt_seeds`` a state's seed depends
-    on the run seed, the step, the row's place in its group and the prefix's tokens only (not on
-    the rank or the batch).
+    the whole response would have been. With per-prompt seeds (``parts.per_prompt_seeds``) a
+    state's seed depends on the run seed, the step, the row's place in its group and the prefix's
+    tokens only (not on the rank or the batch).
 
     Returns:
         ``{"rewards": float32 [N*K] (the reward functions' weighted sums), "truncated": bool
@@ -139,11 +149,11 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
         N*K, "seconds": wall time}``.
     """
     start = time.perf_counter()
-    r = trainer.config.rollout
-    o = vine_options(trainer.config.estimator_options)
+    sampling = parts.params
+    o = vine_options(parts.options)
     K, G = o["rollouts"], chosen.group_size
     rollout = chosen.rollout
-    splits = _chosen_splits(trainer, rollout)
+    splits = _chosen_splits(parts, rollout)
     states: list[tuple[int, int, int]] = []  # (row of chosen.rows, sample in group or -1, prefix p)
     if o["prompt_value"] == "rollouts":
         states += [(i, -1, 0) for i in range(len(chosen.rows))]
@@ -155,10 +165,10 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
         response = rollout.response_ids[i * G + g, :p].tolist() if p else []
         prefixes.append(list(chosen.prompt_ids[i]) + response)
     seeds = None
-    if r.per_prompt_seeds:
+    if parts.per_prompt_seeds:
         step = getattr(chosen, "step", 0)
         seeds = [
-            prompt_seed(trainer.seeds.run, step, _VINE_SEED, g, p, zlib.crc32(str(ids).encode()))
+            prompt_seed(parts.seeds.run, step, _VINE_SEED, g, p, zlib.crc32(str(ids).encode()))
             for (_, g, p), ids in zip(states, prefixes)
         ]
     # Calls of at most the batch's own number of sequences: the engine never holds more than it
@@ -169,30 +179,30 @@ def sample_vine(trainer, chosen) -> dict[str, Any]:
     truncated: list[bool] = []
     for first in range(0, len(states), per_call):
         part = slice(first, first + per_call)
-        more = trainer.engine.generate(
+        more = parts.engine.generate(
             prefixes[part],
             group_size=K,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens - min(p for _, _, p in states[part]),
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
+            max_new_tokens=parts.max_new_tokens - min(p for _, _, p in states[part]),
             prompt_seeds=seeds[part] if seeds is not None else None,
-            ignore_eos=r.ignore_eos,
+            ignore_eos=parts.ignore_eos,
         )
         lengths = more.response_lengths.tolist()
         continuations += [more.response_ids[j, : lengths[j]].tolist() for j in range(len(lengths))]
         truncated += more.truncated.cpu().tolist()
     texts_ids, tokens = [], 0
     for j, (i, g, p) in enumerate(s for s in states for _ in range(K)):
-        room = r.max_new_tokens - p
+        room = parts.max_new_tokens - p
         if len(continuations[j]) > room:  # past the response's own budget: cut where it would have been
             continuations[j], truncated[j] = continuations[j][:room], True
         tokens += len(continuations[j])
         head = rollout.response_ids[i * G + g, :p].tolist() if p else []
         texts_ids.append(head + continuations[j])
-    completions = trainer.tokenizer.batch_decode(texts_ids, skip_special_tokens=True)
+    completions = parts.tokenizer.batch_decode(texts_ids, skip_special_tokens=True)
     rows = [chosen.rows[i] for i, _, _ in states]
-    raw = trainer.scorer.raw(rows, completions, repeat=K)
+    raw = parts.score(rows, completions, repeat=K)
     prompt_states = sum(1 for _, g, _ in states if g < 0)
     return _payload(raw.rewards, truncated, raw.valid, splits, prompt_states, tokens, start)
 
@@ -210,30 +220,30 @@ def _payload(rewards, truncated, valid, splits, prompt_states, tokens, start) ->
     }
 
 
-def state_values(trainer, payload: dict[str, Any]) -> torch.Tensor:
+def state_values(parts: FinishParts, payload: dict[str, Any]) -> torch.Tensor:
     """float32 [N]: V of each state, the mean of its K continuations' rewards normalised like the
     batch's scores (:meth:`~policygrad.rewards.scoring.Scorer.finish_baseline`). A continuation
     whose reward function failed is left out; a state with none left is NaN."""
-    K = vine_options(trainer.config.estimator_options)["rollouts"]
+    K = vine_options(parts.options)["rollouts"]
     if not len(payload["rewards"]):
         return torch.zeros(0)
-    scores = trainer.scorer.finish_baseline(payload["rewards"], payload["truncated"]).float()
+    scores = parts.scorer.finish_baseline(payload["rewards"], payload["truncated"]).float()
     valid = payload["valid"].view(-1, K)
     total = torch.where(valid, scores.view(-1, K), 0.0).sum(-1)
     count = valid.sum(-1)
     return torch.where(count > 0, total / count.clamp_min(1), float("nan"))
 
 
-def finish_vine_values(trainer, payload: dict[str, Any], batch: SampledBatch) -> torch.Tensor:
+def finish_vine_values(parts: FinishParts, payload: dict[str, Any], batch: SampledBatch) -> torch.Tensor:
     """float32 [B, T]: ``V(s_i)`` on every token of segment i of each row of ``batch``.
 
     V(s_0) is the prompt's K-rollout value, or with ``prompt_value="group"`` the mean score of
     the row's G - 1 siblings (leave-one-out: the row's own reward would bias its baseline). A
     state without a valid continuation takes the value before it (the prompt's: 0 if none).
     """
-    o = vine_options(trainer.config.estimator_options)
+    o = vine_options(parts.options)
     G = batch.group_size
-    values = state_values(trainer, payload)
+    values = state_values(parts, payload)
     splits = payload["splits"]
     B, T = batch.rollout.response_mask.shape
     if len(splits) != B:  # the producer's rows are the batch's, in its order
@@ -262,7 +272,7 @@ def finish_vine_values(trainer, payload: dict[str, Any], batch: SampledBatch) ->
 
 
 def finish_vine_segments(
-    trainer,  # noqa: ARG001 (the provider signature)
+    parts: FinishParts,  # noqa: ARG001 (the provider signature)
     payload: dict[str, Any],
     batch: SampledBatch,
 ) -> torch.Tensor:
@@ -270,10 +280,10 @@ def finish_vine_segments(
     return segment_index(payload["splits"], batch.rollout.response_mask.shape[1])
 
 
-def vine_metrics(trainer, payload: dict[str, Any]) -> dict[str, float]:
+def vine_metrics(parts: FinishParts, payload: dict[str, Any]) -> dict[str, float]:
     """The extra generation's cost: continuation tokens and sequences (summed over ranks), split
     points per response, and this rank's seconds sampling and scoring them."""
-    total = trainer.dist.total
+    total = parts.dist.total
     rows = total(len(payload["splits"]))
     return {
         "vineppo/extra_tokens": float(total(payload["tokens"])),
@@ -283,9 +293,6 @@ def vine_metrics(trainer, payload: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def _sample_segments(trainer, chosen) -> dict[str, Any]:
-    return {"splits": _chosen_splits(trainer, chosen.rollout)}
-
-
-register_estimator_input("vine_values", EstimatorInput(sample_vine, finish_vine_values, vine_metrics))
-register_estimator_input("vine_segments", EstimatorInput(_sample_segments, finish_vine_segments))
+def sample_vine_segments(parts: ProducerParts, chosen) -> dict[str, Any]:
+    """The producer's half of ``vine_segments``: the split points of every chosen row."""
+    return {"splits": _chosen_splits(parts, chosen.rollout)}

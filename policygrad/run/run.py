@@ -199,8 +199,7 @@ class Run:
         if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg, trainer = self.config, self.trainer
-        if trainer.pipeline is not None:  # the engine samples one thing at a time: the job in flight first
-            trainer.pipeline.drain()
+        trainer.rollouts.drain()  # the engine samples one thing at a time: a job in flight first
         if trainer.environment is not None:  # greedy episodes; success = a final reward > 0
             out = evaluate_episodes(
                 trainer.environment,

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import math
 import os
-from typing import Any
 
 from policygrad.config.train import ConfigError, TrainConfig
+from policygrad.config.training import MAX_LOSS_COEF
 from policygrad.core.advantages import get_advantage_estimator
+from policygrad.core.entropy import AdaptiveEntropyController
 from policygrad.data.sources import build_train_source
 from policygrad.data.stream import PromptStream
 from policygrad.parallel.distributed import Dist
@@ -27,7 +29,13 @@ from policygrad.parallel.precision import resolve_precision, resumed_precision
 from policygrad.parallel.recompute import Recompute, pending_state_bytes
 from policygrad.parallel.strategy import make_strategy
 from policygrad.parallel.threads import ThreadGovernor
+from policygrad.produce.inputs import estimator_inputs
+from policygrad.produce.producer import DynamicSampling, Producer
+from policygrad.produce.rollouts import Rollouts
+from policygrad.produce.stages import ProducerParts
 from policygrad.rewards.callables import describe_object
+from policygrad.rollout.base import SamplingParams
+from policygrad.rollout.samplers import EpisodeSampler, SingleTurnSampler
 from policygrad.seeds import Seeds
 from policygrad.trainer import build
 from policygrad.trainer.loop import Trainer
@@ -35,7 +43,7 @@ from policygrad.trainer.models import build_models, record_model_object
 
 log = logging.getLogger("policygrad")
 
-__all__ = ["build_trainer", "prepare_config"]
+__all__ = ["build_entropy_controller", "build_producer", "build_trainer", "prepare_config"]
 
 
 def prepare_config(
@@ -226,30 +234,16 @@ def build_trainer(
             f"engine={type(engine).__name__} samples with the live policy (shares_policy_weights); give an "
             "engine that holds its own weights, or let the run build its engine"
         )
-    parts: dict[str, Any] = {
-        "dist": dist,
-        "threads": threads,
-        "strategy": strategy,
-        "precision": precision,
-        "seeds": Seeds(cfg.seed),
-        "device": device,
-        "dtype": dtype,
-        "model_path": m.model_path,
-        "tokenizer": m.tokenizer,
-        "policy": m.policy,
-        "reference": m.reference,
-        "policy_as_reference": m.policy_as_reference,
-        "engine": engine,
-        "engine_name": engine_name,
-        "environment": build.build_environment(cfg, engine, m.tokenizer, m.policy, environment=environment),
-    }
+    seeds = Seeds(cfg.seed)
+    tokenizer = m.tokenizer
+    environment = build.build_environment(cfg, engine, tokenizer, m.policy, environment=environment)
     if checkpoint is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
         strategy.sync_engine(engine, m.policy)  # a separate engine loaded the base weights
-    parts["stream"] = PromptStream(train_source)
-    parts["scorer"] = build.build_scorer(
+    stream = PromptStream(train_source)
+    scorer = build.build_scorer(
         cfg, device=device, dtype=dtype, functions=reward_objects, reduce=strategy.reduce
     )
-    parts["critic_trainer"] = build.build_critic(
+    critic_trainer = build.build_critic(
         cfg,
         model_path=m.model_path,
         device=device,
@@ -257,29 +251,141 @@ def build_trainer(
         strategy=strategy,
         precision=precision,
     )
-    parts["ptx_data"] = build.build_ptx(cfg, m.tokenizer)
-    parts["estimator"] = get_advantage_estimator(cfg.estimator_name)
-    parts["kl"] = cfg.kl_placement
-    parts["objective"] = build.build_objective(cfg, parts["kl"])
+    ptx_data = build.build_ptx(cfg, tokenizer)
+    estimator = get_advantage_estimator(cfg.estimator_name)
+    kl = cfg.kl_placement
+    objective = build.build_objective(cfg, kl)
     optimizer, scheduler, optimizer_step = build.policy_optimizer(
         cfg, m.policy, device=device, strategy=strategy, scaler=precision.grad_scaler()
     )
-    parts.update(optimizer=optimizer, scheduler=scheduler)
-    parts["policy_step"] = build.build_policy_step(
+    policy_step = build.build_policy_step(
         cfg,
         m.policy,
-        parts["objective"],
+        objective,
         optimizer_step,
-        ptx=parts["ptx_data"],
+        ptx=ptx_data,
         device=device,
         strategy=strategy,
         precision=precision,
     )
-    parts["kl_ctl"] = build.build_kl_controller(cfg)
-    parts["policy_step"].recompute = build_recompute(
-        cfg, m.policy, parts["critic_trainer"], optimizer, precision=precision, device=device
+    policy_step.recompute = build_recompute(
+        cfg, m.policy, critic_trainer, optimizer, precision=precision, device=device
     )
-    return Trainer(cfg, **parts)
+    producer = build_producer(
+        cfg,
+        engine,
+        environment,
+        tokenizer,
+        scorer,
+        stream=stream,
+        seeds=seeds,
+        dist=dist,
+        estimator=estimator,
+    )
+    r = cfg.rollout
+    rollouts = Rollouts(
+        producer.produce,
+        functools.partial(strategy.sync_engine, engine, m.policy),  # FSDP: gathered into the copy
+        stream,
+        max_staleness=r.max_staleness,
+        steps=cfg.steps,
+        executor=r.async_executor,
+        engine_owns_weights=not engine.shares_policy_weights,
+    )
+    return Trainer(
+        config=cfg,
+        dist=dist,
+        threads=threads,
+        strategy=strategy,
+        precision=precision,
+        seeds=seeds,
+        device=device,
+        dtype=dtype,
+        model_path=m.model_path,
+        tokenizer=tokenizer,
+        policy=m.policy,
+        reference=m.reference,
+        policy_as_reference=m.policy_as_reference,
+        engine=engine,
+        engine_name=engine_name,
+        environment=environment,
+        stream=stream,
+        scorer=scorer,
+        critic_trainer=critic_trainer,
+        ptx_data=ptx_data,
+        estimator=estimator,
+        kl=kl,
+        objective=objective,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        policy_step=policy_step,
+        kl_ctl=build.build_kl_controller(cfg),
+        entropy_ctl=build_entropy_controller(cfg, objective),
+        producer=producer,
+        rollouts=rollouts,
+    )
+
+
+def build_producer(
+    cfg: TrainConfig, engine, environment, tokenizer, scorer, *, stream, seeds: Seeds, dist: Dist, estimator
+) -> Producer:
+    """The run's :class:`~policygrad.produce.producer.Producer`: a sampler over ``engine``
+    (episodes over ``environment`` when the run has one), the raw scoring of ``scorer``, the
+    prompt ``stream``, the ``seeds``, the rollout section's sampling settings, this rank's share
+    of a round (``dist``) and the providers of ``estimator``'s declared inputs.
+
+    Raises:
+        KeyError: an input the estimator declares has no provider.
+    """
+    r = cfg.rollout
+    if environment is not None:
+        sampler = EpisodeSampler(environment, per_prompt_seeds=r.per_prompt_seeds)
+    else:
+        sampler = SingleTurnSampler(
+            engine,
+            tokenizer,
+            cfg.data,
+            max_new_tokens=r.max_new_tokens,
+            ignore_eos=r.ignore_eos,
+            per_prompt_seeds=r.per_prompt_seeds,
+        )
+    parts = ProducerParts(
+        engine=engine,
+        tokenizer=tokenizer,
+        score=scorer.raw,
+        seeds=seeds,
+        params=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+        max_new_tokens=r.max_new_tokens,
+        ignore_eos=r.ignore_eos,
+        per_prompt_seeds=r.per_prompt_seeds,
+        options=cfg.estimator_options,
+    )
+    dynamic = None
+    if cfg.drop_zero_variance_groups:
+        dynamic = DynamicSampling(cfg.dynamic_sampling_reward, cfg.dynamic_sampling.max_extra_rounds)
+    return Producer(
+        sampler,
+        parts,
+        stream=stream,
+        group_size=r.group_size,
+        prompts_per_step=r.prompts_per_step,
+        share=dist.share,
+        inputs=estimator_inputs(estimator.spec.inputs),
+        dynamic=dynamic,
+    )
+
+
+def build_entropy_controller(cfg: TrainConfig, objective) -> AdaptiveEntropyController | None:
+    """``loss.entropy_target``'s adaptive controller of the entropy bonus's coefficient (None
+    without a target); ``objective`` starts from its value."""
+    loss = cfg.loss
+    if loss.entropy_target is None:
+        return None
+    ctl = AdaptiveEntropyController(
+        loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta, cap=MAX_LOSS_COEF
+    )
+    objective.entropy_coef = ctl.value
+    return ctl
 
 
 def build_recompute(cfg: TrainConfig, policy, critic_trainer, optimizer, *, precision, device):

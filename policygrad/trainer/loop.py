@@ -2,9 +2,9 @@
 
 ``Trainer.step`` reads top to bottom:
 
-1. **sample**: take ``prompts_per_step`` prompts from the stream, generate ``group_size``
-   responses each (rows of a prompt contiguous), score them (reward functions, normalisation,
-   truncation policy); with dynamic sampling, drop the groups without signal and refill;
+1. **sample**: the step's batch from the rollouts (:class:`~policygrad.produce.rollouts.Rollouts`:
+   produced now at ``rollout.max_staleness`` 0, else sampled ahead by the producer), finished on
+   the trainer's thread (normalisation, truncation policy, the groups dynamic sampling kept);
 2. **estimator inputs**: what the advantage estimator declares it needs beyond rewards (ReMax:
    the greedy baseline), from registered providers;
 3. **log-probs / values**: the reference's log-probs when the KL placement needs them, the
@@ -14,9 +14,16 @@
    immutable :class:`~policygrad.learn.experience.Experience`;
 5. **update**: ``ppo_epochs`` x ``num_minibatches`` minibatch views of the experience, one policy
    step each (micro-batches whose losses use the minibatch's global counts) and one critic step;
-6. **sync**: a rollout engine that holds its own copy of the weights receives the new ones;
-7. **KL controller**: the adaptive controller sees the batch's KL to the reference;
+6. **sync**: a rollout engine that holds its own copy of the weights receives the new ones
+   (through the rollouts, which first drain a job in flight);
+7. **controllers**: the adaptive KL controller sees the batch's KL to the reference, the entropy
+   controller the update's entropy before the first optimizer step (:class:`UpdateStats`);
 8. **metrics**: every name from :data:`policygrad.learn.metrics.METRICS`.
+
+Randomness comes from the run's :class:`~policygrad.seeds.Seeds` only: prompts sample from their
+own seeds, the minibatch order from ``seeds.update(step)``, and what draws from torch's stream
+(dropout in the update, a sampler without per-prompt seeds) does so in a scope seeded with
+``seeds.step(step)`` (:func:`~policygrad.seeds.seeded_torch`); a step never reseeds the global RNG.
 
 The loop never tests an algorithm's, a loss's, a KL placement's or an engine's name: the config
 resolves registered parts, and each declares what it needs.
@@ -25,17 +32,15 @@ resolves registered parts, and each declares what it needs.
 from __future__ import annotations
 
 import logging
-import os
-import random
 import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from policygrad.config.train import TrainConfig
-from policygrad.config.training import MAX_LOSS_COEF
 from policygrad.core.advantages import AdvantageEstimator, monte_carlo_returns
 from policygrad.core.entropy import AdaptiveEntropyController, covariance_selection, token_covariance
 from policygrad.core.kl import AdaptiveKLController, FixedKLController, KLPlacement, kl_estimate
@@ -43,12 +48,11 @@ from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.ptx import PtxData
 from policygrad.data.stream import PromptStream
 from policygrad.envs.episodes import EpisodeRunner
-from policygrad.errors import CheckpointError, TrainingError
+from policygrad.errors import TrainingError
 from policygrad.learn.critic import CriticTrainer
 from policygrad.learn.experience import Experience
 from policygrad.learn.health import check_finite_advantages
 from policygrad.learn.metrics import (
-    async_metrics,
     batch_metrics,
     critic_metrics,
     episode_metrics,
@@ -62,34 +66,42 @@ from policygrad.models.forward import inference_logprobs
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import Precision
 from policygrad.parallel.runtime import peak_rss_gb, release_free_memory, synced_clock
-from policygrad.parallel.state import SHARDED_DIR, load_full_optimizer, load_sharded_state
 from policygrad.parallel.strategy import Strategy
 from policygrad.parallel.threads import ThreadGovernor
-from policygrad.produce.production import finish, produce
-from policygrad.produce.rollouts import RolloutPipeline
+from policygrad.produce.producer import Producer
+from policygrad.produce.production import finish
+from policygrad.produce.rollouts import Rollouts
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.engine import RolloutEngine
-from policygrad.seeds import Seeds
+from policygrad.seeds import Seeds, seeded_torch
+from policygrad.trainer.state import load_trainer_state, trainer_state, write_trainer_shards
 
 __all__ = ["Trainer", "TrainingError"]
 
 log = logging.getLogger("policygrad")
 
 
+@dataclass(eq=False, repr=False, kw_only=True)
 class Trainer:
     """The parts of an RL run and :meth:`step`, which runs them once (see the module docstring).
 
     Built by :func:`policygrad.trainer.factory.build_trainer` from a config (the parts in a fixed
-    order, which fixes the random streams a run consumes at start); a
-    :class:`policygrad.run.Run` owns one and does what surrounds the steps (the run directory,
-    checkpoints, signals, evaluation, trackers). The trainer writes no file.
+    order, which fixes the random streams a run consumes at start), each part named
+    (``Trainer(config=..., dist=..., ...)``, every field below but ``step_idx`` and
+    ``last_samples``); a :class:`policygrad.run.Run` owns one and does what surrounds the steps
+    (the run directory, checkpoints, signals, evaluation, trackers). The trainer writes no file.
 
     ``threads`` holds torch's thread count: ``num_threads``, or (null) a count that fits the
-    machine's load, re-read before each step (:mod:`policygrad.parallel.threads`).
+    machine's load, re-read before each step (:mod:`policygrad.parallel.threads`). ``producer``
+    makes a step's batch from its own parts (it holds no reference to the trainer), ``rollouts``
+    hands every step its batch (:class:`~policygrad.produce.rollouts.Rollouts`: k = 0 inline, k > 0
+    sampled ahead). ``entropy_ctl``: the adaptive entropy controller of ``loss.entropy_target``
+    (None without one).
 
-    Seams (attributes a caller may replace): ``engine``, ``scorer`` (rewards ->
-    :class:`~policygrad.rewards.scoring.Scores`), ``estimator`` (the registered advantage
-    estimator), ``kl`` (the KL placement), ``objective`` and ``policy_step.forward``.
+    Seams (attributes a caller may replace): ``scorer`` (rewards ->
+    :class:`~policygrad.rewards.scoring.Scores`, on the trainer's thread), ``estimator`` (the
+    registered advantage estimator), ``kl`` (the KL placement), ``objective`` and
+    ``policy_step.forward``; what is sampled: ``producer.sampler``.
     """
 
     config: TrainConfig
@@ -119,55 +131,11 @@ class Trainer:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     policy_step: PolicyStep
     kl_ctl: FixedKLController | AdaptiveKLController
-    step_idx: int
-    last_samples: list[dict[str, Any]]
-    pipeline: RolloutPipeline | None
     entropy_ctl: AdaptiveEntropyController | None
-
-    def __init__(self, config: TrainConfig, **parts: Any):
-        """``parts``: every annotated attribute above except ``config``, ``step_idx``,
-        ``last_samples``, ``pipeline`` and ``entropy_ctl`` (see
-        :func:`~policygrad.trainer.factory.build_trainer`); with ``rollout.max_staleness`` > 0 the
-        trainer builds its :class:`RolloutPipeline`, with ``loss.entropy_target`` its
-        :class:`~policygrad.core.entropy.AdaptiveEntropyController`.
-
-        Raises:
-            TypeError: a part is missing or unknown.
-        """
-        names = set(Trainer.__annotations__) - {
-            "config",
-            "step_idx",
-            "last_samples",
-            "pipeline",
-            "entropy_ctl",
-        }
-        if set(parts) != names:
-            missing, unknown = sorted(names - set(parts)), sorted(set(parts) - names)
-            raise TypeError(f"Trainer parts: missing {missing}, unknown {unknown}")
-        self.config = config
-        for name, part in parts.items():
-            setattr(self, name, part)
-        self.step_idx = 0
-        self.last_samples = []  # the last step's completions, for display
-        loss = config.loss
-        self.entropy_ctl = None
-        if loss.entropy_target is not None:
-            self.entropy_ctl = AdaptiveEntropyController(
-                loss.entropy_coef, loss.entropy_target, loss.entropy_coef_delta, cap=MAX_LOSS_COEF
-            )
-            self.objective.entropy_coef = self.entropy_ctl.value
-        r = config.rollout
-        self.pipeline = None  # max_staleness 0: today's synchronous step, no pipeline at all
-        if r.max_staleness > 0:
-            self.pipeline = RolloutPipeline(
-                lambda step, version: produce(self, step, version),
-                self.sync_engine,
-                self.stream,
-                max_staleness=r.max_staleness,
-                steps=config.steps,
-                executor=r.async_executor,
-                engine_owns_weights=not self.engine.shares_policy_weights,
-            )
+    producer: Producer
+    rollouts: Rollouts
+    step_idx: int = field(default=0, init=False)
+    last_samples: list[dict[str, Any]] = field(default_factory=list, init=False)  # for display
 
     @property
     def critic(self) -> torch.nn.Module | None:
@@ -215,31 +183,24 @@ class Trainer:
         set_base_lr(self.optimizer, self.scheduler, lr)
 
     def stop_at_once(self) -> None:
-        """End the rollout pipeline's job in flight without waiting for it (a second Ctrl-C): it may
-        wait minutes for a reward call; closing the reward worker ends that call, and the thread."""
-        if self.pipeline is not None and not self.pipeline.close(timeout=1.0):
+        """End the rollouts' job in flight without waiting for it (a second Ctrl-C): it may wait
+        minutes for a reward call; closing the reward worker ends that call, and the thread (k = 0:
+        no thread, closed at once)."""
+        if not self.rollouts.close(timeout=1.0):
             self.scorer.close()
-            self.pipeline.close(timeout=10.0)
+            self.rollouts.close(timeout=10.0)
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, Any]:
         """One RL step (see the module docstring). Returns the step's metrics."""
-        cfg = self.config
         threads = self.threads.check()  # the machine's load since the last step (num_threads: fixed)
-        if self.pipeline is not None:
-            self.pipeline.threads = threads  # its next job runs with the same count
         t0 = time.perf_counter()
-        torch.manual_seed(self.seeds.step(self.step_idx))
-        if self.pipeline is None:
-            production = produce(self, self.step_idx, self.step_idx)
-            queue = waited = None
-        else:  # sampled ahead, with the weights of update max(0, step - max_staleness)
-            production, waited, queue = self.pipeline.take(self.step_idx)
-        batch, sampled, metrics, inputs = finish(self, production)
+        taken = self.rollouts.take(self.step_idx, threads=threads)  # k = 0: produced now
+        batch, sampled, metrics, inputs = finish(self, taken.production)
         release_free_memory()  # the sampler's temporaries go back to the OS before training
         t_gen = time.perf_counter()
-        metrics["time/generation_s"] = t_gen - t0 if self.pipeline is None else production.seconds
-        pretraining = self.critic is not None and self.step_idx < cfg.critic.pretrain_steps
+        metrics["time/generation_s"] = taken.production.seconds
+        pretraining = self.critic is not None and self.step_idx < self.config.critic.pretrain_steps
         rollout = batch.rollout.to(self.device)
         ref = self._timed(metrics, "ref", self.kl.needs_reference, self.reference_logprobs, rollout)
         on_policy = self.on_policy(pretraining, batch.version)
@@ -249,29 +210,16 @@ class Trainer:
         stats = self.update(exp)
         release_free_memory()  # and the training activations before the next rollout
         metrics["time/training_s"] = synced_clock(self.device) - t_gen
-        if self.pipeline is not None:  # drain the job in flight, push the weights, start the next
-            synced = bool(stats.steps) and not self.engine.shares_policy_weights
-            times = self.pipeline.after_update(self.step_idx + 1, synced=synced)
-            metrics.update(
-                async_metrics(
-                    self.step_idx, batch, exp, stats, production, waited, queue, times, self.dist.total
-                )
-            )
-        elif stats.steps and not self.engine.shares_policy_weights:
-            t_sync = time.perf_counter()  # the engine holds its own weights: push the updated ones
-            self.sync_engine()
-            metrics["time/weight_sync_s"] = time.perf_counter() - t_sync
+        synced = bool(stats.steps) and not self.engine.shares_policy_weights  # an engine of its own
+        times = self.rollouts.after_update(self.step_idx + 1, synced=synced)  # k > 0: drained first
+        metrics.update(self.rollouts.report(self.step_idx, taken, times, batch, exp, stats, self.dist.total))
         everything = self.dist.gather_experience(exp)  # data-parallel: every rank's rows
+        reduced = self.dist.reduce_update_stats(stats)  # and every rank's update statistics
         metrics.update(self.advance_kl_controller(everything))
-        metrics.update(self.step_metrics(batch, sampled, everything, stats))
-        metrics.update(self.advance_entropy_controller(metrics))
+        metrics.update(self.step_metrics(batch, sampled, everything, reduced))
+        metrics.update(self.advance_entropy_controller(reduced))
         metrics["time/step_s"] = time.perf_counter() - t0
-        tokens = int(exp.rollout.response_mask.sum().item())
-        metrics["perf/tokens_per_s"] = tokens / max(metrics["time/step_s"], 1e-9)
-        metrics["perf/threads"] = threads
-        metrics["memory/peak_rss_gb"] = peak_rss_gb()
-        if torch.cuda.is_available():
-            metrics["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        metrics.update(self.perf_metrics(exp, metrics["time/step_s"], threads))
         self.step_idx += 1
         self.last_samples = [
             {"prompt": batch.rows[i // batch.group_size]["prompt"], "completion": c, "reward": float(s)}
@@ -279,11 +227,21 @@ class Trainer:
         ]
         return metrics
 
+    @staticmethod
+    def perf_metrics(exp: Experience, seconds: float, threads: int) -> dict[str, float]:
+        """Tokens per second of the step, torch's thread count and the peak memory."""
+        tokens = int(exp.rollout.response_mask.sum().item())
+        out = {"perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/threads": threads}
+        out["memory/peak_rss_gb"] = peak_rss_gb()
+        if torch.cuda.is_available():
+            out["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        return out
+
     def step_metrics(self, batch, sampled, exp: Experience, stats: UpdateStats) -> dict[str, Any]:
         """The step's metrics other than time, memory and KL (names in :data:`METRICS`).
-        Data-parallel: of the batch gathered from every rank (``exp`` already is)."""
+        Data-parallel: of the batch gathered from every rank (``exp`` and ``stats`` already are)."""
         d = self.dist
-        batch, sampled, stats = d.gather_batch(batch), d.gather_batch(sampled), d.reduce_update_stats(stats)
+        batch, sampled = d.gather_batch(batch), d.gather_batch(sampled)
         response_mask = exp.rollout.response_mask.float()
         metrics = mismatch_metrics(stats.rollout_logprobs, stats.rollout_rows, exp.rollout, response_mask)
         metrics.update(
@@ -334,11 +292,6 @@ class Trainer:
         o = self.config.optim
         exact = (o.ppo_epochs == 1 and o.num_minibatches == 1) or pretraining
         return exact and (self.engine.shares_policy_weights or not self.kl.shapes_rewards)
-
-    def sync_engine(self) -> None:
-        """Give the rollout engine the policy's current weights (FSDP: gathered from the shards
-        into the unsharded copy it samples from; a collective, every rank calls it)."""
-        self.strategy.sync_engine(self.engine, self.policy)
 
     def reference_logprobs(self, rollout) -> torch.Tensor:
         """The reference's log-probs [B, T] of the sampled tokens, of the full tempered softmax:
@@ -458,7 +411,16 @@ class Trainer:
         """``ppo_epochs`` x ``num_minibatches`` minibatch views of ``exp``: per minibatch one
         policy step (unless the policy is frozen or no token carries loss) and, with a critic, one
         critic step on the same rows. A minibatch whose approx-KL exceeds ``optim.target_kl``
-        takes no step and ends the update (critic included)."""
+        takes no step and ends the update (critic included).
+
+        Randomness: the minibatch order from ``seeds.update(step)``; what the forward passes draw
+        from torch's stream (dropout, e.g. LoRA's ``lora.dropout``) from a scope seeded with
+        ``seeds.step(step)`` (:func:`~policygrad.seeds.seeded_torch`), the state that stream had
+        when each step began by reseeding it: the draws are the same, and nothing else sees them."""
+        with seeded_torch(self.seeds.step(self.step_idx)):
+            return self._update(exp)
+
+    def _update(self, exp: Experience) -> UpdateStats:
         o = self.config.optim
         self.policy.train()
         stats = UpdateStats.for_batch(exp)
@@ -491,20 +453,21 @@ class Trainer:
             self.kl_ctl.update(masked_sum(kl_tokens, response_mask, dim=-1).mean().item(), exp.batch_size)
         return {"kl/ref": masked_mean(kl_tokens, response_mask).item(), "kl/coef": exp.kl_coef}
 
-    def advance_entropy_controller(self, metrics: dict[str, Any]) -> dict[str, float]:
+    def advance_entropy_controller(self, stats: UpdateStats) -> dict[str, float]:
         """``entropy/coef`` (the entropy bonus's coefficient this step) and, with
         ``loss.entropy_target``, one adaptive-controller step from the policy's mean entropy
-        before the update (``entropy/mean``; it stands still when the policy did not train)."""
+        before the update (``stats.entropy_mean``, every rank's; it stands still when the policy
+        did not train)."""
         out = {"entropy/coef": float(self.objective.entropy_coef)}
-        ctl = self.entropy_ctl
-        if ctl is not None and "entropy/mean" in metrics:
+        ctl, entropy = self.entropy_ctl, stats.entropy_mean
+        if ctl is not None and entropy is not None:
             was_capped = ctl.capped
-            self.objective.entropy_coef = ctl.update(metrics["entropy/mean"])
+            self.objective.entropy_coef = ctl.update(entropy)
             if ctl.capped and not was_capped:
                 log.warning(
                     "warning: the adaptive entropy coefficient reached its cap %g: the policy's entropy "
                     "(entropy/mean %g) stays below loss.entropy_target=%g; lower the target",
-                    ctl.cap, metrics["entropy/mean"], ctl.target,
+                    ctl.cap, entropy, ctl.target,
                 )
         return out
 
@@ -517,127 +480,30 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------------------------------
-    # State.
-
-    def _networks(self) -> dict[str, tuple[torch.nn.Module, torch.optim.Optimizer]]:
-        networks = {"policy": (self.policy, self.optimizer)}
-        if self.critic_trainer is not None:
-            networks["critic"] = (self.critic, self.critic_trainer.optimizer)
-        return networks
+    # State (:mod:`policygrad.trainer.state`).
 
     def state_dict(self) -> dict[str, Any]:
-        """What the trainer needs to continue exactly where it is: step, data position, optimizer
-        (None when the strategy writes it in shards: :meth:`write_shards`), schedule, KL
-        controller, reward normaliser, RNG states; with a critic its optimizer and schedule; with
-        PPO-ptx the text position. Tensors by reference: valid until the next optimizer step."""
-        sharded = self.strategy.shards_state
-        state = {
-            "step": self.step_idx,
-            "data_position": self.stream.position,
-            "optimizer": None if sharded else self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "kl_controller": self.kl_ctl.state_dict(),
-            **({"entropy_controller": self.entropy_ctl.state_dict()} if self.entropy_ctl is not None else {}),
-            "reward_normalizer": self.scorer.normalizer.state_dict(),
-            "rng": {"python": random.getstate(), "torch": torch.get_rng_state()},
-            "precision": self.precision.name,  # what model.precision=auto resolved to, kept on resume
-        }
-        scaler = self.policy_step.step.scaler
-        if scaler is not None:  # fp16-mixed: the loss scale and its growth count, for an exact resume
-            state["grad_scaler"] = scaler.state_dict()
-        if self.critic_trainer is not None:
-            state["critic"] = self.critic_trainer.state_dict()
-            if sharded:
-                state["critic"]["optimizer"] = None
-        if self.ptx_data is not None:
-            state["ptx_position"] = self.ptx_data.position
-        if sharded:
-            state["sharded"] = SHARDED_DIR
-        if self.pipeline is not None:  # the batches sampled ahead, and where their prompts end
-            state["pipeline"] = self.pipeline.state_dict()
-            state["data_position"] = state["pipeline"]["position"]
-        return state
+        """What the trainer needs to continue exactly where it is (:func:`trainer_state`)."""
+        return trainer_state(self)
 
     def write_shards(self, path: str, *, tmp: str) -> tuple[str | None, dict[str, torch.Tensor] | None]:
-        """The part of checkpoint ``path`` that needs every rank (FSDP's shards, into rank 0's
-        temporary folder ``tmp``; nothing otherwise): ``(temporary folder or None, the critic's
-        full weights on rank 0 or None)``. A collective."""
-        return self.strategy.write_shards(path, self._networks(), tmp=tmp)
+        """The part of checkpoint ``path`` that needs every rank, into rank 0's temporary folder
+        ``tmp`` (:func:`write_trainer_shards`)."""
+        return write_trainer_shards(self, path, tmp=tmp)
 
     def load_state_dict(self, state: dict[str, Any], *, checkpoint: str) -> None:
-        """Put :meth:`state_dict`'s output (read from ``checkpoint``) back; a sharded optimizer
-        state is read from the checkpoint's ``sharded/`` folder, resharded to this run's ranks.
+        """Put :meth:`state_dict`'s output (read from ``checkpoint``) back (:func:`load_trainer_state`).
 
         Raises:
-            CheckpointError: the run has a critic but the checkpoint has no critic state.
+            CheckpointError: the checkpoint does not fit this run (named).
         """
-        self.step_idx = state["step"]
-        self.stream.position = state["data_position"]
-        self._load_pipeline_state(state, checkpoint)
-        critic = self.critic_trainer
-        if critic is not None and "critic" not in state:
-            raise CheckpointError(
-                f"checkpoint {checkpoint} has no critic state; it was written by a run without a critic"
-            )
-        if state.get("sharded"):  # an FSDP run's checkpoint: resharded to this run's ranks
-            load_sharded_state(os.path.join(checkpoint, state["sharded"]), self._networks())
-        else:
-            load_full_optimizer(self.policy, self.optimizer, state["optimizer"])
-            if critic is not None:
-                load_full_optimizer(self.critic, critic.optimizer, state["critic"]["optimizer"])
-        for _, optimizer in self._networks().values():  # a checkpoint may carry another implementation
-            fused = optimizer.defaults.get("fused")
-            for group in optimizer.param_groups:
-                group["fused"] = fused
-        self.scheduler.load_state_dict(state["scheduler"])
-        self._load_controllers(state)
-        if critic is not None:
-            critic.scheduler.load_state_dict(state["critic"]["scheduler"])
-            if critic.step.scaler is not None and state["critic"].get("grad_scaler"):
-                critic.step.scaler.load_state_dict(state["critic"]["grad_scaler"])
-        self._load_loss_scale(state, checkpoint)
-        if self.ptx_data is not None:
-            self.ptx_data.position = state.get("ptx_position", 0)
-        random.setstate(state["rng"]["python"])
-        torch.set_rng_state(state["rng"]["torch"])
-
-    def _load_controllers(self, state: dict[str, Any]) -> None:
-        """The KL and entropy coefficients' controllers and the reward normaliser."""
-        self.kl_ctl.load_state_dict(state["kl_controller"])
-        if self.entropy_ctl is not None and "entropy_controller" in state:
-            self.entropy_ctl.load_state_dict(state["entropy_controller"])
-            self.objective.entropy_coef = self.entropy_ctl.value
-        if "reward_normalizer" in state:
-            self.scorer.normalizer.load_state_dict(state["reward_normalizer"])
-
-    def _load_loss_scale(self, state: dict[str, Any], checkpoint: str) -> None:
-        scaler = self.policy_step.step.scaler
-        if scaler is not None:
-            if state.get("grad_scaler"):
-                scaler.load_state_dict(state["grad_scaler"])
-            else:  # a checkpoint of another precision: the scale starts over
-                start = scaler.get_scale()
-                log.warning("note: checkpoint %s has no fp16 loss scale; starting from %g", checkpoint, start)
-
-    def _load_pipeline_state(self, state: dict[str, Any], checkpoint: str) -> None:
-        saved = state.get("pipeline")
-        k = self.config.rollout.max_staleness
-        if saved is None and self.pipeline is None:
-            return
-        if saved is None or self.pipeline is None or saved["max_staleness"] != k:
-            was = saved["max_staleness"] if saved is not None else 0
-            raise CheckpointError(
-                f"checkpoint {checkpoint} was written with rollout.max_staleness={was}; resume it with that "
-                f"value (this run has {k})"
-            )
-        self.pipeline.load_state_dict(saved)
+        load_trainer_state(self, state, checkpoint=checkpoint)
 
     def close(self) -> None:
-        """Stop the rollout pipeline (the job in flight finishes first), shut down the rollout
+        """Stop the rollouts (k > 0: the job in flight finishes first), shut down the rollout
         engine (vLLM holds its own weights, KV cache and process state), the reward worker and
         the environment workers, and put back an adapted thread count. Safe to call more than once."""
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.rollouts.close()
         close = getattr(self.engine, "close", None)
         if callable(close):
             close()

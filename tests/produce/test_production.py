@@ -14,7 +14,7 @@ from policygrad.envs.episodes import Episodes
 from policygrad.produce.production import (
     Production,
     RawRound,
-    _chosen_positions,
+    chosen_positions,
     fail_overflowing_episodes,
     production_from_state,
     production_state,
@@ -101,11 +101,11 @@ def test_dynamic_sampling_takes_the_first_kept_groups_up_to_the_batch():
     rounds = [_round(3, 2, 2, False) for _ in range(3)]
     # round 0 keeps group 2, round 1 keeps groups 0 and 1, round 2 keeps 0: three are needed,
     # so round 0's and round 1's are taken and round 2's is not.
-    assert _chosen_positions(rounds, [[2], [0, 1], [0]]) == [(0, [2]), (1, [0, 1])]
+    assert chosen_positions(rounds, [[2], [0, 1], [0]]) == [(0, [2]), (1, [0, 1])]
     # more than needed in one round: cut at 3
-    assert _chosen_positions(rounds, [[0, 1], [0, 1, 2]]) == [(0, [0, 1]), (1, [0])]
-    assert _chosen_positions(rounds, [[], []]) is None  # no group with signal
-    assert _chosen_positions(rounds, None) is None  # no dynamic sampling
+    assert chosen_positions(rounds, [[0, 1], [0, 1, 2]]) == [(0, [0, 1]), (1, [0])]
+    assert chosen_positions(rounds, [[], []]) is None  # no group with signal
+    assert chosen_positions(rounds, None) is None  # no dynamic sampling
 
 
 def _episodes(turn_rewards, final_rewards, failed=None) -> Episodes:

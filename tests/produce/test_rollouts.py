@@ -18,7 +18,8 @@ import torch
 from policygrad.config.train import ConfigError
 from policygrad.core.importance import truncated_importance_weights
 from policygrad.produce import production
-from policygrad.produce.rollouts import RolloutPipeline
+from policygrad.produce.producer import Producer
+from policygrad.produce.rollouts import Rollouts
 from policygrad.run import Run
 from policygrad.trainer import loop
 from tests.training import checkpoint_weights, write_jsonl
@@ -79,27 +80,34 @@ def _trained_prompts(monkeypatch) -> list[list[str]]:
     return seen
 
 
-def test_staleness_zero_builds_no_pipeline_and_a_forced_inline_one_equals_it(make_config, tmp_path):
+def test_staleness_zero_is_the_inline_case_and_its_checkpoints_resume(make_config, tmp_path, monkeypatch):
+    # k = 0: every step's batch is produced when the step takes it, in the trainer's thread, by the
+    # weights of the step (version == step); nothing async in the metrics or the checkpoint, and a
+    # checkpoint without a "pipeline" key (every synchronous run's, before and after) resumes.
+    calls = []
+    produce = Producer.produce
+
+    def recording(self, step, version):
+        calls.append((step, version, threading.current_thread().name))
+        return produce(self, step, version)
+
+    monkeypatch.setattr(Producer, "produce", recording)
     sync = Run(make_config("sync", **_sections(tmp_path)))
-    assert sync.trainer.pipeline is None
     sync.train()
-    forced = Run(make_config("forced", **_sections(tmp_path)))
-    t = forced.trainer
-    t.pipeline = RolloutPipeline(
-        lambda step, version: production.produce(t, step, version),
-        t.sync_engine,
-        t.stream,
-        max_staleness=0,
-        steps=4,
-        executor="inline",
-        engine_owns_weights=not t.engine.shares_policy_weights,
+    assert calls == [(m, m, "MainThread") for m in range(4)]
+    assert sync.trainer.rollouts.max_staleness == 0 and sync.trainer.rollouts.jobs == {}
+    rows = _rows(sync.run_dir)
+    assert not [k for r in rows for k in r if k.startswith("async/")]
+    state = torch.load(
+        os.path.join(sync.run_dir, "checkpoints", "step_2", "trainer_state.pt"), weights_only=True
     )
-    forced.train()
-    async_keys = {"async/staleness", "async/behaviour_kl"}
-    rows = [{k: v for k, v in r.items() if k not in async_keys} for r in _rows(forced.run_dir)]
-    assert rows == _rows(sync.run_dir)
-    assert [r["async/staleness"] for r in _rows(forced.run_dir)] == [0.0] * 4
-    assert _same_weights(sync.run_dir, forced.run_dir, 4)
+    assert "pipeline" not in state and state["data_position"] == 2 * 2  # 2 prompts a step
+    cfg = make_config("resumed", **{**_sections(tmp_path), "steps": 2})
+    Run(cfg).train()
+    resumed = Run(make_config("resumed", **_sections(tmp_path)), resume_from=cfg.output_dir)
+    resumed.train()
+    assert _rows(cfg.output_dir) == rows
+    assert _same_weights(sync.run_dir, cfg.output_dir, 4)
 
 
 def test_staleness_one_thread_equals_inline_and_resume_equals_straight(make_config, tmp_path, monkeypatch):
@@ -155,15 +163,14 @@ def test_uncorrected_staleness_warns_and_auto_corrects(make_config, caplog):
 def test_a_producer_that_raises_fails_the_step_that_waits_for_it(
     executor, make_config, tmp_path, monkeypatch
 ):
-    produce = production.produce
+    produce = Producer.produce
 
-    def breaks_at_step_2(trainer, step, version):
+    def breaks_at_step_2(self, step, version):
         if step == 2:
             raise RuntimeError("the sampler broke")
-        return produce(trainer, step, version)
+        return produce(self, step, version)
 
-    monkeypatch.setattr(production, "produce", breaks_at_step_2)
-    monkeypatch.setattr(loop, "produce", breaks_at_step_2)
+    monkeypatch.setattr(Producer, "produce", breaks_at_step_2)
     run = Run(
         make_config(executor, **_sections(tmp_path, rollout={"max_staleness": 1, "async_executor": executor}))
     )
@@ -192,7 +199,7 @@ def test_staleness_needs_per_prompt_seeds_and_a_sane_floor(make_config):
         make_config(rollout={"async_executor": "process"})
 
 
-# ----------------------------------------------------------------------------- the pipeline alone
+# ----------------------------------------------------------------------------- the rollouts alone
 
 
 class _Stream:
@@ -223,9 +230,9 @@ def _fake(stream, log, seconds=0.0):
 def test_fixed_lag_one_job_at_a_time_and_no_sync_while_a_job_runs(k, executor):
     stream, log = _Stream(), []
     produce, sync, engine = _fake(stream, log, seconds=0.01)
-    pipe = RolloutPipeline(produce, sync, stream, max_staleness=k, steps=6, executor=executor)
+    pipe = Rollouts(produce, sync, stream, max_staleness=k, steps=6, executor=executor)
     for m in range(6):
-        prod, _, _ = pipe.take(m)
+        prod = pipe.take(m).production
         assert (prod.step, prod.version) == (m, max(0, m - k))
         pipe.after_update(m + 1, synced=True)
     pipe.close()
@@ -234,14 +241,16 @@ def test_fixed_lag_one_job_at_a_time_and_no_sync_while_a_job_runs(k, executor):
     assert [step for step, *_ in log] == list(range(6 + k))
     # Each job saw one engine version from start to end, and it was the one it was due on.
     assert all(start == end == version for _, version, start, end, _ in log)
-    assert {name for *_, name in log} == {"policygrad-rollout" if executor == "thread" else "MainThread"}
+    # k = 0 is the inline case whatever the executor: no thread.
+    ahead_thread = executor == "thread" and k > 0
+    assert {name for *_, name in log} == {"policygrad-rollout" if ahead_thread else "MainThread"}
     assert stream.position == 2 * (6 + k)
 
 
 def test_state_between_steps_restarts_the_unfinished_job_where_it_began():
     stream, log = _Stream(), []
     produce, sync, _ = _fake(stream, log)
-    pipe = RolloutPipeline(produce, sync, stream, max_staleness=2, steps=10, executor="inline")
+    pipe = Rollouts(produce, sync, stream, max_staleness=2, steps=10, executor="inline")
     for m in range(3):
         pipe.take(m)
         pipe.after_update(m + 1, synced=True)
@@ -252,9 +261,9 @@ def test_state_between_steps_restarts_the_unfinished_job_where_it_began():
     path_state = torch.load(_save(state), weights_only=True)
     stream2, log2 = _Stream(), []
     produce2, sync2, engine2 = _fake(stream2, log2)
-    again = RolloutPipeline(produce2, sync2, stream2, max_staleness=2, steps=10, executor="inline")
+    again = Rollouts(produce2, sync2, stream2, max_staleness=2, steps=10, executor="inline")
     again.load_state_dict(path_state)
-    prod, _, _ = again.take(3)
+    prod = again.take(3).production
     assert prod.step == 3 and prod.version == 1
     assert engine2["version"] == 1  # the checkpoint's weights were pushed before any job
     assert log2 == [] and stream2.position == 12  # nothing sampled until version 3 moves on
@@ -313,7 +322,7 @@ def test_close_without_waiting_abandons_the_job_in_flight():
         release.wait(30)
         return production.Production(step, version, [], None, {}, 0.0)
 
-    pipe = RolloutPipeline(produce, lambda: None, stream, max_staleness=1, steps=4, executor="thread")
+    pipe = Rollouts(produce, lambda: None, stream, max_staleness=1, steps=4, executor="thread")
     pipe._start()  # the jobs of steps 0 and 1 on the initial weights; step 0's blocks
     assert started.wait(10)
     start = time.perf_counter()

@@ -17,7 +17,7 @@ from tests.training import write_jsonl
 
 
 class TruncatingEngine:
-    """The trainer's engine, except that the completions in ``rows`` are reported as cut at the
+    """The producer's engine, except that the completions in ``rows`` are reported as cut at the
     length limit (the scorer reads only the flag)."""
 
     def __init__(self, engine, rows: list[int]):
@@ -46,7 +46,8 @@ def test_the_filter_reads_the_outcome_not_the_shaped_score(make_config):
         reward={"truncation": "penalty", "truncation_penalty": -1.0},
     )
     run = Run(cfg)
-    run.trainer.engine = TruncatingEngine(run.trainer.engine, [3])
+    sampler = run.trainer.producer.sampler  # what the producer samples with
+    sampler.engine = TruncatingEngine(sampler.engine, [3])
     m = run.trainer.step()
     shaped = torch.tensor([s["reward"] for s in run.trainer.last_samples])
     assert shaped.tolist() == [0.0, 0.0, 0.0, -1.0, 0.0, 0.0, 0.0, 0.0]

@@ -12,6 +12,7 @@ import torch
 
 from policygrad.config.train import ConfigError, load_config
 from policygrad.core.advantages import estimate_advantages
+from policygrad.produce.stages import FinishParts, ProducerParts
 from policygrad.produce.vine import (
     finish_vine_segments,
     finish_vine_values,
@@ -20,6 +21,7 @@ from policygrad.produce.vine import (
     split_points,
 )
 from policygrad.rewards.registry import RewardOutput
+from policygrad.rollout.base import SamplingParams
 from policygrad.run import Run
 from policygrad.seeds import Seeds
 from tests.envs.scripted import ScriptedEngine
@@ -170,7 +172,7 @@ def _succeeds(text_after_prompt: str, m: int) -> bool:
     return m < wins
 
 
-def _fake_trainer(overrides, responses):
+def _fake_parts(overrides, responses):
     config = load_config(
         None,
         [
@@ -193,38 +195,44 @@ def _fake_trainer(overrides, responses):
 
     sampled = engine.generate([prompt], group_size=2, max_new_tokens=8)
     vine_engine = ScriptedEngine(script)
-    trainer = SimpleNamespace(
-        config=config,
+    r = config.rollout
+    scorer = _Scorer()
+    parts = ProducerParts(
         engine=vine_engine,
         tokenizer=TOK,
-        scorer=_Scorer(),
+        score=scorer.raw,
         seeds=Seeds(0),
-        dist=SimpleNamespace(total=lambda x: float(x)),
+        params=SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+        max_new_tokens=r.max_new_tokens,
+        ignore_eos=r.ignore_eos,
+        per_prompt_seeds=r.per_prompt_seeds,
+        options=config.estimator_options,
     )
+    finishing = FinishParts(scorer, SimpleNamespace(total=lambda x: float(x)), config.estimator_options)
     chosen = SimpleNamespace(
         rows=[{"prompt": "Q?"}], prompt_ids=[prompt], group_size=2, rollout=sampled, step=0
     )
-    return trainer, chosen, sampled
+    return parts, finishing, chosen, sampled
 
 
 @pytest.mark.unit
 def test_monte_carlo_values_of_a_scripted_engine_give_the_advantages_by_hand():
     # Row 0 answers "a\nb\nc" + EOS (6 tokens, split points 2 and 4), row 1 "cc" + EOS (none).
     responses = [ids("a\nb\nc") + [EOS_ID], ids("cc") + [EOS_ID]]
-    trainer, chosen, sampled = _fake_trainer([], responses)
-    payload = sample_vine(trainer, chosen)
+    parts, finishing, chosen, sampled = _fake_parts([], responses)
+    payload = sample_vine(parts, chosen)
     # States: the prompt (K = 4 from it), then row 0's "a\n" and "a\nb\n": 3 x 4 continuations
     # of 2 tokens each (a letter and EOS). A call holds at most the batch's 2 sequences, so one
     # state each, with the budget its prefix leaves.
     assert payload["splits"] == [[2, 4], []]
     assert payload["prompt_states"] == 1 and payload["sequences"] == 12 and payload["tokens"] == 24
-    requests = trainer.engine.requests
+    requests = parts.engine.requests
     assert [TOK.decode(p) for r in requests for p in r.prompts] == ["Q?", "Q?a\n", "Q?a\nb\n"]
     assert [(r.group_size, r.max_new_tokens) for r in requests] == [(4, 8), (4, 6), (4, 4)]
 
     batch = SimpleNamespace(group_size=2, rollout=sampled)
-    values = finish_vine_values(trainer, payload, batch)
-    segments = finish_vine_segments(trainer, payload, batch)
+    values = finish_vine_values(finishing, payload, batch)
+    segments = finish_vine_segments(finishing, payload, batch)
     # V(prompt) = 2/4 = 0.5, V("a\n") = 3/4 = 0.75, V("a\nb\n") = 1/4 = 0.25 (row 1: the prompt's)
     assert values.tolist() == [[0.5, 0.5, 0.75, 0.75, 0.25, 0.25], [0.5] * 6]
     assert segments.tolist() == [[0, 0, 1, 1, 2, 2], [0, 0, 0, 0, 0, 0]]
@@ -249,25 +257,25 @@ def test_a_continuation_past_the_response_budget_is_cut_and_truncated():
     # Row 0 "x\n" + 6 letters (8 tokens = the budget, no EOS). The state "x\n" leaves 6 tokens and
     # every continuation from it runs 9: each is cut at 6 and counts as truncated (scores -1 here).
     responses = [ids("x\nzzzzzz"), ids("cc") + [EOS_ID]]
-    trainer, chosen, sampled = _fake_trainer([], responses)
-    payload = sample_vine(trainer, chosen)
+    parts, finishing, chosen, sampled = _fake_parts([], responses)
+    payload = sample_vine(parts, chosen)
     assert payload["splits"] == [[2], []] and payload["prompt_states"] == 1
     assert payload["truncated"].tolist() == [False] * 4 + [True] * 4
     assert payload["tokens"] == 4 * 2 + 4 * 6
-    values = finish_vine_values(trainer, payload, SimpleNamespace(group_size=2, rollout=sampled))
+    values = finish_vine_values(finishing, payload, SimpleNamespace(group_size=2, rollout=sampled))
     assert values[0].tolist() == [0.5, 0.5] + [-1.0] * 6
 
 
 @pytest.mark.unit
 def test_prompt_value_group_is_the_mean_of_the_siblings():
     responses = [ids("a\nb\nc") + [EOS_ID], ids("cc") + [EOS_ID]]
-    trainer, chosen, sampled = _fake_trainer(["--advantage.options.prompt_value=group"], responses)
-    payload = sample_vine(trainer, chosen)
+    parts, finishing, chosen, sampled = _fake_parts(["--advantage.options.prompt_value=group"], responses)
+    payload = sample_vine(parts, chosen)
     assert payload["prompt_states"] == 0 and payload["sequences"] == 8  # no rollouts from the prompt
     # G = 2: V(s_0) of a row is its sibling's score (leave-one-out; its own would bias it).
     scores = SimpleNamespace(scores=torch.tensor([1.0, 0.0]))
     values = finish_vine_values(
-        trainer, payload, SimpleNamespace(group_size=2, rollout=sampled, scores=scores)
+        finishing, payload, SimpleNamespace(group_size=2, rollout=sampled, scores=scores)
     )
     assert values.tolist() == [[0.0, 0.0, 0.75, 0.75, 0.25, 0.25], [1.0] * 6]
 
@@ -311,9 +319,7 @@ def test_vineppo_with_rollouts_ahead_and_dynamic_sampling(make_config, tmp_path)
         groups = m["dynamic_sampling/groups_kept"] or 2  # none kept: the first round's stay
         assert m["vineppo/extra_sequences"] == 2 * (groups + 4 * groups * m["vineppo/splits_mean"])
         # the payload is tensors, lists and numbers: a checkpoint of a production keeps it
-        from policygrad.produce.production import produce
-
-        prod = produce(run.trainer, 1, 1)
+        prod = run.trainer.producer.produce(1, 1)
         path = tmp_path / "state.pt"
         torch.save(production_state(prod), path)
         back = production_from_state(torch.load(path, weights_only=True))

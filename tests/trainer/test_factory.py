@@ -13,6 +13,8 @@ import torch
 from policygrad.config.train import ConfigError, ModelConfig
 from policygrad.envs import Environment, StepResult
 from policygrad.parallel.distributed import Dist
+from policygrad.rollout.base import SamplingParams
+from policygrad.rollout.samplers import SingleTurnSampler
 from policygrad.trainer.factory import build_trainer, prepare_config, read_chat_template
 from tests.training import config_with
 
@@ -188,3 +190,29 @@ def test_the_same_config_builds_the_same_trainer(tmp_path, tiny_model_dir):
         assert not torch.equal(torch.get_rng_state(), rng_a)
     finally:
         other.close()
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_the_producer_and_the_rollouts_are_built_from_the_run_parts(tmp_path, tiny_model_dir):
+    cfg = _config(
+        tmp_path,
+        model={"name": tiny_model_dir},
+        data={"eval_size": 0, "difficulty": "easy"},
+        advantage={"estimator": "remax"},
+        rollout={"temperature": 0.9, "top_k": 5},
+        loss={"entropy_coef": 0.02, "entropy_target": 1.0, "entropy_coef_delta": 0.001},
+    )
+    trainer = build_trainer(cfg)
+    try:
+        producer, r = trainer.producer, cfg.rollout
+        assert isinstance(producer.sampler, SingleTurnSampler) and producer.sampler.engine is trainer.engine
+        assert producer.parts.engine is trainer.engine and producer.parts.tokenizer is trainer.tokenizer
+        assert producer.parts.score == trainer.scorer.raw and producer.stream is trainer.stream
+        assert producer.parts.params == SamplingParams(temperature=0.9, top_k=5)
+        assert (producer.group_size, producer.prompts_per_step) == (r.group_size, r.prompts_per_step)
+        assert list(producer.inputs) == ["baseline_rewards"]  # ReMax declares its greedy baseline
+        assert producer.dynamic is None
+        assert trainer.rollouts.max_staleness == 0 and trainer.rollouts.stream is trainer.stream
+        assert trainer.entropy_ctl.coef == 0.02 and trainer.objective.entropy_coef == 0.02
+    finally:
+        trainer.close()

@@ -10,9 +10,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import glob
+import inspect
 import json
 import math
 import os
+import sys
 from unittest import mock
 
 import pytest
@@ -21,6 +23,7 @@ import torch
 from policygrad.config.train import ConfigError
 from policygrad.core.masking import aggregate
 from policygrad.learn.optim import OptimizerStep
+from policygrad.learn.update import UpdateStats
 from policygrad.models.forward import policy_logprobs
 from policygrad.models.loading import eos_token_ids, load_causal_lm, load_tokenizer
 from policygrad.rewards.registry import RewardFunctionError
@@ -775,13 +778,14 @@ def test_what_the_run_asks_the_trainer_is_answered_from_its_parts():
     assert trainer.next_rows() == [{"prompt": "p2"}, {"prompt": "p3"}, {"prompt": "p4"}]  # read, not taken
     assert trainer.stream.position == 2
     # A second Ctrl-C: a job in flight that does not end within 1 s has its reward worker closed.
-    trainer.pipeline, trainer.scorer = mock.Mock(), mock.Mock()
-    trainer.pipeline.close.side_effect = [False, True]
+    trainer.rollouts, trainer.scorer = mock.Mock(), mock.Mock()
+    trainer.rollouts.close.side_effect = [False, True]
     trainer.stop_at_once()
-    assert trainer.pipeline.close.call_args_list == [mock.call(timeout=1.0), mock.call(timeout=10.0)]
+    assert trainer.rollouts.close.call_args_list == [mock.call(timeout=1.0), mock.call(timeout=10.0)]
     trainer.scorer.close.assert_called_once_with()
-    trainer.pipeline = None
-    trainer.stop_at_once()  # no pipeline: nothing to stop
+    trainer.rollouts.close.side_effect = None
+    trainer.rollouts.close.return_value = True  # k = 0 (no thread), or a thread that ended: closed at once
+    trainer.stop_at_once()
     assert trainer.scorer.close.call_count == 1
     # A new base learning rate under the schedule's position: factor 1 / (2 + 1) at step 2.
     trainer.optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
@@ -791,3 +795,58 @@ def test_what_the_run_asks_the_trainer_is_answered_from_its_parts():
         trainer.scheduler.step()
     trainer.set_base_lr(0.3)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(0.1, rel=1e-12)  # 0.3 / 3
+
+
+# ----------------------------------------------------------------------------- explicit state
+
+
+def test_the_step_reads_as_its_stages_built_from_named_parts():
+    # Trainer.step: at most 40 lines (def to return), one path whatever the staleness, and no
+    # global reseed; the trainer takes its parts by name, each declared (no **parts).
+    source = inspect.getsource(Trainer.step).rstrip("\n").split("\n")
+    assert len(source) <= 40, len(source)
+    text = "\n".join(source)
+    assert "pipeline" not in text and "max_staleness" not in text and "manual_seed" not in text
+    loop_source = inspect.getsource(sys.modules[Trainer.__module__])
+    assert "torch.manual_seed" not in loop_source
+    params = inspect.signature(Trainer).parameters.values()
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
+    names = {p.name for p in params}
+    assert {"config", "producer", "rollouts", "entropy_ctl", "policy", "optimizer"} <= names
+    with pytest.raises(TypeError, match="rollouts"):
+        Trainer(**{p.name: None for p in params if p.name != "rollouts"})
+
+
+def test_a_step_leaves_torch_global_stream_as_it_found_it(make_config):
+    # Every draw of a step comes from the run's seeds in scopes of their own: sampling from each
+    # prompt's seed, the update's forward passes (dropout) from seeds.step(step), forked.
+    run = Run(make_config())
+    try:
+        torch.manual_seed(99)
+        before = torch.get_rng_state()
+        run.trainer.step()
+        assert torch.equal(torch.get_rng_state(), before)
+    finally:
+        run.close()
+
+
+def test_the_entropy_controller_follows_the_update_statistics(make_config):
+    run = Run(make_config(loss={"entropy_coef": 0.01, "entropy_target": 1.0, "entropy_coef_delta": 0.005}))
+    try:
+        t = run.trainer
+        # No micro-batch measured an entropy (the policy did not train): it stands still.
+        assert t.advance_entropy_controller(UpdateStats()) == {"entropy/coef": 0.01}
+        assert t.entropy_ctl.coef == 0.01
+        # Entropy before the update 1.5 nats over 3 tokens = 0.5 < target 1.0: coef + delta. The
+        # metric is the coefficient the step trained with (0.01).
+        below = UpdateStats(entropy_before=[1.5, 3.0])
+        assert below.entropy_mean == 0.5
+        assert t.advance_entropy_controller(below) == {"entropy/coef": 0.01}
+        assert t.objective.entropy_coef == t.entropy_ctl.coef == pytest.approx(0.015, abs=1e-15)
+        # 9 nats over 3 tokens = 3.0 >= 1.0: coef - delta, and no bonus while above the target.
+        above = UpdateStats(entropy_before=[9.0, 3.0])
+        assert t.advance_entropy_controller(above) == {"entropy/coef": pytest.approx(0.015, abs=1e-15)}
+        assert t.entropy_ctl.coef == pytest.approx(0.01, abs=1e-15)
+        assert t.objective.entropy_coef == t.entropy_ctl.value
+    finally:
+        run.close()
