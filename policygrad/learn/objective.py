@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from policygrad.core.entropy import covariance_selection, token_covariance
 from policygrad.core.importance import truncated_importance_weights
 from policygrad.core.kl import KLPlacement
 from policygrad.core.losses import SELECTION_ARG
@@ -197,6 +198,30 @@ class PolicyObjective:
             m["positive_lm_nll"] = masked_mean(-logprobs.detach(), positive)
             m["positive_frac"] = masked_mean(positive, mask)
         return loss, m, mask
+
+    def covariance_tokens(self, advantages, logprobs, loss_mask, dist) -> torch.Tensor:
+        """The tokens a covariance loss acts on this step (bool [B, T], this rank's rows): chosen
+        once over every rank's batch (``dist``), from the covariance of the advantages with the
+        log-probs of the policy before the update (the old ones, else the sampler's), so neither
+        micro-batches, minibatches nor the number of ranks change which tokens they are (Cui et
+        al. 2025, sec. 5)."""
+        d = dist
+        options = {**self.policy_loss.options, **self.loss_options}
+        mode = self.token_selection
+        usable = loss_mask * torch.isfinite(logprobs).to(loss_mask)  # a top-k/top-p edge token: -inf
+        adv_all, logprobs_all, usable_all = (d.gather_rows(t) for t in (advantages, logprobs, usable))
+        cov = token_covariance(logprobs_all, adv_all, usable_all)
+        if mode == "clip_cov":
+            choice = {
+                "ratio": options["clip_cov_ratio"],
+                "lb": options["clip_cov_lb"],
+                "ub": options["clip_cov_ub"],
+            }
+        else:
+            choice = {"ratio": options["kl_cov_ratio"]}
+        selected = covariance_selection(cov, usable_all, mode=mode, **choice)
+        offset = d.rank_offsets(advantages.shape[0])
+        return selected[offset : offset + advantages.shape[0], : advantages.shape[1]]
 
 
 def _is_metrics(

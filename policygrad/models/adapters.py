@@ -157,6 +157,7 @@ def load_model(
     model = load_causal_lm(source.base, dtype=dtype, trainable=trainable, trust_remote_code=trust_remote_code)
     if source.adapter is None:
         return model
+    # peft loads only for a LoRA run
     from peft import PeftModel
 
     try:
@@ -237,6 +238,7 @@ def merged_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
             rows (``trainable_token_indices``).
     """
     try:
+        # peft loads only for a LoRA run
         from peft.tuners.lora import LoraLayer
         from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
     except ImportError:  # peft absent: no LoRA layers or trained copies can exist

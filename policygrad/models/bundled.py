@@ -125,6 +125,7 @@ def _is_complete(folder: Path) -> bool:
 def _file_lock(lock_path: Path) -> Iterator[None]:
     """An exclusive advisory lock (``fcntl.flock``) held for the block; a no-op without fcntl."""
     try:
+        # POSIX-only: imported where the lock is taken
         import fcntl
     except ImportError:  # not POSIX: rely on the atomic rename alone
         yield
@@ -149,6 +150,7 @@ def convert_gguf_to_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathL
         ImportError / OSError from transformers when the ``gguf`` package is missing or the file
         is unreadable.
     """
+    # heavy: finding the bundled model's folder needs neither
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -60,6 +60,7 @@ def _looks_like_path(spec: str) -> bool:
 def _cached_hub_snapshot(repo_id: str) -> str | None:
     """Folder of ``repo_id``'s cached snapshot in the local Hugging Face cache, or None."""
     try:
+        # only for a model name that is a Hub id
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - huggingface_hub ships with transformers
         return None
@@ -141,6 +142,7 @@ def load_tokenizer(path: str, *, padding_side: str = "left", trust_remote_code: 
     Raises:
         ValueError: bad ``padding_side``; the tokenizer has neither a pad nor an eos token.
     """
+    # heavy: loaded when a model is built, not when the module is imported
     from transformers import AutoTokenizer
 
     if padding_side not in ("left", "right"):
@@ -265,6 +267,7 @@ def load_causal_lm(path: str, *, dtype: str | torch.dtype = "float32", trainable
         ValueError: unknown ``dtype`` name.
         OSError: from transformers when the folder holds no loadable model.
     """
+    # heavy: loaded when a model is built, not when the module is imported
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch_dtype = resolve_torch_dtype(dtype)
@@ -309,6 +312,7 @@ def apply_lora(model, *, rank: int, alpha: float, dropout: float = 0.0,
         ValueError: ``rank`` < 1, ``alpha`` <= 0, ``dropout`` outside [0, 1), empty ``target_modules``.
         TypeError: ``rank`` not an int.
     """
+    # peft loads only for a LoRA run
     from peft import LoraConfig, get_peft_model
 
     if isinstance(rank, bool) or not isinstance(rank, int):

@@ -41,6 +41,7 @@ def is_sequence_classifier(path: str, *, trust_remote_code: bool = False) -> boo
     Raises:
         OSError: from transformers when the folder holds no ``config.json``.
     """
+    # heavy: loaded when a model is built, not when the module is imported
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
@@ -148,6 +149,7 @@ class ValueModel(torch.nn.Module):
 
         ``state``: the full weights to take the trainable ones from instead (an FSDP-sharded
         critic's, gathered by :func:`policygrad.parallel.sharding.full_state_dict`)."""
+        # loaded where a value head's weights are written or read
         from safetensors.torch import save_file
 
         os.makedirs(folder, exist_ok=True)
@@ -166,6 +168,7 @@ class ValueModel(torch.nn.Module):
             FileNotFoundError: ``folder/value_model.safetensors`` is missing.
             ValueError: the file does not match this model's trainable parameters.
         """
+        # loaded where a value head's weights are written or read
         from safetensors.torch import load_file
 
         path = os.path.join(folder, "value_model.safetensors")
@@ -191,6 +194,7 @@ def _apply_lora_backbone(
 ):
     """LoRA adapters (Hu et al. 2021, eq. 3) on a base transformer without a language-model head;
     only the adapters train. Same argument checks as ``models.loading.apply_lora``."""
+    # peft loads only for a LoRA run
     from peft import LoraConfig, get_peft_model
 
     if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
@@ -245,6 +249,7 @@ def load_value_model(
             label, or a model whose vocabulary size differs from the policy's (the critic reads
             the policy's token ids, so it must share the policy's tokenizer).
     """
+    # heavy: loaded when a model is built, not when the module is imported
     from transformers import AutoConfig, AutoModel, AutoModelForSequenceClassification
 
     if not isinstance(init_from, str) or not init_from.strip():

@@ -52,6 +52,9 @@ from dataclasses import dataclass
 
 import torch
 
+from policygrad.config.checks import ConfigError
+from policygrad.models.forward import float32_head
+
 __all__ = [
     "HEAD_DTYPES",
     "PRECISIONS",
@@ -105,8 +108,6 @@ class Precision:
             ValueError: the model's output head is not a plain ``torch.nn.Linear``."""
         if self.head_dtype is None or model is None:
             return
-        from policygrad.models.forward import float32_head
-
         float32_head(model)
 
     def autocast(self):
@@ -206,8 +207,6 @@ def resolve_precision(
             float16 autocast; ``lm_head_dtype=float32`` with ``bf16-pure`` (the config's
             ``ConfigError`` is a ValueError).
     """
-    from policygrad.config.sections import ConfigError
-
     if name not in PRECISIONS:
         raise ValueError(f"model.precision={name!r} is not valid; choose one of {list(PRECISIONS)}")
     head = lm_head_dtype or "auto"

@@ -65,6 +65,7 @@ def shard_model(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = N
         compute_dtype: bfloat16 for FSDP2 mixed precision (parameters cast for compute,
             gradients reduced in float32), or None (compute in the parameters' dtype).
     """
+    # FSDP2 loads only for distributed.strategy=fsdp
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
     reduce_dtype = torch.float32 if compute_dtype is not None else None
@@ -81,6 +82,7 @@ def shard_model(model: torch.nn.Module, *, compute_dtype: torch.dtype | None = N
 
 def is_sharded(model: torch.nn.Module | None) -> bool:
     """``model`` was passed to :func:`shard_model`."""
+    # FSDP2 loads only for distributed.strategy=fsdp
     from torch.distributed.fsdp import FSDPModule
 
     return isinstance(model, FSDPModule)
@@ -91,6 +93,7 @@ def full_state_dict(model: torch.nn.Module, *, rank0_cpu: bool = False) -> dict[
 
     ``rank0_cpu``: gathered to CPU on rank 0 only (the other ranks get ``{}``), for writing files;
     else every rank gets the full tensors on its device."""
+    # FSDP2 loads only for distributed.strategy=fsdp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_cpu)

@@ -34,6 +34,7 @@ class _WarpAndRecord:
     def __init__(
         self, temperature: float, top_k: int | None, top_p: float | None, row_keys: torch.Tensor | None = None
     ):
+        # heavy: transformers loads when the hf engine samples
         from transformers.generation.logits_process import (
             LogitsProcessorList,
             TemperatureLogitsWarper,
@@ -158,6 +159,7 @@ class HFRolloutEngine(RolloutEngine):
         self.copies_weights = copies_weights
         self.autocast = autocast or contextlib.nullcontext  # e.g. the run's bf16 autocast
         if eos_token_ids is None:
+            # models imports rollout.base: at the top this would be a package cycle
             from policygrad.models.loading import eos_token_ids as find_eos
 
             eos_token_ids = find_eos(tokenizer, model)
@@ -306,6 +308,7 @@ class HFRolloutEngine(RolloutEngine):
         ignore_eos=False,
     ):
         """``sequences`` LongTensor [B, P + steps] and log-probs FloatTensor [B, steps]."""
+        # heavy: transformers loads when the hf engine samples
         from transformers import GenerationConfig
         from transformers.generation.logits_process import LogitsProcessorList
 

@@ -338,6 +338,7 @@ def _read_info(fd: int) -> dict[str, Any]:
 
 
 def _try_flock(fd: int) -> bool:
+    # POSIX-only: imported where the lock is taken
     import fcntl
 
     try:

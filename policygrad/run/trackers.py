@@ -81,6 +81,7 @@ class TensorBoardTracker(Tracker):
     name = "tensorboard"
 
     def __init__(self, run_dir: str, **_):
+        # an optional tracker: imported only when report_to names it
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
@@ -100,6 +101,7 @@ class WandbTracker(Tracker):
     name = "wandb"
 
     def __init__(self, run_dir: str, *, project: str, run_name: str, config: dict, saved: dict, **_):
+        # an optional tracker: imported only when report_to names it
         import wandb
 
         mode = os.environ.get("WANDB_MODE") or "offline"
@@ -143,6 +145,7 @@ class MLflowTracker(Tracker):
             # settings win.
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
             os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")
+        # an optional tracker: imported only when report_to names it
         from mlflow import MlflowClient
         from mlflow.entities import Metric, Param
 
@@ -178,6 +181,7 @@ class TrackioTracker(Tracker):
 
     def __init__(self, run_dir: str, *, project: str, run_name: str, config: dict, saved: dict, **_):
         del run_dir  # trackio keeps its own store (TRACKIO_DIR); every tracker is built with the folder
+        # an optional tracker: imported only when report_to names it
         import trackio
 
         self._trackio = trackio

@@ -56,6 +56,7 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
     try:
+        # numpy is seeded where it is installed (not a dependency of its own)
         import numpy as np
 
         np.random.seed(seed % (2**32))

@@ -42,7 +42,7 @@ import torch
 
 from policygrad.config.train import TrainConfig
 from policygrad.core.advantages import AdvantageEstimator, monte_carlo_returns
-from policygrad.core.entropy import AdaptiveEntropyController, covariance_selection, token_covariance
+from policygrad.core.entropy import AdaptiveEntropyController, token_covariance
 from policygrad.core.kl import AdaptiveKLController, FixedKLController, KLPlacement, kl_estimate
 from policygrad.core.masking import masked_mean, masked_sum, masked_whiten
 from policygrad.data.ptx import PtxData
@@ -385,27 +385,8 @@ class Trainer:
         )
 
     def cov_selection(self, advantages, logprobs, loss_mask) -> torch.Tensor:
-        """The tokens a covariance loss acts on this step (bool [B, T], this rank's rows): chosen
-        once over every rank's batch, from the covariance of the advantages with the log-probs of
-        the policy before the update (the old ones, else the sampler's), so neither micro-batches,
-        minibatches nor the number of ranks change which tokens they are (Cui et al. 2025, sec. 5)."""
-        d = self.dist
-        options = {**self.objective.policy_loss.options, **self.objective.loss_options}
-        mode = self.objective.token_selection
-        usable = loss_mask * torch.isfinite(logprobs).to(loss_mask)  # a top-k/top-p edge token: -inf
-        adv_all, logprobs_all, usable_all = (d.gather_rows(t) for t in (advantages, logprobs, usable))
-        cov = token_covariance(logprobs_all, adv_all, usable_all)
-        if mode == "clip_cov":
-            choice = {
-                "ratio": options["clip_cov_ratio"],
-                "lb": options["clip_cov_lb"],
-                "ub": options["clip_cov_ub"],
-            }
-        else:
-            choice = {"ratio": options["kl_cov_ratio"]}
-        selected = covariance_selection(cov, usable_all, mode=mode, **choice)
-        offset = d.rank_offsets(advantages.shape[0])
-        return selected[offset : offset + advantages.shape[0], : advantages.shape[1]]
+        """The tokens a covariance loss acts on this step (:meth:`PolicyObjective.covariance_tokens`)."""
+        return self.objective.covariance_tokens(advantages, logprobs, loss_mask, self.dist)
 
     def update(self, exp: Experience) -> UpdateStats:
         """``ppo_epochs`` x ``num_minibatches`` minibatch views of ``exp``: per minibatch one
