@@ -68,7 +68,6 @@ from policygrad.core.kl import last_token_rewards
 from policygrad.core.losses import get_policy_loss
 from policygrad.core.masking import aggregate
 from policygrad.data.sources import resolve_dataset
-from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
@@ -88,6 +87,7 @@ from policygrad.lab.common import (
 )
 from policygrad.models.forward import policy_logprobs
 from policygrad.rewards.verifiers import answer_correctness
+from policygrad.rollout.base import decode_completions
 from policygrad.rollout.hf import HFRolloutEngine
 
 DEFAULT_ESTIMATORS = "none,rloo2,rloo4,rloo8,grpo,gae0,gae0.5,gae0.95,gae1"

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from policygrad.core.kl import kl_shaped_rewards
-from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import tokenize_user_prompts
 from policygrad.lab.gradient_snr import (
     RIDGE_GRID,
@@ -22,6 +21,7 @@ from policygrad.lab.gradient_snr import (
     run_gradient_snr,
     select_parameters,
 )
+from policygrad.rollout.base import decode_completions
 from policygrad.rollout.hf import HFRolloutEngine
 
 pytestmark = pytest.mark.integration

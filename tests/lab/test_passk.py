@@ -22,7 +22,7 @@ from policygrad.lab.passk import (
     passk_table,
     write_outputs,
 )
-from tests.evaluate.test_single_turn import FixedEngine
+from tests.evaluate.test_evaluation import FixedEngine
 from tests.tiny import make_tiny_tokenizer
 
 
