@@ -189,7 +189,7 @@ def test_a_callable_reward_that_exits_is_a_reward_error_not_the_end(tiny_dir, tm
 
 def test_an_environment_instance_is_refused_with_the_class_or_factory_to_pass(tiny_dir, tmp_path):
     # Before: AttributeError: 'FindChar' object has no attribute 'strip', after the model loaded.
-    from tests.evaluate.test_single_turn import FindChar
+    from tests.evaluate.test_evaluation import FindChar
 
     with pytest.raises(TypeError) as info:
         policygrad.train(tiny_dir, [], ROWS, env=FindChar(char="v"), **_small(tmp_path, "instance"))

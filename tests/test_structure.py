@@ -27,8 +27,6 @@ TEST_FILE_OF = {
     "policygrad/models/adapters.py": "tests/trainer/test_adapters.py",
     # The code_tests reward's pure parts (its sandbox runs are in tests/sandbox/test_runner.py).
     "policygrad/rewards/code.py": "tests/rewards/test_code_reward.py",
-    # Episode evaluation is tested beside the single-turn evaluation it mirrors.
-    "policygrad/evaluate/episodes.py": "tests/evaluate/test_single_turn.py",
     # The builtin:guess rows are tested with the environment that plays them.
     "policygrad/data/guess_task.py": "tests/envs/test_guess.py",
 }

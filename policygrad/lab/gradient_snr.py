@@ -63,7 +63,6 @@ import torch
 from policygrad.core.diagnostics import explained_variance
 from policygrad.core.kl import last_token_rewards
 from policygrad.data.sources import resolve_dataset
-from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     OneLineArgumentParser,
@@ -96,6 +95,7 @@ from policygrad.lab.gradient_snr_stats import (
     snr_table,
 )
 from policygrad.rewards.verifiers import answer_correctness
+from policygrad.rollout.base import decode_completions
 from policygrad.rollout.hf import HFRolloutEngine
 
 RewardFn = Callable[..., Sequence[float]]

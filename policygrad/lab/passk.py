@@ -10,9 +10,9 @@ than reaching new ones (teaching). This command measures that curve on a small s
 - both models answer the same held-out rows (those ``policygrad eval`` picks for the dataset,
   default the built-in arithmetic task's held-out split), each with one greedy completion and n
   sampled ones, through the engine and generation code of ``policygrad eval``
-  (:mod:`policygrad.evaluate.single_turn`), one model after the other;
+  (:mod:`policygrad.evaluate.evaluation`), one model after the other;
 - pass@k for k = 1, 2, 4, ..., n (and n itself) with the unbiased estimator of Chen et al. 2021
-  (:func:`~policygrad.evaluate.single_turn.pass_at_k`), averaged over the rows;
+  (:func:`~policygrad.evaluate.scoring.pass_at_k`), averaged over the rows;
 - coverage: the rows each model solves at least once in n samples, and those only one of them
   solves.
 
@@ -64,8 +64,8 @@ def measure(
     engine_name: str = "",
 ) -> ModelPassK:
     """Greedy correctness and n sampled completions per row, scored, with ``policygrad eval``'s
-    generation and scoring (:func:`~policygrad.evaluate.single_turn.greedy_eval` and the same
-    sampling call as :func:`~policygrad.evaluate.single_turn.evaluate`, so a seed gives the samples
+    generation and scoring (:func:`~policygrad.evaluate.evaluation.greedy_eval` and the same
+    sampling call as :func:`~policygrad.evaluate.evaluation.evaluate`, so a seed gives the samples
     ``policygrad eval --samples n`` draws).
 
     Args:
@@ -83,7 +83,8 @@ def measure(
         ValueError: samples < 1 or a k outside 1 .. n.
     """
     # The sampling helpers of policygrad eval, so both commands draw the same completions.
-    from policygrad.evaluate.single_turn import greedy_eval, sample_completions, score_completions
+    from policygrad.evaluate.evaluation import greedy_eval, sample_completions
+    from policygrad.evaluate.scoring import score_completions
     from policygrad.rewards.verifiers import answer_correctness
 
     if samples < 1:
@@ -171,7 +172,7 @@ def run_passk(
     """
     # imported here: the trainer's config, evaluation and rewards load only for a measurement
     from policygrad.config.train import DataConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
-    from policygrad.evaluate.single_turn import eval_engine
+    from policygrad.evaluate.model import eval_engine
     from policygrad.rewards.code import TaskReward
 
     if limit < 1:
@@ -272,8 +273,8 @@ def main(argv: list[str]) -> str:
     """``policygrad lab passk --base M --trained M ...``: every flag is checked before a model
     loads."""
     # imported here: every flag is checked before the config and rewards load
-    from policygrad.cli import eval_data_config  # the rows policygrad eval picks for the same flags
     from policygrad.config.train import RewardConfig, TrainConfig
+    from policygrad.evaluate.command import eval_data_config  # the rows policygrad eval picks for these flags
     from policygrad.rewards.code import TaskReward
 
     args = build_parser().parse_args(argv)

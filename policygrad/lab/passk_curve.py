@@ -62,9 +62,9 @@ def pass_at_k_curve(correct: Sequence[int], n: int, ks: Sequence[int]) -> dict[i
 
     Raises:
         ValueError: a count outside 0 .. n or a k outside 1 .. n (from
-            :func:`~policygrad.evaluate.single_turn.pass_at_k`; k < 1 named here).
+            :func:`~policygrad.evaluate.scoring.pass_at_k`; k < 1 named here).
     """
-    from policygrad.evaluate.single_turn import pass_at_k  # imported here: it loads torch
+    from policygrad.evaluate.scoring import pass_at_k  # imported here: it loads torch
 
     out = {}
     for k in ks:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import os
 import time
 from typing import Any
 
@@ -19,9 +18,9 @@ from tqdm import tqdm
 from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.data.sources import build_eval_rows
 from policygrad.errors import TrainingError
-from policygrad.evaluate.episodes import evaluate_episodes
-from policygrad.evaluate.single_turn import evaluate as evaluate_rows
-from policygrad.evaluate.single_turn import write_jsonl
+from policygrad.evaluate.evaluation import eval_sampler, evaluate
+from policygrad.evaluate.model import write_jsonl
+from policygrad.evaluate.scoring import scoring_for
 from policygrad.learn.health import check_finite_weights
 from policygrad.models.adapters import is_peft_model
 from policygrad.parallel.distributed import Dist, NullLogger
@@ -185,55 +184,36 @@ class Run:
     def evaluate(
         self, rows: list[dict[str, Any]] | None = None, *, batch_size: int | None = None, tag: str = "eval"
     ) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Held-out evaluation through the run's rollout engine, all rows in one ``generate`` call
-        (``batch_size`` caps it): greedy accuracy judged by the rows' verifier (``eval_reward``:
-        answer correctness, or ``code_tests`` on rows with code tests) and, with ``eval_samples`` =
-        n >= 2, pass@k and maj@k for each k of ``eval_k`` (:func:`policygrad.evaluate.single_turn.evaluate`).
+        """Held-out evaluation through the run's rollout engine (with an environment, its greedy
+        episodes; success = a final reward > 0), all rows in one sampler call (``batch_size`` caps
+        it): greedy accuracy judged by the rows' verifier (``eval_reward``: answer correctness, or
+        ``code_tests`` on rows with code tests) and, with ``eval_samples`` = n >= 2, pass@k (and
+        maj@k of answers) for each k of ``eval_k`` (:func:`policygrad.evaluate.evaluation.evaluate`).
 
         Returns:
             ``(metrics, records)``: metrics under their :data:`METRICS` names (``eval/accuracy``,
-            ``eval/pass@k``, ``eval/maj@k``); the records (prompt, completion, answer, reward,
-            samples) are also written to ``RUN_DIR/<tag>.jsonl``.
+            ``eval/pass@k``, ``eval/maj@k``; episodes: ``eval/turns_mean``,
+            ``eval/turns_to_success``, ``eval/env/<key>``); the records (prompt, completion,
+            answer, reward, samples; or the episodes') are also written to ``RUN_DIR/<tag>.jsonl``.
         """
         rows = self.eval_rows if rows is None else rows
         if not rows or not self.dist.is_main:  # data-parallel: rank 0 evaluates
             return {"eval/accuracy": float("nan")}, []
         cfg, trainer = self.config, self.trainer
         trainer.rollouts.drain()  # the engine samples one thing at a time: a job in flight first
-        if trainer.environment is not None:  # greedy episodes; success = a final reward > 0
-            out = evaluate_episodes(
-                trainer.environment,
-                rows,
-                samples=cfg.eval_samples,
-                ks=cfg.eval_ks,
-                temperature=cfg.eval_temperature,
-                seed=trainer.seeds.evaluation(trainer.step_idx),
-                batch_size=batch_size,
-            )
-            write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), out["records"])
-            m = out["metrics"]
-            scores = {
-                "eval/accuracy": m["success"],
-                "eval/turns_mean": m["turns_mean"],
-                "eval/turns_to_success": m["turns_to_success"],
-            }
-            scores.update({f"eval/{k}": v for k, v in m.items() if k.startswith(("env/", "pass@"))})
-            return scores, out["records"]
-        scores, records = evaluate_rows(
-            trainer.engine,
-            trainer.tokenizer,
+        sampler = eval_sampler(cfg, trainer.engine, trainer.tokenizer, trainer.environment)
+        scores, records = evaluate(
+            sampler,
             rows,
-            data=cfg.data,
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            reward_fn=self.eval_reward,
+            seed=trainer.seeds.evaluation(trainer.step_idx),
             samples=cfg.eval_samples,
             ks=cfg.eval_ks,
             temperature=cfg.eval_temperature,
             batch_size=batch_size,
-            seed=trainer.seeds.evaluation(trainer.step_idx),
-            reward_fn=self.eval_reward,
         )
-        write_jsonl(os.path.join(self.run_dir, f"{tag}.jsonl"), records)
-        return {f"eval/{name}": value for name, value in scores.items()}, records
+        write_jsonl(directory.eval_file(self.run_dir, tag), records)
+        return scoring_for(sampler).run_metrics(scores), records
 
     def train(self) -> dict[str, Any]:
         """Run ``config.steps`` steps (or until ``max_minutes``), with held-out evaluation before

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from policygrad.core.kl import kl_shaped_rewards
-from policygrad.evaluate.single_turn import decode_completions
 from policygrad.lab.common import tokenize_user_prompts
 from policygrad.lab.gradient_snr_estimators import (
     RIDGE_GRID,
@@ -19,6 +18,7 @@ from policygrad.lab.gradient_snr_estimators import (
     parse_estimators,
     select_parameters,
 )
+from policygrad.rollout.base import decode_completions
 from policygrad.rollout.hf import HFRolloutEngine
 from tests.lab.test_gradient_snr import PROMPTS, even_first_char
 

@@ -11,7 +11,7 @@ import pytest
 from policygrad.config.train import DataConfig
 from policygrad.lab.passk import measure
 from policygrad.lab.passk_report import PassKResult, passk_table, write_outputs
-from tests.evaluate.test_single_turn import FixedEngine
+from tests.evaluate.test_evaluation import FixedEngine
 from tests.tiny import make_tiny_tokenizer
 
 

@@ -1,6 +1,7 @@
-"""Evaluation numbers by hand: pass@k (unbiased, any k <= n) and maj@k over the extracted
-answers, on a fake engine whose completions are fixed; multi-turn episodes' success, turns, stop
-reasons and pass@k counted again from their records (a scripted environment on the tiny model)."""
+"""One evaluation for single-turn answers and episodes: greedy accuracy, pass@k and maj@k by hand
+on a fake engine whose completions are fixed; multi-turn episodes' success, turns, stop reasons
+and pass@k counted again from their records (a scripted environment on the tiny model); the
+seeds each sampler call is given, whatever the batching."""
 
 from __future__ import annotations
 
@@ -8,31 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from policygrad.config.train import DataConfig
+from policygrad.config.train import DataConfig, RolloutConfig, TrainConfig
 from policygrad.envs import Environment, StepResult
 from policygrad.envs.base import STOP_REASONS
 from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
-from policygrad.evaluate.episodes import evaluate_episodes
-from policygrad.evaluate.single_turn import evaluate, majority_at_k, pass_at_k, write_jsonl
-from policygrad.rollout.base import Rollout
+from policygrad.evaluate.evaluation import eval_sampler, evaluate
+from policygrad.evaluate.scoring import pass_at_k
+from policygrad.rollout.base import Rollout, prompt_seed
 from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.rollout.samplers import EpisodeSampler, Samples, SingleTurnSampler
 from tests.tiny import PAD_ID, make_tiny_tokenizer
 from tests.training import MANY_EOS
-
-
-@pytest.mark.unit
-def test_majority_at_k_by_hand():
-    answers = ["4", "5", "4", None, "5", "5"]
-    correct = [True, False, True, False, False, False]
-    # k=1: each sample alone: 2 of 6 right.
-    assert majority_at_k(answers, correct, 1) == pytest.approx(2 / 6)
-    # k=3: blocks ["4","5","4"] -> 4 (right), [None,"5","5"] -> 5 (wrong).
-    assert majority_at_k(answers, correct, 3) == 0.5
-    # k=2: ["4","5"] tie -> first seen "4" right; ["4",None] -> "4" right; ["5","5"] wrong.
-    assert majority_at_k(answers, correct, 2) == pytest.approx(2 / 3)
-    assert majority_at_k([None, None], [False, False], 2) == 0.0
-    with pytest.raises(ValueError, match="k=7 must be in 1 .. n=6"):
-        majority_at_k(answers, correct, 7)
 
 
 class FixedEngine:
@@ -69,8 +56,8 @@ def test_evaluate_reports_greedy_accuracy_pass_at_k_and_maj_at_k_in_one_call_eac
     rows = [{"prompt": "1+1?", "answer": "2"}, {"prompt": "2+2?", "answer": "4"}]
     sampled = [["#### 2", "#### 3", "#### 3", "#### 2"], ["#### 4", "#### 1", "#### 9", "#### 8"]]
     engine = FixedEngine(tok, ["#### 2", "#### 5"], sampled)
-    data = DataConfig(use_chat_template=False)
-    metrics, records = evaluate(engine, tok, rows, data=data, max_new_tokens=8, samples=4, ks=[1, 2, 4])
+    sampler = SingleTurnSampler(engine, tok, DataConfig(use_chat_template=False), max_new_tokens=8)
+    metrics, records = evaluate(sampler, rows, samples=4, ks=[1, 2, 4])
     assert engine.calls == [(2, 1, True), (2, 4, False)]  # every problem in one generate call
     assert metrics["accuracy"] == 0.5
     assert metrics["pass@1"] == pytest.approx((2 / 4 + 1 / 4) / 2)
@@ -82,24 +69,12 @@ def test_evaluate_reports_greedy_accuracy_pass_at_k_and_maj_at_k_in_one_call_eac
     assert metrics["maj@2"] == 0.5
     assert [s["answer"] for s in records[0]["samples"]] == ["2", "3", "3", "2"]
     with pytest.raises(ValueError, match="each k must be in 1 .. --samples 4"):
-        evaluate(engine, tok, rows, data=data, max_new_tokens=8, samples=4, ks=[5])
-
-
-@pytest.mark.unit
-def test_write_jsonl_never_leaves_half_a_file(tmp_path):
-    path = tmp_path / "eval.jsonl"
-    write_jsonl(str(path), [{"a": 1}])
-    with pytest.raises(TypeError):  # the second record cannot be written: the old file stays whole
-        write_jsonl(str(path), [{"a": 2}, {"b": object()}])
-    assert path.read_text() == '{"a": 1}\n'
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["eval.jsonl"]  # no temporary file left
-    write_jsonl(str(path), [{"a": 2}, {"b": 3}])
-    assert path.read_text() == '{"a": 2}\n{"b": 3}\n'
+        evaluate(sampler, rows, samples=4, ks=[5])
 
 
 class FindChar(Environment):
     """Answers every turn with "Again."; done (final reward 1) on the first turn holding ``char``.
-    ``policygrad eval --env tests.evaluate.test_single_turn:FindChar`` loads it by name."""
+    ``policygrad eval --env tests.evaluate.test_evaluation:FindChar`` loads it by name."""
 
     def __init__(self, char: str = "v"):
         if not isinstance(char, str) or len(char) != 1:
@@ -121,7 +96,7 @@ class FindChar(Environment):
 
 class FailsOnBad(FindChar):
     """FindChar whose ``step()`` raises on rows whose prompt holds "bad" (``policygrad eval --env
-    tests.evaluate.test_single_turn:FailsOnBad``: an environment that fails on some or every row)."""
+    tests.evaluate.test_evaluation:FailsOnBad``: an environment that fails on some or every row)."""
 
     def reset(self, row, *, seed):
         self.bad = "bad" in row["prompt"]
@@ -158,8 +133,8 @@ def test_evaluate_episodes_counts_agree_with_the_records(eos_model_dir):
     rows = [{"prompt": f"Say something about {i}.", "answer": str(i)} for i in range(6)]
     n, ks = 4, [1, 2, 4]
 
-    result = evaluate_episodes(runner, rows, samples=n, ks=ks, temperature=1.0, seed=3)
-    metrics, records = result["metrics"], result["records"]
+    sampler = EpisodeSampler(runner)
+    metrics, records = evaluate(sampler, rows, samples=n, ks=ks, temperature=1.0, seed=3)
     assert metrics["n"] == len(records) == 6
     assert [r["prompt"] for r in records] == [row["prompt"] for row in rows]
     # Every episode's numbers, counted again from its transcript.
@@ -193,7 +168,54 @@ def test_evaluate_episodes_counts_agree_with_the_records(eos_model_dir):
     sampled = [s["success"] for r in records for s in r["samples"]]
     assert 0 < sum(sampled) < len(sampled), "the scripted task should be neither always nor never solved"
     # Greedy episodes are deterministic; sampled ones depend on the seed only.
-    again = evaluate_episodes(runner, rows, samples=n, ks=ks, temperature=1.0, seed=3)
-    assert again["metrics"] == metrics
+    again, _ = evaluate(sampler, rows, samples=n, ks=ks, temperature=1.0, seed=3)
+    assert again == metrics
     with pytest.raises(ValueError, match="each k must be in 1 .. --samples 4"):
-        evaluate_episodes(runner, rows, samples=n, ks=[5])
+        evaluate(sampler, rows, samples=n, ks=[5])
+
+
+class _Recorder:
+    """A sampler that records each call's rows, seeds and sampling, and returns one completion per sample."""
+
+    def __init__(self):
+        self.calls = []
+
+    def sample(self, rows, *, group_size, params, seeds, generator_seed=None):
+        self.calls.append(([r["prompt"] for r in rows], list(seeds), generator_seed, params.greedy))
+        texts = [f"#### {r['answer']}" for r in rows for _ in range(group_size)]
+        return Samples([[0]] * len(rows), None, texts)
+
+
+@pytest.mark.unit
+def test_each_call_is_seeded_by_where_its_rows_are_not_by_the_batching():
+    rows = [{"prompt": f"p{i}", "answer": str(i)} for i in range(5)]
+    sampler = _Recorder()
+    metrics, records = evaluate(sampler, rows, seed=7, samples=2, ks=[2], batch_size=2)
+    seeds = [prompt_seed(7, i) for i in range(5)]  # row i's seed, whichever call it is in
+    assert sampler.calls == [
+        (["p0", "p1"], seeds[0:2], None, True),  # greedy: no sampling seed
+        (["p2", "p3"], seeds[2:4], None, True),
+        (["p4"], seeds[4:5], None, True),
+        # sampled: 7 * 1_000_003 + the call's first row
+        (["p0", "p1"], seeds[0:2], 7_000_021, False),
+        (["p2", "p3"], seeds[2:4], 7_000_023, False),
+        (["p4"], seeds[4:5], 7_000_025, False),
+    ]
+    assert metrics == {"accuracy": 1.0, "pass@2": 1.0, "maj@2": 1.0}
+    assert [len(r["samples"]) for r in records] == [2] * 5
+    one_call = _Recorder()
+    assert evaluate(one_call, rows, seed=7, samples=2, ks=[2])[1] == records  # batching changes nothing
+    assert [c[2] for c in one_call.calls] == [None, 7_000_021]
+
+
+@pytest.mark.unit
+def test_the_evaluation_sampler_of_a_run_config():
+    data = DataConfig(use_chat_template=False)
+    cfg = TrainConfig(data=data, rollout=RolloutConfig(max_new_tokens=9))
+    single = eval_sampler(cfg, "engine", "tokenizer")
+    # Sampled calls draw from the call's generator seed (a seed per call, as policygrad eval always has).
+    assert isinstance(single, SingleTurnSampler) and not single.per_prompt_seeds
+    assert (single.engine, single.tokenizer, single.data) == ("engine", "tokenizer", data)
+    assert single.max_new_tokens == 9
+    episodes = eval_sampler(cfg, "engine", "tokenizer", runner="runner")
+    assert isinstance(episodes, EpisodeSampler) and episodes.runner == "runner" and episodes.per_prompt_seeds
