@@ -10,11 +10,11 @@ import sys
 
 import torch
 
+from policygrad.arguments import OneLineArgumentParser, check_temperature
 from policygrad.config.train import DataConfig, RewardConfig, TrainConfig
 from policygrad.data.sources import inert_dataset_option, is_code_dataset
 from policygrad.envs.registry import check_environment_spec, environment_factory
 from policygrad.evaluate.model import default_env_dataset, eval_config, eval_output_path, evaluate_model
-from policygrad.lab.common import OneLineArgumentParser, check_temperature
 from policygrad.rewards.code import TaskReward
 
 __all__ = ["cmd_eval", "eval_data_config"]

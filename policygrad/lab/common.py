@@ -7,7 +7,6 @@ PNG plot, both under an output folder (default ``lab-results/``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -15,15 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 DEFAULT_OUTPUT_DIR = "lab-results"
-
-
-class OneLineArgumentParser(argparse.ArgumentParser):
-    """An argument parser whose mistakes (unknown option, bad type, bad choice) raise ValueError,
-    which the CLI prints as one ``error:`` line, instead of argparse's usage block and exit.
-    ``--help`` still prints the help and exits."""
-
-    def error(self, message: str):
-        raise ValueError(f"{self.prog}: {message} (see {self.prog} --help)")
 
 
 def check_output_dir(path: str | os.PathLike) -> str:
@@ -210,20 +200,6 @@ def check_positive_int(value: Any, name: str, *, minimum: int = 1) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_temperature(value: float, name: str = "--temperature") -> float:
-    """A sampling temperature: finite and >= ``MIN_TEMPERATURE`` (1e-3), as a training run's.
-
-    Raises:
-        ValueError: names the option and the smallest allowed value.
-    """
-    # imported here: the CLI imports this module cheaply, and trainer.config loads torch
-    from policygrad.config.train import MIN_TEMPERATURE  # the run's bound
-
-    if not (math.isfinite(value) and value >= MIN_TEMPERATURE):
-        raise ValueError(f"{name} must be a finite number >= {MIN_TEMPERATURE}, got {value}")
     return value
 
 

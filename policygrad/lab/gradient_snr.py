@@ -60,16 +60,15 @@ from typing import Any
 
 import torch
 
+from policygrad.arguments import OneLineArgumentParser, check_temperature
 from policygrad.core.diagnostics import explained_variance
 from policygrad.core.kl import last_token_rewards
 from policygrad.data.sources import resolve_dataset
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
-    OneLineArgumentParser,
     add_run_args,
     check_output_dir,
     check_positive_int,
-    check_temperature,
     ensure_output_dir,
     load_lab_model,
     repeat_each,

@@ -41,11 +41,11 @@ from typing import Any
 
 import torch
 
+from policygrad.arguments import OneLineArgumentParser
 from policygrad.core.kl import KL_KINDS, kl_estimate
 from policygrad.core.logprobs import logprobs_from_logits
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
-    OneLineArgumentParser,
     add_run_args,
     check_output_dir,
     check_positive_int,

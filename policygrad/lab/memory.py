@@ -43,9 +43,9 @@ import argparse
 import math
 import os
 
+from policygrad.arguments import OneLineArgumentParser
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
-    OneLineArgumentParser,
     check_output_dir,
     ensure_output_dir,
     pyplot,

@@ -47,13 +47,12 @@ from collections.abc import Sequence
 
 import torch
 
+from policygrad.arguments import OneLineArgumentParser, check_temperature
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
-    OneLineArgumentParser,
     add_run_args,
     check_output_dir,
     check_positive_int,
-    check_temperature,
     ensure_output_dir,
     load_lab_model,
     pyplot,

@@ -28,11 +28,10 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from policygrad.arguments import OneLineArgumentParser, check_temperature
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
-    OneLineArgumentParser,
     check_output_dir,
-    check_temperature,
     set_threads,
 )
 from policygrad.lab.passk_curve import parse_ks, pass_at_k_curve
@@ -93,13 +92,30 @@ def measure(
     reward_fn = reward_fn or answer_correctness
     t0 = time.perf_counter()
     greedy = greedy_eval(
-        engine, tokenizer, rows, data=data, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        engine,
+        tokenizer,
+        rows,
+        data=data,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
         reward_fn=reward_fn,
     )
-    texts = sample_completions(
-        engine, tokenizer, rows, data=data, n=samples, greedy=False, temperature=temperature,
-        max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed,
-    ) if rows else []
+    texts = (
+        sample_completions(
+            engine,
+            tokenizer,
+            rows,
+            data=data,
+            n=samples,
+            greedy=False,
+            temperature=temperature,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            seed=seed,
+        )
+        if rows
+        else []
+    )
     rewards = score_completions(reward_fn, rows, texts, samples) if rows else []
     correct = [sum(r > 0.5 for r in rewards[i * samples : (i + 1) * samples]) for i in range(len(rows))]
     greedy_correct = [rec["reward"] > 0.5 for rec in greedy]
@@ -131,7 +147,7 @@ def check_model(spec: str, flag: str) -> None:
         text = str(e).strip()
         for prefix in ("model: ", "model "):
             if text.startswith(prefix):
-                text = text[len(prefix):]
+                text = text[len(prefix) :]
         raise ValueError(f"{flag} {spec}: {text}") from None
 
 
@@ -205,9 +221,20 @@ def run_passk(
                 raise RuntimeError("the two models were given different held-out rows")
             problems = here
             m = measure(
-                gen, models.tokenizer, rows, data=data, samples=samples, ks=ks, temperature=temperature,
-                max_new_tokens=max_new_tokens, batch_size=batch_size, seed=seed, reward_fn=reward_fn,
-                label=label, model=spec, engine_name=name,
+                gen,
+                models.tokenizer,
+                rows,
+                data=data,
+                samples=samples,
+                ks=ks,
+                temperature=temperature,
+                max_new_tokens=max_new_tokens,
+                batch_size=batch_size,
+                seed=seed,
+                reward_fn=reward_fn,
+                label=label,
+                model=spec,
+                engine_name=name,
             )
             m.load_seconds = load_seconds
         measured.append(m)
@@ -242,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base", required=True, help=f"the model before RL: {model_help}")
     p.add_argument("--trained", required=True, help=f"the model after RL: {model_help}")
     p.add_argument(
-        "--dataset", default=DEFAULT_DATASET,
+        "--dataset",
+        default=DEFAULT_DATASET,
         help="as policygrad eval: JSONL path, Hub dataset id, builtin:arithmetic (held-out split), ... "
         f"(default {DEFAULT_DATASET})",
     )
@@ -262,7 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="prompts per generate call (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--threads", "--num-threads", dest="threads", type=int, default=None,
+        "--threads",
+        "--num-threads",
+        dest="threads",
+        type=int,
+        default=None,
         help="torch intra-op threads (default: torch's)",
     )
     p.add_argument("--output-dir", "--out", dest="output_dir", default=DEFAULT_OUTPUT_DIR)
@@ -278,8 +310,12 @@ def main(argv: list[str]) -> str:
     from policygrad.rewards.code import TaskReward
 
     args = build_parser().parse_args(argv)
-    for flag, value in (("--limit", args.limit), ("--samples", args.samples),
-                        ("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+    for flag, value in (
+        ("--limit", args.limit),
+        ("--samples", args.samples),
+        ("--max-new-tokens", args.max_new_tokens),
+        ("--batch-size", args.batch_size),
+    ):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be >= 1, got {value}")
     ks = parse_ks(args.k, args.samples)
@@ -290,12 +326,23 @@ def main(argv: list[str]) -> str:
     TrainConfig(data=data, reward=RewardConfig(functions=list(TaskReward.functions)))  # validates
     t0 = time.perf_counter()
     result = run_passk(
-        args.base, args.trained, data=data, limit=args.limit, samples=args.samples, ks=ks,
-        temperature=args.temperature, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-        engine=args.engine, seed=args.seed, output_dir=output_dir,
+        args.base,
+        args.trained,
+        data=data,
+        limit=args.limit,
+        samples=args.samples,
+        ks=ks,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        engine=args.engine,
+        seed=args.seed,
+        output_dir=output_dir,
     )
-    return "\n".join([
-        result.table,
-        f"\n{time.perf_counter() - t0:.0f} s in all",
-        f"wrote {result.json_path}\nwrote {result.png_path}\nwrote {result.html_path}",
-    ])
+    return "\n".join(
+        [
+            result.table,
+            f"\n{time.perf_counter() - t0:.0f} s in all",
+            f"wrote {result.json_path}\nwrote {result.png_path}\nwrote {result.html_path}",
+        ]
+    )

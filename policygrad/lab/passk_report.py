@@ -108,10 +108,18 @@ def passk_table(result: PassKResult) -> str:
     """pass@k per k for both models and their difference, then greedy accuracy and coverage."""
     base, trained = result.models
     n = result.settings["samples"]
-    rows = [[f"pass@{k}", base.pass_at_k[k], trained.pass_at_k[k], trained.pass_at_k[k] - base.pass_at_k[k]]
-            for k in result.ks]
-    rows.append(["greedy", base.greedy_accuracy, trained.greedy_accuracy,
-                 trained.greedy_accuracy - base.greedy_accuracy])
+    rows = [
+        [f"pass@{k}", base.pass_at_k[k], trained.pass_at_k[k], trained.pass_at_k[k] - base.pass_at_k[k]]
+        for k in result.ks
+    ]
+    rows.append(
+        [
+            "greedy",
+            base.greedy_accuracy,
+            trained.greedy_accuracy,
+            trained.greedy_accuracy - base.greedy_accuracy,
+        ]
+    )
     cov = result.coverage()
     head = (
         f"{cov['problems']} problems of {result.settings['dataset']}, n={n} samples each at temperature "
@@ -188,28 +196,33 @@ def render_html(result: PassKResult, png: bytes) -> str:
     )
     img = base64.b64encode(png).decode("ascii")
     caption = "pass@k against k (log2 axis); dotted: greedy accuracy"
-    return "\n".join([
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>policygrad lab passk</title><style>{REPORT_CSS}</style></head><body>",
-        "<h1>pass@k: base vs trained</h1>",
-        "<p>" + "<br>".join(
-            f"{m.label}: <code>{esc(m.model)}</code> ({esc(m.engine)}, {m.seconds:.0f} s generating and "
-            f"scoring, {m.load_seconds:.0f} s loading)" for m in (base, trained)
-        ) + "</p>",
-        "<p class='muted'>Unbiased pass@k (Chen et al. 2021) from n samples per problem. A trained model "
-        "above the base at k = 1 but level with or below it at large k is consistent with RL selecting "
-        "answers the base could already sample (Yue et al. 2025).</p>",
-        f'<figure><img src="data:image/png;base64,{img}" alt="{esc(caption)}">'
-        f"<figcaption>{esc(caption)}</figcaption></figure>",
-        f"<h2>pass@k</h2><table>{head}{body}</table>",
-        f"<h2>Coverage</h2><p>solved at least once in {n} samples: base {cov['solved_by_base']}, trained "
-        f"{cov['solved_by_trained']}, both {cov['solved_by_both']}; only base {cov['only_base']}, "
-        f"only trained {cov['only_trained']} (of {cov['problems']})</p>",
-        "<h2>Problems</h2><table><tr><th>prompt</th><th>answer</th><th>base correct</th>"
-        f"<th>trained correct</th></tr>{per_problem}</table>",
-        f"<h2>Settings</h2><table>{settings}</table>",
-        "</body></html>",
-    ])
+    return "\n".join(
+        [
+            "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+            f"<title>policygrad lab passk</title><style>{REPORT_CSS}</style></head><body>",
+            "<h1>pass@k: base vs trained</h1>",
+            "<p>"
+            + "<br>".join(
+                f"{m.label}: <code>{esc(m.model)}</code> ({esc(m.engine)}, {m.seconds:.0f} s generating and "
+                f"scoring, {m.load_seconds:.0f} s loading)"
+                for m in (base, trained)
+            )
+            + "</p>",
+            "<p class='muted'>Unbiased pass@k (Chen et al. 2021) from n samples per problem. A trained model "
+            "above the base at k = 1 but level with or below it at large k is consistent with RL selecting "
+            "answers the base could already sample (Yue et al. 2025).</p>",
+            f'<figure><img src="data:image/png;base64,{img}" alt="{esc(caption)}">'
+            f"<figcaption>{esc(caption)}</figcaption></figure>",
+            f"<h2>pass@k</h2><table>{head}{body}</table>",
+            f"<h2>Coverage</h2><p>solved at least once in {n} samples: base {cov['solved_by_base']}, trained "
+            f"{cov['solved_by_trained']}, both {cov['solved_by_both']}; only base {cov['only_base']}, "
+            f"only trained {cov['only_trained']} (of {cov['problems']})</p>",
+            "<h2>Problems</h2><table><tr><th>prompt</th><th>answer</th><th>base correct</th>"
+            f"<th>trained correct</th></tr>{per_problem}</table>",
+            f"<h2>Settings</h2><table>{settings}</table>",
+            "</body></html>",
+        ]
+    )
 
 
 def _atomic_write(path: str, data: bytes) -> str:

@@ -30,7 +30,10 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from policygrad.lab.common import OneLineArgumentParser, pyplot
+from policygrad.arguments import OneLineArgumentParser
+from policygrad.lab.common import (
+    pyplot,
+)
 from policygrad.run.directory import config_file, eval_file, metrics_file, summary_file
 
 
