@@ -610,7 +610,15 @@ def test_a_generate_call_from_a_background_thread_samples_what_the_main_thread_d
     kwargs = {"group_size": 2, "max_new_tokens": 6, "temperature": 0.7, "prompt_seeds": [11, 12, 13]}
     here = engine.generate(prompts, **kwargs)
     out = {}
-    thread = threading.Thread(target=lambda: out.update(r=engine.generate(prompts, **kwargs)))
+    threads = torch.get_num_threads()
+
+    def generate():
+        # torch's thread count is per thread; the rollouts' worker thread takes the trainer's
+        # before each job (vLLM's CPU attention refuses a count that differs from its plan's)
+        torch.set_num_threads(threads)
+        out.update(r=engine.generate(prompts, **kwargs))
+
+    thread = threading.Thread(target=generate)
     thread.start()
     thread.join()
     there = out["r"]
