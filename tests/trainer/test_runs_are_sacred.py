@@ -813,7 +813,7 @@ def test_a_signal_during_the_initial_evaluation_stops_cleanly_and_the_same_comma
     from policygrad.run.interrupts import EXIT_STATUS
 
     cfg, run = run_yaml(f"eval_{sig}", steps=1, eval_before=True, data={"eval_size": 2})
-    returncode, out, err = _signal_inside(cfg, "evaluate_rows", sig, tmp_path)
+    returncode, out, err = _signal_inside(cfg, "evaluate", sig, tmp_path)
     assert returncode == EXIT_STATUS[sig], out + err
     stops = [line for line in (out + err).splitlines() if f"stopped by {sig}" in line]
     assert len(stops) == 1 and "Traceback" not in err, out + err
@@ -837,7 +837,7 @@ def test_sigterm_during_tracker_set_up_stops_cleanly_and_leaves_the_folder_as_it
 
 def test_sigterm_during_the_final_evaluation_stops_at_once_with_the_final_checkpoint(run_yaml, tmp_path):
     cfg, run = run_yaml("final_sigterm", steps=1, eval_after=True, data={"eval_size": 2})
-    returncode, out, err = _signal_inside(cfg, "evaluate_rows", "SIGTERM", tmp_path)
+    returncode, out, err = _signal_inside(cfg, "evaluate", "SIGTERM", tmp_path)
     assert returncode == 143, out + err
     stops = [line for line in (out + err).splitlines() if "stopped by SIGTERM" in line]
     assert len(stops) == 1 and "Traceback" not in err, out + err
