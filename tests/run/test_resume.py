@@ -11,7 +11,7 @@ import pytest
 
 from policygrad.config.train import ConfigError, load_config
 from policygrad.errors import TrainingError
-from policygrad.run.checkpoint import COMPLETE_FILE, checkpoint_path, save_checkpoint
+from policygrad.run.checkpoint import COMPLETE_FILE, checkpoint_path
 from policygrad.run.directory import LOCK_FILE, RunLock, write_config
 from policygrad.run.resume import (
     SESSION_OPTIONS,
@@ -22,6 +22,7 @@ from policygrad.run.resume import (
     config_changes,
     saved_config,
 )
+from tests.run.folders import run_config, run_folder
 
 pytestmark = pytest.mark.unit
 
@@ -120,60 +121,21 @@ def test_resume_applies_session_and_training_options_and_refuses_the_rest(tmp_pa
 
 # ----------------------------------------------------------------------------- check_resume
 
-STATE = {"data_position": 0, "optimizer": {}, "scheduler": {}, "kl_controller": {}, "rng": {}}
-
-
-def _config(run_dir, **fields):
-    tree = {
-        "model": {"name": "org/model"},
-        "reward": {"functions": ["r.py:f"]},
-        "output_dir": str(run_dir),
-        "steps": 5,
-        "tensorboard": False,
-    }
-    for key, value in fields.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
-
-
-class _Files:
-    def save_pretrained(self, folder, **_):
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-            f.write(b"w" * 10)
-
-
-def _run(run_dir, *steps):
-    """A run folder with ``config.yaml`` and complete checkpoints at ``steps``."""
-    os.makedirs(run_dir, exist_ok=True)
-    write_config(str(run_dir), _config(run_dir))
-    for step in steps:
-        save_checkpoint(
-            checkpoint_path(str(run_dir), step),
-            policy=_Files(),
-            tokenizer=_Files(),
-            state={**STATE, "step": step},
-        )
-    return str(run_dir)
-
-
-# ----------------------------------------------------------------------------- check_prompts
-
 
 def test_a_resume_takes_the_newest_checkpoint_its_state_and_the_changes(tmp_path):
-    run = _run(tmp_path / "run", 1, 2)
-    got = check_resume(_config(run, optim={"lr": 5e-6}), run)
+    run = run_folder(tmp_path / "run", 1, 2)
+    got = check_resume(run_config(run, optim={"lr": 5e-6}), run)
     assert isinstance(got, Resume)
     assert got.checkpoint == checkpoint_path(run, 2) and got.state["step"] == 2
     assert list(got.changes) == ["optim.lr"] and got.changes["optim.lr"][1] == 5e-6
-    assert check_resume(_config(run), run).changes == {}
+    assert check_resume(run_config(run), run).changes == {}
     assert not os.path.exists(os.path.join(run, LOCK_FILE))  # read-only: nothing taken
 
 
 def test_a_start_that_saved_no_checkpoint_is_told_to_start_again(tmp_path):
-    run = _run(tmp_path / "run")
+    run = run_folder(tmp_path / "run")
     with pytest.raises(TrainingError) as e:
-        check_resume(_config(run), run)
+        check_resume(run_config(run), run)
     assert str(e.value) == (
         f"--resume {run}: no checkpoint found under {run}/checkpoints: the run saved no checkpoint before it "
         "stopped, so there is nothing to continue; start it again instead (its folder is taken as new): "
@@ -182,10 +144,10 @@ def test_a_start_that_saved_no_checkpoint_is_told_to_start_again(tmp_path):
 
 
 def test_no_complete_checkpoint_names_the_skipped_ones(tmp_path):
-    run = _run(tmp_path / "run", 3)
+    run = run_folder(tmp_path / "run", 3)
     os.remove(os.path.join(checkpoint_path(run, 3), COMPLETE_FILE))
     with pytest.raises(TrainingError) as e:
-        check_resume(_config(run), run)
+        check_resume(run_config(run), run)
     assert str(e.value) == (
         f"--resume {run}: no checkpoint found under {run}/checkpoints that is complete "
         "(step_3: no completion marker (its save did not finish))"
@@ -194,30 +156,30 @@ def test_no_complete_checkpoint_names_the_skipped_ones(tmp_path):
     with pytest.raises(
         TrainingError, match=r"^--resume .*/empty: no checkpoint found under .*/empty/checkpoints$"
     ):
-        check_resume(_config(empty), empty)
+        check_resume(run_config(empty), empty)
 
 
 def test_a_resume_continues_in_its_own_folder(tmp_path):
-    run = _run(tmp_path / "run", 1)
+    run = run_folder(tmp_path / "run", 1)
     other = tmp_path / "branch"
     with pytest.raises(ConfigError, match=rf"--resume {run} with output_dir='{other}'.*cp -r {run} {other}"):
-        check_resume(_config(other), run)
-    assert check_resume(_config(run + "/"), run).state["step"] == 1  # the same folder, spelled otherwise
+        check_resume(run_config(other), run)
+    assert check_resume(run_config(run + "/"), run).state["step"] == 1  # the same folder, spelled otherwise
 
 
 def test_overwrite_cannot_be_combined_with_resume(tmp_path):
-    run = _run(tmp_path / "run", 1)
+    run = run_folder(tmp_path / "run", 1)
     with pytest.raises(
         ConfigError, match=f"--overwrite cannot be combined with --resume {run}; give one of them"
     ):
-        check_resume(_config(run, overwrite=True), run)
+        check_resume(run_config(run, overwrite=True), run)
 
 
 @pytest.mark.parametrize("steps", [2, 1])
 def test_nothing_left_to_train_is_refused(tmp_path, steps):
-    run = _run(tmp_path / "run", 2)
+    run = run_folder(tmp_path / "run", 2)
     with pytest.raises(ConfigError) as e:
-        check_resume(_config(run, steps=steps), run)
+        check_resume(run_config(run, steps=steps), run)
     assert str(e.value) == (
         f"--resume {run}: the run is at step 2 of steps={steps}, so there is nothing to train; give --steps "
         "larger than 2 to continue it"
@@ -225,18 +187,18 @@ def test_nothing_left_to_train_is_refused(tmp_path, steps):
 
 
 def test_a_folder_in_use_is_refused(tmp_path):
-    run = _run(tmp_path / "run", 1)
+    run = run_folder(tmp_path / "run", 1)
     lock = RunLock.acquire(run)
     try:
         # The lock of this process is live while referenced: another run owns the folder.
         with pytest.raises(TrainingError):
-            check_resume(_config(run), run)
+            check_resume(run_config(run), run)
     finally:
         lock.release()
-    assert check_resume(_config(run), run).state["step"] == 1
+    assert check_resume(run_config(run), run).state["step"] == 1
 
 
 def test_options_that_cannot_change_are_refused(tmp_path):
-    run = _run(tmp_path / "run", 1)
+    run = run_folder(tmp_path / "run", 1)
     with pytest.raises(ConfigError, match="cannot change on resume.*seed: 0 -> 3"):
-        check_resume(_config(run, seed=3), run)
+        check_resume(run_config(run, seed=3), run)

@@ -8,52 +8,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from policygrad.config.train import ConfigError, load_config
+from policygrad.config.train import ConfigError
 from policygrad.errors import TrainingError
-from policygrad.run.checkpoint import checkpoint_path, save_checkpoint
-from policygrad.run.directory import LOCK_FILE, RunLock, write_config
+from policygrad.run.directory import LOCK_FILE, RunLock
 from policygrad.run.resume import check_resume
 from policygrad.run.start import check_prompts, take_run_dir
+from tests.run.folders import run_config, run_folder
 from tests.tiny import make_tiny_tokenizer
 
 pytestmark = pytest.mark.unit
-
-STATE = {"data_position": 0, "optimizer": {}, "scheduler": {}, "kl_controller": {}, "rng": {}}
-
-
-def _config(run_dir, **fields):
-    tree = {
-        "model": {"name": "org/model"},
-        "reward": {"functions": ["r.py:f"]},
-        "output_dir": str(run_dir),
-        "steps": 5,
-        "tensorboard": False,
-    }
-    for key, value in fields.items():
-        tree[key] = {**tree[key], **value} if isinstance(value, dict) and key in tree else value
-    return load_config(None, tree)
-
-
-class _Files:
-    def save_pretrained(self, folder, **_):
-        os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "model.safetensors"), "wb") as f:
-            f.write(b"w" * 10)
-
-
-def _run(run_dir, *steps):
-    """A run folder with ``config.yaml`` and complete checkpoints at ``steps``."""
-    os.makedirs(run_dir, exist_ok=True)
-    write_config(str(run_dir), _config(run_dir))
-    for step in steps:
-        save_checkpoint(
-            checkpoint_path(str(run_dir), step),
-            policy=_Files(),
-            tokenizer=_Files(),
-            state={**STATE, "step": step},
-        )
-    return str(run_dir)
-
 
 # ----------------------------------------------------------------------------- check_prompts
 
@@ -61,7 +24,7 @@ def _run(run_dir, *steps):
 def _prompts(prompts, *, context, max_new_tokens, max_prompt_length=None):
     """``check_prompts``'s arguments but the held-out rows: the first batch is ``prompts``."""
     data = {"max_prompt_length": max_prompt_length} if max_prompt_length else {}
-    cfg = _config(
+    cfg = run_config(
         "/tmp/unused", rollout={"prompts_per_step": len(prompts), "max_new_tokens": max_new_tokens}, data=data
     )
     policy = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=context))
@@ -89,7 +52,7 @@ def test_prompts_that_fit_the_context_pass_and_the_longest_is_refused():
 
 def test_a_new_run_takes_its_folder_and_writes_its_config(tmp_path):
     run = tmp_path / "new"
-    cfg = _config(run)
+    cfg = run_config(run)
     taken = take_run_dir(cfg, model_path="org/model", step=0, resume=None, is_main=True)
     try:
         assert taken.lock is not None and not taken.config_pending
@@ -101,28 +64,28 @@ def test_a_new_run_takes_its_folder_and_writes_its_config(tmp_path):
 
 
 def test_other_ranks_write_nothing(tmp_path):
-    taken = take_run_dir(_config(tmp_path / "r"), model_path="m", step=0, resume=None, is_main=False)
+    taken = take_run_dir(run_config(tmp_path / "r"), model_path="m", step=0, resume=None, is_main=False)
     assert taken.lock is None and not (tmp_path / "r").exists()
 
 
 def test_a_resume_refuses_a_newer_checkpoint_written_meanwhile(tmp_path):
-    run = _run(tmp_path / "run", 1)
-    resume = check_resume(_config(run), run)
-    _run(run, 2)  # another run saved step 2 after the checks
+    run = run_folder(tmp_path / "run", 1)
+    resume = check_resume(run_config(run), run)
+    run_folder(run, 2)  # another run saved step 2 after the checks
     with pytest.raises(
         TrainingError, match="another run wrote a newer checkpoint while this one was starting"
     ):
-        take_run_dir(_config(run), model_path="m", step=1, resume=resume, is_main=True)
+        take_run_dir(run_config(run), model_path="m", step=1, resume=resume, is_main=True)
     RunLock.acquire(run).release()  # the lock was released: the folder can be taken again
 
 
 def test_a_resume_with_changes_records_them_with_the_next_checkpoint(tmp_path):
-    run = _run(tmp_path / "run", 1)
+    run = run_folder(tmp_path / "run", 1)
     before = open(os.path.join(run, "config.yaml")).read()
     os.makedirs(os.path.join(run, "checkpoints", ".step_2.tmp-5"))  # an interrupted save
-    resume = check_resume(_config(run, optim={"lr": 5e-6}), run)
+    resume = check_resume(run_config(run, optim={"lr": 5e-6}), run)
     taken = take_run_dir(
-        _config(run, optim={"lr": 5e-6}), model_path="m", step=1, resume=resume, is_main=True
+        run_config(run, optim={"lr": 5e-6}), model_path="m", step=1, resume=resume, is_main=True
     )
     try:
         assert taken.config_pending
