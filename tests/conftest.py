@@ -75,3 +75,36 @@ def pytest_collection_modifyitems(items):
         tiers = {m.name for m in item.iter_markers()} & {"unit", "integration"}
         if len(tiers) != 1:
             raise pytest.UsageError(f"{item.nodeid}: mark it unit or integration (found {sorted(tiers)})")
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tmp_path_factory) -> str:
+    """A tiny Llama folder vLLM's CPU kernels run (head_dim 64 / 2 = 32), for the rollout-server
+    tests."""
+    path = tmp_path_factory.mktemp("tiny_llama_server")
+    make_tiny_llama(
+        path, seed=0, hidden_size=64, num_heads=2, num_kv_heads=1, intermediate_size=64, initializer_range=0.5
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def rollout_servers(server_model_dir, tmp_path_factory):
+    """Two rollout servers of ``server_model_dir`` for the session (each takes ~25 s to start),
+    as ``(urls, ServerProcesses)``. A test that pushes weights leaves them changed: every engine
+    pushes its own weights before it samples. Skips where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vllm is not installed")
+    # imported here: the launcher is only needed where vLLM is installed
+    from policygrad.rollout.serve import ServerProcesses
+
+    processes = ServerProcesses(
+        server_model_dir,
+        2,
+        log_dir=str(tmp_path_factory.mktemp("server_logs")),
+        max_model_len=512,
+        kv_cache_gb=1,
+    )
+    urls = processes.start()
+    yield urls, processes
+    processes.stop()

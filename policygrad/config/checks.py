@@ -15,6 +15,7 @@ __all__ = [
     "check_at_most",
     "check_choice",
     "check_positive",
+    "parse_cpus",
 ]
 
 
@@ -51,3 +52,24 @@ def check_at_most(path: str, value, limit: float, *, low: str = "[0", why: str =
     ``limit``."""
     if value > limit:
         raise ConfigError(f"{path} must be in {low}, {limit:g}], got {value!r}{why}")
+
+
+def parse_cpus(path: str, spec) -> list[int]:
+    """CPU ids of a list like ``"1"``, ``"2-3"`` or ``"0,2,4-5"`` (Linux's cpulist format), in
+    order, each once.
+
+    Raises:
+        ConfigError: not such a list, naming ``path``.
+    """
+    cpus: list[int] = []
+    text = str(spec).strip()
+    for part in text.split(",") if text else []:
+        low, _, high = part.strip().partition("-")
+        if not low.isdigit() or (high and not high.isdigit()) or (high and int(high) < int(low)):
+            raise ConfigError(f"{path}: {spec!r} is not a CPU list like \"1\", \"2-3\" or \"0,2,4-5\"")
+        for cpu in range(int(low), int(high or low) + 1):
+            if cpu not in cpus:
+                cpus.append(cpu)
+    if not cpus:
+        raise ConfigError(f"{path}: {spec!r} names no CPU; give a CPU list like \"1\" or \"2-3\"")
+    return cpus

@@ -15,6 +15,7 @@ re-exports every public name here.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from policygrad.config.checks import (
@@ -23,6 +24,7 @@ from policygrad.config.checks import (
     ConfigError,
     check_choice,
     check_positive,
+    parse_cpus,
 )
 from policygrad.config.coerce import field_choices
 from policygrad.specs import engines
@@ -227,8 +229,17 @@ class RolloutConfig:
     log-probs always use the same temperature and truncation as the sampler.
 
     ``engine``: ``hf`` (transformers ``generate`` on the live policy), ``vllm`` (a vLLM engine
-    in the same process, weights pushed to it after every update) or ``auto`` (``vllm`` when the
-    ``vllm`` package is installed, else ``hf``; the choice is printed at start). ``dtype``: the
+    in the same process, weights pushed to it after every update), ``server`` (vLLM servers apart
+    from the trainer, weights pushed to them over gloo after every update:
+    :mod:`policygrad.rollout.server`) or ``auto`` (``vllm`` when the ``vllm`` package is
+    installed, else ``hf``; the choice is printed at start).
+
+    ``servers`` (with ``engine: server``): a list of base URLs of running servers
+    (``policygrad serve``), or a count of servers the run starts itself and stops at its end,
+    each on the CPUs of ``server_cpus`` (one list per server, e.g. ``["1"]`` or ``["2-3"]``;
+    null: every CPU) or the GPU of ``server_gpus`` (one id per server); their logs go to
+    ``<output_dir>/servers/``. ``server_timeout_s``: the most seconds a server may take to start,
+    answer a request or take a weight push before it is named and set aside. ``dtype``: the
     vLLM engine's weights and compute (``auto`` = the policy's); ``bfloat16`` on an fp32 policy
     is a faster but mismatched sampler. ``vllm_kv_cache_gb`` (CPU) / ``vllm_gpu_memory_utilization``
     (GPU): the engine's KV-cache budget. ``vllm_prefix_caching``: reuse the prompt's KV across the
@@ -290,6 +301,10 @@ class RolloutConfig:
     vllm_kv_cache_gb: float = 1.0
     vllm_gpu_memory_utilization: float = 0.3
     vllm_prefix_caching: bool = True
+    servers: list[str] | int | None = None
+    server_cpus: list[str] | None = None
+    server_gpus: list[str] | None = None
+    server_timeout_s: float = 300.0
     is_correction: str = "auto"
     is_cap: float = 2.0
     is_mode: str = "truncate"
@@ -306,7 +321,8 @@ class RolloutConfig:
     env_isolation: bool = True
 
     def validate(self, path: str) -> None:
-        check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm"})
+        check_choice(f"{path}.engine", self.engine, {"auto", "hf", "vllm", "server"})
+        self._check_servers(path)
         check_positive(f"{path}.max_turns", self.max_turns)
         for name in ("max_episode_tokens", "max_observation_tokens", "env_step_timeout_s"):
             if getattr(self, name) is not None:
@@ -360,6 +376,24 @@ class RolloutConfig:
                 f"must not depend on when it runs); drop {path}.per_prompt_seeds=false"
             )
 
+    def _check_servers(self, path: str) -> None:
+        check_positive(f"{path}.server_timeout_s", self.server_timeout_s)
+        if self.engine != "server":
+            for name in ("servers", "server_cpus", "server_gpus"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"{path}.{name} is for {path}.engine=server, which this run does not use"
+                    )
+        elif self.servers is None:
+            raise ConfigError(
+                f"{path}.engine=server needs {path}.servers: a list of server URLs (policygrad serve) "
+                "or how many servers the run starts, e.g. --rollout.servers=1"
+            )
+        elif isinstance(self.servers, int):
+            _check_started_servers(path, self.servers, self.server_cpus, self.server_gpus)
+        else:
+            _check_server_urls(path, self.servers, self.server_cpus, self.server_gpus)
+
     def resolved_is_correction(self) -> str:
         """``is_correction`` with ``auto`` resolved: ``token`` when rollouts run ahead, else ``none``."""
         if self.is_correction != "auto":
@@ -378,6 +412,36 @@ class RolloutConfig:
         except Exception as e:  # any import failure means: not usable here
             return "hf", f"auto: vllm is installed but does not import ({type(e).__name__}: {e})"
         return "vllm", "auto: vllm installed"
+
+
+def _check_started_servers(path: str, count: int, cpus, gpus) -> None:
+    """``rollout.servers`` as a count, and where those servers run."""
+    if count < 1:
+        raise ConfigError(f"{path}.servers must be >= 1 (servers the run starts), got {count}")
+    if cpus is not None and gpus is not None:
+        raise ConfigError(f"give {path}.server_cpus or {path}.server_gpus, not both")
+    for name, value in (("server_cpus", cpus), ("server_gpus", gpus)):
+        if value is not None and len(value) != count:
+            raise ConfigError(
+                f"{path}.{name} has {len(value)} entries for {count} servers; give one per server"
+            )
+    for spec in cpus or []:
+        parse_cpus(f"{path}.server_cpus", spec)
+
+
+def _check_server_urls(path: str, urls: list[str], cpus, gpus) -> None:
+    """``rollout.servers`` as URLs: servers that run where they were started."""
+    if not urls:
+        raise ConfigError(f"{path}.servers is an empty list; give server URLs or a count")
+    for url in urls:
+        if not re.fullmatch(r"https?://[^/:\s]+:\d+/?", str(url)):
+            raise ConfigError(f"{path}.servers: {url!r} is not a URL like http://host:8000")
+    for name, value in (("server_cpus", cpus), ("server_gpus", gpus)):
+        if value is not None:
+            raise ConfigError(
+                f"{path}.{name} places servers the run starts ({path}.servers as a count); servers at "
+                "URLs run where they were started"
+            )
 
 
 def check_episode_options(config) -> None:

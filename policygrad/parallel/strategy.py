@@ -138,7 +138,7 @@ class FSDP(Single):
                 "or model.precision=bf16-mixed without model.lm_head_dtype"
             )
         self.full_policy = copy.deepcopy(models.policy).requires_grad_(False).eval()
-        if engine_name == "vllm":
+        if engine_name in ("vllm", "server"):  # a copy on the host, pushed from there
             self.full_policy = self.full_policy.to("cpu")
         self.compute_dtype = precision.autocast_dtype
         shard_model(models.policy, compute_dtype=self.compute_dtype)

@@ -137,6 +137,10 @@ class Rollout:
             (:meth:`seen_mask`); everything learned from or measured on the policy's choices
             (loss, KL, entropy, advantages, lengths) reads ``response_mask`` only, and
             ``sampler_logprobs`` is 0.0 on observation tokens.
+        weight_version: None, or LongTensor [B]: the version of the weights each row was sampled
+            with, as the engine counts its weight pushes (engines apart from the trainer, e.g.
+            :class:`~policygrad.rollout.server.ServerRolloutEngine`; None where the engine
+            samples the trainer's own copy).
 
     Raises (on construction):
         ValueError: tensors whose shapes disagree (names the fields); an ``observation_mask``
@@ -153,6 +157,7 @@ class Rollout:
     group_size: int = 1
     sampling: SamplingParams = dataclasses.field(default_factory=SamplingParams)
     observation_mask: torch.Tensor | None = _rows(RESPONSE, default=None)
+    weight_version: torch.Tensor | None = _rows(ROW, default=None)
 
     def __post_init__(self) -> None:
         B, P = self.prompt_ids.shape
@@ -171,6 +176,8 @@ class Rollout:
         for name in ("truncated", "group_index"):
             if getattr(self, name).shape != (B,):
                 raise ValueError(f"{name} shape {tuple(getattr(self, name).shape)} != (B,) = ({B},)")
+        if self.weight_version is not None and self.weight_version.shape != (B,):
+            raise ValueError(f"weight_version shape {tuple(self.weight_version.shape)} != (B,) = ({B},)")
         if self.observation_mask is not None:
             shape = tuple(self.observation_mask.shape)
             if shape != (B, T):

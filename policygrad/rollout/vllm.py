@@ -54,7 +54,6 @@ import weakref
 
 import torch
 
-from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
 from policygrad.models.bundled import policygrad_home
 from policygrad.rollout.base import Rollout
 from policygrad.rollout.engine import GenerationRequest, RolloutEngine
@@ -66,15 +65,15 @@ from policygrad.rollout.vllm_setup import (
     VLLMStartError,
     WorkerWeightSync,
     check_engine_args,
-    check_weight_names,
-    checkpoint_shapes,
     model_text_config,
+    pushed_weight_shapes,
     release,
     request_seed,
     set_env_defaults,
     start_errors,
     stop_at_eos_only,
     take_over_shutdown,
+    weights_to_push,
 )
 from policygrad.specs.engines import vllm_available
 
@@ -230,12 +229,7 @@ class VLLMRolloutEngine(RolloutEngine):
         self.dtype = dtype
         self.max_model_len = int(max_model_len)
         self.tie_word_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
-        self._weight_shapes = checkpoint_shapes(model_path)
-        if self._weight_shapes is not None and self.tie_word_embeddings:
-            # Not in a tied checkpoint, but pushed: see sync_weights.
-            self._weight_shapes.setdefault(
-                "lm_head.weight", (int(text_config.vocab_size), int(text_config.hidden_size))
-            )
+        self._weight_shapes = pushed_weight_shapes(model_path, text_config)
         self._broken: str | None = None
         self.llm = None
 
@@ -437,19 +431,8 @@ class VLLMRolloutEngine(RolloutEngine):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self._check_open()
-        target = DTYPES[self.dtype]
         with torch.no_grad():
-            weights = list(merged_weights(model))
-            check_weight_names(weights, self._weight_shapes, self.model_path)
-            differ = tied_pairs_that_differ(model, dict(weights))
-            if differ:  # vLLM built the model tied: it would go on sampling with the other weight
-                raise ValueError(
-                    f"the adapter trains {differ[0][0]} apart from {differ[0][1]}, which this model ties and "
-                    "vLLM loaded as one weight; use rollout.engine=hf, or export the merged model (its "
-                    "config is untied) and train from that folder"
-                )
-            cast = [(name, tensor.to(target)) for name, tensor in weights]
-            del weights
+            cast = weights_to_push(model, self._weight_shapes, self.model_path, DTYPES[self.dtype])
             executor = getattr(self.llm.llm_engine, "model_executor", None)
             driver = getattr(executor, "driver_worker", None)
             try:

@@ -8,15 +8,15 @@ import torch
 
 from policygrad.rollout.base import Rollout, SamplingParams
 
-__all__ = ["rollout_from_outputs", "sampling_params"]
+__all__ = ["rollout_from_outputs", "sampling_fields", "sampling_params"]
 
 
-def sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos, eos_token_ids):
-    """vLLM's ``SamplingParams`` of one prompt's request: G samples with its ``seed`` (greedy: one,
-    copied to the G rows), the sampled token's log-prob, stopping only at ``eos_token_ids``."""
-    # imported here: vLLM is an optional dependency, loaded when an engine samples
-    from vllm import SamplingParams
-
+def sampling_fields(
+    G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos, eos_token_ids
+) -> dict:
+    """The fields of vLLM's ``SamplingParams`` for one prompt's request (also its JSON form in a
+    server request): G samples with its ``seed`` (greedy: one, copied to the G rows), the sampled
+    token's log-prob, stopping only at ``eos_token_ids``."""
     common = dict(
         max_tokens=max_new_tokens,
         logprobs=0,  # the sampled token's log-prob only
@@ -25,10 +25,26 @@ def sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, seed, 
         detokenize=False,
     )
     if greedy:  # vLLM's greedy mode needs n=1; the G rows are copies
-        return SamplingParams(n=1, temperature=0.0, **common)
+        return dict(n=1, temperature=0.0, **common)
+    return dict(
+        n=G,
+        temperature=temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=top_k or 0,
+        seed=int(seed),
+        **common,
+    )
+
+
+def sampling_params(G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos, eos_token_ids):
+    """vLLM's ``SamplingParams`` of one prompt's request (:func:`sampling_fields`)."""
+    # imported here: vLLM is an optional dependency, loaded when an engine samples
+    from vllm import SamplingParams
+
     return SamplingParams(
-        n=G, temperature=temperature, top_p=1.0 if top_p is None else top_p, top_k=top_k or 0,
-        seed=int(seed), **common,
+        **sampling_fields(
+            G, temperature, top_p, top_k, max_new_tokens, greedy, seed, ignore_eos, eos_token_ids
+        )
     )
 
 
@@ -64,9 +80,7 @@ def rollout_from_outputs(
         if greedy:
             completions = completions * G
         if len(completions) != G:
-            raise RuntimeError(
-                f"vLLM returned {len(completions)} completions for prompt {i}, expected {G}"
-            )
+            raise RuntimeError(f"vLLM returned {len(completions)} completions for prompt {i}, expected {G}")
         for g, c in enumerate(completions):
             row = i * G + g
             tokens = list(c.token_ids)
@@ -99,8 +113,8 @@ def rollout_from_outputs(
     prompt_ids = torch.full((n, longest), pad, dtype=torch.long)
     prompt_mask = torch.zeros((n, longest), dtype=torch.long)
     for i, ids in enumerate(prompts):
-        prompt_ids[i, longest - len(ids):] = torch.tensor(ids, dtype=torch.long)
-        prompt_mask[i, longest - len(ids):] = 1
+        prompt_ids[i, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        prompt_mask[i, longest - len(ids) :] = 1
     return Rollout(
         prompt_ids=prompt_ids.repeat_interleave(G, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(G, dim=0),

@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from policygrad.models.adapters import merged_weights, tied_pairs_that_differ
+
 __all__ = [
     "DTYPES",
     "ENV_SET_HERE",
@@ -28,6 +30,7 @@ __all__ = [
     "check_engine_args",
     "check_weight_names",
     "checkpoint_shapes",
+    "pushed_weight_shapes",
     "cpu_list",
     "model_text_config",
     "release",
@@ -36,6 +39,7 @@ __all__ = [
     "start_errors",
     "stop_at_eos_only",
     "take_over_shutdown",
+    "weights_to_push",
 ]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -99,6 +103,17 @@ def checkpoint_shapes(model_path: str) -> dict[str, tuple[int, ...]] | None:
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has keys(), not __iter__)
                 shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def pushed_weight_shapes(model_path: str, text_config) -> dict[str, tuple[int, ...]] | None:
+    """``{name: shape}`` of every weight a push to an engine of ``model_path`` sends: the
+    folder's tensors (:func:`checkpoint_shapes`), plus ``lm_head.weight`` when the model ties it
+    to the input embeddings (a tied checkpoint lacks it, but it is pushed: vLLM's CPU backend packs
+    the output head apart and repacks only a layer that receives weights)."""
+    shapes = checkpoint_shapes(model_path)
+    if shapes is not None and getattr(text_config, "tie_word_embeddings", False):
+        shapes.setdefault("lm_head.weight", (int(text_config.vocab_size), int(text_config.hidden_size)))
     return shapes
 
 
@@ -300,6 +315,29 @@ def check_weight_names(
             f"sync_weights: the model lacks {len(missing)} of the engine's weights (e.g. {missing[:3]}); "
             "every weight must be pushed"
         )
+
+
+def weights_to_push(
+    model: torch.nn.Module, expected: dict[str, tuple[int, ...]] | None, model_path: str, dtype: torch.dtype
+) -> list[tuple[str, torch.Tensor]]:
+    """``model``'s weights as an engine of ``model_path`` loads them: checkpoint names, LoRA
+    merged (:func:`~policygrad.models.adapters.merged_weights`), cast to ``dtype``; names and
+    shapes checked against ``expected`` (:func:`check_weight_names`). Call under ``no_grad``.
+
+    Raises:
+        ValueError: a name or shape the engine's model lacks, a missing weight, or an adapter that
+            trains one of two weights the model ties (the engine loaded them as one).
+    """
+    weights = list(merged_weights(model))
+    check_weight_names(weights, expected, model_path)
+    differ = tied_pairs_that_differ(model, dict(weights))
+    if differ:  # vLLM built the model tied: it would go on sampling with the other weight
+        raise ValueError(
+            f"the adapter trains {differ[0][0]} apart from {differ[0][1]}, which this model ties and "
+            "vLLM loaded as one weight; use rollout.engine=hf, or export the merged model (its "
+            "config is untied) and train from that folder"
+        )
+    return [(name, tensor.to(dtype)) for name, tensor in weights]
 
 
 class WorkerWeightSync:

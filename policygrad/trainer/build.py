@@ -12,6 +12,7 @@ from dataclasses import asdict
 
 import torch
 
+from policygrad.config.checks import parse_cpus
 from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
@@ -31,6 +32,7 @@ from policygrad.rewards.registry import CompositeReward, check_reward_spec
 from policygrad.rewards.reward_model import resolve_reward_functions
 from policygrad.rewards.scoring import Scorer
 from policygrad.rollout.hf import HFRolloutEngine
+from policygrad.rollout.server import start_server_engine
 from policygrad.rollout.vllm import VLLMRolloutEngine, VLLMStartError
 from policygrad.trainer.models import Models
 
@@ -191,6 +193,7 @@ def build_engine(
     shares_policy_weights: bool = True,
     cpu_threads: int | None = None,
     engine_option: str = "rollout.engine",
+    dist=None,
 ):
     """The rollout engine ``rollout.engine`` names (``auto`` resolved), with the reason logged
     (at debug level when ``quiet``: ``policygrad eval`` reports the engine in its result).
@@ -200,7 +203,9 @@ def build_engine(
     ``cpu_threads``: the vllm engine's ``cpu_threads`` (the start-time thread count when the run
     adapted it below torch's default; None: vLLM's worker binds every allowed CPU).
     ``engine_option``: how the caller's user chose the engine (``--engine`` for ``policygrad
-    eval``), named in the error of a vLLM that cannot run the model.
+    eval``), named in the error of a vLLM that cannot run the model. ``dist``: the run's
+    :class:`~policygrad.parallel.distributed.Dist` (the server engine: rank 0 starts servers and
+    pushes weights; None: one process).
 
     Returns:
         ``(engine, name)``.
@@ -211,6 +216,8 @@ def build_engine(
     """
     name, why = resolve_engine(cfg)
     log.log(logging.DEBUG if quiet else logging.INFO, "rollout engine: %s (%s)", name, why)
+    if name == "server":
+        return build_server_engine(cfg, models, dtype=dtype, precision=precision, dist=dist), name
     if name != "vllm":
         engine = HFRolloutEngine(
             models.policy,
@@ -244,6 +251,38 @@ def build_engine(
             f"cannot run this model: {err}; use {hf}"
         ) from err
     return engine, name
+
+
+def build_server_engine(cfg: TrainConfig, models: Models, *, dtype, precision, dist=None):
+    """``rollout.engine: server``: the servers of ``rollout.servers`` (started here when it is a
+    count, logs in ``<output_dir>/servers``), with the policy's weights pushed before the first
+    sample."""
+    r = cfg.rollout
+    active = dist is not None and dist.active
+    engine = start_server_engine(
+        r.servers,
+        models.tokenizer,
+        models.eos_ids,
+        model_path=models.model_path,
+        max_model_len=engine_context(models.policy, cfg.data.max_prompt_length + _response_room(cfg)),
+        log_dir=os.path.join(cfg.output_dir, "servers"),
+        dtype=r.dtype if r.dtype != "auto" else vllm_auto_dtype(dtype, precision),
+        timeout_s=r.server_timeout_s,
+        cpus=[parse_cpus("rollout.server_cpus", c) for c in r.server_cpus] if r.server_cpus else None,
+        gpus=[str(g) for g in r.server_gpus] if r.server_gpus else None,
+        kv_cache_gb=r.vllm_kv_cache_gb,
+        prefix_caching=r.vllm_prefix_caching,
+        gpu_memory_utilization=r.vllm_gpu_memory_utilization,
+        seed=cfg.seed,
+        share=dist.broadcast_object if active else None,
+        sender=not active or dist.rank == 0,
+    )
+    try:
+        engine.sync_weights(models.policy)  # the servers may hold any weights: push the policy's
+    except BaseException:
+        engine.close()
+        raise
+    return engine
 
 
 def vllm_auto_dtype(dtype: torch.dtype, precision: Precision | None) -> str:

@@ -207,7 +207,8 @@ def build_trainer(
     engine_name, _ = cfg.rollout.resolved_engine()
     engine_models = strategy.prepare_models(m, engine_name=engine_name, precision=precision)
     ahead = cfg.rollout.max_staleness > 0
-    if engine is None and ahead and engine_name != "vllm" and engine_models.policy is m.policy:
+    own_weights = engine_name in ("vllm", "server")
+    if engine is None and ahead and not own_weights and engine_models.policy is m.policy:
         # sampling runs while the policy trains: the hf engine gets a copy, synced after each update
         copy_ = copy.deepcopy(m.policy).requires_grad_(False).eval()
         engine_models = dataclasses.replace(engine_models, policy=copy_)
@@ -219,6 +220,7 @@ def build_trainer(
             precision=precision,
             shares_policy_weights=engine_models.policy is m.policy,
             cpu_threads=threads.threads if threads.threads < threads.default else None,
+            dist=dist,
         )
     elif engine_models.policy is not m.policy and engine.shares_policy_weights:
         raise ConfigError(

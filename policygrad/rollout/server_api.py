@@ -1,0 +1,126 @@
+"""The trainer's side of a rollout server's HTTP routes (vLLM's API server started by
+:mod:`policygrad.rollout.serve`): JSON requests with a timeout and named errors, and one weight
+update through the routes and a gloo transfer group (:mod:`policygrad.rollout.transfer`)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+from policygrad.rollout.transfer import GlooTransferEndpoint, broadcast_options
+
+__all__ = ["ServerError", "connect", "describe", "healthy", "post", "push", "transfer_address"]
+
+
+class ServerError(RuntimeError):
+    """A rollout server that failed, and no other server to take its work."""
+
+
+def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
+    """POST JSON to ``url + path``; the answer's JSON. Raises ServerError with the server's own
+    error text on an error status, OSError (URLError, timeout) when it cannot be reached."""
+    data = json.dumps(body if body is not None else {}).encode()
+    request = urllib.request.Request(
+        url + path, data=data, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read()
+    except urllib.error.HTTPError as err:
+        detail = err.read().decode(errors="replace")[:500]
+        try:
+            detail = json.loads(detail).get("error", {}).get("message", detail)
+        except (ValueError, AttributeError):
+            pass
+        raise ServerError(f"{url}{path} answered {err.code}: {detail}") from err
+    return json.loads(text) if text else {}
+
+
+def describe(err: BaseException) -> str:
+    """What went wrong with a request, in a few words (a timeout says so)."""
+    if isinstance(err, (TimeoutError, socket.timeout)) or "timed out" in str(err):
+        return "no answer within the timeout"
+    reason = getattr(err, "reason", None)
+    return f"{type(err).__name__}: {reason if reason is not None else err}"
+
+
+def healthy(url: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``url``/health answers 200 within ``timeout_s``."""
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def transfer_address(url: str) -> str:
+    """The address of this machine that ``url``'s host reaches it at (the route's source
+    address; no packet is sent)."""
+    host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
+def connect(url: str, address: str | None, timeout_s: float) -> GlooTransferEndpoint:
+    """A transfer group with the server at ``url`` (``/init_weight_transfer_engine`` while this
+    process joins as rank 0); ``address``: where the server reaches this process (None: the
+    route's source address)."""
+    endpoint = GlooTransferEndpoint(address or transfer_address(url), timeout_s)
+    init_info = endpoint.open()
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(post, url, "/init_weight_transfer_engine", {"init_info": init_info}, timeout_s)
+        try:
+            endpoint.connect()
+        except RuntimeError:
+            if future.done():
+                future.result()  # the server's own error says more
+            raise
+        future.result()
+    return endpoint
+
+
+def push(
+    url: str, endpoint: GlooTransferEndpoint, weights, update_info: dict, label: str, timeout_s: float
+) -> None:
+    """One weight update of the server at ``url``: ``/start_weight_update``, ``/update_weights``
+    while the tensors are broadcast, ``/reset_prefix_cache``, ``/finish_weight_update`` with
+    ``label``. Stops as soon as the server gives up receiving (its error, e.g. a digest that
+    differs), or after ``timeout_s``."""
+    post(url, "/start_weight_update", None, timeout_s)
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    try:
+        future = pool.submit(post, url, "/update_weights", {"update_info": update_info}, timeout_s)
+        group, options = endpoint.group, broadcast_options()
+        deadline = time.monotonic() + timeout_s
+        for _, tensor in weights:
+            work = group.broadcast([tensor], options)
+            pause = 1e-4
+            while not work.is_completed():
+                if future.done():  # the server gave up receiving: its error, not a send timeout
+                    future.result()
+                    raise RuntimeError("the server stopped receiving the weights")
+                if time.monotonic() > deadline:
+                    raise TimeoutError("weight push timed out")
+                time.sleep(pause)
+                pause = min(pause * 2, 0.01)
+            work.wait()
+        future.result(timeout=timeout_s)
+    finally:
+        pool.shutdown(wait=False)  # a stalled update call is abandoned with its group
+    # KV computed under the old weights must not be reused: cleared before the new label is
+    # set (vLLM's weight update leaves the prefix cache as it was)
+    for _ in range(20):
+        if post(url, "/reset_prefix_cache", None, timeout_s).get("success"):
+            break
+        time.sleep(0.1)  # blocks still held by a request finishing
+    else:
+        raise RuntimeError("the server kept its prefix cache (requests still running)")
+    post(url, "/finish_weight_update", {"weight_version": label}, timeout_s)

@@ -1,0 +1,70 @@
+"""The server's end of :mod:`policygrad.rollout.transfer`: vLLM's worker-side weight-transfer
+engine over gloo. Imported only inside a vLLM server process (it subclasses vLLM's
+``WeightTransferEngine``); :func:`policygrad.rollout.transfer.register` names it in vLLM's factory."""
+
+from __future__ import annotations
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+from policygrad.rollout.transfer import (
+    GlooInitInfo,
+    GlooUpdateInfo,
+    WeightDigestError,
+    broadcast_options,
+    open_group,
+    tensor_digest,
+)
+
+__all__ = ["GlooWeightTransferEngine"]
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):
+    """Receives tensors from the trainer (rank 0 of a two-process gloo group), checks each one's
+    SHA-256 digest before loading it, and loads with vLLM's layerwise reload (as vLLM's ``nccl``
+    engine does). A digest that differs raises :class:`WeightDigestError` naming the tensor; the
+    update is then incomplete and the trainer must not sample this server until a full update
+    succeeds."""
+
+    init_info_cls = GlooInitInfo
+    update_info_cls = GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device, model):
+        super().__init__(config, vllm_config, device, model)
+        self.group = None
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()
+        self.group = open_group(init_info.master_address, init_info.master_port, 1, init_info.timeout_s)
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info) -> None:
+        # the base class ends with torch.accelerator.synchronize(), which the CPU build lacks;
+        # gloo's wait() has already completed every receive here
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("policygrad_gloo weight transfer is not initialised; call init first")
+        options = broadcast_options()
+        for name, dtype_name, shape, digest in zip(
+            update_info.names, update_info.dtype_names, update_info.shapes, update_info.digests, strict=True
+        ):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+            self.group.broadcast([tensor], options).wait()
+            got = tensor_digest(tensor)
+            if got != digest:
+                raise WeightDigestError(
+                    f"weight {name} arrived with SHA-256 {got[:12]}..., the trainer sent {digest[:12]}..."
+                )
+            self.model.load_weights([(name, tensor.to(self.device))])
+
+    def shutdown(self) -> None:
+        self.group = None  # gloo closes its connections when the group is collected

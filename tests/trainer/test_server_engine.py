@@ -1,0 +1,137 @@
+"""The training loop on rollout servers (``rollout.engine: server``; skipped where vLLM is not
+installed): in fp32 a run on one server gives the numbers and weights of the in-process vLLM
+engine, two servers give those of one, and rollouts ahead (k = 1) on a server keep their
+identities (thread == inline, 2 + resume + 2 == 4).
+
+The session's two servers of a tiny model serve the tests (tests/conftest.py); every run pushes
+its own weights first, so runs do not see each other's."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from policygrad.rollout.vllm import vllm_available
+from policygrad.run import Run
+from policygrad.trainer.loop import Trainer
+from tests.training import checkpoint_weights
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(not vllm_available(), reason="vllm is not installed"),
+]
+
+# Wall-clock readings, and the weight-sync time that only engines with a push report.
+SKIP = ("time/", "perf/", "memory/", "async/overlap", "async/queue")
+
+
+@pytest.fixture
+def servers(rollout_servers):
+    return rollout_servers[0]
+
+
+@pytest.fixture
+def model_dir(server_model_dir):
+    return server_model_dir
+
+
+def _run(make_config, name, model_dir, steps=5, **rollout):
+    engine = rollout.pop("engine", "server")
+    extra = {"vllm_kv_cache_gb": 0.05} if engine == "vllm" else {}
+    cfg = make_config(
+        name,
+        steps=steps,
+        model={"name": model_dir},
+        rollout={"engine": engine, **extra, **rollout},
+    )
+    return Run(cfg)
+
+
+def _train(run, steps):
+    try:
+        rows = [run.trainer.step() for _ in range(steps)]
+        weights = {k: v.clone() for k, v in run.trainer.policy.state_dict().items()}
+    finally:
+        run.close()
+    return rows, weights
+
+
+def _same(a_rows, b_rows):
+    """Every logged value equal (NaN equal to NaN), wall-clock readings aside."""
+    assert len(a_rows) == len(b_rows)
+    for step, (a, b) in enumerate(zip(a_rows, b_rows, strict=True), 1):
+        keys = {k for k in a if not k.startswith(SKIP)}
+        assert keys == {k for k in b if not k.startswith(SKIP)}, step
+        for k in keys:
+            u, v = a[k], b[k]
+            assert u == v or (isinstance(u, float) and math.isnan(u) and math.isnan(v)), (step, k, u, v)
+
+
+def _same_weights(a, b):
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_one_server_trains_as_the_in_process_engine_and_two_as_one(make_config, model_dir, servers):
+    inproc, w_inproc = _train(_run(make_config, "inproc", model_dir, engine="vllm"), 5)
+    one, w_one = _train(_run(make_config, "one", model_dir, servers=servers[:1]), 5)
+    two, w_two = _train(_run(make_config, "two", model_dir, servers=servers), 5)
+    _same(inproc, one)
+    _same_weights(w_inproc, w_one)
+    _same(one, two)
+    _same_weights(w_one, w_two)
+    # the runs trained (lr 1e-2 moves a tiny model's weights every step) and pushed every update
+    assert all(r["optim/steps"] == 1 for r in one)
+    assert all(r["time/weight_sync_s"] > 0 for r in one)
+
+
+def _rows(run_dir) -> list[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_rollouts_ahead_on_a_server_keep_thread_equal_inline_and_resume_equal_straight(
+    make_config, model_dir, servers, monkeypatch
+):
+    ahead = {"servers": servers[:1], "max_staleness": 1}
+    thread = Run(
+        make_config("thread", steps=4, model={"name": model_dir}, rollout={"engine": "server", **ahead})
+    )
+    thread.train()
+    inline = Run(
+        make_config(
+            "inline",
+            steps=4,
+            model={"name": model_dir},
+            rollout={"engine": "server", "async_executor": "inline", **ahead},
+        )
+    )
+    inline.train()
+    _same(_rows(thread.run_dir), _rows(inline.run_dir))
+    _same_weights(checkpoint_weights(thread.run_dir, 4), checkpoint_weights(inline.run_dir, 4))
+    assert any(r.get("async/staleness", 0) > 0 for r in _rows(thread.run_dir))
+
+    # 2 steps, a checkpoint, the run dies in step 3; resumed, it finishes as the straight run did
+    cfg = make_config(
+        "resumed", steps=4, save_every=2, model={"name": model_dir}, rollout={"engine": "server", **ahead}
+    )
+    step = Trainer.step
+
+    def dies_at_step_3(self):
+        if self.step_idx == 2:
+            raise KeyboardInterrupt
+        return step(self)
+
+    monkeypatch.setattr(Trainer, "step", dies_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        Run(cfg).train()
+    monkeypatch.setattr(Trainer, "step", step)
+    resumed = Run(cfg, resume_from=cfg.output_dir)
+    assert resumed.trainer.step_idx == 2
+    resumed.train()
+    _same(_rows(thread.run_dir), _rows(cfg.output_dir))
+    _same_weights(checkpoint_weights(thread.run_dir, 4), checkpoint_weights(cfg.output_dir, 4))
