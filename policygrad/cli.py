@@ -166,6 +166,76 @@ Each prints a table and writes a JSON result and a PNG plot under --output-dir (
 """
 
 
+def cmd_serve(argv: list[str]) -> int:
+    """``policygrad serve MODEL [options] [-- vLLM options]``: a rollout server in the foreground
+    (stop it with Ctrl-C). A run samples from it with ``rollout.engine=server
+    rollout.servers=[http://HOST:PORT]``.
+
+    Raises:
+        ValueError: a bad option (one ``error:`` line), a model that is not a local folder.
+    """
+    # imported per command: each command loads only its own modules (help and argument errors come fast)
+    from policygrad.arguments import OneLineArgumentParser
+    from policygrad.config.checks import parse_cpus
+    from policygrad.models.loading import resolve_model_path
+    from policygrad.rollout.serve import main, server_arguments, server_environment
+
+    parser = OneLineArgumentParser(
+        prog="policygrad serve",
+        description="A vLLM rollout server that policygrad runs sample from and push weights to "
+        "(rollout.engine=server). Options after -- go to vLLM's server as they are.",
+    )
+    parser.add_argument("model", help="model folder (or bundled:NAME), the policy's starting weights")
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="context in tokens (default: the model's)"
+    )
+    parser.add_argument("--kv-cache-gb", type=float, default=1.0, help="KV cache on CPU, GiB")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="on a GPU")
+    parser.add_argument("--cpus", default=None, help='CPUs to run on, e.g. "1" or "2-3" (default: all)')
+    parser.add_argument("--seed", type=int, default=0)
+    own, _, extra = _split_extra(argv)
+    args = parser.parse_args(own)
+    model = resolve_model_path(args.model)
+    on_cpu = not torch_cuda_available()
+    cpus = parse_cpus("--cpus", args.cpus) if args.cpus else None
+    for name, value in server_environment(args.kv_cache_gb if on_cpu else None, cpus).items():
+        os.environ.setdefault(name, value)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    main(
+        server_arguments(
+            model,
+            port=args.port,
+            host=args.host,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            on_cpu=on_cpu,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
+        + extra
+    )
+    return 0
+
+
+def _split_extra(argv: list[str]) -> tuple[list[str], str, list[str]]:
+    """``argv`` before ``--``, and the options after it (vLLM's own)."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], "--", argv[i + 1 :]
+    return list(argv), "", []
+
+
+def torch_cuda_available() -> bool:
+    # imported here: torch loads only for the commands that use it
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def cmd_memory(argv: list[str]) -> int:
     # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.lab import memory
@@ -198,7 +268,14 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "eval": cmd_eval, "memory": cmd_memory, "lab": cmd_lab, "report": cmd_report}
+COMMANDS = {
+    "train": cmd_train,
+    "eval": cmd_eval,
+    "serve": cmd_serve,
+    "memory": cmd_memory,
+    "lab": cmd_lab,
+    "report": cmd_report,
+}
 
 
 class _StdoutHandler(logging.Handler):
@@ -229,9 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     _show_library_messages()
     if not argv or argv[0] in ("-h", "--help"):
         print(
-            "usage: policygrad {train,eval,memory,lab,report} ...\n\n"
+            "usage: policygrad {train,eval,serve,memory,lab,report} ...\n\n"
             "  train   run a training job (no arguments: the default GRPO job on the bundled model)\n"
             "  eval    greedy accuracy / pass@k of a model on a dataset (--env: of multi-turn episodes)\n"
+            "  serve   a vLLM rollout server that runs sample from (rollout.engine=server)\n"
             "  memory  the memory bill of an RL job (models, optimiser state, KV cache, logits)\n"
             "  lab     experiments: gradient-snr, kl-estimators, mismatch, passk\n"
             "  report  one HTML page with a run's curves, config and completions\n"

@@ -29,6 +29,9 @@ TEST_FILE_OF = {
     "policygrad/rewards/code.py": "tests/rewards/test_code_reward.py",
     # The builtin:guess rows are tested with the environment that plays them.
     "policygrad/data/guess_task.py": "tests/envs/test_guess.py",
+    # The rollout server's HTTP calls and its weight-transfer engine run against real servers.
+    "policygrad/rollout/server_api.py": "tests/rollout/test_server.py",
+    "policygrad/rollout/transfer_worker.py": "tests/rollout/test_server.py",
 }
 
 

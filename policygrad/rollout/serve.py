@@ -33,7 +33,7 @@ import time
 from policygrad.rollout.server_api import healthy
 from policygrad.rollout.transfer import ENGINE_NAME, register
 
-__all__ = ["ServerProcesses", "ServerStartError", "server_arguments", "main"]
+__all__ = ["ServerProcesses", "ServerStartError", "main", "server_arguments", "server_environment"]
 
 CPU_BATCHED_TOKENS = 4096
 

@@ -339,21 +339,24 @@ class ServerRolloutEngine(RolloutEngine):
         return None, self.version + 1, held
 
     def _restart_dead(self) -> None:
+        """Start again each server of ``processes`` that has exited (it gets the weights next)."""
         if self.processes is None:
             return
         for server in self.servers:
-            process = self.processes.processes[server.index]
-            if process.poll() is not None:
-                log.warning(
-                    "rollout server %d exited (code %s); starting it again", server.index, process.returncode
-                )
-                try:
-                    server.url = self.processes.start_one(server.index)
-                    self.processes.wait([server.index])
-                except RuntimeError as err:
-                    server.failure = str(err)
-                    continue
-                server.endpoint, server.version, server.failure = None, None, None
+            if server.url not in self.processes.urls:
+                continue  # a server run apart
+            i = self.processes.urls.index(server.url)
+            code = self.processes.processes[i].poll()
+            if code is None:
+                continue
+            log.warning("rollout server %s exited (code %s); starting it again", server.url, code)
+            try:
+                server.url = self.processes.start_one(i)
+                self.processes.wait([i])
+            except RuntimeError as err:
+                server.failure = str(err)
+                continue
+            server.endpoint, server.version, server.failure = None, None, None
 
     def _push(self, server: _Server, weights, update_info: dict, label: str) -> bool:
         """One server's push; False (and the server set aside) when it fails."""

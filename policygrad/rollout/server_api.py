@@ -87,6 +87,24 @@ def connect(url: str, address: str | None, timeout_s: float) -> GlooTransferEndp
     return endpoint
 
 
+def _broadcast_all(endpoint: GlooTransferEndpoint, weights, update_call, deadline: float) -> None:
+    """Broadcast every tensor to the server, polling so that a server that gave up receiving
+    (``update_call`` done, with its error) or the ``deadline`` ends the send at once."""
+    group, options = endpoint.group, broadcast_options()
+    for _, tensor in weights:
+        work = group.broadcast([tensor], options)
+        pause = 1e-4
+        while not work.is_completed():
+            if update_call.done():  # the server gave up receiving: its error, not a send timeout
+                update_call.result()
+                raise RuntimeError("the server stopped receiving the weights")
+            if time.monotonic() > deadline:
+                raise TimeoutError("weight push timed out")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        work.wait()
+
+
 def push(
     url: str, endpoint: GlooTransferEndpoint, weights, update_info: dict, label: str, timeout_s: float
 ) -> None:
@@ -94,24 +112,28 @@ def push(
     while the tensors are broadcast, ``/reset_prefix_cache``, ``/finish_weight_update`` with
     ``label``. Stops as soon as the server gives up receiving (its error, e.g. a digest that
     differs), or after ``timeout_s``."""
-    post(url, "/start_weight_update", None, timeout_s)
+    try:
+        post(url, "/start_weight_update", None, timeout_s)
+    except ServerError as err:
+        if "already active" not in str(err):
+            raise
+        # an update this trainer abandoned (its call timed out here, then finished there):
+        # finalise it (the weights keep their old label) and start anew
+        post(url, "/finish_weight_update", None, timeout_s)
+        post(url, "/start_weight_update", None, timeout_s)
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
         future = pool.submit(post, url, "/update_weights", {"update_info": update_info}, timeout_s)
-        group, options = endpoint.group, broadcast_options()
-        deadline = time.monotonic() + timeout_s
-        for _, tensor in weights:
-            work = group.broadcast([tensor], options)
-            pause = 1e-4
-            while not work.is_completed():
-                if future.done():  # the server gave up receiving: its error, not a send timeout
-                    future.result()
-                    raise RuntimeError("the server stopped receiving the weights")
-                if time.monotonic() > deadline:
-                    raise TimeoutError("weight push timed out")
-                time.sleep(pause)
-                pause = min(pause * 2, 0.01)
-            work.wait()
+        try:
+            _broadcast_all(endpoint, weights, future, time.monotonic() + timeout_s)
+        except (RuntimeError, TimeoutError) as send_error:
+            # the server's own error (a digest that differs, ...) says more than the broken
+            # connection it leaves behind: wait briefly for its answer
+            try:
+                future.result(timeout=min(5.0, timeout_s))
+            except concurrent.futures.TimeoutError:
+                pass
+            raise send_error
         future.result(timeout=timeout_s)
     finally:
         pool.shutdown(wait=False)  # a stalled update call is abandoned with its group

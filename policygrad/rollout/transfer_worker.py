@@ -25,7 +25,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
     SHA-256 digest before loading it, and loads with vLLM's layerwise reload (as vLLM's ``nccl``
     engine does). A digest that differs raises :class:`WeightDigestError` naming the tensor; the
     update is then incomplete and the trainer must not sample this server until a full update
-    succeeds."""
+    succeeds. A failed update is finalised before its error is raised, so the next one loads."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -54,17 +54,27 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         if self.group is None:
             raise RuntimeError("policygrad_gloo weight transfer is not initialised; call init first")
         options = broadcast_options()
-        for name, dtype_name, shape, digest in zip(
-            update_info.names, update_info.dtype_names, update_info.shapes, update_info.digests, strict=True
-        ):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
-            self.group.broadcast([tensor], options).wait()
-            got = tensor_digest(tensor)
-            if got != digest:
-                raise WeightDigestError(
-                    f"weight {name} arrived with SHA-256 {got[:12]}..., the trainer sent {digest[:12]}..."
-                )
-            self.model.load_weights([(name, tensor.to(self.device))])
+        try:
+            u = update_info
+            for name, dtype_name, shape, digest in zip(
+                u.names, u.dtype_names, u.shapes, u.digests, strict=True
+            ):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype_name))
+                self.group.broadcast([tensor], options).wait()
+                got = tensor_digest(tensor)
+                if got != digest:
+                    raise WeightDigestError(
+                        f"weight {name} arrived with SHA-256 {got[:12]}..., the trainer sent {digest[:12]}..."
+                    )
+                self.model.load_weights([(name, tensor.to(self.device))])
+        except BaseException:
+            # The layers stay wrapped for a reload until it is finalised, and the next update
+            # could not load into them: finalise now (layers that got nothing keep their old
+            # tensors). The weights are then a mix; the trainer samples this server again only
+            # after a whole update succeeds.
+            self.group = None  # its pending sends are abandoned: the next update joins a new group
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise
 
     def shutdown(self) -> None:
         self.group = None  # gloo closes its connections when the group is collected

@@ -1,0 +1,76 @@
+"""Starting rollout servers (policygrad/rollout/serve.py): the vLLM options and environment a
+policygrad server runs with, the ``policygrad serve`` command's mistakes as one line, and a
+server that fails to start named with its log. (Servers that start and serve:
+tests/rollout/test_server.py.)"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from policygrad.cli import main
+from policygrad.rollout.serve import ServerProcesses, ServerStartError, server_arguments, server_environment
+from policygrad.specs.engines import vllm_available
+
+
+def _option(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.unit
+def test_server_arguments_ask_for_what_a_run_needs():
+    args = server_arguments("/m", port=8123, max_model_len=600)
+    assert _option(args, "--model") == "/m" and _option(args, "--port") == "8123"
+    assert _option(args, "--logprobs-mode") == "processed_logprobs"  # the sampled distribution's
+    assert _option(args, "--generation-config") == "vllm"  # only the request's stop ids end a response
+    assert json.loads(_option(args, "--weight-transfer-config")) == {"backend": "policygrad_gloo"}
+    assert {"--enforce-eager", "--skip-tokenizer-init", "--enable-scale-out"} <= set(args)
+    # CPU: no chunked prefill (a seeded request cannot rewind a CPU generator), and a step's token
+    # budget that holds the longest prompt
+    assert "--no-enable-chunked-prefill" in args and _option(args, "--max-num-batched-tokens") == "4096"
+    assert _option(server_arguments("/m", port=1, max_model_len=9000), "--max-num-batched-tokens") == "9000"
+    gpu = server_arguments("/m", port=1, on_cpu=False, gpu_memory_utilization=0.5, prefix_caching=False)
+    assert _option(gpu, "--gpu-memory-utilization") == "0.5" and "--no-enable-chunked-prefill" not in gpu
+    assert "--no-enable-prefix-caching" in gpu
+
+
+@pytest.mark.unit
+def test_server_environment_opens_the_weight_routes_and_binds_the_cpus():
+    env = server_environment(kv_cache_gb=0.3, cpus=[1, 3])
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"  # /init_weight_transfer_engine, /update_weights, ...
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1"  # whole GiB, at least 1
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1,3"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in server_environment()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--port", "x", "m"], "argument --port: invalid int value: 'x'"),
+        (["m", "--cpus", "3-1"], "--cpus: '3-1' is not a CPU list"),
+        (["/no/such/folder"], "the folder '/no/such/folder' does not exist"),
+    ],
+)
+def test_serve_mistakes_are_one_error_line(argv, message, capsys):
+    assert main(["serve", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not vllm_available(), reason="vllm is not installed")
+def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    processes = ServerProcesses(str(empty), 1, log_dir=str(tmp_path / "logs"), start_timeout_s=120)
+    start = time.monotonic()
+    with pytest.raises(
+        ServerStartError, match=r"rollout server 0 exited with code \d+ before it answered; see "
+    ):
+        processes.start()
+    assert time.monotonic() - start < 120
+    assert (tmp_path / "logs" / "server-0.log").read_text()  # the reason is there
+    assert processes.processes[0].poll() is not None
