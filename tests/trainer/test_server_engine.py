@@ -14,11 +14,13 @@ import os
 
 import pytest
 import torch
+import yaml
 
+from policygrad.config.train import load_config
 from policygrad.rollout.vllm import vllm_available
 from policygrad.run import Run
 from policygrad.trainer.loop import Trainer
-from tests.training import checkpoint_weights
+from tests.training import checkpoint_weights, tiny_overrides
 
 pytestmark = [
     pytest.mark.integration,
@@ -152,15 +154,40 @@ def test_episodes_and_lora_train_on_a_server_as_in_process(kind, make_config, mo
     runs = {}
     for engine, extra in (("vllm", {"vllm_kv_cache_gb": 0.05}), ("server", {"servers": servers[:1]})):
         rollout = {**sections.get("rollout", {}), "engine": engine, **extra}
-        cfg = make_config(
-            f"{kind}-{engine}",
-            steps=3,
-            **{**sections, "model": sections.get("model", {"name": model_dir})},
-            rollout=rollout,
-        )
+        fields = {**sections, "model": sections.get("model", {"name": model_dir}), "rollout": rollout}
+        cfg = make_config(f"{kind}-{engine}", steps=3, **fields)
         run = Run(cfg)
         run.train()
         runs[engine] = run
     _same(_rows(runs["vllm"].run_dir), _rows(runs["server"].run_dir))
     if kind == "episodes":
         assert _rows(runs["server"].run_dir)[-1]["episode/turns_mean"] > 1.0
+
+
+def test_torchrun_ranks_share_the_servers_and_train_what_one_process_does(
+    model_dir, servers, rewards_py, tmp_path
+):
+    # Rank 0 pushes the weights and tells every rank the version; each rank samples its own
+    # prompts on the servers. Two ranks agree with one process as the in-process engines do
+    # (tests/parallel/test_distributed.py: the same samples, the loss summed in another order).
+    from tests.parallel.test_distributed import assert_same_weights, torchrun_train, train
+    from tests.trainer.tolerances import assert_same_metrics
+
+    trees = {}
+    for name in ("one", "two"):
+        tree = tiny_overrides(model_dir, f"{rewards_py}:length_fraction", tmp_path / name)
+        tree["num_threads"] = 1
+        tree["rollout"] = {**tree["rollout"], "engine": "server", "servers": list(servers)}
+        trees[name] = tree
+    conds = train(load_config(None, trees["one"]))
+    config = tmp_path / "two.yaml"
+    config.write_text(yaml.safe_dump(trees["two"]))
+    done = torchrun_train(config)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
+    assert_same_metrics(one, two, conds)
+    steps = trees["one"]["steps"]
+    assert_same_weights(
+        checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps)
+    )
