@@ -242,7 +242,7 @@ def run_memory(
         if name != algorithm:
             opts = dict(options)
             if name == "sft":  # no rollouts, no scoring: no engine, no reward model
-                opts.update(inference_engine=False, reward_model=False)
+                opts.update(inference_engine=False, reward_model=False, servers=0)
             compare.append(plan_memory(shape, name, **opts))
     plans = [plan] + compare
     order = {"sft": 0, "grpo": 1, "ppo": 3}
@@ -289,6 +289,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=None, help="B sequences (logits, KV cache)")
     p.add_argument("--seq-len", type=int, default=None, help="T tokens per sequence (logits, KV cache)")
     p.add_argument("--inference-engine", action="store_true", help="a separate engine's copy + KV cache")
+    p.add_argument(
+        "--servers",
+        type=int,
+        default=0,
+        help="rollout server processes (rollout.engine=server), priced apart",
+    )
     p.add_argument("--reward-model", action="store_true", help="a reward model (a verifier needs none)")
     p.add_argument("--no-reference", action="store_true", help="no KL to a reference: drop it")
     p.add_argument("--critic-params", default=None, help="critic size (default: the policy's)")
@@ -325,6 +331,7 @@ def main(argv: list[str]) -> str:
         "batch": args.batch,
         "seq_len": args.seq_len,
         "inference_engine": args.inference_engine,
+        "servers": args.servers,
         "reward_model": args.reward_model,
         "critic_params": counts["critic_params"],
         "reward_params": counts["reward_params"],

@@ -80,6 +80,10 @@ class MemoryPlan:
         ratio_to_sft: ``state_bytes / sft_state_bytes``.
         table: the text table printed by the CLI.
         json_path, png_path: files written (None from :func:`plan_memory` alone).
+        servers: rollout server processes apart from the trainer (``rollout.engine: server``).
+        server_items: one server's lines (its copy of the weights, its share of the KV cache);
+            every server holds as much. Not in ``items`` or ``total_bytes``: other processes, often
+            other devices or hosts.
     """
 
     algorithm: str
@@ -102,6 +106,8 @@ class MemoryPlan:
     png_path: str | None = None
     value_rollout_sequences: int = 0
     value_rollout_tokens: int = 0
+    servers: int = 0
+    server_items: list[MemoryItem] = dataclasses.field(default_factory=list)
 
     def item(self, component: str) -> MemoryItem:
         """The item named ``component``.

@@ -97,6 +97,7 @@ def check_options(
     reward_params: int | None = None,
     world_size: int = 1,
     strategy: str = "ddp",
+    servers: int = 0,
 ) -> AlgorithmModels:
     """The checks of :func:`plan_memory` that need no model shape, so ``policygrad memory`` refuses
     a bad option before it reads (or converts) any model.
@@ -129,8 +130,12 @@ def check_options(
     ):
         if value is not None and value <= 0:
             raise ValueError(f"{name} must be > 0, got {value}")
-    if algorithm == "sft" and (inference_engine or reward_model):
-        raise ValueError("sft samples nothing and scores nothing: drop --inference-engine and --reward-model")
+    if isinstance(servers, bool) or not isinstance(servers, int) or servers < 0:
+        raise ValueError(f"--servers must be an int >= 0, got {servers!r}")
+    if algorithm == "sft" and (inference_engine or reward_model or servers):
+        raise ValueError(
+            "sft samples nothing and scores nothing: drop --inference-engine, --servers and --reward-model"
+        )
     if critic_params is not None and lora_rank and needs.critic:
         raise ValueError(
             "--critic-params with --lora-rank: the critic's adapters are counted from the "
@@ -156,6 +161,7 @@ def plan_memory(
     strategy: str = "ddp",
     vine_rollouts: int = 9,
     vine_splits: int = 8,
+    servers: int = 0,
 ) -> MemoryPlan:
     """The memory bill of ``algorithm`` on a model of ``shape`` (see the module docstring).
 
@@ -180,6 +186,9 @@ def plan_memory(
             ``B x (S + 1) x K`` more sequences (K from each of at most S split points of a response
             and from its prompt), counted in the table; no more memory (the trainer samples them
             in calls of at most B sequences, after the batch's, so the KV cache above holds them).
+        servers: rollout server processes (``rollout.engine: server``), each priced apart from
+            the trainer: a bf16 copy of the policy and the KV cache of its share of the batch (the
+            batch's prompts are spread over the servers).
 
     Returns:
         :class:`MemoryPlan`; its ``table`` is filled, no file is written.
@@ -200,6 +209,7 @@ def plan_memory(
         reward_params=reward_params,
         world_size=world_size,
         strategy=strategy,
+        servers=servers,
     )
     if shape.params <= 0:
         raise ValueError(f"the model's parameter count must be > 0, got {shape.params}")
@@ -286,8 +296,42 @@ def plan_memory(
         value_rollout_sequences=extra_sequences,
         value_rollout_tokens=extra_tokens,
     )
+    plan.servers, plan.server_items = servers, _server_items(shape, p, lora, batch, seq_len, servers)
     plan.table = memory_table(plan)
     return plan
+
+
+def _server_items(
+    shape: ModelShape, params: int, lora: int, batch, seq_len, servers: int
+) -> list[MemoryItem]:
+    """One rollout server's bill: its weights and the KV cache of its share of the batch (none
+    without servers)."""
+    if not servers:
+        return []
+    items = [
+        MemoryItem(
+            "server weights",
+            "frozen",
+            params,
+            BYTES_FROZEN,
+            params * BYTES_FROZEN,
+            "a bf16 copy of the policy" + (" (adapters merged)" if lora else ""),
+        )
+    ]
+    if batch is not None:
+        share = -(-batch // servers)
+        items.append(
+            MemoryItem(
+                "server KV cache",
+                "activation",
+                None,
+                None,
+                shape.kv_cache_bytes(share, seq_len),
+                f"2 (K, V) x {shape.num_layers} layers x kv width {shape.num_kv_heads * shape.head_dim} "
+                f"x B {share} (of {batch}, over {servers} servers) x T {seq_len} x 2 B",
+            )
+        )
+    return items
 
 
 def _value_rollouts(batch: int, seq_len: int, rollouts: int, splits: int) -> tuple[int, int]:
@@ -331,6 +375,14 @@ def memory_table(plan: MemoryPlan) -> str:
         f"with KV cache and logits:          {format_gb(plan.total_bytes)} GB "
         "(activations and fragmentation not counted; GB = 1e9 bytes)",
     ]
+    if plan.servers:
+        each = sum(it.bytes for it in plan.server_items)
+        lines.append(
+            f"rollout servers, apart from the trainer: {plan.servers} x {format_gb(each)} GB = "
+            f"{format_gb(plan.servers * each)} GB ("
+            + "; ".join(f"{it.component} {format_gb(it.bytes)} GB" for it in plan.server_items)
+            + " each)"
+        )
     if plan.value_rollout_sequences:
         lines.append(
             f"VinePPO value rollouts per step: up to {plan.value_rollout_sequences:,} sequences, "

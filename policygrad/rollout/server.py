@@ -16,7 +16,7 @@ Design:
 - **Weights.** :meth:`ServerRolloutEngine.sync_weights` pushes the policy (checkpoint names, LoRA
   merged, the engine's dtype) to every server through its own gloo transfer group
   (:mod:`policygrad.rollout.transfer`): ``/start_weight_update``, ``/update_weights`` while the
-  tensors are broadcast (each checked against its SHA-256 digest by the server),
+  tensors are broadcast (each checked against its CRC-32 by the server),
   ``/reset_prefix_cache`` (no KV of the old weights is reused), ``/finish_weight_update`` with a
   new version label. The engine pushes the initial weights
   before its first sample (a server may have been started from any folder). A server whose push

@@ -6,7 +6,7 @@ server: :mod:`policygrad.rollout.serve`).
 One transfer group per server: the trainer is rank 0 of a two-process gloo group (a ``TCPStore``
 the trainer opens on a free port, then ``ProcessGroupGloo``), the server's worker rank 1. A group
 per server keeps servers independent: one that dies breaks only its own group, and a restarted one
-joins a new group. Tensors go one by one, in checkpoint naming, with their SHA-256 digest in the
+joins a new group. Tensors go one by one, in checkpoint naming, with their CRC-32 in the
 update's metadata; the server checks each received tensor's digest before it loads it and names
 the first that differs. Every collective has the group's timeout, so a peer that stops answering
 is an error after ``timeout_s``, never a hang.
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
+import zlib
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -42,15 +42,17 @@ ENGINE_NAME = "policygrad_gloo"
 
 
 def tensor_digest(tensor: torch.Tensor) -> str:
-    """SHA-256 (hex) of ``tensor``'s bytes in row-major order (its dtype and shape are checked
-    apart). Hashes the tensor's memory in place when it is contiguous on CPU."""
+    """CRC-32 (8 hex digits) of ``tensor``'s bytes in row-major order (its dtype and shape are
+    checked apart). Reads the tensor's memory in place when it is contiguous on CPU. A checksum
+    against corrupted or missing bytes, not an authentication: CRC-32 runs at ~7 GB/s here, SHA-256
+    at ~2 GB/s (540 MB of fp32 weights: 0.08 s against 0.26 s on each side of every push)."""
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     if t.numel() == 0:
-        return hashlib.sha256(b"").hexdigest()
-    return hashlib.sha256(t.view(-1).view(torch.uint8).numpy()).hexdigest()
+        return f"{zlib.crc32(b''):08x}"
+    return f"{zlib.crc32(t.view(-1).view(torch.uint8).numpy()):08x}"
 
 
 def broadcast_options():

@@ -22,7 +22,7 @@ __all__ = ["GlooWeightTransferEngine"]
 
 class GlooWeightTransferEngine(WeightTransferEngine):
     """Receives tensors from the trainer (rank 0 of a two-process gloo group), checks each one's
-    SHA-256 digest before loading it, and loads with vLLM's layerwise reload (as vLLM's ``nccl``
+    CRC-32 before loading it, and loads with vLLM's layerwise reload (as vLLM's ``nccl``
     engine does). A digest that differs raises :class:`WeightDigestError` naming the tensor; the
     update is then incomplete and the trainer must not sample this server until a full update
     succeeds. A failed update is finalised before its error is raised, so the next one loads."""
@@ -64,7 +64,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
                 got = tensor_digest(tensor)
                 if got != digest:
                     raise WeightDigestError(
-                        f"weight {name} arrived with SHA-256 {got[:12]}..., the trainer sent {digest[:12]}..."
+                        f"weight {name} arrived with CRC-32 {got}, the trainer sent {digest}"
                     )
                 self.model.load_weights([(name, tensor.to(self.device))])
         except BaseException:

@@ -114,3 +114,24 @@ def test_bad_inputs_name_the_option():
         plan_memory(seven_b(), "grpo", inference_engine=True, batch=2, seq_len=8)
     with pytest.raises(ValueError, match="match no linear layer"):
         resolve_shape(params=10, hidden=4, layers=1, intermediate=8).lora_params(2, ["w_q"])
+
+
+@pytest.mark.unit
+def test_rollout_servers_are_priced_apart_from_the_trainer_by_hand():
+    plan = plan_memory(SHAPE, "grpo", batch=5, seq_len=10, servers=2)
+    # each server: weights 1000 params x 2 B = 2000 B; KV of its share ceil(5 / 2) = 3 sequences:
+    # 2 (K, V) x 2 layers x kv width 1 x 4 x B 3 x T 10 x 2 B = 960 B
+    assert [(it.component, it.bytes) for it in plan.server_items] == [
+        ("server weights", 2000),
+        ("server KV cache", 960),
+    ]
+    # the trainer's own bill does not change: the servers are other processes
+    alone = plan_memory(SHAPE, "grpo", batch=5, seq_len=10)
+    assert plan.total_bytes == alone.total_bytes and plan.items == alone.items
+    assert "rollout servers, apart from the trainer: 2 x " in plan.table
+    assert plan.to_dict()["servers"] == 2
+    assert plan_memory(SHAPE, "grpo", servers=1).server_items[0].bytes == 2000  # no batch: no KV
+    with pytest.raises(ValueError, match="--servers must be an int >= 0"):
+        plan_memory(SHAPE, "grpo", servers=-1)
+    with pytest.raises(ValueError, match="drop --inference-engine, --servers"):
+        plan_memory(SHAPE, "sft", servers=1)

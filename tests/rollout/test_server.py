@@ -1,6 +1,7 @@
 """The rollout-server engine (``policygrad.rollout.server``, its HTTP and push calls in
 ``policygrad.rollout.server_api``, the server's transfer engine in
-``policygrad.rollout.transfer_worker``) against real vLLM servers of a tiny model (the session's two, tests/conftest.py) and fake servers that misbehave on purpose.
+``policygrad.rollout.transfer_worker``) against real vLLM servers of a tiny model (the session's
+two, tests/conftest.py) and fake servers that misbehave on purpose.
 
 What is checked: a server samples what the in-process vLLM engine samples (tokens, masks and
 log-probs equal), before and after a weight push, and two servers what one does; and each fault
@@ -289,12 +290,13 @@ def test_a_digest_that_differs_is_named_and_the_next_push_recovers(
 
         def corrupt(weights):
             info = update_info(weights)
-            info["digests"][3] = "0" * 64
+            info["digests"][3] = "0" * 8
             return info
 
         monkeypatch.setattr(GlooTransferEndpoint, "update_info", staticmethod(corrupt))
         name = engine_weights_name(model, 3)
-        with pytest.raises(ServerError, match=rf"weight {name} arrived with SHA-256"):
+        message = rf"weight {name} arrived with CRC-32 [0-9a-f]{{8}}, the trainer sent 00000000"
+        with pytest.raises(ServerError, match=message):
             engine.sync_weights(model)
         assert engine.servers[0].version is None
         with pytest.raises(ServerError, match="no rollout server can sample"):
