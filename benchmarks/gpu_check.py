@@ -26,7 +26,10 @@ weights runs at ``rollout.max_staleness`` 0 and 1, and the report's ``staleness`
 each one's median step time, the trainer's wait for rollouts, the share of generation hidden
 behind training (``async/overlap``), the sampler/trainer gap and the behaviour KL. The hf engine
 samples on the same device as the trainer, so the overlap it can reach is bounded by what the
-device runs concurrently; a separate inference device is where the lag pays most.
+device runs concurrently; a separate inference device is where the lag pays most. Then, where
+vLLM is installed (``--server-steps``, default 6; 0 skips it), the report's ``servers`` part
+compares generation colocated with the trainer (the in-process vLLM engine) with a rollout
+server apart from it (on a second GPU when there is one) at k = 0 and 1.
 The report is printed and written to ``--out`` as JSON.
 
 Roofline (``--no-roofline`` skips the probe): before the model is built, the device's bf16 and
@@ -419,8 +422,42 @@ def _run(args, device, name, peak, shape, work, peaks=None) -> dict:
     if args.staleness_steps:
         del trainer, run
         report["staleness"] = staleness_check(args, staleness_tree, work, tokenizer, device)
+    if args.server_steps:
+        report["servers"] = server_check(args, staleness_tree, work, tokenizer, device)
     report["wall_s"] = round(time.perf_counter() - start, 1)
     return report
+
+
+def _branch_rows(
+    tree: dict, work: str, name: str, steps: int, rollout: dict, tokenizer, device
+) -> list[dict]:
+    """``steps`` steps' metrics of ``tree`` with ``rollout`` changed, from the check's initial
+    weights (read again from ``work/model``), written under ``work/name``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "model"), dtype=torch.float32).to(device)
+    branch = {
+        **tree,
+        "steps": steps,
+        "output_dir": os.path.join(work, name),
+        "rollout": {**tree["rollout"], **rollout},
+    }
+    try:
+        run = Run(load_config(None, branch), model=model, tokenizer=tokenizer, reward_functions=[even_share])
+        try:
+            return [run.trainer.step() for _ in range(steps)]
+        finally:
+            run.close()
+    finally:
+        del model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _median(rows: list[dict], key: str) -> float | None:
+    """The median of ``key`` over ``rows`` (rounded), None where no row has it."""
+    values = [float(r[key]) for r in rows if key in r]
+    return round(statistics.median(values), 4) if values else None
 
 
 def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
@@ -428,30 +465,14 @@ def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
     ``--staleness-steps`` steps each (the first left out of the medians): step time, the
     trainer's wait for rollouts, the share of generation hidden behind training, the sampler /
     trainer gap (at k = 1: proximal vs behaviour) and the behaviour KL."""
-    from transformers import AutoModelForCausalLM
-
     out = {}
     for k in (0, 1):
-        model = AutoModelForCausalLM.from_pretrained(os.path.join(work, "model"), dtype=torch.float32).to(
-            device
+        rows = _branch_rows(
+            tree, work, f"run_k{k}", args.staleness_steps, {"max_staleness": k}, tokenizer, device
         )
-        branch = {
-            **tree,
-            "steps": args.staleness_steps,
-            "output_dir": os.path.join(work, f"run_k{k}"),
-            "rollout": {**tree["rollout"], "max_staleness": k},
-        }
-        run = Run(load_config(None, branch), model=model, tokenizer=tokenizer, reward_functions=[even_share])
-        rows = [run.trainer.step() for _ in range(args.staleness_steps)]
-        run.close()
-        del run, model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        measured = rows[1:]
 
-        def med(key, measured=measured):
-            values = [float(r[key]) for r in measured if key in r]
-            return round(statistics.median(values), 4) if values else None
+        def med(key, measured=rows[1:]):
+            return _median(measured, key)
 
         out[f"k{k}"] = {
             "step_s_median": med("time/step_s"),
@@ -466,6 +487,46 @@ def staleness_check(args, tree: dict, work: str, tokenizer, device) -> dict:
         }
     k0, k1 = out["k0"]["step_s_median"], out["k1"]["step_s_median"]
     out["step_time_k1_over_k0"] = round(k1 / k0, 3) if k0 and k1 else None
+    return out
+
+
+def server_check(args, tree: dict, work: str, tokenizer, device) -> dict:
+    """Generation colocated with the trainer (the in-process vLLM engine on the trainer's device)
+    against a rollout server apart from it (``rollout.engine: server``, one server the run starts,
+    on the next GPU when there is one, else on the same device), at ``rollout.max_staleness`` 0
+    and 1, ``--server-steps`` steps each from the same initial weights: step time, generation,
+    the trainer's wait, the weight push, tokens per second. Skipped (with the reason) where vLLM
+    is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"skipped": "vllm is not installed"}
+    gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    placement = {"server_gpus": [str(1 if gpus > 1 else 0)]} if gpus else {}
+    sides = {
+        "colocated_k0": {"engine": "vllm"},
+        "server_k0": {"engine": "server", "servers": 1, **placement},
+        "server_k1": {"engine": "server", "servers": 1, "max_staleness": 1, **placement},
+    }
+    out = {"server_device": f"cuda:{placement['server_gpus'][0]}" if gpus else "cpu"}
+    for name, rollout in sides.items():
+        try:
+            rows = _branch_rows(tree, work, f"run_{name}", args.server_steps, rollout, tokenizer, device)
+        except Exception as err:  # a side that cannot run here is reported, the others still run
+            out[name] = {"error": f"{type(err).__name__}: {err}"[:500]}
+            continue
+
+        def med(key, measured=rows[1:]):
+            return _median(measured, key)
+
+        out[name] = {
+            "step_s_median": med("time/step_s"),
+            "generation_s_median": med("time/generation_s"),
+            "generation_wait_s_median": med("time/generation_wait_s") or med("time/generation_s"),
+            "weight_sync_s_median": med("time/weight_sync_s"),
+            "tokens_per_s_median": med("perf/tokens_per_s"),
+            "reward_mean_by_step": [round(float(r["reward/mean"]), 4) for r in rows],
+        }
     return out
 
 
@@ -522,6 +583,12 @@ def main(argv: list[str] | None = None) -> dict:
         default=10,
         help="steps of each of the rollout.max_staleness 0 and 1 runs compared after the check (0: skip)",
     )
+    p.add_argument(
+        "--server-steps",
+        type=int,
+        default=6,
+        help="steps of each side of the colocated vs rollout-server comparison (vLLM only; 0: skip)",
+    )
     args = p.parse_args(argv)
     lows = {"steps": 2, "prompts": 1, "group_size": 2, "prompt_tokens": 1, "new_tokens": 1}
     lows["micro_batch_size"] = 1
@@ -531,6 +598,8 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be >= {low}{why}")
     if args.staleness_steps and args.staleness_steps < 2:
         p.error("--staleness-steps must be 0 or >= 2 (the first step is warm-up)")
+    if args.server_steps and args.server_steps < 2:
+        p.error("--server-steps must be 0 or >= 2 (the first step is warm-up)")
     if args.peak_tflops is not None and args.peak_tflops <= 0:
         p.error("--peak-tflops must be > 0")
     if args.hbm_tbps is not None and args.hbm_tbps <= 0:

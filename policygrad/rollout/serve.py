@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 
+from policygrad.errors import TrainingError
 from policygrad.rollout.server_api import healthy
 from policygrad.rollout.transfer import ENGINE_NAME, register
 
@@ -38,7 +39,7 @@ __all__ = ["ServerProcesses", "ServerStartError", "main", "server_arguments", "s
 CPU_BATCHED_TOKENS = 4096
 
 
-class ServerStartError(RuntimeError):
+class ServerStartError(TrainingError):
     """A rollout server that exited or did not answer its health check in time."""
 
 
@@ -67,6 +68,7 @@ def server_arguments(
         "--logprobs-mode", "processed_logprobs",
         "--generation-config", "vllm",
         "--weight-transfer-config", json.dumps({"backend": ENGINE_NAME}),
+        "--worker-extension-cls", "policygrad.rollout.transfer_worker.RegisterTransfer",
         "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
     ]  # fmt: skip
     if max_model_len is not None:
@@ -176,6 +178,9 @@ class ServerProcesses:
         env = {**os.environ, **server_environment(self.kv_cache_gb, self.cpus[i] if self.cpus else None)}
         if self.gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(self.gpus[i])
+        # the server imports this package: from where this process has it, installed or not
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         args = [
             sys.executable,
             "-m",

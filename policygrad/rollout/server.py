@@ -41,6 +41,7 @@ from types import SimpleNamespace
 
 import torch
 
+from policygrad.errors import TrainingError
 from policygrad.rollout.base import Rollout
 from policygrad.rollout.engine import GenerationRequest, RolloutEngine
 from policygrad.rollout.server_api import ServerError, connect, describe, healthy, post, push
@@ -59,7 +60,7 @@ __all__ = ["ServerError", "ServerRolloutEngine", "StaleWeightsError", "start_ser
 log = logging.getLogger(__name__)
 
 
-class StaleWeightsError(RuntimeError):
+class StaleWeightsError(TrainingError):
     """A row sampled with other weights than the engine last pushed."""
 
 

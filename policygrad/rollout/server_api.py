@@ -12,13 +12,15 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+from policygrad.errors import TrainingError
 from policygrad.rollout.transfer import GlooTransferEndpoint, broadcast_options
 
 __all__ = ["ServerError", "connect", "describe", "healthy", "post", "push", "transfer_address"]
 
 
-class ServerError(RuntimeError):
-    """A rollout server that failed, and no other server to take its work."""
+class ServerError(TrainingError):
+    """A rollout server that failed, and no other server to take its work (a run stops with its
+    last completed step saved and this one line)."""
 
 
 def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
@@ -95,9 +97,11 @@ def _broadcast_all(endpoint: GlooTransferEndpoint, weights, update_call, deadlin
         work = group.broadcast([tensor], options)
         pause = 1e-4
         while not work.is_completed():
-            if update_call.done():  # the server gave up receiving: its error, not a send timeout
+            if update_call.done():
+                # an error: the server gave up receiving (its error, not a send timeout); an
+                # answer: it has every byte, and this side's completion is on its way
                 update_call.result()
-                raise RuntimeError("the server stopped receiving the weights")
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError("weight push timed out")
             time.sleep(pause)

@@ -14,10 +14,11 @@ from policygrad.rollout.transfer import (
     WeightDigestError,
     broadcast_options,
     open_group,
+    register,
     tensor_digest,
 )
 
-__all__ = ["GlooWeightTransferEngine"]
+__all__ = ["GlooWeightTransferEngine", "RegisterTransfer"]
 
 
 class GlooWeightTransferEngine(WeightTransferEngine):
@@ -78,3 +79,12 @@ class GlooWeightTransferEngine(WeightTransferEngine):
 
     def shutdown(self) -> None:
         self.group = None  # gloo closes its connections when the group is collected
+
+
+class RegisterTransfer:
+    """A vLLM worker extension (``--worker-extension-cls``) that adds nothing: naming it makes
+    every vLLM worker import this module, which registers the engine, so a server runs where
+    policygrad is on the path but not installed (no ``vllm.general_plugins`` entry point)."""
+
+
+register()  # on import, in every process that loads this module (idempotent)

@@ -23,7 +23,7 @@ def test_gpu_check_runs_on_the_tiny_shape(tmp_path):
     out = tmp_path / "report.json"
     argv = ["--shape", "tiny", "--allow-cpu", "--steps", "2", "--prompts", "2", "--group-size", "4"]
     argv += ["--prompt-tokens", "16", "--new-tokens", "12", "--micro-batch-size", "4"]
-    argv += ["--staleness-steps", "3"]
+    argv += ["--staleness-steps", "3", "--server-steps", "0"]  # servers: by hand (each starts vLLM)
     report = gpu_check.main([*argv, "--precision", "bf16-mixed", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert report["precision"] == "bf16-mixed" and report["master_dtype"] == "float32"
@@ -48,6 +48,7 @@ def test_gpu_check_runs_on_the_tiny_shape(tmp_path):
     assert report["staleness"]["k1"]["staleness_by_step"] == [0.0, 1.0, 1.0]
     assert report["staleness"]["k0"]["staleness_by_step"] == [0.0, 0.0, 0.0]
     assert report["staleness"]["step_time_k1_over_k0"] > 0
+    assert "servers" not in report
 
 
 def test_bf16_peaks_match_device_names():

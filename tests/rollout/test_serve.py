@@ -6,6 +6,9 @@ tests/rollout/test_server.py.)"""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -74,3 +77,39 @@ def test_a_server_that_cannot_start_is_named_with_its_log(tmp_path):
     assert time.monotonic() - start < 120
     assert (tmp_path / "logs" / "server-0.log").read_text()  # the reason is there
     assert processes.processes[0].poll() is not None
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (a zombie waiting for its reaper counts as exited)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="the parent-death signal is Linux's")
+def test_a_killed_run_leaves_no_server_behind(server_model_dir, tmp_path):
+    # A run's process that starts a server and is then SIGKILLed (no atexit, no close): the
+    # server gets the parent-death signal and exits.
+    code = (
+        "import sys, time\n"
+        "from policygrad.rollout.serve import ServerProcesses\n"
+        f"p = ServerProcesses({server_model_dir!r}, 1, log_dir={str(tmp_path)!r}, max_model_len=512)\n"
+        "p.start_one(0)\n"
+        "print(p.processes[0].pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    run = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        server = int(run.stdout.readline())
+        assert not _gone(server)
+        run.kill()
+        run.wait()
+        deadline = time.monotonic() + 30
+        while not _gone(server) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(server)
+    finally:
+        run.kill()

@@ -11,12 +11,17 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
+import urllib.error
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 import yaml
 
 from policygrad.config.train import load_config
+from policygrad.rollout.server import ServerError
 from policygrad.rollout.vllm import vllm_available
 from policygrad.run import Run
 from policygrad.trainer.loop import Trainer
@@ -191,3 +196,76 @@ def test_torchrun_ranks_share_the_servers_and_train_what_one_process_does(
     assert_same_weights(
         checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps)
     )
+
+
+class _Proxy(BaseHTTPRequestHandler):
+    """Forwards every request to ``target``; once ``fail_after`` generations have passed, drops
+    each generation's connection without an answer (a server that died mid-step)."""
+
+    target = ""
+    fail_after = 10**9
+    generations = 0
+
+    def log_message(self, *args):
+        pass
+
+    def _forward(self, method: str) -> None:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0))) if method == "POST" else None
+        if self.path == "/inference/v1/generate":
+            type(self).generations += 1
+            if type(self).generations > type(self).fail_after:
+                self.close_connection = True
+                return  # no answer: the client sees the connection closed
+        request = urllib.request.Request(
+            type(self).target + self.path,
+            data=body,
+            method=method,
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, data = response.status, response.read()
+        except urllib.error.HTTPError as err:
+            status, data = err.code, err.read()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):
+        self._forward("GET")
+
+    def do_POST(self):
+        self._forward("POST")
+
+
+def test_a_server_lost_mid_run_stops_it_with_its_steps_saved_and_resume_finishes_it(
+    make_config, model_dir, servers
+):
+    handler = type("Proxy", (_Proxy,), {"target": servers[0], "fail_after": 4})  # dies in step 3
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=proxy.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{proxy.server_address[1]}"
+    try:
+        sections = dict(steps=4, model={"name": model_dir}, rollout={"engine": "server", "servers": [url]})
+        straight = Run(
+            make_config("straight", **{**sections, "rollout": {"engine": "server", "servers": servers[:1]}})
+        )
+        straight.train()
+        cfg = make_config("lost", save_every=10, **sections)  # no periodic save before the loss
+        run = Run(cfg)
+        with pytest.raises(
+            ServerError, match=rf"no rollout server can sample: rollout server {url}: RemoteDisconnected"
+        ):
+            run.train()
+        # the last completed step was saved on the way out: nothing finished is lost
+        assert os.path.isdir(os.path.join(cfg.output_dir, "checkpoints", "step_2"))
+        handler.fail_after = 10**9  # the server is back
+        resumed = Run(cfg, resume_from=cfg.output_dir)
+        assert resumed.trainer.step_idx == 2
+        resumed.train()
+        _same(_rows(straight.run_dir), _rows(cfg.output_dir))
+        _same_weights(checkpoint_weights(straight.run_dir, 4), checkpoint_weights(cfg.output_dir, 4))
+    finally:
+        proxy.shutdown()
