@@ -233,6 +233,7 @@ class EpisodeRunner:
             group_size=G,
             max_new_tokens=cap[0],
             prompt_seeds=list(seeds) if per_prompt_seeds else None,
+            routing_keys=[int(seed) for seed in seeds],  # a row's seed: its episodes' turns, one server
             **sampling,
         )
         self._take_actions(episodes, first, [cap] * len(episodes))
@@ -264,6 +265,7 @@ class EpisodeRunner:
                     group_size=1,
                     max_new_tokens=cap,
                     prompt_seeds=[prompt_seed(episodes[i].seed, turn) for i in batch],
+                    routing_keys=[episodes[i].reset_seed for i in batch],  # the first turn's key
                     **sampling,
                 )
                 self._take_actions([episodes[i] for i in batch], out, [allowed[i] for i in batch])

@@ -25,7 +25,8 @@ class GenerationRequest:
         group_size: G >= 1 samples per prompt.
         sampling: the distribution to sample (``greedy``: the argmax instead).
         max_new_tokens: >= 1.
-        generator_seed, prompt_seeds, ignore_eos: as :meth:`RolloutEngine.generate` takes them.
+        generator_seed, prompt_seeds, ignore_eos, routing_keys: as :meth:`RolloutEngine.generate`
+            takes them.
     """
 
     prompts: list[list[int]]
@@ -35,6 +36,7 @@ class GenerationRequest:
     generator_seed: int | None = None
     prompt_seeds: list[int] | None = None
     ignore_eos: bool = False
+    routing_keys: list[int] | None = None
 
 
 class RolloutEngine(abc.ABC):
@@ -62,6 +64,7 @@ class RolloutEngine(abc.ABC):
         generator_seed: int | None = None,
         prompt_seeds: list[int] | None = None,
         ignore_eos: bool = False,
+        routing_keys: list[int] | None = None,
     ) -> Rollout:
         """Sample ``group_size`` responses for each prompt (token ids, no padding) as one batch:
         the arguments are checked and normalised here, then the engine's :meth:`sample` runs.
@@ -82,6 +85,9 @@ class RolloutEngine(abc.ABC):
             ignore_eos: every response runs to exactly ``max_new_tokens`` tokens: an
                 end-of-sequence id is sampled and kept as any other token (vLLM's ``ignore_eos``),
                 and no response counts as truncated. For benchmarks of equal work.
+            routing_keys: one int per prompt: an engine with several servers samples prompts of
+                equal keys on the same server (an episode's turns, for its prefix cache); None:
+                each prompt's position. Engines of one process ignore it; no key changes a token.
 
         Returns:
             A :class:`Rollout` with B = n * G rows.
@@ -90,8 +96,9 @@ class RolloutEngine(abc.ABC):
             TypeError: ``prompt_token_ids`` not a list of int lists; non-int ``group_size`` /
                 ``top_k`` / ``max_new_tokens`` / ``generator_seed``.
             ValueError: empty prompt list or prompt; ``group_size`` < 1; ``temperature`` <= 0;
-                ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; and what the
-                engine's :meth:`sample` raises (a prompt beyond its context).
+                ``top_p`` outside (0, 1]; ``top_k`` < 0; ``max_new_tokens`` < 1; ``routing_keys``
+                not one int per prompt; and what the engine's :meth:`sample` raises (a prompt
+                beyond its context).
         """
         prompts, temperature, top_k, top_p = check_sampling_args(
             prompt_token_ids, group_size, temperature, top_p, top_k, max_new_tokens
@@ -100,6 +107,15 @@ class RolloutEngine(abc.ABC):
             isinstance(generator_seed, bool) or not isinstance(generator_seed, numbers.Integral)
         ):
             raise TypeError(f"generator_seed must be an int or None, got {type(generator_seed).__name__}")
+        if routing_keys is not None:
+            routing_keys = list(routing_keys)
+            if len(routing_keys) != len(prompts) or not all(
+                isinstance(k, numbers.Integral) and not isinstance(k, bool) for k in routing_keys
+            ):
+                raise ValueError(
+                    f"routing_keys must be one int per prompt ({len(prompts)}), "
+                    f"got {len(routing_keys)} values"
+                )
         request = GenerationRequest(
             prompts=prompts,
             group_size=int(group_size),
@@ -108,6 +124,7 @@ class RolloutEngine(abc.ABC):
             generator_seed=generator_seed,
             prompt_seeds=prompt_seeds,
             ignore_eos=ignore_eos,
+            routing_keys=routing_keys,
         )
         return self.sample(request)
 

@@ -8,9 +8,10 @@ Design:
   log-probs out (``processed_logprobs``), nothing re-tokenised. One request per prompt carries
   its G samples (``n = G``) and its seed, as in-process (:mod:`policygrad.rollout.vllm`), so a
   prompt's tokens depend on its seed and the weights only, never on which server answered.
-- **Several servers.** Prompt i goes to server ``i mod S`` of the servers that hold the current
-  weights (a group stays on one server, with its prefix cache); results come back in prompt
-  order. A server that fails (connection refused or reset, an error answer, no answer within
+- **Several servers.** Prompt i goes to server ``key mod S`` of the servers that hold the current
+  weights, its key the request's ``routing_keys[i]`` (an episode's row seed, so its turns stay on
+  one server) or i; a group stays on one server, with its prefix cache. Results come back in
+  prompt order. A server that fails (connection refused or reset, an error answer, no answer within
   ``timeout_s``) is set aside and its prompts go to the others; with none left the call raises
   :class:`ServerError` naming the server and what happened.
 - **Weights.** :meth:`ServerRolloutEngine.sync_weights` pushes the policy (checkpoint names, LoRA
@@ -207,7 +208,8 @@ class ServerRolloutEngine(RolloutEngine):
             }
             for prompt, seed in zip(prompts, seeds, strict=True)
         ]  # fmt: skip
-        answers = self._generate_all(bodies)
+        keys = request.routing_keys if request.routing_keys is not None else list(range(n))
+        answers = self._generate_all(bodies, keys)
         label = self.label
         outputs = []
         for i, answer in enumerate(answers):
@@ -248,8 +250,9 @@ class ServerRolloutEngine(RolloutEngine):
             rollout, weight_version=torch.full((rollout.batch_size,), self.version, dtype=torch.long)
         )
 
-    def _generate_all(self, bodies: list[dict]) -> list[dict]:
-        """Every body's answer, in order; a failed server's prompts go to the others."""
+    def _generate_all(self, bodies: list[dict], keys: list[int]) -> list[dict]:
+        """Every body's answer, in order: body i on server ``keys[i] mod S`` of the S servers
+        that can sample; a failed server's bodies go to the others."""
         answers: list[dict | None] = [None] * len(bodies)
         pending = list(range(len(bodies)))
         last_failure = None
@@ -261,15 +264,11 @@ class ServerRolloutEngine(RolloutEngine):
                         f"no rollout server can sample: {last_failure or self._failures()}; "
                         "start the servers again (or add some) and resume the run"
                     )
-                futures = {
-                    pool.submit(
-                        post, ready[k % len(ready)].url, "/inference/v1/generate", bodies[i], self.timeout_s
-                    ): (
-                        i,
-                        ready[k % len(ready)],
-                    )
-                    for k, i in enumerate(pending)
-                }
+                futures = {}
+                for i in pending:
+                    server = ready[keys[i] % len(ready)]
+                    call = pool.submit(post, server.url, "/inference/v1/generate", bodies[i], self.timeout_s)
+                    futures[call] = (i, server)
                 pending = []
                 for future in concurrent.futures.as_completed(futures):
                     i, server = futures[future]

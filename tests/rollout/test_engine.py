@@ -44,6 +44,9 @@ def test_generate_hands_the_engine_one_normalised_request():
     ]
     request = engine.requests[0]
     assert type(request.sampling.temperature) is float and request.sampling.greedy is True
+    assert request.routing_keys is None
+    engine.generate([[5], [6]], max_new_tokens=1, routing_keys=(9, 9))
+    assert engine.requests[-1].routing_keys == [9, 9]
     assert not RolloutEngine.shares_policy_weights  # an engine with its own weights by default
 
 
@@ -54,6 +57,8 @@ def test_generate_hands_the_engine_one_normalised_request():
         ({"generator_seed": True}, TypeError, "generator_seed must be an int or None, got bool"),
         ({"group_size": 0}, ValueError, "group_size must be >= 1"),
         ({"temperature": float("inf")}, ValueError, "temperature must be a finite number > 0"),
+        ({"routing_keys": [1, 2]}, ValueError, r"routing_keys must be one int per prompt \(1\), got 2"),
+        ({"routing_keys": [True]}, ValueError, "routing_keys must be one int per prompt"),
     ],
 )
 def test_a_bad_argument_is_refused_before_the_engine_samples(kwargs, error, match):

@@ -343,3 +343,31 @@ def test_bad_arguments_are_named(server_model_dir, policy, fake_server):
         _sample(engine)
     with pytest.raises(ValueError, match="exceeds the servers' max_model_len of 512"):
         engine.generate([[1] * 510], max_new_tokens=10)
+
+
+def test_prompts_of_one_routing_key_go_to_one_server(rollout_servers, server_model_dir, policy, monkeypatch):
+    # An episode's turns carry its row's seed as their key (policygrad.envs.episodes): they stay
+    # on one server, with its prefix cache. Keys change no token.
+    import policygrad.rollout.server as server_module
+
+    urls, _ = rollout_servers
+    model, tok = policy
+    engine = _engine(urls, server_model_dir, tok)
+    sent = []
+
+    def recording_post(url, path, body, timeout_s):
+        if path == "/inference/v1/generate":
+            sent.append((url, body["token_ids"]))
+        return post(url, path, body, timeout_s)
+
+    try:
+        engine.sync_weights(model)
+        plain = _sample(engine)
+        monkeypatch.setattr(server_module, "post", recording_post)
+        keyed = _sample(engine, routing_keys=[7, 7, 8])
+        _assert_same(plain, keyed)
+        where = {tuple(ids): url for url, ids in sent}
+        assert where[tuple(PROMPTS[0])] == where[tuple(PROMPTS[1])] == urls[7 % 2]
+        assert where[tuple(PROMPTS[2])] == urls[8 % 2]
+    finally:
+        engine.close()
