@@ -186,7 +186,12 @@ def cmd_serve(argv: list[str]) -> int:
         "(rollout.engine=server). Options after -- go to vLLM's server as they are.",
     )
     parser.add_argument("model", help="model folder (or bundled:NAME), the policy's starting weights")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default: this machine only; 0.0.0.0 for every interface, which "
+        "opens vLLM's unauthenticated weight routes to the network)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument(

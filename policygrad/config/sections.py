@@ -377,7 +377,15 @@ class RolloutConfig:
             )
 
     def _check_servers(self, path: str) -> None:
-        check_positive(f"{path}.server_timeout_s", self.server_timeout_s)
+        timeout = self.server_timeout_s
+        if not (isinstance(timeout, (int, float)) and 0 < timeout <= MAX_SERVER_TIMEOUT_S):
+            # NaN or infinity would never time out (or overflow a timedelta): bounded
+            raise ConfigError(
+                f"{path}.server_timeout_s must be a number of seconds in (0, {MAX_SERVER_TIMEOUT_S}], "
+                f"got {timeout!r}"
+            )
+        if isinstance(self.servers, bool):
+            raise ConfigError(f"{path}.servers must be a list of URLs or a count, got {self.servers!r}")
         if self.engine != "server":
             for name in ("servers", "server_cpus", "server_gpus"):
                 if getattr(self, name) is not None:
@@ -414,6 +422,10 @@ class RolloutConfig:
         return "vllm", "auto: vllm installed"
 
 
+# The most seconds rollout.server_timeout_s may be: a day (a bound, so no call waits forever).
+MAX_SERVER_TIMEOUT_S = 86400.0
+
+
 def _check_started_servers(path: str, count: int, cpus, gpus) -> None:
     """``rollout.servers`` as a count, and where those servers run."""
     if count < 1:
@@ -427,15 +439,24 @@ def _check_started_servers(path: str, count: int, cpus, gpus) -> None:
             )
     for spec in cpus or []:
         parse_cpus(f"{path}.server_cpus", spec)
+    if gpus is not None and len({str(g) for g in gpus}) != len(gpus):
+        raise ConfigError(f"{path}.server_gpus names a GPU twice ({gpus}); give each server its own GPU")
 
 
 def _check_server_urls(path: str, urls: list[str], cpus, gpus) -> None:
     """``rollout.servers`` as URLs: servers that run where they were started."""
     if not urls:
         raise ConfigError(f"{path}.servers is an empty list; give server URLs or a count")
+    seen = set()
     for url in urls:
-        if not re.fullmatch(r"https?://[^/:\s]+:\d+/?", str(url)):
+        match = re.fullmatch(r"(https?)://([^/:\s]+):(\d+)/?", str(url))
+        if not match:
             raise ConfigError(f"{path}.servers: {url!r} is not a URL like http://host:8000")
+        host = match.group(2).lower()
+        host = "127.0.0.1" if host == "localhost" else host
+        if (host, int(match.group(3))) in seen:
+            raise ConfigError(f"{path}.servers names {url!r} twice; list each server once")
+        seen.add((host, int(match.group(3))))
     for name, value in (("server_cpus", cpus), ("server_gpus", gpus)):
         if value is not None:
             raise ConfigError(

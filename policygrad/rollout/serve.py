@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import functools
 import json
 import os
 import signal
@@ -91,12 +92,18 @@ def server_environment(kv_cache_gb: float | None = None, cpus: list[int] | None 
     return env
 
 
-def _child_setup(cpus: list[int] | None) -> None:
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(cpus: list[int] | None, parent: int) -> None:
     """In a server's process before it runs: die with the trainer (Linux's parent-death signal,
-    so a killed run leaves no server behind) and run on ``cpus``."""
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    so a killed run leaves no server behind; libc is loaded in the parent, no import here) and
+    run on ``cpus``."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # the trainer died before the signal was armed
+            os._exit(1)
     if cpus:
         os.sched_setaffinity(0, cpus)
 
@@ -173,7 +180,10 @@ class ServerProcesses:
         return list(self.urls)
 
     def start_one(self, i: int) -> str:
-        """Start server ``i`` (again, when it has stopped) on a new free port; returns its URL."""
+        """Start server ``i`` (again, when it has stopped: what is left of the old one is killed
+        first) on a new free port; returns its URL."""
+        if i < len(self.processes):
+            _signal_group(self.processes[i], signal.SIGKILL)
         port = free_port()
         env = {**os.environ, **server_environment(self.kv_cache_gb, self.cpus[i] if self.cpus else None)}
         if self.gpus is not None:
@@ -196,7 +206,7 @@ class ServerProcesses:
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # its engine-core child stops with it (the group is signalled)
-                preexec_fn=lambda: _child_setup(cpus),
+                preexec_fn=functools.partial(_child_setup, cpus, os.getpid()),
             )
         url = f"http://127.0.0.1:{port}"
         if i < len(self.processes):
@@ -230,23 +240,29 @@ class ServerProcesses:
                 time.sleep(0.5)
 
     def stop(self, timeout_s: float = 20.0) -> None:
-        """Stop every server (SIGTERM to its process group, SIGKILL after ``timeout_s``). Idempotent."""
+        """Stop every server: SIGTERM to its process group (also when its leader has exited:
+        vLLM's engine core may outlive it), SIGKILL after ``timeout_s``. Idempotent."""
         for process in self.processes:
-            if process.poll() is None:
-                try:
-                    os.killpg(process.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
+            _signal_group(process, signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for process in self.processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                process.wait()
+                pass
+            _signal_group(process, signal.SIGKILL)  # the leader's children, whatever it did
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass  # unkillable (in the kernel): nothing more to do
+
+
+def _signal_group(process: subprocess.Popen, sig: int) -> None:
+    """``sig`` to ``process``'s process group (each server leads its own session)."""
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import http.client
 import logging
 import secrets
 import time
@@ -42,10 +43,17 @@ from types import SimpleNamespace
 
 import torch
 
-from policygrad.errors import TrainingError
 from policygrad.rollout.base import Rollout
 from policygrad.rollout.engine import GenerationRequest, RolloutEngine
-from policygrad.rollout.server_api import ServerError, connect, describe, healthy, post, push
+from policygrad.rollout.server_api import (
+    ServerError,
+    ServerRequestError,
+    connect,
+    describe,
+    healthy,
+    post,
+    push,
+)
 from policygrad.rollout.transfer import GlooTransferEndpoint
 from policygrad.rollout.vllm_requests import rollout_from_outputs, sampling_fields
 from policygrad.rollout.vllm_setup import (
@@ -61,7 +69,7 @@ __all__ = ["ServerError", "ServerRolloutEngine", "StaleWeightsError", "start_ser
 log = logging.getLogger(__name__)
 
 
-class StaleWeightsError(TrainingError):
+class StaleWeightsError(ServerError):
     """A row sampled with other weights than the engine last pushed."""
 
 
@@ -121,10 +129,15 @@ class ServerRolloutEngine(RolloutEngine):
     ):
         if not urls:
             raise ValueError("rollout.servers is empty: give at least one server URL or a count")
+        seen = set()
         for url in urls:
             parsed = urllib.parse.urlparse(url)
             if parsed.scheme not in ("http", "https") or not parsed.hostname or not parsed.port:
                 raise ValueError(f"rollout.servers: {url!r} is not a URL like http://host:8000")
+            host = "127.0.0.1" if parsed.hostname == "localhost" else parsed.hostname
+            if (host, parsed.port) in seen:  # two transfer groups to one server would fight
+                raise ValueError(f"rollout.servers names {url!r} twice; list each server once")
+            seen.add((host, parsed.port))
         if not timeout_s > 0:
             raise ValueError(f"rollout.server_timeout_s must be > 0, got {timeout_s}")
         if dtype not in DTYPES:
@@ -155,6 +168,11 @@ class ServerRolloutEngine(RolloutEngine):
                         "(rollout.server_timeout_s); start it with policygrad serve, or check the URL"
                     )
                 time.sleep(0.5)
+
+    @property
+    def needs_weights(self) -> bool:
+        """True until the first push: the servers may hold any weights until then."""
+        return self.version == 0
 
     @property
     def label(self) -> str:
@@ -210,18 +228,10 @@ class ServerRolloutEngine(RolloutEngine):
         ]  # fmt: skip
         keys = request.routing_keys if request.routing_keys is not None else list(range(n))
         answers = self._generate_all(bodies, keys)
-        label = self.label
         outputs = []
-        for i, answer in enumerate(answers):
+        for answer in answers:
             completions = []
             for choice in answer["choices"]:
-                spans = choice.get("weight_versions") or []
-                labels = {span["version"] for span in spans}
-                if labels != {label}:
-                    raise StaleWeightsError(
-                        f"prompt {i}'s response was sampled with weights {sorted(labels) or 'unlabelled'}, "
-                        f"not the current push {label}: the server's weights changed outside this run"
-                    )
                 content = (choice.get("logprobs") or {}).get("content") or []
                 completions.append(
                     SimpleNamespace(
@@ -255,12 +265,12 @@ class ServerRolloutEngine(RolloutEngine):
         that can sample; a failed server's bodies go to the others."""
         answers: list[dict | None] = [None] * len(bodies)
         pending = list(range(len(bodies)))
-        last_failure = None
+        last_failure, stale = None, False
         with concurrent.futures.ThreadPoolExecutor(max_workers=min(64, max(1, len(bodies)))) as pool:
             while pending:
                 ready = self._ready()
                 if not ready:
-                    raise ServerError(
+                    raise (StaleWeightsError if stale else ServerError)(
                         f"no rollout server can sample: {last_failure or self._failures()}; "
                         "start the servers again (or add some) and resume the run"
                     )
@@ -273,15 +283,30 @@ class ServerRolloutEngine(RolloutEngine):
                 for future in concurrent.futures.as_completed(futures):
                     i, server = futures[future]
                     try:
-                        answers[i] = future.result()
-                    except (OSError, ServerError, ValueError) as err:
+                        answers[i] = self._checked(future.result())
+                    except ServerRequestError:
+                        raise  # the request itself is wrong: every server would refuse it
+                    except (OSError, http.client.HTTPException, ServerError, ValueError, KeyError) as err:
                         if server.failure is None:
                             server.failure = f"rollout server {server.url}: {describe(err)}"
                             log.warning("%s; its prompts go to the other servers", server.failure)
                         last_failure = server.failure
+                        stale = stale or isinstance(err, StaleWeightsError)
                         pending.append(i)
                 pending.sort()
         return answers  # type: ignore[return-value]
+
+    def _checked(self, answer: dict) -> dict:
+        """``answer`` when every token of it was sampled by this run's last push; a server whose
+        weights changed outside the run raises StaleWeightsError (it is set aside)."""
+        for choice in answer["choices"]:
+            labels = {span["version"] for span in choice.get("weight_versions") or []}
+            if labels != {self.label}:
+                raise StaleWeightsError(
+                    f"sampled with weights {sorted(labels) or 'unlabelled'}, not this run's push "
+                    f"{self.label} (its weights changed outside this run)"
+                )
+        return answer
 
     def _failures(self) -> str:
         return "; ".join(s.failure or f"rollout server {s.url}: holds other weights" for s in self.servers)
@@ -303,6 +328,8 @@ class ServerRolloutEngine(RolloutEngine):
         """
         if self.closed:
             raise RuntimeError("this ServerRolloutEngine is closed; build a new one")
+        if self.share is not None:
+            self.share(None)  # every rank has drained its sampling: no request runs during the push
         outcome = self._push_all(model) if self.sender else None
         if self.share is not None:  # rank 0's outcome on every rank
             outcome = self.share(outcome)
@@ -366,7 +393,7 @@ class ServerRolloutEngine(RolloutEngine):
             if server.endpoint is None:
                 server.endpoint = connect(server.url, self.transfer_address, self.timeout_s)
             push(server.url, server.endpoint, weights, update_info, label, self.timeout_s)
-        except (OSError, RuntimeError, ValueError) as err:
+        except (OSError, http.client.HTTPException, RuntimeError, ValueError) as err:
             server.version, server.endpoint = None, None  # undefined weights; a new group next time
             server.failure = f"rollout server {server.url}: weight push failed ({describe(err)})"
             log.warning("%s; it samples again once a push succeeds", server.failure)

@@ -5,6 +5,7 @@ update through the routes and a gloo transfer group (:mod:`policygrad.rollout.tr
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import socket
 import time
@@ -13,14 +14,27 @@ import urllib.parse
 import urllib.request
 
 from policygrad.errors import TrainingError
-from policygrad.rollout.transfer import GlooTransferEndpoint, broadcast_options
+from policygrad.rollout.transfer import GlooTransferEndpoint, broadcast_options, route_source
 
-__all__ = ["ServerError", "connect", "describe", "healthy", "post", "push", "transfer_address"]
+__all__ = [
+    "ServerError",
+    "ServerRequestError",
+    "connect",
+    "describe",
+    "healthy",
+    "post",
+    "push",
+    "transfer_address",
+]
 
 
 class ServerError(TrainingError):
     """A rollout server that failed, and no other server to take its work (a run stops with its
     last completed step saved and this one line)."""
+
+
+class ServerRequestError(ServerError):
+    """A request the server refused as malformed (HTTP 400): every server would refuse it."""
 
 
 def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
@@ -39,7 +53,8 @@ def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
             detail = json.loads(detail).get("error", {}).get("message", detail)
         except (ValueError, AttributeError):
             pass
-        raise ServerError(f"{url}{path} answered {err.code}: {detail}") from err
+        error = ServerRequestError if err.code == 400 else ServerError
+        raise error(f"{url}{path} answered {err.code}: {detail}") from err
     return json.loads(text) if text else {}
 
 
@@ -56,19 +71,13 @@ def healthy(url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=timeout_s) as response:
             return response.status == 200
-    except (urllib.error.URLError, OSError, ValueError):
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException):
         return False
 
 
 def transfer_address(url: str) -> str:
-    """The address of this machine that ``url``'s host reaches it at (the route's source
-    address; no packet is sent)."""
-    host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
-    if host in ("localhost", "127.0.0.1", "::1"):
-        return "127.0.0.1"
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((host, 9))
-        return s.getsockname()[0]
+    """The address of this machine that ``url``'s host reaches it at."""
+    return route_source(urllib.parse.urlparse(url).hostname or "127.0.0.1")
 
 
 def connect(url: str, address: str | None, timeout_s: float) -> GlooTransferEndpoint:
@@ -114,39 +123,43 @@ def push(
 ) -> None:
     """One weight update of the server at ``url``: ``/start_weight_update``, ``/update_weights``
     while the tensors are broadcast, ``/reset_prefix_cache``, ``/finish_weight_update`` with
-    ``label``. Stops as soon as the server gives up receiving (its error, e.g. a digest that
-    differs), or after ``timeout_s``."""
+    ``label``, all within ``timeout_s`` together. Stops as soon as the server gives up receiving
+    (its error, e.g. a CRC that differs)."""
+    deadline = time.monotonic() + timeout_s
+
+    def left() -> float:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("weight push timed out")
+        return remaining
+
     try:
-        post(url, "/start_weight_update", None, timeout_s)
+        post(url, "/start_weight_update", None, left())
     except ServerError as err:
         if "already active" not in str(err):
             raise
         # an update this trainer abandoned (its call timed out here, then finished there):
         # finalise it (the weights keep their old label) and start anew
-        post(url, "/finish_weight_update", None, timeout_s)
-        post(url, "/start_weight_update", None, timeout_s)
+        post(url, "/finish_weight_update", None, left())
+        post(url, "/start_weight_update", None, left())
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     try:
-        future = pool.submit(post, url, "/update_weights", {"update_info": update_info}, timeout_s)
+        future = pool.submit(post, url, "/update_weights", {"update_info": update_info}, left())
         try:
-            _broadcast_all(endpoint, weights, future, time.monotonic() + timeout_s)
+            _broadcast_all(endpoint, weights, future, deadline)
         except (RuntimeError, TimeoutError) as send_error:
-            # the server's own error (a digest that differs, ...) says more than the broken
+            # the server's own error (a CRC that differs, ...) says more than the broken
             # connection it leaves behind: wait briefly for its answer
             try:
                 future.result(timeout=min(5.0, timeout_s))
             except concurrent.futures.TimeoutError:
                 pass
             raise send_error
-        future.result(timeout=timeout_s)
+        future.result(timeout=left())
     finally:
         pool.shutdown(wait=False)  # a stalled update call is abandoned with its group
     # KV computed under the old weights must not be reused: cleared before the new label is
     # set (vLLM's weight update leaves the prefix cache as it was)
-    for _ in range(20):
-        if post(url, "/reset_prefix_cache", None, timeout_s).get("success"):
-            break
-        time.sleep(0.1)  # blocks still held by a request finishing
-    else:
-        raise RuntimeError("the server kept its prefix cache (requests still running)")
-    post(url, "/finish_weight_update", {"weight_version": label}, timeout_s)
+    while not post(url, "/reset_prefix_cache", None, left()).get("success"):
+        time.sleep(0.1)  # blocks still held by a request finishing (until the deadline)
+    post(url, "/finish_weight_update", {"weight_version": label}, left())

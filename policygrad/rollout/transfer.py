@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import socket
 import zlib
 from collections.abc import Iterable, Iterator
 
@@ -61,12 +62,29 @@ def broadcast_options():
     return options
 
 
+def route_source(host: str) -> str:
+    """The address of this machine that its route to ``host`` leaves from (no packet is sent):
+    where ``host`` reaches this machine. Loopback for a loopback ``host``."""
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, 9))
+        return s.getsockname()[0]
+
+
 def open_group(address: str, port: int, rank: int, timeout_s: float, *, store=None):
-    """A two-process gloo group: rank 0 (the trainer) serves the ``TCPStore``, rank 1 joins it."""
+    """A two-process gloo group: rank 0 (the trainer, at ``address``) serves the ``TCPStore`` on
+    ``port``, rank 1 joins it. Each side's gloo device is bound to the address the other reaches
+    it at (rank 0: ``address``; rank 1: its route's source towards ``address``), not to whatever
+    this machine's hostname resolves to (often a loopback name on another host's behalf)."""
     timeout = datetime.timedelta(seconds=float(timeout_s))
     if store is None:
         store = torch.distributed.TCPStore(address, int(port), 2, is_master=False, timeout=timeout)
-    return torch.distributed.ProcessGroupGloo(store, int(rank), 2, timeout)
+    local = address if rank == 0 else route_source(address)
+    options = torch.distributed.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [torch.distributed.ProcessGroupGloo.create_device(hostname=local)]
+    return torch.distributed.ProcessGroupGloo(store, int(rank), 2, options)
 
 
 @dataclasses.dataclass

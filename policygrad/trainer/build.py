@@ -255,11 +255,21 @@ def build_engine(
 
 def build_server_engine(cfg: TrainConfig, models: Models, *, dtype, precision, dist=None):
     """``rollout.engine: server``: the servers of ``rollout.servers`` (started here when it is a
-    count, logs in ``<output_dir>/servers``), with the policy's weights pushed before the first
-    sample."""
+    count, logs in ``<output_dir>/servers``). Its ``needs_weights`` until the first push.
+
+    Raises:
+        ConfigError: a count of servers under torchrun over several nodes (the run starts them
+            on rank 0's node, where the other nodes cannot reach them).
+    """
     r = cfg.rollout
     active = dist is not None and dist.active
-    engine = start_server_engine(
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if isinstance(r.servers, int) and active and local and local != dist.world_size:
+        raise ConfigError(
+            f"rollout.servers={r.servers} starts servers on rank 0's node, which the ranks of other nodes "
+            "cannot reach; start them with policygrad serve --host 0.0.0.0 and give rollout.servers as URLs"
+        )
+    return start_server_engine(
         r.servers,
         models.tokenizer,
         models.eos_ids,
@@ -276,13 +286,7 @@ def build_server_engine(cfg: TrainConfig, models: Models, *, dtype, precision, d
         seed=cfg.seed,
         share=dist.broadcast_object if active else None,
         sender=not active or dist.rank == 0,
-    )
-    try:
-        engine.sync_weights(models.policy)  # the servers may hold any weights: push the policy's
-    except BaseException:
-        engine.close()
-        raise
-    return engine
+    )  # no weights pushed yet: the factory pushes the policy's (needs_weights)
 
 
 def vllm_auto_dtype(dtype: torch.dtype, precision: Precision | None) -> str:

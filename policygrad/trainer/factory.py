@@ -239,7 +239,12 @@ def build_trainer(
     seeds = Seeds(cfg.seed)
     tokenizer = m.tokenizer
     environment = build.build_environment(cfg, engine, tokenizer, m.policy, environment=environment)
-    if checkpoint is not None or cfg.model.lora.rank > 0 or m.weights_differ_from_path:
+    if (
+        checkpoint is not None
+        or cfg.model.lora.rank > 0
+        or m.weights_differ_from_path
+        or getattr(engine, "needs_weights", False)  # servers: whatever they hold, the policy's first
+    ):
         strategy.sync_engine(engine, m.policy)  # a separate engine loaded the base weights
     stream = PromptStream(train_source)
     scorer = build.build_scorer(

@@ -32,6 +32,41 @@ pytestmark = pytest.mark.unit
         (["--model.lora.rank=-1"], "model.lora.rank must be >= 0, got -1"),
         (["--model.dtype=float16"], "model.dtype='float16' is not valid"),
         (["--data.max_prompt_length=0"], "data.max_prompt_length must be > 0, got 0"),
+        (["--rollout.engine=server"], "rollout.engine=server needs rollout.servers: a list of server URLs"),
+        (["--rollout.servers=2"], "rollout.servers is for rollout.engine=server"),
+        (["--rollout.engine=server", "--rollout.servers=0"], "rollout.servers must be >= 1"),
+        (
+            ["--rollout.engine=server", "--rollout.servers=[localhost:80]"],
+            "is not a URL like http://host:8000",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=[http://a:80, http://A:80/]"],
+            "rollout.servers names 'http://A:80/' twice",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=2", '--rollout.server_cpus=["1"]'],
+            "rollout.server_cpus has 1 entries for 2 servers",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=1", '--rollout.server_cpus=["3-1"]'],
+            "rollout.server_cpus: '3-1' is not a CPU list",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=2", '--rollout.server_gpus=["0", "0"]'],
+            "rollout.server_gpus names a GPU twice",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=[http://a:80]", '--rollout.server_gpus=["0"]'],
+            "rollout.server_gpus places servers the run starts",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=1", "--rollout.server_timeout_s=1e9"],
+            "rollout.server_timeout_s must be a number of seconds in (0, 86400.0]",
+        ),
+        (
+            ["--rollout.engine=server", "--rollout.servers=1", "--rollout.server_timeout_s=0"],
+            "server_timeout_s",
+        ),
     ],
 )
 def test_validation_errors_name_the_dotted_field(overrides, message):

@@ -320,14 +320,19 @@ def engine_weights_name(model, index: int) -> str:
 def test_weights_relabelled_outside_the_run_are_refused(rollout_servers, server_model_dir, policy):
     urls, _ = rollout_servers
     model, tok = policy
-    engine = _engine(urls[:1], server_model_dir, tok)
+    engine = _engine(urls, server_model_dir, tok)
     try:
         engine.sync_weights(model)
+        expected = _sample(engine)
         post(urls[0], "/update_weight_version", {"new_version": "someone-else"}, 30)
-        with pytest.raises(
-            StaleWeightsError, match="sampled with weights \\['someone-else'\\], not the current push"
-        ):
+        # its rows are refused and its prompts go to the other server: the same tokens
+        _assert_same(expected, _sample(engine), logprobs_atol=1e-4)
+        assert "sampled with weights ['someone-else'], not this run's push" in engine.servers[0].failure
+        post(urls[1], "/update_weight_version", {"new_version": "someone-else"}, 30)
+        with pytest.raises(StaleWeightsError, match=r"no rollout server can sample: .*\['someone-else'\]"):
             _sample(engine)
+        engine.sync_weights(model)  # a push gives both this run's weights again
+        _assert_same(expected, _sample(engine))
     finally:
         engine.close()
 
@@ -338,6 +343,8 @@ def test_bad_arguments_are_named(server_model_dir, policy, fake_server):
         _engine(["localhost:8000"], server_model_dir, tok)
     with pytest.raises(ValueError, match="at least one server"):
         _engine([], server_model_dir, tok)
+    with pytest.raises(ValueError, match="names 'http://localhost:8000/' twice"):
+        _engine(["http://127.0.0.1:8000", "http://localhost:8000/"], server_model_dir, tok)
     engine = _engine([fake_server("silent")], server_model_dir, tok)
     with pytest.raises(RuntimeError, match="no weights were pushed"):
         _sample(engine)
