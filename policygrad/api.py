@@ -21,6 +21,7 @@ from typing import Any
 
 from policygrad.config.train import TrainConfig, load_config
 from policygrad.data.sources import PromptDataset, load_prompt_records
+from policygrad.envs.agent import AgentFunction
 from policygrad.rewards.callables import describe_object
 from policygrad.run import Run
 
@@ -174,6 +175,7 @@ def train(
     config: Any = None,
     resume_from: str | os.PathLike | None = None,
     env: Any = None,
+    agent: Any = None,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Run a training job and return its summary (also written to ``RUN_DIR/summary.json``).
@@ -201,6 +203,10 @@ def train(
             ``file.py:Class``) or an :class:`~policygrad.envs.Environment` class (or a factory
             returning a new one), built with ``env={"options": ...}`` from the config; episode
             limits are ``rollout`` options (``max_turns`` ...).
+        agent: an agent trained as episodes (:mod:`policygrad.envs.agent`): ``async def
+            run(client, row) -> reward`` (or a plain function) using the OpenAI client it is
+            given, or its spec (``module:run``, ``file.py:run``); ``agent={"timeout_s": ...}``
+            options go in the config. Not together with ``env``.
         **overrides: config fields, applied last: ``steps=10``, ``output_dir="runs/x"``,
             ``rollout={"group_size": 4}`` (merged into the section), or dotted keys through a
             dict, ``**{"kl.beta": 0.04}``.
@@ -224,6 +230,14 @@ def train(
     elif env is not None:  # validated with the record the trainer will write
         env_object = env
         tree = _merge(tree, {"env": {"name": describe_object(env, kind="environment")}})
+    if agent is not None:
+        if env is not None:
+            raise TypeError("give env or agent, not both: an agent is its own environment")
+        if isinstance(agent, str):
+            tree = _merge(tree, {"agent": {"function": agent}})
+        else:  # run in worker processes when importable (pickled by reference), else in this one
+            env_object = AgentFunction(agent)
+            tree = _merge(tree, {"agent": {"function": describe_object(agent, kind="agent")}})
     if reward_objects is not None:  # validated with the records the trainer will write
         tree = _merge(tree, {"reward": {"functions": [describe_object(f) for f in reward_objects]}})
     cfg = load_config(path, tree)

@@ -482,8 +482,8 @@ def check_episode_options(config) -> None:
         for name in EPISODE_OPTIONS:
             if getattr(rollout, name) != getattr(defaults, name):
                 raise ConfigError(
-                    f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) "
-                    f"or leave rollout.{name} at its default"
+                    f"rollout.{name} applies to multi-turn episodes only; set env.name (an environment) or "
+                    f"agent.function (an agent), or leave rollout.{name} at its default"
                 )
         return
     if rollout.ignore_eos:

@@ -28,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from policygrad.config.agent import AgentConfig, apply_agent, check_agent
 from policygrad.config.algorithm import validate_estimator, validate_policy_loss
 from policygrad.config.checks import MIN_TEMPERATURE, ConfigError, check_choice, check_positive
 from policygrad.config.coerce import build_dataclass
@@ -172,8 +173,10 @@ class TrainConfig:
     dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
     def __post_init__(self) -> None:
+        apply_agent(self)  # an agent is an environment to the runner: env.name and its limits
         if self.reward.functions is None:  # the default depends on the environment (RewardConfig)
             self.reward.functions = [] if self.env.name else ["answer_correctness"]
         self.validate()
@@ -204,6 +207,7 @@ class TrainConfig:
         sections = ("model", "data", "rollout", "reward", "kl", "loss", "optim", "critic", "ptx")
         for name in (*sections, "dynamic_sampling", "distributed", "env"):
             getattr(self, name).validate(name)
+        check_agent(self)
         if self.eval_every and self.data.eval_size == 0:
             raise ConfigError(
                 f"eval_every={self.eval_every} with data.eval_size=0 would evaluate no problem; set "

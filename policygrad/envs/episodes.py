@@ -93,6 +93,7 @@ class EpisodeRunner:
             workers=limits.workers,
             timeout_s=limits.step_timeout_s,
             name=self.name,
+            timeout_field=limits.timeout_field,
         )
         self._close_warned = False
 

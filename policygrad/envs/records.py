@@ -34,6 +34,7 @@ class EpisodeLimits:
         retries: fresh attempts of an episode that failed in the environment (see
             :meth:`EpisodeRunner.run`).
         isolation: environments run in worker processes (:mod:`policygrad.envs.workers`).
+        timeout_field: the option ``step_timeout_s`` came from, named when a call times out.
     """
 
     max_turns: int = 1
@@ -45,6 +46,7 @@ class EpisodeLimits:
     workers: int = 4
     retries: int = 0
     isolation: bool = True
+    timeout_field: str = "rollout.env_step_timeout_s"
 
 
 @dataclasses.dataclass

@@ -18,7 +18,13 @@ from typing import Any
 from policygrad.envs.base import Environment
 from policygrad.envs.workers import probe_in_worker
 
-__all__ = ["BUILTIN_ENVIRONMENTS", "EnvironmentFactory", "check_environment_spec", "environment_factory"]
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "EnvironmentFactory",
+    "check_environment_spec",
+    "environment_factory",
+    "load_spec",
+]
 
 BUILTIN_PREFIX = "builtin:"
 # name -> "module:Class", imported on use.
@@ -38,7 +44,7 @@ def _forms() -> str:
     return f"{names}, 'package.module:Class' or 'path/to/file.py:Class'"
 
 
-def check_environment_spec(spec: Any) -> None:
+def check_environment_spec(spec: Any, field: str = "env.name") -> None:
     """The checks of :func:`environment_factory` that run none of the user's code (a known
     built-in, a well-formed spec, an existing file, a findable module).
 
@@ -67,34 +73,49 @@ def check_environment_spec(spec: Any) -> None:
             raise ValueError(f"unknown environment {spec!r}; give {_forms()}")
         return
     target, _, attr = spec.rpartition(":")
+    env = field == "env.name"
     if not target or not attr:
-        raise ValueError(f"malformed environment spec {spec!r}; give {_forms()}")
+        forms = _forms() if env else "'package.module:function' or 'path/to/file.py:function'"
+        raise ValueError(f"malformed {'environment spec' if env else field} {spec!r}; give {forms}")
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = os.path.abspath(os.path.expanduser(target))
         if not os.path.isfile(path):
             raise FileNotFoundError(
-                f"environment file {target!r} (env.name {spec!r}) does not exist (looked at {path})"
+                f"{'environment' if env else 'agent'} file {target!r} ({field} {spec!r}) does not exist "
+                f"(looked at {path})"
             )
     elif importlib.util.find_spec(target.split(".")[0]) is None:
         raise ValueError(
-            f"cannot import module {target!r} for env.name {spec!r}; install it or put it on "
-            "PYTHONPATH, or use 'path/to/file.py:Class'"
+            f"cannot import module {target!r} for {field} {spec!r}; install it or put it on "
+            f"PYTHONPATH, or use 'path/to/file.py:{'Class' if env else 'function'}'"
         )
 
 
-def _load(spec: str) -> Any:
+def load_spec(spec: str, field: str = "env.name", kind: str = "environment") -> Any:
+    """The object ``spec`` names: ``builtin:NAME`` (environments only), ``package.module:attr`` or
+    ``path/to/file.py:attr`` (the file loaded as a module of its own).
+
+    Args:
+        spec: the spec.
+        field: the config field it came from, named in errors.
+        kind: what it should name (``environment``, ``agent``), named in errors.
+
+    Raises:
+        ValueError / FileNotFoundError: as :func:`check_environment_spec`; a file that does not
+            load or exits at import; a module that cannot be imported; a missing attribute.
+    """
     spec = spec.strip()
-    if spec.startswith(BUILTIN_PREFIX):
+    if spec.startswith(BUILTIN_PREFIX) and kind == "environment":
         check_environment_spec(spec)
         spec = BUILTIN_ENVIRONMENTS[spec[len(BUILTIN_PREFIX) :]]
-    check_environment_spec(spec)
+    check_environment_spec(spec, field)
     target, _, attr = spec.rpartition(":")
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = os.path.abspath(os.path.expanduser(target))
-        name = f"policygrad_user_env_{abs(hash(path)):x}"
+        name = f"policygrad_user_{kind[:3]}_{abs(hash(path)):x}"
         loader = importlib.util.spec_from_file_location(name, path)
         if loader is None or loader.loader is None:
-            raise ValueError(f"cannot load {path!r} as a Python module (env.name {spec!r})")
+            raise ValueError(f"cannot load {path!r} as a Python module ({field} {spec!r})")
         module = importlib.util.module_from_spec(loader)
         sys.modules[name] = module
         try:
@@ -102,28 +123,28 @@ def _load(spec: str) -> Any:
         except SystemExit as exc:  # sys.exit() at module level would end the command without a word
             sys.modules.pop(name, None)
             raise ValueError(
-                f"environment file {path!r} exited at import with status {exc.code!r} (sys.exit or exit() at "
-                "module level); an environment file only defines classes: put the code that runs under "
-                f"if __name__ == '__main__': (env.name {spec!r})"
+                f"{kind} file {path!r} exited at import with status {exc.code!r} (sys.exit or exit() at "
+                f"module level); an {kind} file only defines things: put the code that runs under "
+                f"if __name__ == '__main__': ({field} {spec!r})"
             ) from None
         except Exception as exc:
             sys.modules.pop(name, None)
-            raise ValueError(
-                f"environment file {path!r} failed to load: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise ValueError(f"{kind} file {path!r} failed to load: {type(exc).__name__}: {exc}") from exc
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
-            raise ValueError(f"cannot import {target!r} for env.name {spec!r} ({exc})") from exc
+            raise ValueError(f"cannot import {target!r} for {field} {spec!r} ({exc})") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(
-                f"{target!r} has no attribute {attr!r} (env.name {spec!r}); {_what_it_has(obj, target)}"
-            )
+            found = _what_it_has(obj, target) if kind == "environment" else "check the name after ':'"
+            raise ValueError(f"{target!r} has no attribute {attr!r} ({field} {spec!r}); {found}")
         obj = getattr(obj, part)
     return obj
+
+
+_load = load_spec
 
 
 def _what_it_has(obj: Any, target: str) -> str:

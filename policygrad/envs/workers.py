@@ -89,7 +89,8 @@ START_TIMEOUT_S = 120.0
 
 
 def call_all(
-    calls: Sequence[Callable[[], Any]], *, workers: int, timeout_s: float | None
+    calls: Sequence[Callable[[], Any]], *, workers: int, timeout_s: float | None,
+    timeout_field: str = "rollout.env_step_timeout_s",
 ) -> list[tuple[bool, Any]]:
     """Run ``calls`` on at most ``workers`` threads at once, each bounded by ``timeout_s``.
 
@@ -128,7 +129,7 @@ def call_all(
             for i, deadline in list(running.items()):
                 if deadline is not None and deadline <= now:
                     del running[i]
-                    results[i] = (False, f"timed out after {timeout_s:g} s (rollout.env_step_timeout_s)")
+                    results[i] = (False, f"timed out after {timeout_s:g} s ({timeout_field})")
     return results  # type: ignore[return-value]
 
 
@@ -138,8 +139,10 @@ class InProcessHost:
 
     isolated = False
 
-    def __init__(self, make_env: Callable[[], Any], *, workers: int, timeout_s: float | None):
+    def __init__(self, make_env: Callable[[], Any], *, workers: int, timeout_s: float | None,
+                 timeout_field: str = "rollout.env_step_timeout_s"):
         self.make_env, self.workers, self.timeout_s = make_env, workers, timeout_s
+        self.timeout_field = timeout_field
         self.envs: dict[int, Any] = {}
         self._next = 0
 
@@ -165,7 +168,8 @@ class InProcessHost:
                     self.envs.pop(handle, None)
 
         return call_all(
-            [functools.partial(one, *r) for r in requests], workers=self.workers, timeout_s=self.timeout_s
+            [functools.partial(one, *r) for r in requests], workers=self.workers, timeout_s=self.timeout_s,
+            timeout_field=self.timeout_field,
         )
 
     def close(self) -> None:
@@ -177,8 +181,9 @@ class ProcessHost:
 
     isolated = True
 
-    def __init__(self, payload: bytes, *, workers: int, timeout_s: float | None):
-        self.payload, self.timeout_s = payload, timeout_s
+    def __init__(self, payload: bytes, *, workers: int, timeout_s: float | None,
+                 timeout_field: str = "rollout.env_step_timeout_s"):
+        self.payload, self.timeout_s, self.timeout_field = payload, timeout_s, timeout_field
         self.slots: list[EnvWorker | None] = [None] * max(int(workers), 1)
         self.lost: dict[int, str] = {}  # handle -> why its environment is gone
         self._hosted: list[set[int]] = [set() for _ in self.slots]
@@ -273,7 +278,7 @@ class ProcessHost:
         for slot, (i, deadline) in list(running.items()):
             if deadline is not None and deadline <= now:
                 del running[slot]
-                why = f"timed out after {self.timeout_s:g} s (rollout.env_step_timeout_s)"
+                why = f"timed out after {self.timeout_s:g} s ({self.timeout_field})"
                 self._lose(slot, requests[i][0], why)
                 results[i] = (False, why)
 
@@ -392,19 +397,21 @@ def probe_in_worker(make_env: Callable[[], Any], name: str, timeout_s: float | N
 
 
 def make_host(
-    make_env: Callable[[], Any], *, isolation: bool, workers: int, timeout_s: float | None, name: str
+    make_env: Callable[[], Any], *, isolation: bool, workers: int, timeout_s: float | None, name: str,
+    timeout_field: str = "rollout.env_step_timeout_s",
 ):
     """The host of a run's environments (see the module docstring): a :class:`ProcessHost` with
     ``isolation`` when ``make_env`` can be sent to a worker and loads there (one worker is
     started here to check), else an :class:`InProcessHost` (with ``isolation``: one warning
-    line naming environment ``name`` and why).
+    line naming environment ``name`` and why); a call over ``timeout_s`` fails naming
+    ``timeout_field``.
 
     Raises:
         ValueError: loading the environment ended the worker process (``os._exit`` or a crash
             at import), which in the trainer's process would end the run.
     """
     if not isolation:
-        return InProcessHost(make_env, workers=workers, timeout_s=timeout_s)
+        return InProcessHost(make_env, workers=workers, timeout_s=timeout_s, timeout_field=timeout_field)
     why = _unsendable(make_env)
     if why is None:
         try:
@@ -413,7 +420,7 @@ def make_host(
             why = f"it cannot be pickled ({one_line(exc)})"
     if why is None:
         payload = pickle.dumps((dict(os.environ), list(sys.path), os.getcwd(), blob))
-        host = ProcessHost(payload, workers=workers, timeout_s=timeout_s)
+        host = ProcessHost(payload, workers=workers, timeout_s=timeout_s, timeout_field=timeout_field)
         failed = host.start([0]).get(0)
         if failed is None:
             return host
@@ -427,7 +434,7 @@ def make_host(
         name,
         why,
     )
-    return InProcessHost(make_env, workers=workers, timeout_s=timeout_s)
+    return InProcessHost(make_env, workers=workers, timeout_s=timeout_s, timeout_field=timeout_field)
 
 
 def copy_row(row: Mapping[str, Any]) -> Any:

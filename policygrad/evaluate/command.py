@@ -11,8 +11,10 @@ import sys
 import torch
 
 from policygrad.arguments import OneLineArgumentParser, check_temperature
+from policygrad.config.agent import AGENT_ENVIRONMENT
 from policygrad.config.train import DataConfig, RewardConfig, TrainConfig
 from policygrad.data.sources import inert_dataset_option, is_code_dataset
+from policygrad.envs.agent import agent_factory
 from policygrad.envs.registry import check_environment_spec, environment_factory
 from policygrad.evaluate.model import default_env_dataset, eval_config, eval_output_path, evaluate_model
 from policygrad.rewards.code import TaskReward
@@ -49,6 +51,12 @@ def cmd_eval(argv: list[str]) -> int:
         default=None,
         help="evaluate multi-turn episodes of this environment: builtin:guess, builtin:calculator, "
         "builtin:code_feedback, package.module:Class or path/to/file.py:Class",
+    )
+    p.add_argument(
+        "--agent",
+        default=None,
+        help="evaluate episodes of this agent (path/to/file.py:run or package.module:run, an agent as "
+        "agent.function runs in training); the limits are --max-turns and --max-episode-tokens",
     )
     p.add_argument(
         "--env-options",
@@ -112,7 +120,9 @@ def cmd_eval(argv: list[str]) -> int:
             raise ValueError(f"--num-threads must be >= 1, got {args.num_threads}")
         torch.set_num_threads(args.num_threads)
     check_temperature(args.temperature)
-    if args.env is not None:
+    if args.env is not None and args.agent is not None:
+        raise ValueError("--env and --agent are both given; an agent is its own environment: give one")
+    if args.env is not None or args.agent is not None:
         return _eval_env(args, ks)
     for flag, value in (
         ("--env-options", args.env_options),
@@ -121,7 +131,8 @@ def cmd_eval(argv: list[str]) -> int:
     ):
         if value is not None:
             raise ValueError(
-                f"{flag} applies to multi-turn episodes only; give --env (an environment) or drop {flag}"
+                f"{flag} applies to multi-turn episodes only; give --env (an environment) or --agent, "
+                f"or drop {flag}"
             )
     args.dataset = args.dataset or "builtin:arithmetic"
     data = eval_data_config(args, args.dataset)
@@ -220,16 +231,32 @@ def _check_env(name: str, options: dict, raw: str | None) -> None:
         raise ValueError(f"{text}; give options {name} accepts" if about_options else text) from None
 
 
+def _check_agent(spec: str) -> None:
+    """Load ``--agent`` in a worker process (before any model loads), its errors worded with the flag."""
+    try:
+        check_environment_spec(spec, "--agent")
+        agent_factory(AGENT_ENVIRONMENT, {"function": spec}, isolation=True, timeout_s=None)
+    except (ValueError, TypeError, ImportError, SyntaxError, OSError) as exc:
+        text = str(exc).strip().replace("\n", " ").replace("agent.function", "--agent")
+        raise ValueError(text if "--agent" in text else f"--agent {spec}: {text}") from None
+
+
 def _eval_env(args, ks: list[int]) -> int:
-    """``policygrad eval --env``: greedy (and sampled) episodes, success and pass@k."""
+    """``policygrad eval --env`` (or ``--agent``): greedy (and sampled) episodes, success and pass@k."""
+    if args.agent is not None and args.env_options is not None:
+        raise ValueError("--env-options applies to --env; an agent takes no options")
     options = _env_options(args.env_options)
-    dataset = args.dataset or default_env_dataset(args.env)
+    dataset = args.dataset or (default_env_dataset(args.env) if args.env else "builtin:arithmetic")
     data = eval_data_config(args, dataset)
     output = eval_output_path(args.output, dataset)
-    _check_env(args.env, options, args.env_options)
+    if args.agent is not None:
+        _check_agent(args.agent)
+    else:
+        _check_env(args.env, options, args.env_options)
     cfg = eval_config(
         args.model, data, seed=args.seed, engine=args.engine, adapter=args.adapter,
-        max_new_tokens=args.max_new_tokens, env=args.env, env_options=options,
+        max_new_tokens=args.max_new_tokens, env=args.env, env_options=options if args.env else None,
+        agent=args.agent,
         max_turns=args.max_turns if args.max_turns is not None else 4,
         max_episode_tokens=args.max_episode_tokens,
     )
@@ -243,8 +270,9 @@ def _eval_env(args, ks: list[int]) -> int:
             f" and {sampled} sampled" if "samples_failed" in result else ""
         )
         print(
-            f"note: {counts} episodes failed in the environment and count as unsuccessful in success "
-            f"and pass@k (the first: {result['first_error']}); each episode's error is in {result['output']}",
+            f"note: {counts} episodes failed in the {'agent' if args.agent else 'environment'} and count as "
+            f"unsuccessful in success and pass@k (the first: {result['first_error']}); each episode's error "
+            f"is in {result['output']}",
             file=sys.stderr,
         )
     print(json.dumps(result, indent=2))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from policygrad.config.agent import AgentConfig
 from policygrad.config.train import EnvConfig, ModelConfig, RewardConfig, RolloutConfig, TrainConfig
 from policygrad.data.sources import build_eval_rows
 from policygrad.evaluate.evaluation import eval_sampler, evaluate
@@ -111,6 +112,7 @@ def eval_config(
     max_new_tokens: int = 256,
     env: str | None = None,
     env_options: dict[str, Any] | None = None,
+    agent: str | None = None,
     max_turns: int = 4,
     max_episode_tokens: int | None = None,
     rollout: dict[str, Any] | None = None,
@@ -126,20 +128,23 @@ def eval_config(
             ``rollout.*`` fields (e.g. ``vllm_kv_cache_gb``).
         max_new_tokens: the most tokens of a completion (with ``env``: of one turn).
         env, env_options: ``env.name`` and ``env.options`` (None: single-turn completions);
-            ``max_turns``, ``max_episode_tokens``: the ``rollout.*`` episode limits.
+            ``agent``: ``agent.function`` instead; ``max_turns``, ``max_episode_tokens``: the
+            ``rollout.*`` episode limits.
 
     Raises:
         ConfigError: a bad engine, rollout or env field.
     """
-    episodes = {"max_turns": max_turns, "max_episode_tokens": max_episode_tokens} if env is not None else {}
+    multi_turn = env is not None or agent is not None
+    episodes = {"max_turns": max_turns, "max_episode_tokens": max_episode_tokens} if multi_turn else {}
     return TrainConfig(
         seed=seed,
         model=ModelConfig(name=model, adapter=adapter),
         data=data,
         rollout=RolloutConfig(engine=engine, max_new_tokens=max_new_tokens, **episodes, **(rollout or {})),
         # An environment's final reward is the score; rows of any kind are judged by their verifier.
-        reward=RewardConfig(functions=[] if env is not None else list(TaskReward.functions)),
+        reward=RewardConfig(functions=[] if multi_turn else list(TaskReward.functions)),
         **({"env": EnvConfig(name=env, options=dict(env_options or {}))} if env is not None else {}),
+        **({"agent": AgentConfig(function=agent)} if agent is not None else {}),
     )
 
 
@@ -226,7 +231,7 @@ def evaluate_model(
     write_jsonl(output, records)
     return {
         "model": cfg.model.name,
-        **({"env": env} if env else {}),
+        **({"agent": cfg.agent.function} if cfg.agent.function else {"env": env} if env else {}),
         "dataset": cfg.data.eval_dataset,
         "engine": name,
         "n": len(records),

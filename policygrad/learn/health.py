@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from policygrad.config.agent import episode_fields
 from policygrad.config.train import ConfigError
 from policygrad.errors import TrainingError
 
@@ -67,7 +68,7 @@ def check_finite_advantages(dist, config, returns, token_rewards, advantages, lo
     largest = float(dist.reduce(largest, "max"))
     sources = f"reward.functions={config.reward.functions}"
     if config.env.name:
-        sources = f"the environment's rewards (env.name={config.env.name})" + (
+        sources = episode_fields(config)["rewards"] + (
             f" and {sources}" if config.reward.functions else ""
         )
     raise TrainingError(

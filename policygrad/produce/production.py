@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from policygrad.config.agent import episode_fields
 from policygrad.envs.base import FLOAT32_MAX, STOP_REASONS
 from policygrad.envs.episodes import Episodes
 from policygrad.errors import TrainingError
@@ -160,10 +161,11 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
             trainer.dist.total(len(raw.completions)), 1
         )
         if failed > r.env_error_budget:
+            fields = episode_fields(trainer.config)
             first = next((e for e in episodes.errors if e is not None), "on another rank")
             raise TrainingError(
-                f"{failed:.0%} of this step's episodes failed in the environment env.name="
-                f"{trainer.config.env.name} after rollout.env_retries={r.env_retries} retries "
+                f"{failed:.0%} of this step's episodes failed in the environment {fields['source']} "
+                f"after {fields['retries']}={r.env_retries} retries "
                 f"(rollout.env_error_budget={r.env_error_budget}); first error: {first}"
             )
         returns = episodes.final_rewards + episodes.turn_rewards.sum(-1)  # raw: before the truncation policy
@@ -266,17 +268,21 @@ def finish(trainer, production: Production) -> tuple[SampledBatch, SampledBatch,
     return batch, sampled, metrics, inputs
 
 
-def no_group_left(env: str, retries: int, errors) -> str:
+def no_group_left(env: str, retries: int, errors, fields: dict[str, str] | None = None) -> str:
     """The message when every group of a step held a failed episode: names the environment and the
-    first error; suggests ``rollout.env_step_timeout_s`` only when an episode timed out (``errors``:
-    the episodes' errors, None for those that did not fail; empty on a rank with none)."""
+    first error; suggests the step timeout only when an episode timed out (``errors``: the
+    episodes' errors, None for those that did not fail; empty on a rank with none). ``fields``:
+    :func:`~policygrad.config.agent.episode_fields` (default: an environment's)."""
+    f = fields or {"source": f"env.name={env}", "retries": "rollout.env_retries",
+                   "timeout": "rollout.env_step_timeout_s"}
     failed = [e for e in errors if e is not None]
-    timed_out = any("rollout.env_step_timeout_s" in e for e in failed)
+    timed_out = any(f["timeout"] in e for e in failed)
+    what = "fix the agent" if f["source"].startswith("agent.") else "fix the environment"
     return (
-        f"every group of this step has an episode that failed in the environment env.name={env} after "
-        f"rollout.env_retries={retries} retries, so no group is left to train on; first error: "
-        f"{failed[0] if failed else 'on another rank'}; fix the environment"
-        + (" (or raise rollout.env_step_timeout_s)" if timed_out else "")
+        f"every group of this step has an episode that failed in the environment {f['source']} after "
+        f"{f['retries']}={retries} retries, so no group is left to train on; first error: "
+        f"{failed[0] if failed else 'on another rank'}; {what}"
+        + (f" (or raise {f['timeout']})" if timed_out else "")
     )
 
 
@@ -309,7 +315,9 @@ def _no_group_left(trainer, raws: list[RawRound]) -> None:
         TrainingError: always (names the environment, the retries and the first error).
     """
     errors = [e for raw in raws for e in raw.episodes.errors]
-    raise TrainingError(no_group_left(trainer.config.env.name, trainer.config.rollout.env_retries, errors))
+    config = trainer.config
+    fields = episode_fields(config)
+    raise TrainingError(no_group_left(config.env.name, config.rollout.env_retries, errors, fields))
 
 
 def finish_parts(trainer) -> FinishParts:

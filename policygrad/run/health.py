@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from policygrad.config.agent import episode_fields
 from policygrad.errors import TrainingError
 
 __all__ = ["UpdateWatch", "why_nothing_trained"]
@@ -57,7 +58,7 @@ def why_nothing_trained(metrics: dict[str, Any], config) -> str:
         decided = config.dynamic_sampling_reward
         scorer = "the reward functions"
         if config.env.name:  # the environment's rewards, turn rewards included, are in the return
-            scorer = f"the environment's rewards (env.name={config.env.name})" + (
+            scorer = episode_fields(config)["rewards"] + (
                 " and the reward functions" if decided == "return" and config.reward.functions else ""
             )
             if decided not in ("return", "env"):
@@ -86,7 +87,7 @@ def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
         code = "" if "code_tests" in functions else " (code rows: code_tests)"
         scorer = f"reward.functions={functions}"
         if config.env.name:  # episodes are scored by the environment first
-            scorer, code = f"the environment's rewards (env.name={config.env.name})", ""
+            scorer, code = episode_fields(config)["rewards"], ""
             if functions:
                 scorer += f" or reward.functions={functions}"
         return (

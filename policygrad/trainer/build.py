@@ -12,11 +12,13 @@ from dataclasses import asdict
 
 import torch
 
+from policygrad.config.agent import episode_fields
 from policygrad.config.checks import parse_cpus
 from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.core.kl import AdaptiveKLController, FixedKLController
 from policygrad.core.losses import get_policy_loss
 from policygrad.data.ptx import PtxData
+from policygrad.envs.agent import agent_factory
 from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
 from policygrad.envs.registry import check_environment_spec, environment_factory
 from policygrad.learn.critic import CriticTrainer
@@ -105,7 +107,15 @@ def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> N
     resolve_engine(cfg)
     for spec in cfg.reward.functions if functions is None else functions:
         check_reward_spec(spec)
-    if cfg.env.name and environment is None:
+    agent = cfg.agent.function
+    if agent is not None and environment is None:
+        if agent.startswith("<"):
+            raise ConfigError(
+                f"agent.function={agent!r} records a function that cannot be imported; pass it again "
+                "(policygrad.train(agent=...)), or make it importable as module:function"
+            )
+        check_environment_spec(agent, "agent.function")
+    elif cfg.env.name and environment is None:
         if cfg.env.name.startswith("<"):
             raise ConfigError(
                 f"env.name={cfg.env.name!r} records an environment object that cannot be imported; pass "
@@ -149,9 +159,11 @@ def build_environment(cfg: TrainConfig, engine, tokenizer, policy, *, environmen
         workers=r.env_workers,
         retries=r.env_retries,
         isolation=r.env_isolation,
+        timeout_field=episode_fields(cfg)["timeout"],
     )
+    factory = agent_factory if cfg.agent.function is not None else environment_factory
     return EpisodeRunner(
-        environment_factory(
+        factory(
             cfg.env.name if environment is None else environment,
             cfg.env.options,
             isolation=r.env_isolation,

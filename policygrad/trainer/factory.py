@@ -90,7 +90,7 @@ def prepare_config(
                 "weight per function, or none (equal weights)"
             )
         config = dataclasses.replace(config, reward=dataclasses.replace(config.reward, functions=recorded))
-    if environment is not None:  # recorded like a reward object: import path or placeholder
+    if environment is not None and config.agent.function is None:  # (an agent is recorded as agent.function)
         recorded = describe_object(environment, kind="environment")
         config = dataclasses.replace(config, env=dataclasses.replace(config.env, name=recorded))
     dist = dist or Dist.current()

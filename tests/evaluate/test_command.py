@@ -235,7 +235,7 @@ def test_eval_env_errors_name_the_flag(eos_model_dir, capsys):
     line = _fails([*common, "--max-turns", "3"], capsys)
     assert line == (
         "error: --max-turns applies to multi-turn episodes only; give --env (an environment) "
-        "or drop --max-turns"
+        "or --agent, or drop --max-turns"
     )
 
 

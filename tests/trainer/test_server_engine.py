@@ -144,16 +144,18 @@ def test_rollouts_ahead_on_a_server_keep_thread_equal_inline_and_resume_equal_st
     _same_weights(checkpoint_weights(thread.run_dir, 4), checkpoint_weights(cfg.output_dir, 4))
 
 
-@pytest.mark.parametrize("kind", ["episodes", "lora"])
+@pytest.mark.parametrize("kind", ["episodes", "agent", "lora"])
 def test_episodes_and_lora_train_on_a_server_as_in_process(kind, make_config, model_dir, servers):
-    # Multi-turn episodes (up to 3 turns of 4 tokens: every turn is a request to a server), or a
-    # LoRA policy (its merged weights are pushed): the numbers of the in-process engine.
-    if kind == "episodes":
-        sections = dict(
-            env={"name": "tests.envs.test_training:Echo"},
-            reward={"functions": []},
-            rollout={"max_turns": 3, "max_new_tokens": 4},
+    # Multi-turn episodes (up to 3 turns of 4 tokens: every turn is a request to a server), an
+    # agent's sessions (each call of its OpenAI client a request), or a LoRA policy (its merged
+    # weights are pushed): the numbers of the in-process engine.
+    if kind in ("episodes", "agent"):
+        source = (
+            {"env": {"name": "tests.envs.test_training:Echo"}}
+            if kind == "episodes"
+            else {"agent": {"function": "tests.envs.test_agent_training:digits_agent"}}
         )
+        sections = dict(**source, reward={"functions": []}, rollout={"max_turns": 3, "max_new_tokens": 4})
     else:
         sections = dict(model={"name": model_dir, "lora": {"rank": 4, "alpha": 8}})
     runs = {}
@@ -165,7 +167,7 @@ def test_episodes_and_lora_train_on_a_server_as_in_process(kind, make_config, mo
         run.train()
         runs[engine] = run
     _same(_rows(runs["vllm"].run_dir), _rows(runs["server"].run_dir))
-    if kind == "episodes":
+    if kind in ("episodes", "agent"):
         assert _rows(runs["server"].run_dir)[-1]["episode/turns_mean"] > 1.0
 
 

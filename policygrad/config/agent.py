@@ -1,0 +1,133 @@
+"""The ``agent`` section: a user's agent function trained as episodes (:mod:`policygrad.envs.agent`).
+
+An agent is an environment to the episode runner: :func:`apply_agent` turns ``agent.function``
+into ``env.name`` = :data:`AGENT_ENVIRONMENT` with the function as its option, and the agent's
+``timeout_s`` and ``retries`` into ``rollout.env_step_timeout_s`` and ``rollout.env_retries``, so
+every episode option (``rollout.max_turns``, ``max_episode_tokens``, ``env_workers``,
+``env_isolation``, ``env_error_budget``) applies to agents as to environments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from policygrad.config.checks import MAX_ENV_RETRIES, ConfigError, check_positive
+
+__all__ = ["AGENT_ENVIRONMENT", "AgentConfig", "apply_agent", "check_agent", "episode_fields"]
+
+AGENT_ENVIRONMENT = "policygrad.envs.agent:AgentEnv"
+# RolloutConfig's defaults of the two options an agent sets (kept equal by a test).
+_STEP_TIMEOUT_DEFAULT, _RETRIES_DEFAULT = 60.0, 1
+
+
+@dataclass
+class AgentConfig:
+    """A user's agent (:mod:`policygrad.envs.agent`); without one, no agent.
+
+    ``function``: ``path/to/file.py:run`` or ``package.module:run``, an ``async def run(client,
+    row)`` (or a plain function) returning the episode's reward (a number, or a dict of named
+    numbers that are summed); a function given to ``policygrad.train(agent=...)`` is recorded by
+    import path. ``timeout_s``: the most seconds of the agent's own work before its first model
+    call, between two calls, or to its return (the model's time is not counted); over it the
+    episode fails (and its worker process is killed). ``retries``: fresh sessions of an episode
+    that failed (at most 10), after which its group leaves the batch.
+    """
+
+    function: str | None = None
+    timeout_s: float = 120.0
+    retries: int = 1
+
+    def validate(self, path: str) -> None:
+        recorded = isinstance(self.function, str) and self.function.startswith(
+            "<"
+        )  # a function given in memory
+        if (
+            self.function is not None
+            and (not isinstance(self.function, str) or ":" not in self.function)
+            and not recorded
+        ):
+            raise ConfigError(
+                f"{path}.function must be 'path/to/file.py:function' or 'package.module:function', got "
+                f"{self.function!r}"
+            )
+        check_positive(f"{path}.timeout_s", self.timeout_s)
+        retries = self.retries
+        if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_ENV_RETRIES:
+            raise ConfigError(f"{path}.retries must be an int in [0, {MAX_ENV_RETRIES}], got {retries!r}")
+
+
+def apply_agent(config: Any) -> None:
+    """With ``agent.function`` set, make ``config`` (a ``TrainConfig``) an episode run of the
+    agent environment (module docstring); nothing otherwise. Refuses what would be silently
+    overridden.
+
+    Raises:
+        ConfigError: ``env.name`` names another environment; ``rollout.env_step_timeout_s`` or
+            ``rollout.env_retries`` set to other values than the agent's.
+    """
+    agent = config.agent
+    if agent.function is None:
+        if config.env.name == AGENT_ENVIRONMENT:
+            raise ConfigError(
+                f"env.name={AGENT_ENVIRONMENT!r} is set by agent.function; set agent.function instead"
+            )
+        return
+    agent.validate("agent")
+    env = config.env
+    if env.name not in (None, AGENT_ENVIRONMENT) or (
+        env.name and env.options != {"function": agent.function}
+    ):
+        raise ConfigError(
+            f"agent.function and env.name={env.name!r} are both set; an agent is its own environment: drop "
+            "env.name (or agent.function)"
+        )
+    rollout = config.rollout
+    for name, value, default, field in (
+        ("env_step_timeout_s", float(agent.timeout_s), _STEP_TIMEOUT_DEFAULT, "timeout_s"),
+        ("env_retries", agent.retries, _RETRIES_DEFAULT, "retries"),
+    ):
+        if getattr(rollout, name) not in (default, value):
+            raise ConfigError(f"rollout.{name} does not apply to an agent; set agent.{field} instead")
+        setattr(rollout, name, value)
+    env.name, env.options = AGENT_ENVIRONMENT, {"function": agent.function}
+
+
+def check_agent(config: Any) -> None:
+    """After :func:`apply_agent`: the agent section is valid and still in step with ``env``.
+
+    Raises:
+        ConfigError: naming the field.
+    """
+    config.agent.validate("agent")
+    if config.agent.function is not None and (
+        config.env.name != AGENT_ENVIRONMENT or config.env.options != {"function": config.agent.function}
+    ):
+        raise ConfigError(
+            "agent.function and env.name are both set; an agent is its own environment: drop env.name"
+        )
+    if config.agent.function is None and config.env.name == AGENT_ENVIRONMENT:
+        raise ConfigError(
+            f"env.name={AGENT_ENVIRONMENT!r} is set by agent.function; set agent.function instead"
+        )
+
+
+def episode_fields(config: Any) -> dict[str, str]:
+    """How messages name what a run's episodes come from: ``source`` (``env.name=X`` or
+    ``agent.function=Y``), ``rewards`` (whose rewards they are), and the options of their
+    ``retries`` and ``timeout``."""
+    if config.agent.function is not None:
+        source = f"agent.function={config.agent.function}"
+        return {
+            "source": source,
+            "rewards": f"the agent's rewards ({source})",
+            "retries": "agent.retries",
+            "timeout": "agent.timeout_s",
+        }
+    source = f"env.name={config.env.name}"
+    return {
+        "source": source,
+        "rewards": f"the environment's rewards ({source})",
+        "retries": "rollout.env_retries",
+        "timeout": "rollout.env_step_timeout_s",
+    }

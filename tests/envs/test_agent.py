@@ -1,0 +1,234 @@
+"""Agents as episodes: the episode runner drives agent functions (tests/envs/agents.py) through the
+agent endpoint, with a scripted engine. An agent whose calls extend their history gives exactly the
+ids, masks, log-probs and rewards of the equivalent environment; every failure has its outcome."""
+
+# ruff: noqa: ARG001 - scripts take (prompt, seed)
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from policygrad.envs.agent import AgentEnv, AgentFunction, load_agent
+from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
+from policygrad.envs.guess import GuessEnv
+from policygrad.envs.registry import environment_factory
+from policygrad.rollout.base import prompt_seed
+from tests.envs import agents
+from tests.envs.scripted import ScriptedEngine
+from tests.tiny import EOS_ID, PAD_ID, make_tiny_tokenizer
+
+pytestmark = pytest.mark.unit
+
+TOK = make_tiny_tokenizer()
+ROWS = [
+    {"prompt": "Guess my number from 1 to 4.", "secret": 3, "low": 1, "high": 4},
+    {"prompt": "Guess my number from 1 to 4!", "secret": 1, "low": 1, "high": 4},
+]
+
+
+def enc(text: str) -> list[int]:
+    return TOK(text, add_special_tokens=False)["input_ids"]
+
+
+def guesses(prompt, seed):
+    """A guess from the seed (1-4), sometimes with no integer, sometimes cut (no end id)."""
+    if seed % 7 == 0:
+        return enc("no idea") + [EOS_ID]
+    return enc(str(1 + seed % 4)) + ([] if seed % 13 == 0 else [EOS_ID])
+
+
+def make_runner(make_env, *, isolation=False, **limits):
+    engine = ScriptedEngine(guesses)
+    limits = {"max_turns": 4, "max_new_tokens": 6, "step_timeout_s": 20.0, "isolation": isolation, **limits}
+    runner = EpisodeRunner(make_env, engine, TOK, EpisodeLimits(**limits), end_ids=[EOS_ID], pad_id=PAD_ID)
+    return runner, engine
+
+
+def run(runner, rows=ROWS, G=3, seeds=(8, 10)):
+    try:
+        return runner.run(list(rows), group_size=G, seeds=list(seeds), per_prompt_seeds=True, sampling={})
+    finally:
+        runner.close()
+
+
+def agent_env(name: str, **options):
+    return environment_factory(
+        "policygrad.envs.agent:AgentEnv", {"function": f"tests.envs.agents:{name}", **options}
+    )
+
+
+@pytest.mark.parametrize("name", ["guess", "guess_sync"])
+@pytest.mark.parametrize("isolation", [False, True])
+def test_an_agent_that_extends_its_history_gives_the_environments_episodes_exactly(name, isolation):
+    env_prompts, env_rollout, env_episodes, env_finals = run(make_runner(GuessEnv, isolation=isolation)[0])
+    prompts, rollout, episodes, finals = run(make_runner(agent_env(name), isolation=isolation)[0])
+    assert prompts == env_prompts
+    for field in (
+        "prompt_ids",
+        "prompt_mask",
+        "response_ids",
+        "response_mask",
+        "observation_mask",
+        "sampler_logprobs",
+        "truncated",
+        "group_index",
+    ):
+        assert torch.equal(getattr(rollout, field), getattr(env_rollout, field)), field
+    for field in ("turn_rewards", "final_rewards", "stop", "turns", "failed"):
+        assert torch.equal(getattr(episodes, field), getattr(env_episodes, field)), field
+    assert episodes.transcripts == env_episodes.transcripts and finals == env_finals
+    assert episodes.errors == [None] * 6
+    # The script makes every kind of episode: found (done), max_turns, cut turns, a turn without
+    # an integer; so the equality covers each way an episode ends.
+    stops = set(episodes.stop.tolist())
+    assert {0, 1, 2} <= stops, stops  # done, max_turns, length
+    assert episodes.final_rewards.sum() > 0
+
+
+def test_an_agent_function_object_runs_as_its_spec_does():
+    by_spec = run(make_runner(agent_env("guess"))[0])
+    by_object = run(make_runner(environment_factory(AgentFunction(agents.guess)))[0])
+    assert torch.equal(by_spec[1].response_ids, by_object[1].response_ids)
+    assert torch.equal(by_spec[2].final_rewards, by_object[2].final_rewards)
+
+
+def test_named_rewards_are_summed_and_logged():
+    runner, _ = make_runner(agent_env("named"))
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert episodes.final_rewards.tolist() == [0.75, 0.75]  # 1.0 - 0.25
+    assert episodes.info["reward_found"].tolist() == [1.0, 1.0]
+    assert episodes.info["reward_style"].tolist() == [-0.25, -0.25]
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [
+        ("raises", "the agent raised ValueError: the agent's own bug"),
+        ("never_calls", "the agent returned without calling the model"),
+        ("rewrites", "does not extend its history (message 0 differs"),
+    ],
+)
+def test_an_agent_failure_fails_the_episode_with_one_line_and_is_retried(name, error):
+    runner, _ = make_runner(agent_env(name), retries=1)
+    _, rollout, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert episodes.failed.tolist() == [True, True]
+    assert episodes.retries == 2  # one fresh session each
+    assert all(error in e for e in episodes.errors), episodes.errors
+
+
+@pytest.mark.parametrize("isolation", [False, True])
+def test_a_hanging_agent_times_out_and_nothing_waits_on_it(isolation):
+    runner, _ = make_runner(agent_env("hangs"), isolation=isolation, step_timeout_s=1.0, retries=0)
+    start = time.monotonic()
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert time.monotonic() - start < 15
+    assert episodes.failed.tolist() == [True, True]
+    assert all("timed out after 1 s" in e for e in episodes.errors), episodes.errors
+
+
+def test_an_agent_calling_os_exit_costs_its_episode_not_the_run():
+    runner, _ = make_runner(agent_env("exits"), isolation=True, retries=0)
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert episodes.failed.all()
+    assert all("worker process ended" in e or "lost" in e for e in episodes.errors), episodes.errors
+
+
+def test_an_episode_over_at_max_turns_refuses_the_agents_next_call():
+    # An episode that did not find the secret in its one turn: the agent's second call is refused
+    # with 400 and it returns 0.0 (the reward of a search that did not find it), as GuessEnv scores.
+    runner, engine = make_runner(agent_env("guess"), max_turns=1)
+    _, _, episodes, _ = run(runner, seeds=(1, 4))
+    assert episodes.errors == [None] * 6
+    stops = episodes.stop.tolist()
+    assert 1 in stops and 0 in stops  # max_turns and done both happen
+    assert [r for r, s in zip(episodes.final_rewards.tolist(), stops) if s == 1] == [0.0] * stops.count(1)
+    assert [r for r, s in zip(episodes.final_rewards.tolist(), stops) if s == 0] == [1.0] * stops.count(0)
+    assert len(engine.requests) == 1  # one turn, one generate call
+
+
+TOOL_TURN = enc(
+    '<tool_call>{"name": "calculate", "arguments": {"expression": "1+2"}}</tool_call>'
+    "<tool_call>{oops}</tool_call>"
+) + [EOS_ID]
+
+
+def tool_script(prompt, seed):
+    """Turn 1 writes a well-formed tool call and a malformed one; turn 2 answers in text."""
+    if TOK.decode(prompt).count("<|im_start|>assistant") == 1:
+        return TOOL_TURN
+    return enc("3") + [EOS_ID]
+
+
+def test_tool_calls_come_back_as_openai_tool_calls_and_their_results_are_observations():
+    engine = ScriptedEngine(tool_script)
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=400, step_timeout_s=20.0)
+    runner = EpisodeRunner(agent_env("tools"), engine, TOK, limits, end_ids=[EOS_ID], pad_id=PAD_ID)
+    _, rollout, episodes, finals = run(runner, rows=ROWS[:1], G=1, seeds=[3])
+    assert episodes.errors == [None]
+    assert episodes.final_rewards.tolist() == [1.0]  # one well-formed call reached the agent
+    assert episodes.info["tool_calls"].tolist() == [0.5]  # 1 then 0, averaged over the 2 turns
+    assert episodes.info["malformed_tool_calls"].tolist() == [0.5]
+    transcript = episodes.transcripts[0]
+    assert [m["role"] for m in transcript] == ["user", "assistant", "tool", "assistant"]
+    assert transcript[2]["content"] == "3"  # len("1+2"): the agent's tool result, as the template's input
+    # The tool result is an observation: masked out of the loss, the sampled turns trained verbatim.
+    mask, observed = rollout.response_mask[0].bool(), rollout.observation_mask[0].bool()
+    ids = rollout.response_ids[0]
+    assert ids[mask].tolist() == TOOL_TURN + enc("3") + [EOS_ID]
+    assert TOK.decode(ids[observed].tolist()).count("3") == 1
+    assert finals == ["3"]
+
+
+def test_load_agent_names_what_is_wrong(tmp_path):
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        load_agent("tests.envs.agents:nope")
+    with pytest.raises(FileNotFoundError, match="agent file"):
+        load_agent(str(tmp_path / "missing.py") + ":run")
+    (tmp_path / "a.py").write_text("run = 3\n")
+    with pytest.raises(TypeError, match="not a function"):
+        load_agent(str(tmp_path / "a.py") + ":run")
+    assert load_agent(agents.guess) is agents.guess
+
+
+def test_the_turn_seeds_are_the_environments():
+    runner, engine = make_runner(agent_env("guess"))
+    run(runner)
+    later = [s for r in engine.requests[1:] for s in r.prompt_seeds]
+    assert later and all(isinstance(s, int) for s in later)
+    assert engine.requests[0].prompt_seeds == [8, 10]  # turn 1: the rows' seeds, G samples each
+    assert prompt_seed(prompt_seed(10, 2), 2) in later  # turn 2 of row 1's last episode
+
+
+def test_agent_env_is_an_environment_with_native_tools():
+    env = AgentEnv(function=agents.guess)
+    assert env.describe_tools is False and env.tool_schemas() is None
+
+
+def test_an_agent_built_with_the_openai_agents_sdk_runs_its_tool_calls_as_turns():
+    # examples/agents/agents_sdk_agent.py: the SDK sends its instructions, the tool result and its
+    # own copy of the history; every call extends the session (else the episode would fail).
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (openai-agents) is not installed")
+    example = Path(__file__).resolve().parents[2] / "examples" / "agents" / "agents_sdk_agent.py"
+    engine = ScriptedEngine(tool_script)
+    limits = EpisodeLimits(max_turns=3, max_new_tokens=400, step_timeout_s=60.0)
+    make = environment_factory("policygrad.envs.agent:AgentEnv", {"function": f"{example}:run"})
+    runner = EpisodeRunner(make, engine, TOK, limits, end_ids=[EOS_ID], pad_id=PAD_ID)
+    _, rollout, episodes, finals = run(
+        runner, rows=[{"prompt": "What is 1+2?", "answer": "3"}], G=1, seeds=[3]
+    )
+    assert episodes.errors == [None]
+    assert [m["role"] for m in episodes.transcripts[0]] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "assistant",
+    ]
+    assert episodes.transcripts[0][3]["content"] == "3"  # the SDK ran calculate("1+2")
+    assert episodes.final_rewards.tolist() == [1.0] and finals == ["3"]
+    assert rollout.response_ids[0][rollout.response_mask[0].bool()].tolist() == TOOL_TURN + enc("3") + [
+        EOS_ID
+    ]
