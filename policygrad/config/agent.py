@@ -19,6 +19,7 @@ __all__ = ["AGENT_ENVIRONMENT", "AgentConfig", "apply_agent", "check_agent", "ep
 AGENT_ENVIRONMENT = "policygrad.envs.agent:AgentEnv"
 # RolloutConfig's defaults of the two options an agent sets (kept equal by a test).
 _STEP_TIMEOUT_DEFAULT, _RETRIES_DEFAULT = 60.0, 1
+MAX_AGENT_TIMEOUT_S = 86400.0
 
 
 @dataclass
@@ -52,6 +53,10 @@ class AgentConfig:
                 f"{self.function!r}"
             )
         check_positive(f"{path}.timeout_s", self.timeout_s)
+        if self.timeout_s > MAX_AGENT_TIMEOUT_S:
+            raise ConfigError(
+                f"{path}.timeout_s must be at most {MAX_AGENT_TIMEOUT_S:g} (a day), got {self.timeout_s!r}"
+            )
         retries = self.retries
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_ENV_RETRIES:
             raise ConfigError(f"{path}.retries must be an int in [0, {MAX_ENV_RETRIES}], got {retries!r}")
@@ -74,20 +79,21 @@ def apply_agent(config: Any) -> None:
             )
         return
     agent.validate("agent")
-    env = config.env
-    if env.name not in (None, AGENT_ENVIRONMENT) or (
-        env.name and env.options != {"function": agent.function}
-    ):
+    env, rollout = config.env, config.rollout
+    # A saved agent config (a new run from it, or a resume) holds what an earlier apply derived:
+    # env.name is the agent environment and the two rollout fields are the agent's; the agent
+    # section decides them again.
+    derived = env.name == AGENT_ENVIRONMENT and set(env.options) <= {"function"}
+    if not derived and (env.name is not None or env.options):
         raise ConfigError(
-            f"agent.function and env.name={env.name!r} are both set; an agent is its own environment: drop "
-            "env.name (or agent.function)"
+            f"agent.function and env.name={env.name!r} (or env.options) are both set; an agent is its own "
+            "environment: drop env (or agent.function)"
         )
-    rollout = config.rollout
     for name, value, default, field in (
         ("env_step_timeout_s", float(agent.timeout_s), _STEP_TIMEOUT_DEFAULT, "timeout_s"),
         ("env_retries", agent.retries, _RETRIES_DEFAULT, "retries"),
     ):
-        if getattr(rollout, name) not in (default, value):
+        if not derived and getattr(rollout, name) not in (default, value):
             raise ConfigError(f"rollout.{name} does not apply to an agent; set agent.{field} instead")
         setattr(rollout, name, value)
     env.name, env.options = AGENT_ENVIRONMENT, {"function": agent.function}

@@ -14,7 +14,7 @@ same batching, per-prompt seeds, limits, worker processes, retries and error bud
   next call, whose new messages are the observation (masked out of the loss), or for its return
   (the episode is done);
 * ``final_reward`` is what the agent returned: a number, or a dict of named numbers (summed; each
-  logged as ``env/reward_<name>`` on the turn the agent returned).
+  logged as ``env/reward_<name>``, through ``final_info``, however the episode ended).
 
 **Token bookkeeping.** The policy's turns are trained on the ids it sampled, never re-tokenised:
 the runner keeps them, and a call's messages are read only to find what is new. A call extends
@@ -90,37 +90,47 @@ def _client(fn: Callable, url: str):
         raise EnvironmentFailure(
             "agents need the openai package; pip install 'policygrad[agent]' (or pip install openai)"
         ) from None
-    kind = openai.AsyncOpenAI if inspect.iscoroutinefunction(fn) else openai.OpenAI
+    kind = openai.AsyncOpenAI if is_async(fn) else openai.OpenAI
     return kind(base_url=url, api_key="policygrad", max_retries=0, timeout=None)
+
+
+MAX_NAMED_REWARDS = 32  # each becomes a metric column
 
 
 def _reward(value: Any) -> tuple[float, dict[str, float]]:
     """An agent's return value as ``(reward, named rewards)``.
 
     Raises:
-        EnvironmentFailure: not a finite number or a dict of them.
+        EnvironmentFailure: not a finite number (within float32) or a dict of at most
+            :data:`MAX_NAMED_REWARDS` of them under string keys.
     """
 
     def number(v: Any, what: str) -> float:
-        if (
-            isinstance(v, bool)
-            or not isinstance(v, numbers.Real)
-            or not math.isfinite(float(v))
-            or abs(float(v)) > FLOAT32_MAX
-        ):
+        try:
+            out = float(v) if isinstance(v, numbers.Real) and not isinstance(v, bool) else None
+        except OverflowError:
+            out = None
+        if out is None or not math.isfinite(out) or abs(out) > FLOAT32_MAX:
             raise EnvironmentFailure(
                 f"the agent returned {what} {v!r:.60}; return a finite number or a dict of them"
             )
-        return float(v)
+        return out
 
     if isinstance(value, Mapping):
-        named = {str(k): number(v, f"{k!r}:") for k, v in value.items()}
-        if not named:
+        if not value or len(value) > MAX_NAMED_REWARDS or not all(isinstance(k, str) for k in value):
             raise EnvironmentFailure(
-                "the agent returned an empty dict; return a number or a dict of named numbers"
+                f"the agent returned a dict of {len(value)} rewards; return a number or a dict of 1 to "
+                f"{MAX_NAMED_REWARDS} named numbers (string keys)"
             )
+        named = {k: number(v, f"{k!r}:") for k, v in value.items()}
         return sum(named.values()), named
     return number(value, "the reward"), {}
+
+
+def is_async(fn: Callable) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    call = type(fn).__call__ if callable(fn) and not inspect.isroutine(fn) else None
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 class AgentEnv(Environment):
@@ -160,7 +170,7 @@ class AgentEnv(Environment):
                 await client.close()
 
         try:
-            if inspect.iscoroutinefunction(self.function):
+            if is_async(self.function):
                 value = asyncio.run(in_loop())
             else:
                 with client:
@@ -224,7 +234,7 @@ class AgentEnv(Environment):
         call = self.call = self._next()
         if call is None:
             self.reward, self.named = _reward(self.outcome[1])
-            return StepResult([], 0.0, True, {**info, **{f"reward_{k}": v for k, v in self.named.items()}})
+            return StepResult([], 0.0, True, info)
         keys = [message_key(m) for m in call.messages]
         n = len(self.history)
         if keys[:n] != self.history:
@@ -259,6 +269,11 @@ class AgentEnv(Environment):
             self.reward, self.named = _reward(value)
         return self.reward
 
+    def final_info(self) -> dict[str, float]:
+        """The named rewards (``reward_<name>``) of the agent's return, logged once per episode
+        whether the agent or a limit ended it."""
+        return {f"reward_{k}": v for k, v in self.named.items()}
+
     def close(self) -> None:
         """End the session: a call in flight or later is refused."""
         if self.session is not None:
@@ -280,6 +295,10 @@ class AgentFunction:
 
     def __call__(self, **options: Any) -> AgentEnv:
         return AgentEnv(**{**options, "function": self.function})
+
+    def __repr__(self) -> str:
+        module = getattr(self.function, "__module__", "?")
+        return f"agent {module}:{getattr(self.function, '__qualname__', self.__name__)}"
 
 
 def agent_factory(make: Any, options: Mapping[str, Any], *, isolation: bool, timeout_s: float | None):

@@ -97,6 +97,10 @@ class Environment(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release what the episode holds (called once, also after an error)."""
 
+    # Optional: ``final_info() -> {name: number}``, called right after :meth:`final_reward`,
+    # numbers to log for the whole episode as ``env/<name>`` (the agent environment's named
+    # rewards use it); not defined here, so an environment without it costs nothing.
+
 
 # A role is rendered by the chat template as markup (ChatML: after <|im_start|>), so it must be a
 # name: text such as "user<|im_end|>\n<|im_start|>assistant" would forge a turn.

@@ -296,6 +296,13 @@ class Session:
             self.cond.notify_all()
 
 
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:  # noqa: ARG002 - socketserver's signature
+        """A client gone mid-reply (an agent that dropped its call, a client timeout) is its own
+        business: no traceback on the run's stderr."""
+        return
+
+
 class Endpoint:
     """The process's HTTP server (``ThreadingHTTPServer`` on 127.0.0.1, an ephemeral port) and
     its open sessions."""
@@ -303,7 +310,7 @@ class Endpoint:
     def __init__(self):
         self.sessions: dict[str, Session] = {}
         self.lock = threading.Lock()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+        self.server = _Server(("127.0.0.1", 0), _Handler)
         self.server.daemon_threads = True
         self.server.endpoint = self  # type: ignore[attr-defined]
         self.port = self.server.server_address[1]
@@ -385,10 +392,18 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
     def do_POST(self):  # noqa: N802 - http.server's name
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY_BYTES:
+        try:
+            length = max(int(self.headers.get("Content-Length") or 0), 0)
+        except ValueError:
+            length = 0
+        if length > MAX_BODY_BYTES:  # read and dropped in chunks, so the client sees the reason
             self.close_connection = True
-            self._error(413, f"the request is over {MAX_BODY_BYTES} bytes")
+            while length > 0:
+                chunk = self.rfile.read(min(length, 1 << 16))
+                if not chunk:
+                    break
+                length -= len(chunk)
+            self._error(413, f"the request is over {MAX_BODY_BYTES} bytes; send less")
             return
         body = self.rfile.read(length)
         routed = self._route()

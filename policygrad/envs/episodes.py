@@ -47,6 +47,18 @@ __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
 log = logging.getLogger("policygrad")
 
 
+def _final(value: Any) -> tuple[float, dict[str, float]]:
+    """A ``final_reward`` call's value (the reward, or ``(reward, final_info())``) checked."""
+    info: Any = {}
+    if isinstance(value, tuple) and len(value) == 2:
+        value, info = value
+    if not isinstance(info, Mapping):
+        raise EnvironmentFailure(f"final_info() must return a dict of numbers, got {info!r:.60}")
+    return check_reward(value, "final_reward()"), {
+        str(k): check_reward(v, f"final_info()[{k!r}]") for k, v in info.items()
+    }
+
+
 class EpisodeRunner:
     """Runs G episodes per dataset row against an engine (see the module docstring).
 
@@ -435,9 +447,11 @@ class EpisodeRunner:
         scored = [e for e in episodes if e.stop != "error"]
         results = self._calls(scored, "final_reward", lambda e: (e.stop,))
         for e, outcome in zip(scored, results):
-            final = accept(e, outcome, "final_reward()", lambda v: check_reward(v, "final_reward()"))
+            final = accept(e, outcome, "final_reward()", _final)
             if final is not None:
-                e.final = final
+                e.final = final[0]
+                for key, value in final[1].items():
+                    e.info.setdefault(key, []).append(value)
         self._close(episodes)
         return time.perf_counter() - t
 

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from policygrad.envs.base import StepResult
+from policygrad.envs.base import EnvironmentFailure, StepResult
 from policygrad.rewards.plain import plain_loads
 from policygrad.rewards.remote import main_module_hidden
 from policygrad.sandbox.procfs import descendants
@@ -28,8 +28,10 @@ __all__ = ["EnvWorker", "decode_tree", "env_call", "native_tools", "one_line", "
 
 
 def one_line(exc: BaseException) -> str:
-    """An exception as the one line an episode's error carries."""
-    return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    """An exception as the one line an episode's error carries (an :class:`EnvironmentFailure`'s
+    message says what failed by itself: without its type's name)."""
+    text = str(exc) if isinstance(exc, EnvironmentFailure) else f"{type(exc).__name__}: {exc}"
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 def native_tools(env: Any) -> list[dict] | None:
@@ -42,15 +44,19 @@ def native_tools(env: Any) -> list[dict] | None:
 
 def env_call(env: Any, method: str, args: tuple) -> Any:
     """One protocol call on ``env``: ``reset`` (``args`` = row, seed) returns ``(messages,
-    native tools)``; ``step`` (action), ``final_reward`` (stop reason) and ``close`` return what
-    the environment's method returns (``close`` of an environment without one: None)."""
+    native tools)``; ``final_reward`` (stop reason) returns the reward, or ``(reward, info)`` for an
+    environment with ``final_info()`` (numbers to log for the episode, e.g. an agent's named
+    rewards); ``step`` (action) and ``close`` return what the environment's method returns
+    (``close`` of an environment without one: None)."""
     if method == "reset":
         messages = env.reset(args[0], seed=args[1])
         return messages, native_tools(env)
     if method == "step":
         return env.step(args[0])
-    if method == "final_reward":
-        return env.final_reward(args[0])
+    if method == "final_reward":  # with the episode's numbers to log, when the environment has them
+        reward = env.final_reward(args[0])
+        final_info = getattr(env, "final_info", None)
+        return (reward, final_info()) if callable(final_info) else reward
     if method == "close":
         close = getattr(env, "close", None)
         return close() if callable(close) else None

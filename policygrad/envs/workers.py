@@ -427,12 +427,14 @@ def make_host(
         if "ended it" in failed:
             raise ValueError(f"env.name {name}: {failed}")
         why = f"a worker process cannot load it ({failed})"
+    agent = name.startswith("agent ")  # policygrad.envs.agent.AgentFunction's name
     log.warning(
-        "environment %s runs in the trainer's process: %s; os._exit, crashes, signals, chdir and forks in it "
-        "are not contained; define it in an importable module (or name it as file.py:Class) to run it in "
-        "environment worker processes",
-        name,
+        "%s runs in the trainer's process: %s; os._exit, crashes, signals, chdir and forks in it are not "
+        "contained; define it in an importable module (or name it as %s) to run it in environment worker "
+        "processes",
+        name if agent else f"environment {name}",
         why,
+        "agent.function=file.py:function" if agent else "file.py:Class",
     )
     return InProcessHost(make_env, workers=workers, timeout_s=timeout_s, timeout_field=timeout_field)
 

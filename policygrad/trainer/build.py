@@ -115,6 +115,10 @@ def check_before_models(cfg: TrainConfig, functions=None, environment=None) -> N
                 "(policygrad.train(agent=...)), or make it importable as module:function"
             )
         check_environment_spec(agent, "agent.function")
+        # Loaded once now (in a worker with env_isolation), so a wrong name shows before a model loads.
+        r = cfg.rollout
+        options = {"isolation": r.env_isolation, "timeout_s": r.env_step_timeout_s}
+        agent_factory(cfg.env.name, cfg.env.options, **options)
     elif cfg.env.name and environment is None:
         if cfg.env.name.startswith("<"):
             raise ConfigError(

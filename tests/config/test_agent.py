@@ -29,6 +29,15 @@ def test_an_agent_is_the_agent_environment_with_its_limits():
     assert again.to_dict() == cfg.to_dict()
 
 
+def test_a_saved_agent_config_takes_a_new_function_timeout_and_retries():
+    # A new run from a saved config.yaml: env.name and the two rollout fields there were derived
+    # from the agent section, which decides them again.
+    saved = load_config(None, [AGENT]).to_dict()
+    cfg = load_config(None, {**saved, "agent": {"function": "other.py:go", "timeout_s": 30, "retries": 0}})
+    assert cfg.env.options == {"function": "other.py:go"}
+    assert (cfg.rollout.env_step_timeout_s, cfg.rollout.env_retries) == (30.0, 0)
+
+
 def test_without_an_agent_nothing_changes():
     cfg = load_config(None, [])
     assert cfg.agent.function is None and cfg.env.name is None
@@ -37,7 +46,12 @@ def test_without_an_agent_nothing_changes():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        ([AGENT, "--env.name=builtin:guess"], "agent.function and env.name='builtin:guess' are both set"),
+        (
+            [AGENT, "--env.name=builtin:guess"],
+            "agent.function and env.name='builtin:guess' (or env.options) are",
+        ),
+        ([AGENT, '--env.options={"x": 1}'], "agent.function and env.name=None (or env.options) are both set"),
+        ([AGENT, "--agent.timeout_s=1e300"], "agent.timeout_s must be at most 86400"),
         (
             [AGENT, "--rollout.env_step_timeout_s=5"],
             "rollout.env_step_timeout_s does not apply to an agent; set agent.timeout_s",

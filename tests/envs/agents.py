@@ -139,3 +139,30 @@ async def tools(client, row):
     except openai.BadRequestError:
         return float(seen)
     return float(seen)
+
+
+async def named_after_limit(client, row):
+    """Calls until the episode is over, then returns named rewards (a limit ended it)."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    try:
+        while True:
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content},
+                {"role": "user", "content": "more"},
+            ]
+    except openai.BadRequestError:
+        return {"found": 0.0, "style": -1.0}
+
+
+class AsyncCallable:
+    """An agent object whose ``__call__`` is ``async``: it gets the async client."""
+
+    async def __call__(self, client, row):
+        await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+        )
+        return 0.5
+
+
+async_callable = AsyncCallable()

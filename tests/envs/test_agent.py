@@ -5,13 +5,15 @@ ids, masks, log-probs and rewards of the equivalent environment; every failure h
 # ruff: noqa: ARG001 - scripts take (prompt, seed)
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from policygrad.envs.agent import AgentEnv, AgentFunction, load_agent
+from policygrad.envs.agent import AgentEnv, AgentFunction, _reward, load_agent
+from policygrad.envs.base import EnvironmentFailure
 from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
 from policygrad.envs.guess import GuessEnv
 from policygrad.envs.registry import environment_factory
@@ -95,12 +97,43 @@ def test_an_agent_function_object_runs_as_its_spec_does():
     assert torch.equal(by_spec[2].final_rewards, by_object[2].final_rewards)
 
 
-def test_named_rewards_are_summed_and_logged():
+def test_named_rewards_are_summed_and_logged_however_the_episode_ended():
     runner, _ = make_runner(agent_env("named"))
     _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
     assert episodes.final_rewards.tolist() == [0.75, 0.75]  # 1.0 - 0.25
     assert episodes.info["reward_found"].tolist() == [1.0, 1.0]
     assert episodes.info["reward_style"].tolist() == [-0.25, -0.25]
+    # Ended by max_turns: the agent's return after the refused call is still logged by name.
+    runner, _ = make_runner(agent_env("named_after_limit"), max_turns=2)
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert episodes.stop.tolist() != [0, 0] and episodes.errors == [None, None]
+    assert episodes.final_rewards.tolist() == [-1.0, -1.0]
+    assert episodes.info["reward_found"].tolist() == [0.0, 0.0]
+
+
+def test_an_object_with_an_async_call_gets_the_async_client():
+    runner, _ = make_runner(agent_env("async_callable"), max_turns=1)
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=1, seeds=[3])
+    assert episodes.errors == [None] and episodes.final_rewards.tolist() == [0.5]
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (10**400, "the reward 1000"),
+        (float("nan"), "the reward nan"),
+        (True, "the reward True"),
+        ("1.0", "the reward '1.0'"),
+        ({}, "a dict of 0 rewards"),
+        ({1: 1.0}, "(string keys)"),
+        ({f"k{i}": 1.0 for i in range(33)}, "a dict of 33 rewards"),
+        ({"a": float("inf")}, "'a': inf"),
+    ],
+)
+def test_a_reward_that_is_not_a_finite_number_or_a_small_dict_of_them_is_refused(value, words):
+    with pytest.raises(EnvironmentFailure, match=re.escape(words)):
+        _reward(value)
+    assert _reward({"a": 1, "b": 0.5}) == (1.5, {"a": 1.0, "b": 0.5})
 
 
 @pytest.mark.parametrize(

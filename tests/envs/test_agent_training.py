@@ -181,7 +181,7 @@ def test_a_failing_agent_costs_its_groups_and_past_the_budget_stops_the_run(
     )
     assert "after agent.retries=0 retries" in err[0]
     assert (
-        "first error: step() failed: EnvironmentFailure: the agent raised ValueError: the agent's own bug"
+        "first error: step() failed: the agent raised ValueError: the agent's own bug"
         in err[0]
     )
 

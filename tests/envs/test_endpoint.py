@@ -4,13 +4,17 @@ held, answered and refused (tool calls parsed from the Hermes format)."""
 from __future__ import annotations
 
 import json
+import socket
+import struct
 import threading
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 from policygrad.envs.endpoint import (
+    MAX_BODY_BYTES,
     AgentRequestError,
     endpoint,
     message_key,
@@ -227,3 +231,33 @@ def test_session_ids_are_random_and_not_paths():
     finally:
         endpoint().close(a)
         endpoint().close(b)
+
+
+def test_an_oversized_body_is_refused_with_its_reason():
+    session = endpoint().open()
+    try:
+        status, body = post(session.url + "/chat/completions", b" " * (MAX_BODY_BYTES + 1))
+        assert status == 413 and "send less" in body["error"]["message"]
+    finally:
+        endpoint().close(session)
+
+
+def test_a_client_gone_before_its_reply_leaves_no_traceback(capfd):
+    session = endpoint().open()
+    try:
+        sock = socket.create_connection(("127.0.0.1", endpoint().port))
+        data = json.dumps({"messages": [USER]}).encode()
+        path = session.url.split(str(endpoint().port), 1)[1] + "/chat/completions"
+        sock.sendall(
+            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+        )
+        with session.cond:
+            while session.pending is None:
+                session.cond.wait()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # a reset, not a close
+        sock.close()
+        answer_next(session, "late").join(10)
+        time.sleep(0.2)  # the handler's failed write
+        assert "Traceback" not in capfd.readouterr().err
+    finally:
+        endpoint().close(session)

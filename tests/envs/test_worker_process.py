@@ -65,7 +65,6 @@ def test_chdir_in_an_environment_does_not_move_the_run():
         r.close()
 
 
-
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

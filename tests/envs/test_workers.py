@@ -108,8 +108,6 @@ def test_a_c_call_holding_the_gil_cannot_stretch_the_step_timeout():
         r.close()
 
 
-
-
 class EditsRow(Environment):
     """``reset`` edits its row (a field, a nested list) and opens with what it found."""
 
