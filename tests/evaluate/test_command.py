@@ -254,3 +254,61 @@ def test_eval_split_or_dataset_config_that_choose_nothing_are_refused(tmp_path, 
 def test_eval_rejects_a_useless_batch_size_or_limit(capsys):
     assert _fails(["eval", "--batch-size", "-1"], capsys) == "error: --batch-size must be >= 1, got -1"
     assert _fails(["eval", "--limit", "0"], capsys) == "error: --limit must be >= 1, got 0"
+
+
+def test_eval_agent_plays_the_sessions_an_equivalent_environment_plays(eos_model_dir, tmp_path, capsys):
+    data = write_jsonl(tmp_path / "p.jsonl", [{"question": f"Say {i}.", "answer": str(i)} for i in range(3)])
+    common = [
+        "--model",
+        eos_model_dir,
+        "--dataset",
+        data,
+        "--max-new-tokens",
+        "4",
+        "--max-turns",
+        "3",
+        "--samples",
+        "2",
+    ]
+    by_env = _eval(
+        ["--env", "tests.envs.test_agent_training:Digits", *common, "--output", str(tmp_path / "env.jsonl")],
+        capsys,
+    )
+    by_agent = _eval(
+        [
+            "--agent",
+            "tests.envs.test_agent_training:digits_agent",
+            *common,
+            "--output",
+            str(tmp_path / "agent.jsonl"),
+        ],
+        capsys,
+    )
+    assert by_agent["agent"] == "tests.envs.test_agent_training:digits_agent" and "env" not in by_agent
+    volatile = {
+        "env",
+        "agent",
+        "output",
+        "seconds",
+        "load_seconds",
+        "env/tool_calls",
+        "env/malformed_tool_calls",
+    }
+    assert {k: v for k, v in by_env.items() if k not in volatile} == {
+        k: v for k, v in by_agent.items() if k not in volatile
+    }
+    assert by_agent["failed"] == 0 and by_agent["n"] == 3
+
+
+def test_eval_agent_errors_name_the_flag(eos_model_dir, tmp_path, capsys):
+    common = ["eval", "--model", eos_model_dir]
+    line = _fails([*common, "--agent", "tests.envs.agents:guess", "--env", "builtin:guess"], capsys)
+    assert line == "error: --env and --agent are both given; an agent is its own environment: give one"
+    line = _fails([*common, "--agent", "tests.envs.agents:guess", "--env-options", "{}"], capsys)
+    assert line == "error: --env-options applies to --env; an agent takes no options"
+    line = _fails([*common, "--agent", "tests.envs.agents:nope"], capsys)
+    assert line.startswith(
+        "error: 'tests.envs.agents' has no attribute 'nope' (--agent 'tests.envs.agents:nope')"
+    )
+    line = _fails([*common, "--agent", str(tmp_path / "missing.py") + ":run"], capsys)
+    assert "agent file" in line and "does not exist" in line
