@@ -29,7 +29,9 @@ built-in arithmetic task. Every config field can be overridden, e.g. --kl.beta=0
 config plus any overrides given here: --steps, --max_minutes and similar are applied, --optim.lr
 sets the new rate, an option that cannot change on resume is refused by name).
 --overwrite=true replaces the run in output_dir (only the files a run writes are deleted, after
-the new config is validated).
+the new config is validated). --print-config prints the validated config (the recipe and the
+overrides; with --resume the run's saved config and the overrides) as YAML and exits without
+loading a model: saved as a file, it runs the same job.
 
 Ctrl-C (or SIGTERM) stops after the current step with a checkpoint; press it again to stop at
 once. Checkpoints are also written every save_every_minutes (10) minutes and on an error.
@@ -119,10 +121,19 @@ def cmd_train(argv: list[str]) -> int:
     from policygrad.run.interrupts import EXIT_STATUS, Stopped, StopSignals
 
     if argv and argv[0] in ("-h", "--help"):
+        from policygrad.config.reference import options_text  # torch-free: help comes fast
+        from policygrad.config.train import TrainConfig
+
         print(TRAIN_USAGE)
+        print("Options: every field of the config with its default and type (--section.key=value):\n")
+        print(options_text(TrainConfig))
         return 0
-    config_path, resume, rest = _split_train_args(argv)
+    print_config = "--print-config" in argv
+    config_path, resume, rest = _split_train_args([a for a in argv if a != "--print-config"])
     config = _load_train_config(config_path, resume, rest)
+    if print_config:  # the resolved config, as a file that runs the same job; nothing is loaded
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
     dist = init_from_env()  # under torchrun: join the process group (one process: nothing)
     run = None
     try:

@@ -1,0 +1,54 @@
+"""Every option of the config tree, generated from the dataclasses (so it cannot drift from them):
+what ``policygrad train --help`` lists after its usage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+__all__ = ["option_rows", "options_text"]
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def option_rows(cls: type, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """``(dotted name, type as written, default)`` of every leaf field of dataclass ``cls``,
+    sections walked in their declaration order (a field whose default is a dataclass is a section).
+    """
+    rows = []
+    for f in dataclasses.fields(cls):
+        default = _default(f)
+        name = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(default):
+            rows.extend(option_rows(type(default), f"{name}."))
+        else:
+            rows.append((name, str(f.type), default))
+    return rows
+
+
+def _shown(value: Any) -> str:
+    """A default as it would be written on the command line (YAML/JSON: null, true, [..])."""
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def options_text(cls: type) -> str:
+    """The options of ``cls`` (a ``TrainConfig``), one per line: ``--name=DEFAULT  type``, grouped
+    by section."""
+    lines, section = [], None
+    rows = option_rows(cls)
+    width = max(len(f"--{name}={_shown(default)}") for name, _, default in rows) + 2
+    for name, kind, default in rows:
+        here = name.split(".")[0] if "." in name else ""
+        if here != section:
+            section = here
+            lines.append(f"\n{here or 'run'}:")
+        lines.append(f"  {f'--{name}={_shown(default)}':<{min(width, 60)}} {kind}")
+    return "\n".join(lines).lstrip("\n") + "\n"
