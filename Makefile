@@ -52,10 +52,10 @@ demo: venv
 
 test: venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	$(BIN)/ruff check policygrad tests benchmarks
+	$(BIN)/ruff check policygrad tests benchmarks examples
 
 lint: venv
-	$(BIN)/ruff check policygrad tests benchmarks
+	$(BIN)/ruff check policygrad tests benchmarks examples
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
