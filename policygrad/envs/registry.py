@@ -144,9 +144,6 @@ def load_spec(spec: str, field: str = "env.name", kind: str = "environment") -> 
     return obj
 
 
-_load = load_spec
-
-
 def _what_it_has(obj: Any, target: str) -> str:
     """The fix of a spec naming something ``obj`` (a module or class) does not have: the
     Environment subclasses it defines, else its other classes, else that it defines none."""
@@ -192,7 +189,7 @@ class EnvironmentFactory:
 
 
 def _factory_of_spec(spec: str, options: dict[str, Any]) -> EnvironmentFactory:
-    return EnvironmentFactory(spec, _load(spec), options)
+    return EnvironmentFactory(spec, load_spec(spec), options)
 
 
 def environment_factory(
@@ -220,8 +217,8 @@ def environment_factory(
             that names something not callable; options the class rejects (checked by building
             one environment here, so a typo shows at start, not in the first step).
     """
-    check_environment_spec(spec)  # an instance or another non-callable object: named before _load
-    target = spec if callable(spec) else _load(spec)
+    check_environment_spec(spec)  # an instance or another non-callable object: named before load_spec
+    target = spec if callable(spec) else load_spec(spec)
     if not callable(target):
         raise TypeError(f"env.name {spec!r} names a {type(target).__name__}, not a class or factory")
     make = EnvironmentFactory(spec, target, dict(options or {}))

@@ -385,6 +385,13 @@ def test_torchrun_with_two_processes_trains_what_one_process_does(eos_model_dir,
         tree["model"]["precision"] = "fp32"
         trees[name] = tree
     assert "per_prompt_seeds" not in trees["two"]["rollout"]
+    assert_two_ranks_train_as_one(trees, tmp_path)
+
+
+def assert_two_ranks_train_as_one(trees: dict, tmp_path) -> None:
+    """``trees["one"]`` trained in this process and ``trees["two"]`` under torchrun with 2 ranks
+    (runs in ``tmp_path/one``, ``tmp_path/two``): 2 steps that each applied an update, every
+    step's metrics the same (tolerances.assert_same_metrics) and the final weights equal."""
     conds = train(load_config(None, trees["one"]))
     config = tmp_path / "two.yaml"
     config.write_text(yaml.safe_dump(trees["two"]))

@@ -18,9 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
-import yaml
 
-from policygrad.config.train import load_config
 from policygrad.rollout.server import ServerError
 from policygrad.rollout.vllm import vllm_available
 from policygrad.run import Run
@@ -177,8 +175,7 @@ def test_torchrun_ranks_share_the_servers_and_train_what_one_process_does(
     # Rank 0 pushes the weights and tells every rank the version; each rank samples its own
     # prompts on the servers. Two ranks agree with one process as the in-process engines do
     # (tests/parallel/test_distributed.py: the same samples, the loss summed in another order).
-    from tests.parallel.test_distributed import assert_same_weights, torchrun_train, train
-    from tests.trainer.tolerances import assert_same_metrics
+    from tests.parallel.test_distributed import assert_two_ranks_train_as_one
 
     trees = {}
     for name in ("one", "two"):
@@ -186,18 +183,7 @@ def test_torchrun_ranks_share_the_servers_and_train_what_one_process_does(
         tree["num_threads"] = 1
         tree["rollout"] = {**tree["rollout"], "engine": "server", "servers": list(servers)}
         trees[name] = tree
-    conds = train(load_config(None, trees["one"]))
-    config = tmp_path / "two.yaml"
-    config.write_text(yaml.safe_dump(trees["two"]))
-    done = torchrun_train(config)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    one, two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
-    assert [r["step"] for r in one] == [1, 2] and all(r["optim/steps"] >= 1 for r in one)
-    assert_same_metrics(one, two, conds)
-    steps = trees["one"]["steps"]
-    assert_same_weights(
-        checkpoint_weights(tmp_path / "one", steps), checkpoint_weights(tmp_path / "two", steps)
-    )
+    assert_two_ranks_train_as_one(trees, tmp_path)
 
 
 class _Proxy(BaseHTTPRequestHandler):
