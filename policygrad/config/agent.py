@@ -13,10 +13,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from policygrad.config.checks import MAX_ENV_RETRIES, ConfigError, check_positive
+from policygrad.specs.kl import kl_placement_spec
 
-__all__ = ["AGENT_ENVIRONMENT", "AgentConfig", "apply_agent", "check_agent", "episode_fields"]
+__all__ = [
+    "AGENT_ENVIRONMENT",
+    "REWRITTEN_HISTORY",
+    "AgentConfig",
+    "agent_options",
+    "apply_agent",
+    "check_agent",
+    "episode_fields",
+]
 
 AGENT_ENVIRONMENT = "policygrad.envs.agent:AgentEnv"
+REWRITTEN_HISTORY = ("segment", "fail")
 # RolloutConfig's defaults of the two options an agent sets (kept equal by a test).
 _STEP_TIMEOUT_DEFAULT, _RETRIES_DEFAULT = 60.0, 1
 MAX_AGENT_TIMEOUT_S = 86400.0
@@ -32,12 +42,17 @@ class AgentConfig:
     import path. ``timeout_s``: the most seconds of the agent's own work before its first model
     call, between two calls, or to its return (the model's time is not counted); over it the
     episode fails (and its worker process is killed). ``retries``: fresh sessions of an episode
-    that failed (at most 10), after which its group leaves the batch.
+    that failed (at most 10), after which its group leaves the batch. ``rewritten_history``: a
+    call whose messages do not extend the session's earlier ones (a library that trims or
+    rewrites its history) starts a new ``segment`` of the episode, trained with the episode's
+    advantage (this needs one advantage per episode: an outcome estimator, no critic, no KL in
+    the reward), or ``fail``s it.
     """
 
     function: str | None = None
     timeout_s: float = 120.0
     retries: int = 1
+    rewritten_history: str = "segment"
 
     def validate(self, path: str) -> None:
         recorded = isinstance(self.function, str) and self.function.startswith(
@@ -60,6 +75,11 @@ class AgentConfig:
         retries = self.retries
         if isinstance(retries, bool) or not isinstance(retries, int) or not 0 <= retries <= MAX_ENV_RETRIES:
             raise ConfigError(f"{path}.retries must be an int in [0, {MAX_ENV_RETRIES}], got {retries!r}")
+        if self.rewritten_history not in REWRITTEN_HISTORY:
+            raise ConfigError(
+                f"{path}.rewritten_history must be one of {', '.join(REWRITTEN_HISTORY)}, got "
+                f"{self.rewritten_history!r}"
+            )
 
 
 def apply_agent(config: Any) -> None:
@@ -83,7 +103,7 @@ def apply_agent(config: Any) -> None:
     # A saved agent config (a new run from it, or a resume) holds what an earlier apply derived:
     # env.name is the agent environment and the two rollout fields are the agent's; the agent
     # section decides them again.
-    derived = env.name == AGENT_ENVIRONMENT and set(env.options) <= {"function"}
+    derived = env.name == AGENT_ENVIRONMENT and set(env.options) <= {"function", "rewritten_history"}
     if not derived and (env.name is not None or env.options):
         raise ConfigError(
             f"agent.function and env.name={env.name!r} (or env.options) are both set; an agent is its own "
@@ -96,7 +116,12 @@ def apply_agent(config: Any) -> None:
         if not derived and getattr(rollout, name) not in (default, value):
             raise ConfigError(f"rollout.{name} does not apply to an agent; set agent.{field} instead")
         setattr(rollout, name, value)
-    env.name, env.options = AGENT_ENVIRONMENT, {"function": agent.function}
+    env.name, env.options = AGENT_ENVIRONMENT, agent_options(agent)
+
+
+def agent_options(agent: AgentConfig) -> dict[str, Any]:
+    """The agent environment's options (``env.options``) of an agent section."""
+    return {"function": agent.function, "rewritten_history": agent.rewritten_history}
 
 
 def check_agent(config: Any) -> None:
@@ -107,14 +132,38 @@ def check_agent(config: Any) -> None:
     """
     config.agent.validate("agent")
     if config.agent.function is not None and (
-        config.env.name != AGENT_ENVIRONMENT or config.env.options != {"function": config.agent.function}
+        config.env.name != AGENT_ENVIRONMENT or config.env.options != agent_options(config.agent)
     ):
         raise ConfigError(
             "agent.function and env.name are both set; an agent is its own environment: drop env.name"
         )
+    if config.agent.function is not None and config.agent.rewritten_history == "segment":
+        check_segments(config)
     if config.agent.function is None and config.env.name == AGENT_ENVIRONMENT:
         raise ConfigError(
             f"env.name={AGENT_ENVIRONMENT!r} is set by agent.function; set agent.function instead"
+        )
+
+
+def check_segments(config: Any) -> None:
+    """Refuse what cannot train an episode's segments with one advantage per episode
+    (:mod:`policygrad.learn.segments`): a critic's per-token advantages or a KL penalty in the
+    per-token rewards (estimators with inputs, ReMax and VinePPO, take no episodes at all).
+
+    Raises:
+        ConfigError: naming the option and the two ways out.
+    """
+    spec = config.estimator_spec
+    why = None
+    if spec.needs_values:
+        why = f"the {spec.name} estimator's per-token advantages (a critic)"
+    elif kl_placement_spec(config.kl.placement).shapes_rewards:
+        why = f"kl.placement={config.kl.placement} (a KL penalty on each token's reward)"
+    if why is not None:
+        raise ConfigError(
+            "agent.rewritten_history=segment trains an episode's earlier segments with the episode's one "
+            f"advantage, which {why} does not give; use an outcome estimator (grpo, rloo, reinforce) "
+            "with kl.placement=loss or none, or set agent.rewritten_history=fail"
         )
 
 

@@ -22,9 +22,15 @@ its session when its messages start with the previous call's messages followed b
 endpoint gave (same role and text; tool calls compared by name and arguments): the messages after
 that are the observation, rendered by the chat template's delta like an environment's. A call that
 does not extend (an agent or library that rewrites or trims its history, a template that drops
-earlier reasoning) fails the episode with a line naming the first message that differs; it is
-counted, retried on a fresh session like any failure, and its group leaves the batch if it fails
-again. (Training such a call as a new segment on its own prompt is not built.)
+earlier reasoning) is decided by ``agent.rewritten_history``:
+
+* ``segment`` (the default): the call starts a new *segment* of the episode
+  (``StepResult.restart``): its messages are rendered afresh as the next turn's prompt, and the
+  tokens so far become a row of their own, trained with the episode's advantage
+  (:mod:`policygrad.learn.segments`); counted as ``episode/restarts_mean`` and
+  ``env/history_rewrites`` (the share of turns that restarted);
+* ``fail``: the episode fails with a line naming the first message that differs; it is counted,
+  retried on a fresh session like any failure, and its group leaves the batch if it fails again.
 
 **Failures.** The agent raising, returning without ever calling the model, returning something
 that is not a finite number (or dict of them), or taking longer than ``agent.timeout_s`` between
@@ -46,7 +52,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from policygrad.config.agent import AGENT_ENVIRONMENT
+from policygrad.config.agent import AGENT_ENVIRONMENT, REWRITTEN_HISTORY
 from policygrad.envs.base import FLOAT32_MAX, Environment, EnvironmentFailure, StepResult, check_messages
 from policygrad.envs.endpoint import AgentCall, endpoint, message_key, plain_message, reply_message
 from policygrad.envs.registry import environment_factory, load_spec
@@ -138,14 +144,22 @@ class AgentEnv(Environment):
 
     Args:
         function: the agent (:func:`load_agent`).
+        rewritten_history: what a call that does not extend its history does: ``segment`` (a new
+            segment of the episode) or ``fail`` (module docstring).
 
     Raises:
-        ValueError / FileNotFoundError / TypeError: ``function`` cannot be loaded.
+        ValueError / FileNotFoundError / TypeError: ``function`` cannot be loaded, or
+            ``rewritten_history`` is neither.
     """
 
     describe_tools = False  # the tools of the agent's first call go to the chat template
 
-    def __init__(self, *, function: Any):
+    def __init__(self, *, function: Any, rewritten_history: str = "segment"):
+        if rewritten_history not in REWRITTEN_HISTORY:
+            raise ValueError(
+                f"rewritten_history must be one of {', '.join(REWRITTEN_HISTORY)}, got {rewritten_history!r}"
+            )
+        self.rewritten_history = rewritten_history
         self.function = load_agent(function)
         self.session = None
         self.thread: threading.Thread | None = None
@@ -156,6 +170,7 @@ class AgentEnv(Environment):
         self.named: dict[str, float] = {}
         self.reward = 0.0
         self.ended_by_limit = False
+        self.cut = False  # the turn being answered was cut by a limit (turn_cut)
 
     def tool_schemas(self) -> list[dict] | None:
         """The ``tools`` of the agent's first call (None: none)."""
@@ -219,15 +234,22 @@ class AgentEnv(Environment):
         self.history = [message_key(m) for m in call.messages]
         return check_messages([plain_message(m) for m in call.messages], "the agent's first call")
 
+    def turn_cut(self) -> None:
+        """The next :meth:`step`'s turn was cut by a limit: its reply says ``finish_reason: length``."""
+        self.cut = True
+
     def step(self, action: str) -> StepResult:
         """Answer the call in flight with ``action``; the agent's next call's new messages, or
         done when it returned."""
         if self.call is None:
             raise RuntimeError("AgentEnv.step without a call in flight")
         reply, finish_reason, malformed = reply_message(action, self.call.tools)
+        if self.cut:  # as an OpenAI server says of a reply cut at max_tokens
+            finish_reason, self.cut = "length", False
         info = {
             "tool_calls": float(len(reply.get("tool_calls") or [])),
             "malformed_tool_calls": float(malformed),
+            "history_rewrites": 0.0,
         }
         self.history.append(message_key(reply))
         self.session.answer(reply, finish_reason)
@@ -239,11 +261,17 @@ class AgentEnv(Environment):
         n = len(self.history)
         if keys[:n] != self.history:
             first = next((i for i, (a, b) in enumerate(zip(keys, self.history)) if a != b), min(len(keys), n))
-            raise EnvironmentFailure(
-                f"the agent's call {self.session.calls} does not extend its history (message {first} "
-                "differs from what this session saw and answered, or is missing); an episode's calls must "
-                "resend every earlier message and reply unchanged"
-            )
+            if self.rewritten_history == "fail":
+                raise EnvironmentFailure(
+                    f"the agent's call {self.session.calls} does not extend its history (message {first} "
+                    "differs from what this session saw and answered, or is missing); an episode's calls "
+                    "must resend every earlier message and reply unchanged (or set "
+                    "agent.rewritten_history=segment)"
+                )
+            self.history = keys  # a new segment: the call's whole conversation is its prompt
+            messages = [plain_message(m) for m in call.messages]
+            info["history_rewrites"] = 1.0
+            return StepResult(check_messages(messages, "the agent's call"), 0.0, False, info, restart=True)
         self.history = keys
         return StepResult(
             check_messages(

@@ -60,12 +60,18 @@ class StepResult:
         reward: the turn's reward, placed on the turn's last action token (0.0: none).
         done: the episode is over; ``observation`` is then not shown.
         info: numbers to log, averaged over a step's turns as ``env/<key>``.
+        restart: ``observation`` is the whole conversation from here on (it replaces the
+            episode's history instead of extending it): the next turn's prompt is rendered from
+            it afresh, and the tokens so far become an earlier *segment* of the episode, a row of
+            its own trained with the episode's advantage (an agent whose library trims or rewrites
+            its history; :mod:`policygrad.envs.agent`).
     """
 
     observation: list[dict[str, str]] = dataclasses.field(default_factory=list)
     reward: float = 0.0
     done: bool = False
     info: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    restart: bool = False
 
 
 class Environment(abc.ABC):
@@ -99,7 +105,9 @@ class Environment(abc.ABC):
 
     # Optional: ``final_info() -> {name: number}``, called right after :meth:`final_reward`,
     # numbers to log for the whole episode as ``env/<name>`` (the agent environment's named
-    # rewards use it); not defined here, so an environment without it costs nothing.
+    # rewards use it); and ``turn_cut()``, called right before :meth:`step` on a turn a limit cut
+    # (the agent environment answers it with ``finish_reason: length``). Not defined here, so an
+    # environment without them costs nothing.
 
 
 # A role is rendered by the chat template as markup (ChatML: after <|im_start|>), so it must be a
@@ -159,8 +167,8 @@ def check_reward(value: Any, what: str) -> float:
 
 
 def check_step_result(result: Any) -> StepResult:
-    """``result`` checked: a :class:`StepResult` with a finite float32 reward, a bool ``done``
-    and finite numeric info.
+    """``result`` checked: a :class:`StepResult` with a finite float32 reward, bools ``done`` and
+    ``restart`` (a restart's observation not empty) and finite numeric info.
 
     Raises:
         EnvironmentFailure: anything else (names the field).
@@ -168,11 +176,22 @@ def check_step_result(result: Any) -> StepResult:
     if not isinstance(result, StepResult):
         raise EnvironmentFailure(f"step() must return a StepResult, got {type(result).__name__}")
     reward = check_reward(result.reward, "StepResult.reward")
-    done = result.done
-    if isinstance(done, str) or not any(done is v or (done == v) is True for v in (True, False)):
-        raise EnvironmentFailure(f"StepResult.done must be True or False, got {done!r:.60}")
+    done, restart = _flag(result.done, "done"), _flag(result.restart, "restart")
     info = {}
     for key, value in dict(result.info).items():
         info[str(key)] = check_reward(value, f"StepResult.info[{key!r}]")
-    observation = check_messages(result.observation, "StepResult.observation", allow_empty=True)
-    return StepResult(observation, reward, bool(done), info)
+    observation = check_messages(
+        result.observation, "StepResult.observation", allow_empty=not (restart and not done)
+    )
+    return StepResult(observation, reward, done, info, restart)
+
+
+def _flag(value: Any, name: str) -> bool:
+    """``value`` as a bool when it is True or False (numpy's bools too).
+
+    Raises:
+        EnvironmentFailure: anything else (names ``StepResult.<name>``).
+    """
+    if isinstance(value, str) or not any(value is v or (value == v) is True for v in (True, False)):
+        raise EnvironmentFailure(f"StepResult.{name} must be True or False, got {value!r:.60}")
+    return bool(value)

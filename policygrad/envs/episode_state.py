@@ -6,16 +6,25 @@ rewards, messages and stop), and what a finished batch of them becomes: the roll
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from policygrad.envs.base import STOP_REASONS, TRUNCATING_STOPS, EnvironmentFailure
-from policygrad.envs.records import Episodes
+from policygrad.envs.records import Episodes, Segments
 from policygrad.rollout.base import Rollout
 
-__all__ = ["EpisodeState", "accept", "group_tools", "to_episodes", "to_rollout"]
+__all__ = [
+    "EpisodeState",
+    "accept",
+    "check_tool_schemas",
+    "group_tools",
+    "to_episodes",
+    "to_rollout",
+    "to_segments",
+]
 
 
 @dataclasses.dataclass
@@ -44,6 +53,12 @@ class EpisodeState:
     last_action: str = ""
     stop: str | None = None
     error: str | None = None
+    prompt: list[int] = dataclasses.field(default_factory=list)  # the segment's prompt ids
+    # Earlier segments (a restarted history): (prompt, ids, action, logprobs) each; ``spent`` their
+    # tokens after the prompt (the budget counts them), ``carried`` their turn rewards.
+    segments: list[tuple] = dataclasses.field(default_factory=list)
+    spent: int = 0
+    carried: float = 0.0
 
     def fail(self, message: str) -> None:
         self.stop, self.error = "error", message
@@ -52,7 +67,10 @@ class EpisodeState:
 def to_rollout(first: Rollout, episodes: list[EpisodeState], pad_id: int) -> Rollout:
     """``first`` (the first turn's rollout) with the whole episodes' columns: every id after the
     prompt (right-padded with ``pad_id``), the action and observation masks, the sampler's
-    log-probs, and ``truncated`` where the episode stopped on a cut turn."""
+    log-probs, and ``truncated`` where the episode stopped on a cut turn; where an episode
+    restarted, the prompt of its last segment (left-padded with ``pad_id``)."""
+    if any(e.segments for e in episodes):
+        first = _with_prompts(first, [e.prompt for e in episodes], pad_id)
     T = max(len(e.ids) for e in episodes)
     B = len(episodes)
     ids = torch.full((B, T), pad_id, dtype=torch.long)
@@ -78,13 +96,30 @@ def to_rollout(first: Rollout, episodes: list[EpisodeState], pad_id: int) -> Rol
     )
 
 
-def to_episodes(episodes: list[EpisodeState], env_seconds: float) -> Episodes:
-    """The :class:`~policygrad.envs.records.Episodes` record of finished ``episodes``."""
+def _with_prompts(rollout: Rollout, prompts: list[list[int]], pad_id: int) -> Rollout:
+    """``rollout`` with prompt columns holding ``prompts`` (left-padded with ``pad_id``)."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for r, prompt in enumerate(prompts):
+        ids[r, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        mask[r, P - len(prompt) :] = 1
+    device = rollout.prompt_ids.device
+    return dataclasses.replace(rollout, prompt_ids=ids.to(device), prompt_mask=mask.to(device))
+
+
+def to_episodes(episodes: list[EpisodeState], env_seconds: float, rollout: Rollout, pad_id: int) -> Episodes:
+    """The :class:`~policygrad.envs.records.Episodes` record of finished ``episodes`` (whose
+    rows are ``rollout``, :func:`to_rollout`'s); earlier segments' turn rewards are added on the
+    episode's last action token, where its final reward is."""
     T = max(len(e.ids) for e in episodes)
     turn_rewards = torch.zeros(len(episodes), T, dtype=torch.float32)
     for r, e in enumerate(episodes):
         for position, reward in e.rewards.items():
             turn_rewards[r, position] = reward
+        if e.carried and True in e.action:
+            last = len(e.action) - 1 - e.action[::-1].index(True)
+            turn_rewards[r, last] += e.carried
     keys = sorted({k for e in episodes for k in e.info})
     nan = float("nan")
     info = {
@@ -103,7 +138,58 @@ def to_episodes(episodes: list[EpisodeState], env_seconds: float) -> Episodes:
         env_seconds=env_seconds,
         retries=sum(e.attempts for e in episodes),
         close_errors=sum(e.close_error is not None for e in episodes),
+        restarts=torch.tensor([len(e.segments) for e in episodes], dtype=torch.long),
+        earlier_tokens=torch.tensor([_earlier_tokens(e) for e in episodes], dtype=torch.long).view(-1, 2),
+        segments=to_segments(episodes, rollout, pad_id),
     )
+
+
+def _earlier_tokens(e: EpisodeState) -> list[int]:
+    """``[action tokens, observation tokens]`` of ``e``'s earlier segments."""
+    actions = sum(sum(action) for _, _, action, _ in e.segments)
+    return [actions, sum(len(action) for _, _, action, _ in e.segments) - actions]
+
+
+def to_segments(episodes: list[EpisodeState], rollout: Rollout, pad_id: int) -> Segments | None:
+    """The episodes' earlier segments (:class:`~policygrad.envs.records.Segments`), laid out as
+    ``rollout`` (prompts left-padded and responses right-padded with ``pad_id``, on its device,
+    its sampling and group size); None when no episode restarted."""
+    rows = [(r, segment) for r, e in enumerate(episodes) for segment in e.segments]
+    if not rows:
+        return None
+    S = len(rows)
+    P = max(len(prompt) for _, (prompt, *_) in rows)
+    T = max(len(ids) for _, (_, ids, _, _) in rows)
+    prompt_ids = torch.full((S, P), pad_id, dtype=torch.long)
+    prompt_mask = torch.zeros(S, P, dtype=torch.long)
+    ids = torch.full((S, T), pad_id, dtype=torch.long)
+    action = torch.zeros(S, T, dtype=torch.float32)
+    observed = torch.zeros(S, T, dtype=torch.float32)
+    logprobs = torch.zeros(S, T, dtype=torch.float32)
+    for s, (_, (prompt, seg_ids, seg_action, seg_logprobs)) in enumerate(rows):
+        p, n = len(prompt), len(seg_ids)
+        prompt_ids[s, P - p :] = torch.tensor(prompt, dtype=torch.long)
+        prompt_mask[s, P - p :] = 1
+        ids[s, :n] = torch.tensor(seg_ids, dtype=torch.long)
+        mask = torch.tensor(seg_action, dtype=torch.bool)
+        action[s, :n] = mask.float()
+        observed[s, :n] = (~mask).float()
+        logprobs[s, :n] = torch.tensor(seg_logprobs, dtype=torch.float32)
+    owner = torch.tensor([r for r, _ in rows], dtype=torch.long)
+    device = rollout.response_ids.device
+    segments = Rollout(
+        prompt_ids=prompt_ids.to(device),
+        prompt_mask=prompt_mask.to(device),
+        response_ids=ids.to(device),
+        response_mask=action.to(device),
+        truncated=torch.zeros(S, dtype=torch.bool, device=device),  # a segment's turns all ended
+        sampler_logprobs=logprobs.to(device),
+        group_index=owner.to(device),  # a placeholder: a segment's group is its episode's
+        group_size=rollout.group_size,
+        sampling=rollout.sampling,
+        observation_mask=observed.to(device) if bool(observed.any()) else None,
+    )
+    return Segments(segments, owner)
 
 
 def accept(e: EpisodeState, outcome: tuple[bool, Any], call: str, check: Callable[[Any], Any]) -> Any:
@@ -119,6 +205,31 @@ def accept(e: EpisodeState, outcome: tuple[bool, Any], call: str, check: Callabl
     except EnvironmentFailure as exc:
         e.fail(str(exc) if str(exc).startswith(call) else f"{call} failed: {exc}")
         return None
+
+
+def check_tool_schemas(tools: Any, delta) -> list[dict] | None:
+    """Native tool schemas (``tool_schemas()``'s value) checked: a list of JSON dicts without the
+    text of a special token (the template renders them as markup, so such text would be read as
+    real tokens; ``delta``: the runner's :class:`~policygrad.envs.template.ChatDelta`).
+
+    Raises:
+        EnvironmentFailure: anything else (names ``tool_schemas()``).
+    """
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        raise EnvironmentFailure(f"tool_schemas() must return a list of dicts, got {tools!r:.120}")
+    try:
+        text = json.dumps(tools, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise EnvironmentFailure(f"tool_schemas() must be JSON ({exc})") from None
+    found = delta.special_in(text)
+    if found is not None:
+        raise EnvironmentFailure(
+            f"tool_schemas() holds the text of the special token {found!r}, which the chat template "
+            "would render as a real token; remove it from the tool's name and description"
+        )
+    return tools
 
 
 def group_tools(group: list[EpisodeState]) -> list[dict] | None:

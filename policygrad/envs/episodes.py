@@ -20,7 +20,6 @@ one episode while it runs, and the columns finished episodes become, are
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -35,7 +34,14 @@ from policygrad.envs.base import (
     check_reward,
     check_step_result,
 )
-from policygrad.envs.episode_state import EpisodeState, accept, group_tools, to_episodes, to_rollout
+from policygrad.envs.episode_state import (
+    EpisodeState,
+    accept,
+    check_tool_schemas,
+    group_tools,
+    to_episodes,
+    to_rollout,
+)
 from policygrad.envs.records import EpisodeLimits, Episodes
 from policygrad.envs.template import ChatDelta, TemplateError, cut_middle, max_token_chars
 from policygrad.envs.workers import call_all, copy_row, make_host
@@ -43,6 +49,8 @@ from policygrad.rollout.base import Rollout, prompt_seed
 from policygrad.rollout.engine import RolloutEngine
 
 __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
+
+_NO_LIMIT = 2**31 - 1  # a restarted history's prompt: bounded by the context (``_room``), not cut
 
 log = logging.getLogger("policygrad")
 
@@ -144,33 +152,10 @@ class EpisodeRunner:
                 e.fail(f"building the environment failed: {value}")
         opened = self._calls(live, "reset", lambda e: (copy_row(e.row), e.reset_seed))
         for e, outcome in zip(live, opened):
-            check = lambda v: (check_messages(v[0], "reset()"), self._tools(v[1]))  # noqa: E731
+            check = lambda v: (check_messages(v[0], "reset()"), check_tool_schemas(v[1], self.delta))  # noqa: E731
             value = accept(e, outcome, "reset()", check)
             if value is not None:
                 e.messages, e.tools = value
-
-    def _tools(self, tools: Any) -> list[dict] | None:
-        """Native tool schemas checked: a list of JSON dicts without the text of a special token
-        (the template renders them as markup, so such text would be read as real tokens).
-
-        Raises:
-            EnvironmentFailure: anything else (names ``tool_schemas()``).
-        """
-        if tools is None:
-            return None
-        if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
-            raise EnvironmentFailure(f"tool_schemas() must return a list of dicts, got {tools!r:.120}")
-        try:
-            text = json.dumps(tools, ensure_ascii=False)
-        except (TypeError, ValueError) as exc:
-            raise EnvironmentFailure(f"tool_schemas() must be JSON ({exc})") from None
-        found = self.delta.special_in(text)
-        if found is not None:
-            raise EnvironmentFailure(
-                f"tool_schemas() holds the text of the special token {found!r}, which the chat template "
-                "would render as a real token; remove it from the tool's name and description"
-            )
-        return tools
 
     def _opening(self, group: list[EpisodeState]) -> list[dict] | None:
         """The group's shared opening messages (None when every reset failed)."""
@@ -251,14 +236,17 @@ class EpisodeRunner:
         )
         self._take_actions(episodes, first, [cap] * len(episodes))
         prompt_of = [prompts[i] for i in range(len(rows)) for _ in range(G)]
-        env_seconds += self._observe(episodes, prompt_of)
-        env_seconds += self._turns(episodes, prompt_of, 1, sampling)
+        for e, prompt in zip(episodes, prompt_of):
+            e.prompt = prompt
+        env_seconds += self._observe(episodes)
+        env_seconds += self._turns(episodes, 1, sampling)
         env_seconds += self._finish(episodes)
         env_seconds += self._retry(episodes, prompt_of, sampling)
         finals = [e.last_action for e in episodes]
-        return prompts, to_rollout(first, episodes, self.pad_id), to_episodes(episodes, env_seconds), finals
+        rollout = to_rollout(first, episodes, self.pad_id)
+        return prompts, rollout, to_episodes(episodes, env_seconds, rollout, self.pad_id), finals
 
-    def _turns(self, episodes: list[EpisodeState], prompt_of: list[list[int]], turn: int, sampling) -> float:
+    def _turns(self, episodes: list[EpisodeState], turn: int, sampling) -> float:
         """The turns after ``turn`` of every live episode, until each stops; each turn's
         ``env.step``. Returns the seconds spent in the environments."""
         env_seconds = 0.0
@@ -267,14 +255,14 @@ class EpisodeRunner:
             if not live:
                 return env_seconds
             turn += 1
-            allowed = {i: self._room(episodes[i], prompt_of[i]) for i in live}
+            allowed = {i: self._room(episodes[i]) for i in live}
             for i in live:
                 if allowed[i][0] < 1:
                     episodes[i].stop = allowed[i][1]
             for cap in sorted({a for a, _ in allowed.values() if a >= 1}):
                 batch = [i for i in live if allowed[i][0] == cap]
                 out = self.engine.generate(
-                    [prompt_of[i] + episodes[i].ids for i in batch],
+                    [episodes[i].prompt + episodes[i].ids for i in batch],
                     group_size=1,
                     max_new_tokens=cap,
                     prompt_seeds=[prompt_seed(episodes[i].seed, turn) for i in batch],
@@ -282,7 +270,7 @@ class EpisodeRunner:
                     **sampling,
                 )
                 self._take_actions([episodes[i] for i in batch], out, [allowed[i] for i in batch])
-            env_seconds += self._observe([episodes[i] for i in live], [prompt_of[i] for i in live])
+            env_seconds += self._observe([episodes[i] for i in live])
 
     def _retry(self, episodes: list[EpisodeState], prompt_of: list[list[int]], sampling) -> float:
         """Run again from scratch each episode that failed in the environment after its reset,
@@ -317,8 +305,9 @@ class EpisodeRunner:
                 if e.stop is None and e.messages != e.opening:
                     e.fail("reset() gave this episode other opening messages than its group's (same seed)")
                 e.messages, e.start = list(episodes[i].start), list(episodes[i].start)
+                e.prompt = prompt_of[i]
             env_seconds += time.perf_counter() - t
-            env_seconds += self._turns(fresh, [prompt_of[i] for i in failed], 0, sampling)
+            env_seconds += self._turns(fresh, 0, sampling)
             env_seconds += self._finish(fresh)
             for e, i in zip(fresh, failed):
                 episodes[i] = e
@@ -330,14 +319,19 @@ class EpisodeRunner:
             return lim.max_episode_tokens, "budget"
         return lim.max_new_tokens, "length"
 
-    def _room(self, e: EpisodeState, prompt: list[int]) -> tuple[int, str]:
+    def _room(self, e: EpisodeState) -> tuple[int, str]:
         """``(the most tokens e's next turn may have, the stop reason when that is the limit)``."""
+        return self._room_after(len(e.prompt) + len(e.ids), e.spent + len(e.ids))
+
+    def _room_after(self, in_context: int, spent: int) -> tuple[int, str]:
+        """:meth:`_room` of an episode with ``in_context`` tokens in its segment (prompt and
+        after) and ``spent`` after the prompts of all its segments (what the budget counts)."""
         lim = self.limits
         room, reason = lim.max_new_tokens, "length"
-        if lim.max_episode_tokens is not None and lim.max_episode_tokens - len(e.ids) < room:
-            room, reason = lim.max_episode_tokens - len(e.ids), "budget"
-        if lim.max_context is not None and lim.max_context - len(prompt) - len(e.ids) < room:
-            room, reason = lim.max_context - len(prompt) - len(e.ids), "context"
+        if lim.max_episode_tokens is not None and lim.max_episode_tokens - spent < room:
+            room, reason = lim.max_episode_tokens - spent, "budget"
+        if lim.max_context is not None and lim.max_context - in_context < room:
+            room, reason = lim.max_context - in_context, "context"
         return room, reason
 
     def _take_actions(self, episodes: list[EpisodeState], out: Rollout, caps) -> None:
@@ -358,18 +352,18 @@ class EpisodeRunner:
             if not ids or ids[-1] not in self.end_ids:  # cut: by max_new_tokens or by a tighter limit
                 e.stop = cap[1] if n >= cap[0] else "length"
 
-    def _observe(self, episodes: list[EpisodeState], prompts: list[list[int]]) -> float:
+    def _observe(self, episodes: list[EpisodeState]) -> float:
         """``env.step`` on every episode's new turn, a cut one included (the environment judges
         every turn the policy wrote; the episode then ends, its observation unseen); the
         observations of the live ones appended. Returns the seconds spent in the environments."""
         fresh = (None, *TRUNCATING_STOPS)
-        live = [(e, p) for e, p in zip(episodes, prompts) if not e.stepped and e.stop in fresh]
-        for e, _ in live:
+        live = [e for e in episodes if not e.stepped and e.stop in fresh]
+        for e in live:
             e.stepped = True
         t = time.perf_counter()
-        results = self._calls([e for e, _ in live], "step", lambda e: (e.last_action,))
+        results = self._calls(live, "step", lambda e: (e.last_action, e.stop is not None))  # (cut)
         seconds = time.perf_counter() - t
-        for (e, prompt), outcome in zip(live, results):
+        for e, outcome in zip(live, results):
             result = accept(e, outcome, "step()", check_step_result)
             if result is None:
                 continue
@@ -378,12 +372,12 @@ class EpisodeRunner:
             for key, v in result.info.items():
                 e.info.setdefault(key, []).append(v)
             if e.stop is None:  # a cut turn's episode is over whatever the environment says
-                self._continue(e, result, prompt)
+                self._continue(e, result)
         return seconds
 
-    def _continue(self, e: EpisodeState, result, prompt: list[int]) -> None:
-        """After a turn that ended normally: stop (done, max_turns, budget, context) or append
-        the observation."""
+    def _continue(self, e: EpisodeState, result) -> None:
+        """After a turn that ended normally: stop (done, max_turns, budget, context), restart
+        the history (a new segment) or append the observation."""
         lim = self.limits
         if result.done:
             e.stop = "done"
@@ -391,6 +385,10 @@ class EpisodeRunner:
         if e.turns >= lim.max_turns:
             e.stop = "max_turns"
             return
+        if result.restart:
+            self._restart(e, result.observation)
+            return
+        prompt = e.prompt
         observation = result.observation
         too_long = self._surely_too_long(e, observation, prompt)
         if too_long is not None:
@@ -406,7 +404,7 @@ class EpisodeRunner:
         except ValueError as exc:
             e.fail(str(exc).splitlines()[0])
             return
-        if lim.max_episode_tokens is not None and len(e.ids) + len(ids) >= lim.max_episode_tokens:
+        if lim.max_episode_tokens is not None and e.spent + len(e.ids) + len(ids) >= lim.max_episode_tokens:
             e.stop = "budget"  # no room for the next turn
             return
         if lim.max_context is not None and len(prompt) + len(e.ids) + len(ids) >= lim.max_context:
@@ -416,6 +414,30 @@ class EpisodeRunner:
         e.action.extend([False] * len(ids))
         e.logprobs.extend([0.0] * len(ids))
         e.messages.extend(observation)
+
+    def _restart(self, e: EpisodeState, messages: list[dict]) -> None:
+        """The episode's history replaced by ``messages`` (``StepResult.restart``): the tokens so
+        far close a segment, and the next turn samples from ``messages`` rendered afresh (the
+        opening's rules: the run's system prompt when they have none, contents as plain text, the
+        tools of the episode's first call). When the new prompt leaves no room for a turn the
+        episode stops instead (``context`` or ``budget``), its history as it was."""
+        if self.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        try:
+            text, ids = self.delta.prompt(messages, tools=e.tools)
+        except TemplateError as exc:
+            e.fail(f"the restarted history cannot be rendered: {str(exc).splitlines()[0]}")
+            return
+        prompt = tokenize_prompts(self.tokenizer, [text], max_prompt_length=_NO_LIMIT, ids=[ids])[0]
+        room, reason = self._room_after(len(prompt), e.spent + len(e.ids))
+        if room < 1:
+            e.stop = reason
+            return
+        e.segments.append((e.prompt, e.ids, e.action, e.logprobs))
+        e.prompt, e.spent, e.ids, e.action, e.logprobs = prompt, e.spent + len(e.ids), [], [], []
+        e.carried += sum(e.rewards.values())
+        e.rewards = {}
+        e.messages = list(messages)
 
     def _surely_too_long(self, e: EpisodeState, observation: list[dict], prompt: list[int]) -> str | None:
         """The stop reason (``budget``, ``context``) that :meth:`_continue` would give an
@@ -429,7 +451,7 @@ class EpisodeRunner:
         chars = sum(len(m["content"]) for m in observation)
         per_token = max_token_chars(self.tokenizer)
         # ids >= room is the stop; chars > per_token * (room - 1) gives ids >= ceil(chars / L) >= room.
-        budget = None if lim.max_episode_tokens is None else lim.max_episode_tokens - len(e.ids)
+        budget = None if lim.max_episode_tokens is None else lim.max_episode_tokens - e.spent - len(e.ids)
         if budget is not None and chars > per_token * (budget - 1):
             return "budget"  # checked first in _continue
         context = None if lim.max_context is None else lim.max_context - len(prompt) - len(e.ids)

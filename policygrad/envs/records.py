@@ -12,9 +12,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from policygrad.envs.base import STOP_REASONS, TRUNCATING_STOPS
-from policygrad.rollout.base import RESPONSE, ROW, field_layouts, pad_columns
+from policygrad.rollout.base import RESPONSE, ROW, Rollout, field_layouts, pad_columns
 
-__all__ = ["EpisodeLimits", "Episodes"]
+__all__ = ["EpisodeLimits", "Episodes", "Segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +50,49 @@ class EpisodeLimits:
 
 
 @dataclasses.dataclass
+class Segments:
+    """The earlier segments of a batch's episodes: the rows an episode left behind each time its
+    history restarted (``StepResult.restart``), the episode's own row holding its last segment.
+
+    Attributes:
+        rollout: S rows, each a segment's prompt (the conversation as it was rendered when the
+            segment began), its actions and observations, laid out as the episodes' rollout;
+            ``group_index`` and ``weight_version`` are meaningless here: a segment's are its
+            episode's (:meth:`~policygrad.produce.stages.SampledBatch.training_rollout`).
+        owner: long [S], the episode (row of the batch) each segment belongs to, in order of the
+            episodes and, within one, of the segments.
+    """
+
+    rollout: Rollout
+    owner: torch.Tensor
+
+    def select(self, rows: list[int]) -> Segments | None:
+        """The segments of the episodes ``rows`` (in that order), ``owner`` renumbered to their
+        positions in ``rows``; None when none of them has one."""
+        of: dict[int, list[int]] = {}
+        for s, o in enumerate(self.owner.tolist()):
+            of.setdefault(o, []).append(s)
+        keep = [(i, s) for i, r in enumerate(rows) for s in of.get(r, [])]
+        if not keep:
+            return None
+        return Segments(self.rollout.select([s for _, s in keep]), torch.tensor([i for i, _ in keep]))
+
+    @staticmethod
+    def concat(parts: Sequence[tuple[Segments | None, int]]) -> Segments | None:
+        """The segments of batches joined in order (``parts``: each batch's segments and its
+        number of episodes, by which the next batch's owners are offset); None when none has one."""
+        rollouts, owners, offset = [], [], 0
+        for segments, episodes in parts:
+            if segments is not None:
+                rollouts.append(segments.rollout)
+                owners.append(segments.owner + offset)
+            offset += episodes
+        if not rollouts:
+            return None
+        return Segments(Rollout.concat(rollouts, renumber=False), torch.cat(owners))
+
+
+@dataclasses.dataclass
 class Episodes:
     """What a batch of episodes produced beyond the :class:`Rollout` (B rows, as the rollout's).
 
@@ -67,6 +110,12 @@ class Episodes:
         env_seconds: seconds spent in environment calls.
         retries: fresh attempts made for episodes that failed in the environment.
         close_errors: episodes whose ``close()`` failed.
+        restarts: long [B], the times each episode's history restarted (its earlier segments);
+            None in records made before segments existed (read as 0).
+        earlier_tokens: long [B, 2], the action and observation tokens of each episode's earlier
+            segments (None as ``restarts``).
+        segments: the earlier segments (:class:`Segments`; None: no episode restarted), local
+            to this process (each process trains its own).
     """
 
     turn_rewards: torch.Tensor = dataclasses.field(metadata={"layout": RESPONSE})
@@ -80,6 +129,9 @@ class Episodes:
     env_seconds: float = 0.0
     retries: int = 0
     close_errors: int = 0
+    restarts: torch.Tensor | None = dataclasses.field(default=None, metadata={"layout": ROW})
+    earlier_tokens: torch.Tensor | None = dataclasses.field(default=None, metadata={"layout": ROW})
+    segments: Segments | None = dataclasses.field(default=None, metadata={"layout": "segments"})
 
     @property
     def stop_reasons(self) -> list[str]:
@@ -103,6 +155,7 @@ class Episodes:
                 [self.errors[i] for i in index] if self.errors else [],
             ],
             (self.env_seconds, self.retries, self.close_errors),
+            self.segments.select(index) if self.segments is not None else None,
         )
 
     @classmethod
@@ -114,6 +167,10 @@ class Episodes:
 
         def joined(name: str) -> torch.Tensor:
             values = [getattr(p, name) for p in parts]
+            if any(v is None for v in values):  # a record from before segments: none restarted
+                like = next(v for v in values if v is not None)
+                values = [like.new_zeros((len(p.stop), *like.shape[1:])) if v is None else v
+                          for p, v in zip(parts, values)]
             if name == "turn_rewards":
                 values = [pad_columns(v, width, left=False) for v in values]
             return torch.cat(values)
@@ -125,22 +182,26 @@ class Episodes:
         }
         local = [[t for p in parts for t in p.transcripts], [e for p in parts for e in p.errors]]
         counts = tuple(sum(getattr(p, k) for p in parts) for k in ("env_seconds", "retries", "close_errors"))
-        return parts[0]._build(joined, info, local, counts)
+        segments = Segments.concat([(p.segments, len(p.stop)) for p in parts])
+        return parts[0]._build(joined, info, local, counts, segments)
 
     def gather(self, gather_rows) -> Episodes:
         """Every process's episodes (see :meth:`Rollout.gather`); ``info`` (whose keys may
-        differ between processes), transcripts and errors stay this process's."""
+        differ between processes), transcripts, errors and segments stay this process's."""
         info = self.info
         return self._build(
             lambda name: gather_rows(getattr(self, name), left=False),
             info,
             [[], []],
             (self.env_seconds, self.retries, self.close_errors),
+            self.segments,
         )
 
-    def _build(self, tensor_of: Callable[[str], torch.Tensor], info, local, counts) -> Episodes:
+    def _build(
+        self, tensor_of: Callable[[str], torch.Tensor], info, local, counts, segments: Segments | None
+    ) -> Episodes:
         values = {
-            name: tensor_of(name)
+            name: tensor_of(name) if getattr(self, name) is not None else None
             for name, layout in field_layouts(Episodes).items()
             if layout in (RESPONSE, ROW)
         }
@@ -153,4 +214,5 @@ class Episodes:
             env_seconds=seconds,
             retries=retries,
             close_errors=close_errors,
+            segments=segments,
         )

@@ -8,6 +8,7 @@ worker, which stops it with every process it started (:func:`policygrad.sandbox.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import multiprocessing
 import numbers
@@ -46,12 +47,15 @@ def env_call(env: Any, method: str, args: tuple) -> Any:
     """One protocol call on ``env``: ``reset`` (``args`` = row, seed) returns ``(messages,
     native tools)``; ``final_reward`` (stop reason) returns the reward, or ``(reward, info)`` for an
     environment with ``final_info()`` (numbers to log for the episode, e.g. an agent's named
-    rewards); ``step`` (action) and ``close`` return what the environment's method returns
-    (``close`` of an environment without one: None)."""
+    rewards); ``step`` (action, and whether a limit cut that turn: then an environment with a
+    ``turn_cut()`` hook hears of it first) and ``close`` return what the environment's method
+    returns (``close`` of an environment without one: None)."""
     if method == "reset":
         messages = env.reset(args[0], seed=args[1])
         return messages, native_tools(env)
     if method == "step":
+        if len(args) > 1 and args[1] and callable(getattr(env, "turn_cut", None)):
+            env.turn_cut()
         return env.step(args[0])
     if method == "final_reward":  # with the episode's numbers to log, when the environment has them
         reward = env.final_reward(args[0])
@@ -99,7 +103,7 @@ def _encode(value: Any, depth: int = 0) -> tuple:
         if isinstance(value, StepResult):
             return (
                 "s",
-                *(_encode(getattr(value, f), depth + 1) for f in ("observation", "reward", "done", "info")),
+                *(_encode(getattr(value, f.name), depth + 1) for f in dataclasses.fields(StepResult)),
             )
         if isinstance(value, Mapping):
             return ("d", [(_encode(k, depth + 1), _encode(v, depth + 1)) for k, v in value.items()])

@@ -21,6 +21,7 @@ import torch
 from policygrad.core.diagnostics import explained_variance, mean_value, std_value
 from policygrad.core.groups import zero_variance_group_fraction
 from policygrad.core.masking import masked_mean
+from policygrad.parallel.runtime import peak_rss_gb
 
 __all__ = [
     "METRICS",
@@ -30,6 +31,7 @@ __all__ = [
     "is_known_metric",
     "mean_value",
     "mismatch_metrics",
+    "perf_metrics",
     "tracker_metric_name",
 ]
 
@@ -133,6 +135,8 @@ METRICS: dict[str, str] = {
     "budget, context or error",
     "episode/action_tokens_mean": "mean tokens the policy wrote per episode (what the loss counts)",
     "episode/observation_tokens_mean": "mean environment tokens per episode (seen, never trained on)",
+    "episode/restarts_mean": "mean times an episode's history restarted (an agent's call that rewrote it): "
+    "each leaves a segment row trained with the episode's advantage",
     "env/turn_reward_mean": "mean over episodes of the sum of their turn rewards as trained (0 on rows left "
     "out: failed, or cut under reward.truncation=penalty)",
     "env/final_reward_mean": "mean final reward over the episodes that did not fail",
@@ -306,11 +310,18 @@ def episode_metrics(episodes, rollout) -> dict[str, float]:
     failed = episodes.failed
     ok = ~failed
     observed = rollout.observation_mask
+    actions = rollout.response_mask.sum(-1).float()
+    seen = observed.sum(-1).float() if observed is not None else None
+    earlier = episodes.earlier_tokens
+    if earlier is not None and bool(earlier.any()):  # an episode's earlier segments count too
+        actions = actions + earlier[:, 0].to(actions)
+        seen = (seen if seen is not None else torch.zeros_like(actions)) + earlier[:, 1].to(actions)
     out = {
         "episode/turns_mean": episodes.turns.float().mean().item(),
-        "episode/action_tokens_mean": rollout.response_mask.sum(-1).float().mean().item(),
-        "episode/observation_tokens_mean": (
-            observed.sum(-1).float().mean().item() if observed is not None else 0.0
+        "episode/action_tokens_mean": actions.mean().item(),
+        "episode/observation_tokens_mean": seen.mean().item() if seen is not None else 0.0,
+        "episode/restarts_mean": (
+            episodes.restarts.float().mean().item() if episodes.restarts is not None else 0.0
         ),
         "env/turn_reward_mean": mean_value(episodes.turn_rewards.sum(-1)),
         "env/final_reward_mean": mean_value(episodes.final_rewards[ok]) if ok.any() else float("nan"),
@@ -363,3 +374,14 @@ def async_metrics(step, batch, exp, stats, production, waited, queue, times, tot
         if count > 0:
             metrics["async/behaviour_kl"] = total(diff.double().sum()) / count
     return metrics
+
+
+def perf_metrics(exp, seconds: float, threads: int) -> dict[str, float]:
+    """Tokens per second of a step of ``seconds`` (the trained rows' policy tokens, ``exp``: an
+    :class:`~policygrad.learn.experience.Experience`), torch's thread count and the peak memory."""
+    tokens = int(exp.rollout.response_mask.sum().item())
+    out = {"perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/threads": threads}
+    out["memory/peak_rss_gb"] = peak_rss_gb()
+    if torch.cuda.is_available():
+        out["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    return out

@@ -28,6 +28,7 @@ import torch
 from policygrad.config.agent import episode_fields
 from policygrad.envs.base import FLOAT32_MAX, STOP_REASONS
 from policygrad.envs.episodes import Episodes
+from policygrad.envs.records import Segments
 from policygrad.errors import TrainingError
 from policygrad.produce.inputs import ESTIMATOR_INPUTS
 from policygrad.produce.stages import (
@@ -348,7 +349,8 @@ def _input_metrics(trainer, production: Production) -> dict[str, float]:
 # Checkpoints: a production as tensors, lists, dicts and numbers (``torch.load(weights_only=True)``).
 
 _TYPES = {
-    cls.__name__: cls for cls in (Production, RawRound, Rollout, SamplingParams, Episodes, RewardOutput)
+    cls.__name__: cls
+    for cls in (Production, RawRound, Rollout, SamplingParams, Episodes, Segments, RewardOutput)
 }
 
 

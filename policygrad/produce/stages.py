@@ -67,6 +67,35 @@ class SampledBatch:
             return self.scores.scores
         return self.scores.scores + self.episodes.turn_rewards.sum(-1).to(self.scores.scores)
 
+    def shown(self) -> list[dict[str, Any]]:
+        """Each sample's prompt, completion and return, for display."""
+        return [
+            {"prompt": self.rows[i // self.group_size]["prompt"], "completion": c, "reward": float(s)}
+            for i, (c, s) in enumerate(zip(self.completions, self.returns))
+        ]
+
+    @property
+    def segments(self) -> int:
+        """S, the episodes' earlier segments in this batch (0 without an environment)."""
+        seg = self.episodes.segments if self.episodes is not None else None
+        return 0 if seg is None else seg.rollout.batch_size
+
+    def training_rollout(self) -> Rollout:
+        """The rows the update trains on: the B samples, then the episodes' S earlier segments
+        (:class:`~policygrad.envs.records.Segments`), each in its episode's group and with its
+        weight version. Without segments: ``rollout`` itself."""
+        if not self.segments:
+            return self.rollout
+        seg = self.episodes.segments
+        owner = seg.owner.to(self.rollout.group_index.device)
+        version = self.rollout.weight_version
+        rows = dataclasses.replace(
+            seg.rollout,
+            group_index=self.rollout.group_index[owner],
+            weight_version=version[owner] if version is not None else None,
+        )
+        return Rollout.concat([self.rollout, rows], renumber=False)
+
     def select_groups(self, groups: Sequence[int]) -> SampledBatch:
         """The batch of the prompts ``groups`` (positions 0..n-1), renumbered 0..k-1."""
         G = self.group_size

@@ -263,12 +263,13 @@ class Rollout:
         return int(self.group_index.max()) + 1 if self.batch_size else 0
 
     @classmethod
-    def concat(cls, rollouts: Sequence[Rollout]) -> Rollout:
+    def concat(cls, rollouts: Sequence[Rollout], *, renumber: bool = True) -> Rollout:
         """One batch of several: rows in order, prompts left-padded (with 0) to the widest P,
         response fields right-padded (with 0) to the widest T, groups renumbered in order (each
-        batch's ids offset by the :attr:`num_groups` of the batches before it). A single rollout
-        is returned as it is. An optional field that is None in some batches and not in others
-        is zeros in their rows.
+        batch's ids offset by the :attr:`num_groups` of the batches before it; ``renumber=False``:
+        the ids kept, for batches whose rows belong to the same groups). A single rollout is
+        returned as it is. An optional field that is None in some batches and not in others is
+        zeros in their rows.
 
         Raises:
             ValueError: no rollouts, or batch-wide metadata (``group_size``, ``sampling``) that
@@ -304,7 +305,7 @@ class Rollout:
                     v = like.new_zeros(r._shape(layout))
                 if layout in _PAD_LEFT:
                     v = pad_columns(v, widths[layout], left=_PAD_LEFT[layout])
-                elif layout == GROUP:
+                elif layout == GROUP and renumber:
                     v = v + offset
                 parts.append(v)
             changes[name] = torch.cat(parts)

@@ -58,20 +58,23 @@ from policygrad.learn.metrics import (
     episode_metrics,
     mean_value,
     mismatch_metrics,
+    perf_metrics,
 )
 from policygrad.learn.objective import PolicyObjective, positive_samples
 from policygrad.learn.optim import set_base_lr
+from policygrad.learn.segments import extend_to_segments, first_rows
 from policygrad.learn.update import PolicyStep, UpdateStats
 from policygrad.models.forward import inference_logprobs
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import Precision
-from policygrad.parallel.runtime import peak_rss_gb, release_free_memory, synced_clock
+from policygrad.parallel.runtime import release_free_memory, synced_clock
 from policygrad.parallel.strategy import Strategy
 from policygrad.parallel.threads import ThreadGovernor
 from policygrad.produce.producer import Producer
 from policygrad.produce.production import finish
 from policygrad.produce.rollouts import Rollouts
 from policygrad.rewards.scoring import Scorer
+from policygrad.rollout.base import pad_columns
 from policygrad.rollout.engine import RolloutEngine
 from policygrad.seeds import Seeds, seeded_torch
 from policygrad.trainer.state import load_trainer_state, trainer_state, write_trainer_shards
@@ -201,7 +204,7 @@ class Trainer:
         t_gen = time.perf_counter()
         metrics["time/generation_s"] = taken.production.seconds
         pretraining = self.critic is not None and self.step_idx < self.config.critic.pretrain_steps
-        rollout = batch.rollout.to(self.device)
+        rollout = batch.training_rollout().to(self.device)  # the samples, then any earlier segments
         ref = self._timed(metrics, "ref", self.kl.needs_reference, self.reference_logprobs, rollout)
         on_policy = self.on_policy(pretraining, batch.version)
         old = self._timed(metrics, "old", not on_policy, self.old_logprobs, rollout)
@@ -219,23 +222,10 @@ class Trainer:
         metrics.update(self.step_metrics(batch, sampled, everything, reduced))
         metrics.update(self.advance_entropy_controller(reduced))
         metrics["time/step_s"] = time.perf_counter() - t0
-        metrics.update(self.perf_metrics(exp, metrics["time/step_s"], threads))
+        metrics.update(perf_metrics(exp, metrics["time/step_s"], threads))
         self.step_idx += 1
-        self.last_samples = [
-            {"prompt": batch.rows[i // batch.group_size]["prompt"], "completion": c, "reward": float(s)}
-            for i, (c, s) in enumerate(zip(batch.completions, batch.returns))
-        ]
+        self.last_samples = batch.shown()
         return metrics
-
-    @staticmethod
-    def perf_metrics(exp: Experience, seconds: float, threads: int) -> dict[str, float]:
-        """Tokens per second of the step, torch's thread count and the peak memory."""
-        tokens = int(exp.rollout.response_mask.sum().item())
-        out = {"perf/tokens_per_s": tokens / max(seconds, 1e-9), "perf/threads": threads}
-        out["memory/peak_rss_gb"] = peak_rss_gb()
-        if torch.cuda.is_available():
-            out["memory/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 1e9
-        return out
 
     def step_metrics(self, batch, sampled, exp: Experience, stats: UpdateStats) -> dict[str, Any]:
         """The step's metrics other than time, memory and KL (names in :data:`METRICS`).
@@ -327,20 +317,26 @@ class Trainer:
     ) -> Experience:
         """Token rewards (the KL placement's shaping of the scores), advantages and returns (the
         registered estimator; Monte-Carlo returns while the critic is pretrained, i.e. while
-        ``train_policy`` is False), whitened as configured, in one :class:`Experience`."""
+        ``train_policy`` is False), whitened as configured, in one :class:`Experience`. ``rollout``
+        holds the B samples, then any earlier segments (:mod:`policygrad.learn.segments`)."""
         cfg = self.config
+        B = batch.rollout.batch_size
+        # Everything up to the advantages is of the B samples' rows (head: the first B of ``rollout``).
+        head, head_ref, head_old = first_rows(B, rollout, ref_logprobs, old_logprobs)
+        segmented = head is not rollout
         scores = batch.scores.scores.to(self.device)
-        response_mask = rollout.response_mask.float()
+        response_mask = head.response_mask.float()
         loss_mask = response_mask * batch.scores.valid.to(response_mask)[:, None]
-        behaviour = old_logprobs if old_logprobs is not None else rollout.sampler_logprobs
+        behaviour = head_old if head_old is not None else head.sampler_logprobs
         beta = float(self.kl_ctl.value)
         token_rewards = self.kl.token_rewards(
-            scores, behaviour, ref_logprobs, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
+            scores, behaviour, head_ref, response_mask, beta=beta, kind=cfg.kl.resolved_kind()
         )
         # The KL part: what the placement added to the scores (the turn rewards are not part of it).
         non_score = masked_sum(token_rewards, response_mask, dim=-1) - scores.to(token_rewards)
         if batch.episodes is not None:  # each turn's reward on its last action token
-            token_rewards = token_rewards + batch.episodes.turn_rewards.to(token_rewards)
+            turn_rewards = batch.episodes.turn_rewards.to(token_rewards)  # (a segment may be wider)
+            token_rewards = token_rewards + pad_columns(turn_rewards, token_rewards.shape[1], left=False)
         shaped = token_rewards
         reduce = self.dist.batch_reduce  # None in one process; else statistics over every rank
         if cfg.reward.whiten and self.dist.total(loss_mask.sum()) >= 2:  # N+ reward whitening: scale only
@@ -349,12 +345,17 @@ class Trainer:
         if self.estimator.spec.batch_statistics:  # e.g. reinforce_pp's whitening, over every rank
             options["batch_reduce"] = reduce
         advantages, returns = self.estimator(
-            token_rewards, response_mask, group_index=rollout.group_index, values=values, **options
+            token_rewards, response_mask, group_index=head.group_index, values=values, **options
         )
         if not train_policy:  # value pretraining fits Monte-Carlo returns (lam = 1), not lam-returns
             returns = monte_carlo_returns(
                 token_rewards, response_mask, gamma=float(options.get("gamma", 1.0))
             )
+        if segmented:  # the segments' rows join, with their episodes' advantages
+            advantages, returns, loss_mask, shaped, non_score = extend_to_segments(
+                batch, rollout.response_mask.float(), advantages, returns, shaped, non_score
+            )
+            behaviour = old_logprobs if old_logprobs is not None else rollout.sampler_logprobs
         if cfg.whiten_advantages and self.dist.total(loss_mask.sum()) >= 2:
             advantages = masked_whiten(advantages, loss_mask, reduce=reduce)
         check_finite_advantages(self.dist, self.config, batch.returns, shaped, advantages, loss_mask, values)
@@ -366,6 +367,8 @@ class Trainer:
             if cfg.loss.positive_lm_coef
             else None
         )
+        if positive is not None and segmented:  # a segment is as positive as its episode
+            positive = torch.cat([positive, positive[batch.episodes.segments.owner.to(positive.device)]])
         return Experience(
             rows=torch.arange(rollout.batch_size),
             rollout=rollout,

@@ -61,6 +61,24 @@ def guess_sync(client, row):
     return 0.0
 
 
+async def guess_summary(client, row):
+    """:func:`guess`, but each call after the first sends a summary instead of the history (a
+    library that compacts its context): no call extends the one before, so every turn after
+    the first starts a new segment."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    try:
+        while True:
+            reply = await client.chat.completions.create(model="policy", messages=messages)
+            text = reply.choices[0].message.content
+            feedback = judge(text, row)
+            if feedback is None:
+                return 1.0
+            summary = f"You guessed {text.strip()!r}. {feedback}"
+            messages = [{"role": "user", "content": row["prompt"]}, {"role": "user", "content": summary}]
+    except openai.BadRequestError:
+        return 0.0
+
+
 async def named(client, row):
     """One call; two named rewards."""
     await client.chat.completions.create(
@@ -166,3 +184,11 @@ class AsyncCallable:
 
 
 async_callable = AsyncCallable()
+
+
+async def finish_reason(client, row):
+    """One call; the reward says whether its reply came back cut (``finish_reason: length``)."""
+    reply = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    return 1.0 if reply.choices[0].finish_reason == "length" else 0.0

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from policygrad.envs.agent import AgentEnv, AgentFunction, _reward, load_agent
-from policygrad.envs.base import EnvironmentFailure
+from policygrad.envs.base import STOP_REASONS, EnvironmentFailure
 from policygrad.envs.episodes import EpisodeLimits, EpisodeRunner
 from policygrad.envs.guess import GuessEnv
 from policygrad.envs.registry import environment_factory
@@ -145,7 +145,7 @@ def test_a_reward_that_is_not_a_finite_number_or_a_small_dict_of_them_is_refused
     ],
 )
 def test_an_agent_failure_fails_the_episode_with_one_line_and_is_retried(name, error):
-    runner, _ = make_runner(agent_env(name), retries=1)
+    runner, _ = make_runner(agent_env(name, rewritten_history="fail"), retries=1)
     _, rollout, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
     assert episodes.failed.tolist() == [True, True]
     assert episodes.retries == 2  # one fresh session each
@@ -265,3 +265,113 @@ def test_an_agent_built_with_the_openai_agents_sdk_runs_its_tool_calls_as_turns(
     assert rollout.response_ids[0][rollout.response_mask[0].bool()].tolist() == TOOL_TURN + enc("3") + [
         EOS_ID
     ]
+
+
+def _runs(mask: torch.Tensor) -> list[tuple[int, int]]:
+    """``[(start, end)]`` of the runs of ones in a [T] mask."""
+    out, start = [], None
+    for j, v in enumerate(mask.tolist() + [0]):
+        if v and start is None:
+            start = j
+        elif not v and start is not None:
+            out.append((start, j))
+            start = None
+    return out
+
+
+def _unpadded(ids: torch.Tensor, mask: torch.Tensor) -> list[int]:
+    return ids[mask > 0].tolist()
+
+
+@pytest.mark.parametrize("isolation", [False, True])
+def test_an_agent_that_rewrites_its_history_leaves_one_segment_per_rewritten_call(isolation):
+    """guess_summary plays GuessEnv's game with the same seeds, but sends a summary instead of its
+    history after the first turn: the turns, stops and rewards are the environment's, and each
+    turn but the last is a segment row (the opening prompt or the previous summary as its prompt,
+    that turn's sampled ids as its response); the episode's row holds its last turn."""
+    _, env_rollout, env_episodes, _ = run(make_runner(GuessEnv, isolation=isolation)[0])
+    _, rollout, episodes, finals = run(make_runner(agent_env("guess_summary"), isolation=isolation)[0])
+    for field in ("final_rewards", "stop", "turns", "failed"):
+        assert torch.equal(getattr(episodes, field), getattr(env_episodes, field)), field
+    cut = episodes.truncated
+    # An episode restarts after every turn but its last (a cut turn ends it without a restart).
+    assert episodes.restarts.tolist() == (episodes.turns - 1).tolist()
+    seg = episodes.segments
+    assert seg.owner.tolist() == [r for r, n in enumerate(episodes.restarts.tolist()) for _ in range(n)]
+    assert seg.rollout.observation_mask is None  # a segment here is one turn: no observation in it
+    env_turns = [  # each environment episode's actions, turn by turn
+        [env_rollout.response_ids[r, a:b].tolist() for a, b in _runs(env_rollout.response_mask[r])]
+        for r in range(env_rollout.batch_size)
+    ]
+    opening = [_unpadded(env_rollout.prompt_ids[r], env_rollout.prompt_mask[r]) for r in range(6)]
+    s = 0
+    for r in range(rollout.batch_size):
+        turns = env_turns[r]
+        for k in range(len(turns) - 1):  # the segments of episode r, in order
+            assert _unpadded(seg.rollout.response_ids[s], seg.rollout.response_mask[s]) == turns[k]
+            prompt = _unpadded(seg.rollout.prompt_ids[s], seg.rollout.prompt_mask[s])
+            if k == 0:
+                assert prompt == opening[r]
+            else:
+                assert prompt != opening[r] and "You guessed" in TOK.decode(prompt)
+            s += 1
+        assert _unpadded(rollout.response_ids[r], rollout.response_mask[r]) == turns[-1]
+        assert rollout.observation_mask is None or not rollout.observation_mask[r].any()
+        if len(turns) > 1:  # the last turn's prompt: the summary of the turn before, rendered afresh
+            row = ROWS[r // 3]
+            summary = f"You guessed {TOK.decode(turns[-2], skip_special_tokens=True).strip()!r}. "
+            messages = [
+                {"role": "user", "content": row["prompt"]},
+                {"role": "user", "content": summary + judge_text(turns[-2], row)},
+            ]
+            text = TOK.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            assert _unpadded(rollout.prompt_ids[r], rollout.prompt_mask[r]) == enc(text)
+            assert episodes.transcripts[r][-2]["content"].startswith("You guessed")
+    assert s == seg.rollout.batch_size > 0
+    assert bool(cut.any()) and episodes.restarts.sum() > 0
+    # Log-probs travel with their ids; a segment's turn is never re-sampled.
+    assert not seg.rollout.sampler_logprobs[seg.rollout.response_mask == 0].any()
+    assert (seg.rollout.sampler_logprobs[seg.rollout.response_mask > 0] < 0).all()
+    # env/history_rewrites: the share of an episode's turns answered by a call that rewrote the
+    # history, a restart or not (after the turn that ends an episode at a limit, the agent's next
+    # call still comes); only the turn the agent answers by returning (found: done) has none.
+    done = STOP_REASONS.index("done")
+    turns, stops = episodes.turns.tolist(), episodes.stop.tolist()
+    shares = [(t - 1) / t if stop == done else 1.0 for t, stop in zip(turns, stops)]
+    assert torch.equal(episodes.info["history_rewrites"], torch.tensor(shares))  # float32, as logged
+    assert finals == [TOK.decode(t[-1], skip_special_tokens=True) for t in env_turns]
+
+
+def judge_text(ids: list[int], row) -> str:
+    return agents.judge(TOK.decode(ids, skip_special_tokens=True), row)
+
+
+def test_a_rewritten_history_fails_the_episode_when_the_config_says_fail():
+    runner, _ = make_runner(agent_env("rewrites", rewritten_history="fail"), retries=1)
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert episodes.failed.tolist() == [True, True] and episodes.retries == 2
+    assert all("agent.rewritten_history=segment" in e for e in episodes.errors), episodes.errors
+    assert episodes.segments is None and episodes.restarts.tolist() == [0, 0]
+
+
+def test_a_restart_whose_prompt_leaves_no_room_stops_the_episode_as_it_was():
+    """max_context fits the opening and a turn, not the summary's longer prompt: the episode
+    stops on ``context`` at the restart, with no segment, its row the first turn."""
+    runner, _ = make_runner(agent_env("guess_summary"), max_context=40)
+    _, rollout, episodes, _ = run(runner, rows=ROWS[:1], G=3, seeds=[8])
+    restarting = (episodes.turns == 1) & (episodes.stop == STOP_REASONS.index("context"))
+    assert bool(restarting.any()), episodes.stop
+    assert episodes.segments is None and episodes.restarts.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize("isolation", [False, True])
+def test_a_turn_cut_by_a_limit_comes_back_with_finish_reason_length(isolation):
+    # max_new_tokens 1 cuts every guess (a digit, then the end id); at 6 only the scripted cut
+    # ones (seed % 13 == 0, no end id) are: the reward (1.0 for "length") is the truncation.
+    for max_new_tokens in (1, 6):
+        limits = {"isolation": isolation, "max_turns": 1, "max_new_tokens": max_new_tokens}
+        runner, _ = make_runner(agent_env("finish_reason"), **limits)
+        _, rollout, episodes, _ = run(runner, rows=ROWS, G=3, seeds=[13 * 5, 10])
+        assert episodes.errors == [None] * 6
+        assert episodes.final_rewards.tolist() == rollout.truncated.float().tolist()
+        assert bool(rollout.truncated.any()) and (max_new_tokens == 1) == bool(rollout.truncated.all())

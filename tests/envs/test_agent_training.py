@@ -43,8 +43,9 @@ class Digits(Environment):
         return digits(self.last)
 
 
-async def digits_agent(client, row):
-    """:class:`Digits` as agent code."""
+async def digits_agent(client, row, *, window: bool = False):
+    """:class:`Digits` as agent code (``window``: each call keeps only the opening, the last turn
+    and the request after it)."""
     messages, last = [{"role": "user", "content": row["prompt"]}], ""
     try:
         while True:
@@ -52,7 +53,8 @@ async def digits_agent(client, row):
             last = reply.choices[0].message.content
             if "7" in last:
                 return digits(last)
-            messages += [{"role": "assistant", "content": last}, SAY_MORE]
+            turn = [{"role": "assistant", "content": last}, SAY_MORE]
+            messages = [messages[0], *turn] if window else [*messages, *turn]
     except openai.BadRequestError:  # a limit ended the episode
         return digits(last)
 
@@ -102,8 +104,9 @@ def assert_same_training(env_dir, agent_dir, steps: int) -> None:
             assert same, (row_a["step"], key, value, row_b[key])
             compared += 1
         # What the agent logs beyond the environment: its tool-call counts (none here).
-        assert {k for k in row_b if k not in row_a} == {"env/tool_calls", "env/malformed_tool_calls"}
-        assert row_b["env/tool_calls"] == 0.0
+        extra = {"env/tool_calls", "env/malformed_tool_calls", "env/history_rewrites"}
+        assert {k for k in row_b if k not in row_a} == extra
+        assert row_b["env/tool_calls"] == row_b["env/history_rewrites"] == 0.0
     assert compared > steps * 40
     assert any(row["reward/std"] > 0 for row in a)  # the reward varied: the updates were not empty
     assert 1.0 < a[-1]["episode/turns_mean"] <= 3.0  # several turns, observations included
@@ -211,3 +214,54 @@ def test_agent_episodes_sampled_ahead_are_the_same_in_a_thread_and_inline(
         ]
     assert rows["thread"] == rows["inline"]
     assert [r["async/staleness"] for r in rows["thread"]] == [0.0, 1.0, 1.0]
+
+
+async def window_agent(client, row):
+    """:func:`digits_agent` keeping only its last turn: its third call does not extend its second,
+    so an episode of three turns restarts once (a segment row, then the episode's own row)."""
+    return await digits_agent(client, row, window=True)
+
+
+def test_an_agent_that_rewrites_its_history_trains_each_segment_with_its_episodes_advantage(
+    eos_model_dir, rewards_py, tmp_path
+):
+    tree = agent_tree(eos_model_dir, rewards_py, tmp_path / "window", 2, f"{__name__}:window_agent")
+    run = Run(load_config(None, tree))
+    seen = []
+    experience = run.trainer.experience
+
+    def record(batch, *args, **kwargs):
+        exp = experience(batch, *args, **kwargs)
+        seen.append((batch, exp))
+        return exp
+
+    run.trainer.experience = record
+    try:
+        run.train()
+    finally:
+        run.close()
+    rows = metrics(tmp_path / "window")
+    assert len(rows) == 2 and all(math.isfinite(r["policy/loss"]) for r in rows)
+    assert any(r["episode/restarts_mean"] > 0 for r in rows)
+    segments = 0
+    for batch, exp in seen:
+        B, S = batch.rollout.batch_size, batch.segments
+        segments += S
+        assert exp.batch_size == B + S and S == int(batch.episodes.restarts.sum())
+        owner = batch.episodes.segments.owner
+        mask = exp.rollout.response_mask > 0
+        # The group baseline counts each episode once: its rows' advantages sum to 0 per group.
+        first = exp.advantages[:B].gather(-1, mask[:B].float().argmax(-1, keepdim=True)).squeeze(-1)
+        groups = exp.rollout.group_index[:B]
+        sums = torch.zeros(B // 2, dtype=torch.float64).index_add_(0, groups, first.double())
+        assert sums.abs().max() < 1e-6, sums
+        for s in range(S):
+            row, episode = B + s, int(owner[s])
+            assert exp.rollout.group_index[row] == exp.rollout.group_index[episode]
+            assert torch.equal(exp.advantages[row][mask[row]], first[episode].expand(int(mask[row].sum())))
+            assert not exp.advantages[row][~mask[row]].any()
+            valid = float(batch.scores.valid[episode])
+            assert torch.equal(exp.loss_mask[row], exp.rollout.response_mask[row] * valid)
+            # A segment's prompt is the conversation it was sampled from: never its episode's last.
+            assert not torch.equal(exp.rollout.prompt_ids[row], exp.rollout.prompt_ids[episode])
+    assert segments > 0

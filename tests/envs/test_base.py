@@ -108,6 +108,23 @@ def test_done_must_be_true_or_false(done):
         check_step_result(StepResult(done=done))
 
 
+@pytest.mark.parametrize("restart", ["yes", None, 1.5, [False]])
+def test_restart_must_be_true_or_false(restart):
+    with pytest.raises(EnvironmentFailure, match=r"^StepResult\.restart must be True or False"):
+        check_step_result(StepResult([{"role": "user", "content": "x"}], restart=restart))
+
+
+def test_a_restart_needs_the_conversation_it_restarts_with():
+    with pytest.raises(EnvironmentFailure, match=r"^StepResult\.observation is empty"):
+        check_step_result(StepResult([], restart=True))
+    # done wins: a finished episode's observation is not shown, so it may be empty
+    assert check_step_result(StepResult([], done=True, restart=True)).done
+    messages = [{"role": "user", "content": "from here on", "name": "dropped"}]
+    assert check_step_result(StepResult(messages, restart=1 == 1)) == StepResult(
+        [{"role": "user", "content": "from here on"}], restart=True
+    )
+
+
 @pytest.mark.parametrize("value", ["0.5", None, True, [1.0], math.nan * 1j, math.nan, 1e39])
 def test_non_numeric_info_is_refused_naming_the_key(value):
     with pytest.raises(EnvironmentFailure) as info:

@@ -62,7 +62,7 @@ def test_the_rollout_holds_every_id_after_the_prompt_with_its_masks():
 
 
 def test_the_episodes_record_by_hand():
-    out = to_episodes(_episodes(), 1.5)
+    out = to_episodes(_episodes(), 1.5, to_rollout(_first(), _episodes(), PAD), PAD)
     assert out.turn_rewards.tolist() == [[0.0, 0.5, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
     assert out.final_rewards.tolist() == [2.0, 0.0] and out.turns.tolist() == [2, 1]
     assert out.stop.tolist() == [STOP_REASONS.index("done"), STOP_REASONS.index("error")]
@@ -71,6 +71,36 @@ def test_the_episodes_record_by_hand():
     assert out.errors == [None, "step() failed: boom"]
     assert out.transcripts == [[{"role": "user", "content": "go"}], []]
     assert (out.env_seconds, out.retries, out.close_errors) == (1.5, 1, 1)
+    assert out.restarts.tolist() == [0, 0] and out.earlier_tokens.tolist() == [[0, 0], [0, 0]]
+    assert out.segments is None
+
+
+def test_a_restarted_episode_by_hand():
+    """Episode 0 restarted once: its earlier segment (prompt 1 2; action 5, observation 6, turn
+    reward 0.5 on 5) is a row of its own, its last segment (prompt 1 4 4; action 8 with turn
+    reward 1.0) is its row, and the earlier turn reward moves onto the row's last action token."""
+    episodes = _episodes()
+    restarted = episodes[0]
+    restarted.segments = [([1, 2], [5, 6], [True, False], [-0.5, 0.0])]
+    restarted.prompt, restarted.ids, restarted.action, restarted.logprobs = [1, 4, 4], [8], [True], [-1.0]
+    restarted.rewards, restarted.carried, restarted.spent = {0: 1.0}, 0.5, 2
+    episodes[1].prompt = [1, 2]
+    rollout = to_rollout(_first(), episodes, PAD)
+    assert rollout.prompt_ids.tolist() == [[1, 4, 4], [PAD, 1, 2]]  # each row's last prompt
+    assert rollout.prompt_mask.tolist() == [[1, 1, 1], [0, 1, 1]]
+    assert rollout.response_ids.tolist() == [[8], [9]]
+    out = to_episodes(episodes, 0.0, rollout, PAD)
+    assert out.turn_rewards.tolist() == [[1.5], [0.0]]  # 1.0 + the earlier segment's 0.5
+    assert out.restarts.tolist() == [1, 0] and out.earlier_tokens.tolist() == [[1, 1], [0, 0]]
+    seg = out.segments
+    assert seg.owner.tolist() == [0]
+    assert seg.rollout.prompt_ids.tolist() == [[1, 2]] and seg.rollout.prompt_mask.tolist() == [[1, 1]]
+    assert seg.rollout.response_ids.tolist() == [[5, 6]]
+    assert seg.rollout.response_mask.tolist() == [[1.0, 0.0]]
+    assert seg.rollout.observation_mask.tolist() == [[0.0, 1.0]]
+    assert seg.rollout.sampler_logprobs.tolist() == [[-0.5, 0.0]]
+    assert seg.rollout.truncated.tolist() == [False]
+    assert seg.rollout.sampling == rollout.sampling and seg.rollout.group_size == 2
 
 
 def test_an_outcome_is_accepted_checked_or_fails_its_episode_in_one_line():

@@ -5,6 +5,7 @@ outliving the worker or the process that started it."""
 # ruff: noqa: ARG002 - environments take the protocol's arguments
 from __future__ import annotations
 
+import dataclasses
 import os
 import pickle
 import signal
@@ -16,7 +17,7 @@ import time
 import pytest
 
 from policygrad.envs import StepResult
-from policygrad.envs.worker_process import decode_tree, env_call, one_line, read_reply
+from policygrad.envs.worker_process import _encode, decode_tree, env_call, one_line, read_reply
 from tests.envs.test_episodes import runner
 from tests.envs.test_workers import ONE_TURN, Does, _run
 
@@ -39,6 +40,17 @@ def test_the_reply_tree_reads_back_as_plain_values_and_named_stand_ins():
     assert read_reply(pickle.dumps(("ok", tree))) == ("ok", tree)
     with pytest.raises(pickle.UnpicklingError, match=r"^the environment worker sent a policygrad\.envs"):
         read_reply(pickle.dumps(("ok", StepResult())))
+
+
+def test_a_step_result_crosses_the_process_boundary_with_every_field():
+    """Every field set to something other than its default survives the worker's encoding (a
+    field added to StepResult and left out of the encoding would silently read as its default)."""
+    result = StepResult([{"role": "user", "content": "all of it"}], 0.25, True, {"k": 2.0}, restart=True)
+    defaults = StepResult()
+    assert all(
+        getattr(result, f.name) != getattr(defaults, f.name) for f in dataclasses.fields(StepResult)
+    )
+    assert decode_tree(_encode(result)) == result
 
 
 def test_a_protocol_call_and_its_one_line_error():

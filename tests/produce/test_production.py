@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from policygrad.envs.episodes import Episodes
+from policygrad.envs.records import Segments
 from policygrad.produce.production import (
     Production,
     RawRound,
@@ -58,6 +59,10 @@ def _round(n: int, G: int, T: int, with_episodes: bool) -> RawRound:
             errors=[None] * B,
             env_seconds=0.5,
         )
+        if with_episodes == "segments":  # episode 0 restarted once: a segment row of its own
+            episodes.restarts = torch.tensor([1] + [0] * (B - 1))
+            episodes.earlier_tokens = torch.tensor([[2, 1]] + [[0, 0]] * (B - 1))
+            episodes.segments = Segments(rollout.select([0]), torch.tensor([0]))
     rows = [{"prompt": f"p{i}", "answer": str(i), "tags": ["a", "b"]} for i in range(n)]
     return RawRound(rows, [[1, 2, 3]] * n, rollout, [f"c{r}" for r in range(B)], rewards, episodes)
 
@@ -74,7 +79,9 @@ def _same(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("with_episodes", [False, True], ids=["single-turn", "episodes"])
+@pytest.mark.parametrize(
+    "with_episodes", [False, True, "segments"], ids=["single-turn", "episodes", "segments"]
+)
 def test_a_production_survives_a_weights_only_checkpoint(with_episodes, tmp_path):
     prod = Production(
         step=3,

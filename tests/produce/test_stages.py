@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from policygrad.core.groups import varied_group_rows
+from policygrad.envs.records import Episodes, Segments
 from policygrad.produce.stages import SampledBatch, concat_batches
 from policygrad.rewards.scoring import Scores
 from policygrad.rollout.base import Rollout
@@ -146,3 +147,35 @@ def test_select_and_concat_keep_rows_aligned_and_pad_to_the_widest():
         "p500",
     ]
     assert both.scores.metrics["reward/invalid_frac"] == 0.0  # recomputed over every row
+
+
+@pytest.mark.unit
+def test_the_training_rollout_appends_the_segments_in_their_episodes_groups():
+    """Episodes 1 and 2 (groups 0 and 1 of a 2-prompt batch, G = 2) have earlier segments; after
+    select_groups([1]) only episode 2's is left, renumbered with its episode."""
+    batch = _batch([2, 3], [1, 2, 2, 1], G=2, first_token=100)
+    B = batch.rollout.batch_size
+    seg_rows = _batch([4], [3, 1], G=2, first_token=500).rollout  # two rows that stand for segments
+    episodes = Episodes(
+        turn_rewards=torch.zeros(B, 2),
+        final_rewards=torch.zeros(B),
+        stop=torch.zeros(B, dtype=torch.long),
+        turns=torch.ones(B, dtype=torch.long),
+        failed=torch.zeros(B, dtype=torch.bool),
+        restarts=torch.tensor([0, 1, 1, 0]),
+        segments=Segments(seg_rows, torch.tensor([1, 2])),
+    )
+    versioned = dataclasses.replace(batch.rollout, weight_version=torch.arange(4))
+    batch = dataclasses.replace(batch, rollout=versioned, episodes=episodes)
+    assert batch.segments == 2
+    rows = batch.training_rollout()
+    assert rows.batch_size == 6 and rows.prompt_ids.shape == (6, 4) and rows.response_ids.shape == (6, 3)
+    assert rows.group_index.tolist() == [0, 0, 1, 1, 0, 1]  # episode 1 is in group 0, episode 2 in group 1
+    assert rows.weight_version.tolist() == [0, 1, 2, 3, 1, 2]  # each segment sampled with its episode
+    assert torch.equal(rows.response_ids[4:], seg_rows.response_ids)
+    assert torch.equal(rows.response_ids[:4, :2], batch.rollout.response_ids)
+    kept = batch.select_groups([1])  # episodes 2, 3 become rows 0, 1
+    assert kept.segments == 1 and kept.episodes.segments.owner.tolist() == [0]
+    assert kept.training_rollout().group_index.tolist() == [0, 0, 0]
+    plain = _batch([2], [1, 1], G=2, first_token=1)
+    assert plain.training_rollout() is plain.rollout and plain.segments == 0
