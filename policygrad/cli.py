@@ -318,7 +318,10 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-    argv = sys.argv[1:] if argv is None else argv
+        from policygrad.quiet import apply  # before torch, transformers or vLLM is imported
+
+        apply(verbose="--verbose" in sys.argv[1:])
+    argv = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--verbose"]
     _show_library_messages()
     if not argv or argv[0] in ("-h", "--help"):
         print(
@@ -328,7 +331,9 @@ def main(argv: list[str] | None = None) -> int:
             "  serve   a vLLM rollout server that runs sample from (rollout.engine=server)\n"
             "  memory  the memory bill of an RL job (models, optimiser state, KV cache, logits)\n"
             "  lab     experiments: gradient-snr, kl-estimators, mismatch, passk\n"
-            "  report  one HTML page with a run's curves, config and completions\n"
+            "  report  one HTML page with a run's curves, config and completions\n\n"
+            "  --verbose (with any command): also show what the libraries print at start (vLLM's and\n"
+            "  torch's warnings, deprecations, loading bars), hidden by default (policygrad.quiet)\n"
         )
         return 0 if argv else 0
     command, rest = argv[0], argv[1:]

@@ -55,6 +55,7 @@ import weakref
 import torch
 
 from policygrad.models.bundled import policygrad_home
+from policygrad.quiet import is_quiet
 from policygrad.rollout.base import Rollout
 from policygrad.rollout.engine import GenerationRequest, RolloutEngine
 from policygrad.rollout.vllm_requests import rollout_from_outputs, sampling_params
@@ -283,6 +284,7 @@ class VLLMRolloutEngine(RolloutEngine):
                 enable_prefix_caching=bool(enable_prefix_caching),
                 skip_tokenizer_init=True,
                 worker_extension_cls=f"{WorkerWeightSync.__module__}.{WorkerWeightSync.__qualname__}",
+                use_tqdm_on_load=not is_quiet(),  # the loading bar (policygrad.quiet)
                 **kwargs,
             )
             # One greedy token of a one-token prompt: a model vLLM loads but its attention backend
