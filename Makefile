@@ -20,7 +20,7 @@ STAMP := $(VENV)/.policygrad-installed
 # warning) and keeps every other line and pip's exit status: see requirements/pip_quiet.py.
 PIP := $(BIN)/python requirements/pip_quiet.py
 
-.PHONY: venv demo test lint clean
+.PHONY: venv demo test lint docs clean
 
 venv: $(STAMP)
 
@@ -56,6 +56,9 @@ test: venv
 
 lint: venv
 	$(BIN)/ruff check policygrad tests benchmarks examples
+
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -215,9 +215,11 @@ def train(
         The run's summary: ``run_dir``, ``steps``, accuracies before/after when evaluated, ...
 
     Raises:
-        ConfigError: a bad field (named, with the fix). FileNotFoundError / ValueError /
-        TypeError: a missing file, bad data or a wrong argument type, named. TrainingError: the
-        run cannot continue.
+        ConfigError: a bad field (named, with the fix).
+        FileNotFoundError: a missing file, named.
+        ValueError: bad data, named.
+        TypeError: a wrong argument type, named.
+        TrainingError: the run cannot continue.
     """
     path, tree = _config_tree(config)
     tree = _merge(tree, _dotted(overrides))

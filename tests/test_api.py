@@ -1,6 +1,7 @@
-"""The Python API (``policygrad.train``): the README's example runs as written on a tiny model (its
-model name the only substitution); callables (sync, async, lambdas) score the samples and are
-recorded in ``config.yaml`` by import path or placeholder; in-memory datasets train."""
+"""The Python API (``policygrad.train``): the docs' example (docs/python-api.md) runs as written on
+a tiny model (its model name the only substitution); callables (sync, async, lambdas) score the
+samples and are recorded in ``config.yaml`` by import path or placeholder; in-memory datasets
+train."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.tiny import make_tiny_llama
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("one_thread")]
 
-README = os.path.join(os.path.dirname(os.path.dirname(__file__)), "README.md")
+PAGE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "docs", "python-api.md")
 ROWS = [{"question": f"What is {a} + {b}?", "answer": str(a + b)} for a in range(3) for b in range(3)]
 
 
@@ -47,8 +48,8 @@ def _small(tmp_path, name: str) -> dict:
     }
 
 
-def test_the_readme_example_runs_as_written(tiny_dir, tmp_path, monkeypatch):
-    text = open(README, encoding="utf-8").read()
+def test_the_docs_example_runs_as_written(tiny_dir, tmp_path, monkeypatch):
+    text = open(PAGE, encoding="utf-8").read()
     pattern = r"<!-- api-example:start -->\n```python\n(.*?)```\n<!-- api-example:end -->"
     block = re.search(pattern, text, re.S)
     code = block.group(1)
@@ -57,7 +58,7 @@ def test_the_readme_example_runs_as_written(tiny_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace: dict = {}
     code = code.replace('"bundled:smollm2-135m-instruct"', repr(tiny_dir))  # the one substitution
-    exec(compile(code, "README", "exec"), namespace)
+    exec(compile(code, "docs/python-api.md", "exec"), namespace)
     summary = namespace["summary"]
     assert summary["steps"] == 2
     assert summary["rollout_engine"] == ("vllm" if vllm_available() else "hf")

