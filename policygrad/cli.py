@@ -125,7 +125,7 @@ def cmd_train(argv: list[str]) -> int:
         from policygrad.config.train import TrainConfig
 
         print(TRAIN_USAGE)
-        print("Options: every field of the config with its default and type (--section.key=value):\n")
+        print("Options: every field of the config, its default, type and use (--section.key=value):\n")
         print(options_text(TrainConfig))
         return 0
     print_config = "--print-config" in argv

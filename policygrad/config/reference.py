@@ -1,5 +1,6 @@
-"""Every option of the config tree, generated from the dataclasses (so it cannot drift from them):
-what ``policygrad train --help`` lists after its usage.
+"""Every option of the config tree, generated from the dataclasses (so it cannot drift from them),
+with its one line from :data:`~policygrad.config.help.OPTION_HELP`: what ``policygrad train
+--help`` lists after its usage, and the docs' configuration reference.
 """
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from typing import Any
+
+from policygrad.config.help import OPTION_HELP
 
 __all__ = ["option_rows", "options_markdown", "options_text"]
 
@@ -40,8 +43,8 @@ def _shown(value: Any) -> str:
 
 
 def options_text(cls: type) -> str:
-    """The options of ``cls`` (a ``TrainConfig``), one per line: ``--name=DEFAULT  type``, grouped
-    by section."""
+    """The options of ``cls`` (a ``TrainConfig``), one per line: ``--name=DEFAULT  type  what it
+    does``, grouped by section."""
     lines, section = [], None
     rows = option_rows(cls)
     width = max(len(f"--{name}={_shown(default)}") for name, _, default in rows) + 2
@@ -50,7 +53,8 @@ def options_text(cls: type) -> str:
         if here != section:
             section = here
             lines.append(f"\n{here or 'run'}:")
-        lines.append(f"  {f'--{name}={_shown(default)}':<{min(width, 60)}} {kind}")
+        option = f"--{name}={_shown(default)}"
+        lines.append(f"  {option:<{min(width, 52)}} {kind:<16} {OPTION_HELP.get(name, '')}".rstrip())
     return "\n".join(lines).lstrip("\n") + "\n"
 
 
@@ -62,7 +66,7 @@ def options_markdown(cls: type) -> str:
         here = name.split(".")[0] if "." in name else "run"
         if here != section:
             section = here
-            out += ["", f"## {here}", "", "| option | default | type |", "|:--|:--|:--|"]
+            out += ["", f"## {here}", "", "| option | default | type | what it does |", "|:--|:--|:--|:--|"]
         shown, kind = _shown(default).replace("|", "/"), kind.replace(" | ", " or ")  # no | in a cell
-        out.append(f"| `{name}` | `{shown}` | `{kind}` |")
+        out.append(f"| `{name}` | `{shown}` | `{kind}` | {OPTION_HELP.get(name, '')} |")
     return "\n".join(out).lstrip("\n")
