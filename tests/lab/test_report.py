@@ -7,6 +7,9 @@ import html
 import json
 import math
 import os
+import re
+import shutil
+import subprocess
 
 import pytest
 
@@ -120,3 +123,43 @@ def test_bad_run_dirs(tmp_path, capsys):
     assert main(["report", run, "--output", str(tmp_path / "x.html")]) == 0
     out = capsys.readouterr().out
     assert "12 plots" in out and "x.html" in out
+
+
+PROBE = """<script>window.addEventListener('load', () => {
+  const images = [...document.images];
+  document.body.dataset.images = images.length;
+  document.body.dataset.broken = images.filter(i => !i.complete || i.naturalWidth === 0).length;
+  document.body.dataset.tables = document.querySelectorAll('table').length;
+  console.log('probe done');
+});</script>"""
+
+
+def render(browser: str, path) -> tuple[dict[str, int], list[str]]:
+    """``(the probe's counts, the console's lines)`` of ``path`` rendered in headless Chromium."""
+    done = subprocess.run(
+        [browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+         "--virtual-time-budget=5000", "--dump-dom", f"file://{path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    body = re.search(r"<body([^>]*)>", done.stdout).group(1)
+    counts = {k: int(v) for k, v in re.findall(r'data-(\w+)="(\d+)"', body)}
+    console = [line for line in done.stderr.splitlines() if ":CONSOLE" in line]
+    return counts, console
+
+
+def test_the_page_renders_in_a_real_browser(tmp_path):
+    """Every plot decodes and the tables render in headless Chromium, with nothing on its console
+    but the probe's line; a page with one broken image is caught, so the check can fail."""
+    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    if browser is None:
+        pytest.skip("no Chromium here (apt-get install chromium; CI installs it)")
+    page = open(write_report([make_run(tmp_path / "run")]).path, encoding="utf-8").read()
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", PROBE + "</body>"), encoding="utf-8")
+    counts, console = render(browser, probe)
+    assert counts == {"images": 12, "broken": 0, "tables": page.count("<table")} and counts["tables"] >= 1
+    assert len(console) == 1 and "probe done" in console[0], console
+    broken = page.replace("</body>", '<img src="data:image/png;base64,AAAA">' + PROBE + "</body>")
+    probe.write_text(broken, encoding="utf-8")
+    assert render(browser, probe)[0]["broken"] == 1
