@@ -18,11 +18,13 @@ from policygrad.specs.kl import kl_placement_spec
 __all__ = [
     "AGENT_ENVIRONMENT",
     "REWRITTEN_HISTORY",
+    "SEGMENTS_FIX",
     "AgentConfig",
     "agent_options",
     "apply_agent",
     "check_agent",
     "episode_fields",
+    "segments_refused",
 ]
 
 AGENT_ENVIRONMENT = "policygrad.envs.agent:AgentEnv"
@@ -145,25 +147,37 @@ def check_agent(config: Any) -> None:
         )
 
 
+def segments_refused(config: Any) -> str | None:
+    """Why ``config`` cannot train an episode's earlier segments with the episode's one advantage
+    (:mod:`policygrad.learn.segments`), or None: a critic's per-token advantages, a KL penalty in
+    the per-token rewards, or discounting (``advantage.options.gamma`` < 1; estimators with
+    inputs, ReMax and VinePPO, take no episodes at all)."""
+    spec = config.estimator_spec
+    gamma = config.estimator_options.get("gamma", 1.0)
+    if spec.needs_values:
+        return f"the {spec.name} estimator's per-token advantages (a critic)"
+    if kl_placement_spec(config.kl.placement).shapes_rewards:
+        return f"kl.placement={config.kl.placement} (a KL penalty on each token's reward)"
+    if isinstance(gamma, (int, float)) and gamma < 1:
+        return f"advantage.options.gamma={gamma} (a discount over an episode's tokens)"
+    return None
+
+
+SEGMENTS_FIX = "use an outcome estimator (grpo, rloo, reinforce) with kl.placement=loss or none"
+
+
 def check_segments(config: Any) -> None:
-    """Refuse what cannot train an episode's segments with one advantage per episode
-    (:mod:`policygrad.learn.segments`): a critic's per-token advantages or a KL penalty in the
-    per-token rewards (estimators with inputs, ReMax and VinePPO, take no episodes at all).
+    """Refuse an agent run that restarts episodes (``agent.rewritten_history=segment``) with what
+    cannot train segments (:func:`segments_refused`).
 
     Raises:
         ConfigError: naming the option and the two ways out.
     """
-    spec = config.estimator_spec
-    why = None
-    if spec.needs_values:
-        why = f"the {spec.name} estimator's per-token advantages (a critic)"
-    elif kl_placement_spec(config.kl.placement).shapes_rewards:
-        why = f"kl.placement={config.kl.placement} (a KL penalty on each token's reward)"
+    why = segments_refused(config)
     if why is not None:
         raise ConfigError(
             "agent.rewritten_history=segment trains an episode's earlier segments with the episode's one "
-            f"advantage, which {why} does not give; use an outcome estimator (grpo, rloo, reinforce) "
-            "with kl.placement=loss or none, or set agent.rewritten_history=fail"
+            f"advantage, which {why} does not give; {SEGMENTS_FIX}, or set agent.rewritten_history=fail"
         )
 
 

@@ -265,6 +265,7 @@ def aggregate(
     num_tokens: int | float | torch.Tensor | None = None,
     num_seqs: int | float | torch.Tensor | None = None,
     max_len: int | None = None,
+    seq_lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reduce a per-token loss matrix to the scalar loss, with a named normalisation.
 
@@ -291,6 +292,11 @@ def aggregate(
     ``num_seqs`` does not count them (it counts rows with at least one valid token). A batch with
     no valid token at all gives a loss of exactly 0 with the default counts.
 
+    A sequence held in several rows (an episode whose history restarted: its segments): pass
+    ``seq_lengths``, each row's sequence's valid tokens over all its rows, as ``n_i``, and count
+    each row as ``n_row / n_i`` of a sequence in ``num_seqs``; the loss is then the one of the
+    sequence in one row, in every mode.
+
     Masked positions of ``loss_matrix`` may hold NaN/inf; they never reach the result.
 
     Args:
@@ -300,6 +306,8 @@ def aggregate(
         num_tokens: global number of valid tokens (``token-mean``); number or 1-element tensor, > 0.
         num_seqs: global number of sequences (``seq-mean-*`` modes); number or 1-element tensor, > 0.
         max_len: generation budget in tokens (``seq-mean-token-sum-norm``); defaults to T.
+        seq_lengths: [B] floating or integer, ``n_i`` of ``seq-mean-token-mean`` per row (> 0
+            where the row has a valid token); None: each row's own valid tokens.
 
     Returns:
         0-d tensor of ``loss_matrix``'s dtype, differentiable with respect to ``loss_matrix``.
@@ -332,7 +340,8 @@ def aggregate(
         seq_denom = _check_count(num_seqs, "num_seqs", dtype, device)
 
     if mode == "seq-mean-token-mean":
-        seq_means = seq_sums / m.sum(dim=-1).clamp_min(1).to(dtype)
+        lengths = m.sum(dim=-1) if seq_lengths is None else seq_lengths.to(device)
+        seq_means = seq_sums / lengths.clamp_min(1).to(dtype)
         return seq_means.sum() / seq_denom
     if mode == "seq-mean-token-sum":
         return seq_sums.sum() / seq_denom

@@ -34,6 +34,7 @@ __all__ = [
     "check_messages",
     "check_reward",
     "check_step_result",
+    "is_scalar_bool",
 ]
 
 # Why an episode ended. ``done``: the environment said so; ``max_turns``: the turn limit (not a
@@ -186,12 +187,21 @@ def check_step_result(result: Any) -> StepResult:
     return StepResult(observation, reward, done, info, restart)
 
 
+def is_scalar_bool(value: Any) -> bool:
+    """A numpy or torch boolean scalar (a 0-d array of dtype bool)."""
+    return getattr(value, "shape", None) == () and str(getattr(value, "dtype", "")) in ("bool", "torch.bool")
+
+
 def _flag(value: Any, name: str) -> bool:
     """``value`` as a bool when it is True or False (numpy's bools too).
 
     Raises:
         EnvironmentFailure: anything else (names ``StepResult.<name>``).
     """
-    if isinstance(value, str) or not any(value is v or (value == v) is True for v in (True, False)):
+    if isinstance(value, bool):
+        return value
+    if is_scalar_bool(value):
+        return bool(value)
+    if isinstance(value, str) or not any((value == v) is True for v in (True, False)):
         raise EnvironmentFailure(f"StepResult.{name} must be True or False, got {value!r:.60}")
     return bool(value)

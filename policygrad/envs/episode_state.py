@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from policygrad.envs.base import STOP_REASONS, TRUNCATING_STOPS, EnvironmentFailure
+from policygrad.envs.base import STOP_REASONS, TRUNCATING_STOPS, EnvironmentFailure, check_reward
 from policygrad.envs.records import Episodes, Segments
 from policygrad.rollout.base import Rollout
 
@@ -20,6 +20,7 @@ __all__ = [
     "EpisodeState",
     "accept",
     "check_tool_schemas",
+    "checked_final",
     "group_tools",
     "to_episodes",
     "to_rollout",
@@ -190,6 +191,18 @@ def to_segments(episodes: list[EpisodeState], rollout: Rollout, pad_id: int) -> 
         observation_mask=observed.to(device) if bool(observed.any()) else None,
     )
     return Segments(segments, owner)
+
+
+def checked_final(value: Any) -> tuple[float, dict[str, float]]:
+    """A ``final_reward`` call's value (the reward, or ``(reward, final_info())``) checked."""
+    info: Any = {}
+    if isinstance(value, tuple) and len(value) == 2:
+        value, info = value
+    if not isinstance(info, Mapping):
+        raise EnvironmentFailure(f"final_info() must return a dict of numbers, got {info!r:.60}")
+    return check_reward(value, "final_reward()"), {
+        str(k): check_reward(v, f"final_info()[{k!r}]") for k, v in info.items()
+    }
 
 
 def accept(e: EpisodeState, outcome: tuple[bool, Any], call: str, check: Callable[[Any], Any]) -> Any:

@@ -29,15 +29,14 @@ from policygrad.data.chat import tokenize_prompts
 from policygrad.envs.base import (
     TRUNCATING_STOPS,
     Environment,
-    EnvironmentFailure,
     check_messages,
-    check_reward,
     check_step_result,
 )
 from policygrad.envs.episode_state import (
     EpisodeState,
     accept,
     check_tool_schemas,
+    checked_final,
     group_tools,
     to_episodes,
     to_rollout,
@@ -53,18 +52,6 @@ __all__ = ["EpisodeLimits", "EpisodeRunner", "Episodes", "call_all"]
 _NO_LIMIT = 2**31 - 1  # a restarted history's prompt: bounded by the context (``_room``), not cut
 
 log = logging.getLogger("policygrad")
-
-
-def _final(value: Any) -> tuple[float, dict[str, float]]:
-    """A ``final_reward`` call's value (the reward, or ``(reward, final_info())``) checked."""
-    info: Any = {}
-    if isinstance(value, tuple) and len(value) == 2:
-        value, info = value
-    if not isinstance(info, Mapping):
-        raise EnvironmentFailure(f"final_info() must return a dict of numbers, got {info!r:.60}")
-    return check_reward(value, "final_reward()"), {
-        str(k): check_reward(v, f"final_info()[{k!r}]") for k, v in info.items()
-    }
 
 
 class EpisodeRunner:
@@ -419,22 +406,33 @@ class EpisodeRunner:
         """The episode's history replaced by ``messages`` (``StepResult.restart``): the tokens so
         far close a segment, and the next turn samples from ``messages`` rendered afresh (the
         opening's rules: the run's system prompt when they have none, contents as plain text, the
-        tools of the episode's first call). When the new prompt leaves no room for a turn the
-        episode stops instead (``context`` or ``budget``), its history as it was."""
+        tools of the episode's first call). The new prompt counts in the episode's token budget
+        (``max_episode_tokens``: a history rewritten at every call cannot escape it); when it
+        leaves no room for a turn the episode stops instead (``context`` or ``budget``), its
+        history as it was, and one whose contents alone are surely too long is never tokenised
+        (as an observation: :meth:`_surely_too_long`)."""
         if self.system_prompt and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        spent, lim = e.spent + len(e.ids), self.limits
+        budget = None if lim.max_episode_tokens is None else lim.max_episode_tokens - spent
+        rooms = [(r, why) for r, why in ((budget, "budget"), (lim.max_context, "context")) if r is not None]
+        room, reason = min(rooms, default=(None, ""))
+        chars = sum(len(m["content"]) for m in messages)
+        if room is not None and chars > max_token_chars(self.tokenizer) * (room - 1):
+            e.stop = reason  # its ids >= ceil(chars / L) >= room: no room for a turn after it
+            return
         try:
             text, ids = self.delta.prompt(messages, tools=e.tools)
         except TemplateError as exc:
             e.fail(f"the restarted history cannot be rendered: {str(exc).splitlines()[0]}")
             return
         prompt = tokenize_prompts(self.tokenizer, [text], max_prompt_length=_NO_LIMIT, ids=[ids])[0]
-        room, reason = self._room_after(len(prompt), e.spent + len(e.ids))
+        room, reason = self._room_after(len(prompt), spent + len(prompt))
         if room < 1:
             e.stop = reason
             return
         e.segments.append((e.prompt, e.ids, e.action, e.logprobs))
-        e.prompt, e.spent, e.ids, e.action, e.logprobs = prompt, e.spent + len(e.ids), [], [], []
+        e.prompt, e.spent, e.ids, e.action, e.logprobs = prompt, spent + len(prompt), [], [], []
         e.carried += sum(e.rewards.values())
         e.rewards = {}
         e.messages = list(messages)
@@ -469,7 +467,7 @@ class EpisodeRunner:
         scored = [e for e in episodes if e.stop != "error"]
         results = self._calls(scored, "final_reward", lambda e: (e.stop,))
         for e, outcome in zip(scored, results):
-            final = accept(e, outcome, "final_reward()", _final)
+            final = accept(e, outcome, "final_reward()", checked_final)
             if final is not None:
                 e.final = final[0]
                 for key, value in final[1].items():

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from policygrad.envs.base import EnvironmentFailure, StepResult
+from policygrad.envs.base import EnvironmentFailure, StepResult, is_scalar_bool
 from policygrad.rewards.plain import plain_loads
 from policygrad.rewards.remote import main_module_hidden
 from policygrad.sandbox.procfs import descendants
@@ -93,6 +93,8 @@ def _opaque_type(name: str) -> type:
 def _encode(value: Any, depth: int = 0) -> tuple:
     if isinstance(value, bool) or value is None:
         return ("v", value)
+    if is_scalar_bool(value):  # numpy's and torch's booleans cross as Python's
+        return ("v", bool(value))
     if isinstance(value, numbers.Integral):
         return ("v", int(value))
     if isinstance(value, numbers.Real):

@@ -29,7 +29,7 @@ PER_TOKEN_FIELDS = (  # the [B, T] fields (or None), e.g. for gathering over ran
     "behaviour_logprobs",
     "cov_selected",
 )
-PER_ROW_FIELDS = ("non_score_rewards", "positive")  # the [B] fields (or None)
+PER_ROW_FIELDS = ("non_score_rewards", "positive", "sample_tokens")  # the [B] fields (or None)
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,10 @@ class Experience:
             selected over the step's whole batch; None for the other losses.
         positive: [B] float, 1 on the samples VAPO's positive-example LM loss trains on
             (``loss.positive_lm_coef``); None when it is off.
+        sample_tokens: [B] float, the loss tokens of the sample each row belongs to, over every
+            row it spans (an episode and its earlier segments), so a sequence-level aggregation
+            counts a sample once (:func:`~policygrad.core.masking.aggregate`); None when every
+            sample is one row.
         kl_coef: beta of this step (the KL controller's value when it was sampled).
         train_policy: False in the critic-pretraining steps (the policy is frozen).
     """
@@ -75,6 +79,7 @@ class Experience:
     non_score_rewards: torch.Tensor | None = None
     cov_selected: torch.Tensor | None = None
     positive: torch.Tensor | None = None
+    sample_tokens: torch.Tensor | None = None
     kl_coef: float = 0.0
     train_policy: bool = True
 

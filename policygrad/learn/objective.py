@@ -50,10 +50,22 @@ class MinibatchCounts:
     num_positive_tokens: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, loss_mask: torch.Tensor, positive: torch.Tensor | None = None) -> MinibatchCounts:
-        """Counts of a [B, T] loss mask (and of its rows flagged by ``positive`` [B])."""
+    def of(
+        cls,
+        loss_mask: torch.Tensor,
+        positive: torch.Tensor | None = None,
+        sample_tokens: torch.Tensor | None = None,
+    ) -> MinibatchCounts:
+        """Counts of a [B, T] loss mask (and of its rows flagged by ``positive`` [B]). With
+        ``sample_tokens`` [B] (each row's sample's valid tokens, over all the rows a sample spans:
+        an episode's segments), a row counts as its share of its sample's tokens, so a sample
+        counts once however its rows fall into minibatches."""
         pos = None if positive is None else (loss_mask * positive[:, None].to(loss_mask)).sum()
-        return cls(loss_mask.sum(), (loss_mask.sum(-1) > 0).sum(), pos)
+        if sample_tokens is None:
+            return cls(loss_mask.sum(), (loss_mask.sum(-1) > 0).sum(), pos)
+        tokens = loss_mask.sum(-1)
+        share = torch.where(tokens > 0, tokens / sample_tokens.to(tokens).clamp_min(1), 0.0)
+        return cls(loss_mask.sum(), share.sum(), pos)
 
     def reduced(self, reduce) -> MinibatchCounts:
         """The counts summed over ranks with ``reduce`` (None: unchanged)."""
@@ -120,8 +132,11 @@ class PolicyObjective:
         """The covariance selection the policy loss acts on (``clip_cov``/``kl_cov``), or None."""
         return getattr(self.policy_loss, "token_selection", None)
 
-    def reduce(self, loss_matrix: torch.Tensor, mask: torch.Tensor, counts: MinibatchCounts) -> torch.Tensor:
-        """The scalar loss of a micro-batch: ``aggregate`` with the minibatch's counts."""
+    def reduce(
+        self, loss_matrix: torch.Tensor, mask: torch.Tensor, counts: MinibatchCounts, sample_tokens=None
+    ) -> torch.Tensor:
+        """The scalar loss of a micro-batch: ``aggregate`` with the minibatch's counts (and, for
+        rows of samples that span several, each row's sample's tokens)."""
         return aggregate(
             loss_matrix,
             mask,
@@ -129,6 +144,7 @@ class PolicyObjective:
             num_tokens=counts.num_tokens,
             num_seqs=counts.num_seqs,
             max_len=self.max_len,
+            seq_lengths=sample_tokens,
         )
 
     def __call__(
@@ -190,7 +206,7 @@ class PolicyObjective:
         if self.entropy_coef:
             loss_mat = loss_mat - self.entropy_coef * torch.where(mask > 0, entropy, 0.0)
         m = {**m, "entropy": masked_mean(entropy.detach(), mask), "nonfinite_tokens": nonfinite}
-        loss = self.reduce(loss_mat, mask, counts)
+        loss = self.reduce(loss_mat, mask, counts, micro.sample_tokens)
         if self.positive_lm_coef and micro.positive is not None:
             positive = mask * micro.positive[:, None].to(mask)
             nll = -torch.where(positive > 0, logprobs, 0.0).sum()

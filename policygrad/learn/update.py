@@ -229,7 +229,7 @@ class PolicyStep:
             the policy's log-probs before the update); else ``[]``.
         """
         reduce = self.strategy.reduce
-        counts = MinibatchCounts.of(mb.loss_mask, mb.positive).reduced(reduce)
+        counts = MinibatchCounts.of(mb.loss_mask, mb.positive, mb.sample_tokens).reduced(reduce)
         micros = list(mb.micro_batches(self.micro_batch_size))
         if self.recompute is not None and not self.recompute.enabled and micros:
             sizes = [micro.rollout.trim() for micro in micros]

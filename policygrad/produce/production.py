@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from policygrad.config.agent import episode_fields
+from policygrad.config.agent import SEGMENTS_FIX, episode_fields, segments_refused
 from policygrad.envs.base import FLOAT32_MAX, STOP_REASONS
 from policygrad.envs.episodes import Episodes
 from policygrad.envs.records import Segments
@@ -43,6 +43,7 @@ from policygrad.rollout.base import Rollout, SamplingParams
 __all__ = [
     "Production",
     "RawRound",
+    "check_segments_trainable",
     "chosen_positions",
     "fail_overflowing_episodes",
     "finish",
@@ -157,6 +158,8 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
     env = None
     episodes = raw.episodes
     if episodes is not None:
+        if episodes.segments is not None:
+            check_segments_trainable(trainer.config)
         episodes = fail_overflowing_episodes(episodes, raw.rewards)
         failed = float(trainer.dist.total(episodes.failed.sum())) / max(
             trainer.dist.total(len(raw.completions)), 1
@@ -188,6 +191,23 @@ def finish_round(trainer, raw: RawRound, version: int = 0) -> SampledBatch:
         )
     scores = trainer.scorer.finish(raw.rewards, raw.rollout.truncated, raw.rollout.group_index, env=env)
     return SampledBatch(raw.rows, raw.prompt_ids, raw.rollout, raw.completions, scores, episodes, version)
+
+
+def check_segments_trainable(config) -> None:
+    """Stop a run whose environment restarted an episode's history (``StepResult.restart``) when
+    the config cannot train its segments (:func:`~policygrad.config.agent.segments_refused`; an
+    agent's config is refused at start, an environment's restarts show only when they happen).
+
+    Raises:
+        TrainingError: naming the environment, the option and the fix.
+    """
+    why = segments_refused(config)
+    if why is not None:
+        raise TrainingError(
+            f"the environment {episode_fields(config)['source']} restarted an episode's history "
+            f"(StepResult.restart); its earlier segments train with the episode's one advantage, which "
+            f"{why} does not give; {SEGMENTS_FIX}"
+        )
 
 
 def fail_overflowing_episodes(episodes: Episodes, rewards: RewardOutput) -> Episodes:

@@ -351,8 +351,9 @@ class Trainer:
             returns = monte_carlo_returns(
                 token_rewards, response_mask, gamma=float(options.get("gamma", 1.0))
             )
+        sample_tokens = None  # (each row is a whole sample)
         if segmented:  # the segments' rows join, with their episodes' advantages
-            advantages, returns, loss_mask, shaped, non_score = extend_to_segments(
+            advantages, returns, loss_mask, shaped, non_score, sample_tokens = extend_to_segments(
                 batch, rollout.response_mask.float(), advantages, returns, shaped, non_score
             )
             behaviour = old_logprobs if old_logprobs is not None else rollout.sampler_logprobs
@@ -383,6 +384,7 @@ class Trainer:
             non_score_rewards=non_score,
             cov_selected=cov_selected,
             positive=positive,
+            sample_tokens=sample_tokens,
             kl_coef=beta,
             train_policy=train_policy,
         )

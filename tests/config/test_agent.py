@@ -75,6 +75,10 @@ def test_without_an_agent_nothing_changes():
         # give one.
         ([AGENT, "--algorithm=ppo"], "which the gae estimator's per-token advantages (a critic) does not"),
         ([AGENT, "--kl.placement=reward", "--kl.beta=0.1"], "which kl.placement=reward (a KL penalty"),
+        (
+            [AGENT, "--algorithm=reinforce_pp", "--advantage.options.gamma=0.9"],
+            "which advantage.options.gamma=0.9 (a discount over an episode's tokens) does not give",
+        ),
     ],
 )
 def test_bad_agent_settings_name_the_field(overrides, message):

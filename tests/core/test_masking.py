@@ -275,3 +275,35 @@ def test_aggregate_errors_name_the_argument():
         aggregate(loss, torch.ones(2, 3), "seq-mean-token-sum", num_seqs="2")
     with pytest.raises(ValueError, match="max_len"):
         aggregate(loss, torch.ones(2, 3), "seq-mean-token-sum-norm", max_len=0)
+
+
+@pytest.mark.parametrize("mode", AGGREGATION_MODES)
+def test_a_sequence_split_over_rows_aggregates_as_the_unsplit_sequence(mode):
+    """Sequence A (4 tokens) and B (4 tokens, then padding); A split into rows of 1 and 3 tokens
+    (an episode and its earlier segment). With each row's sequence length (``seq_lengths``) and
+    each row counted as its share of a sequence in ``num_seqs`` the loss is the unsplit one, in
+    every mode and in any micro-batching.
+
+    Worked by hand for seq-mean-token-mean: unsplit (1+2+3+4)/4 = 2.5 and (5+6)/2 = 5.5 (B's two
+    valid tokens), mean 4.0; split: (1)/4 + (2+3+4)/4 = 2.5 as well, over 1/4 + 3/4 + 1 = 2 sequences.
+    Without ``seq_lengths`` the split would give (1/1 + 9/3 + 5.5) / 3 = 3.1666..."""
+    d = torch.float64
+    unsplit = torch.tensor([[1.0, 2, 3, 4], [5, 6, NAN, NAN]], dtype=d)
+    unsplit_mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    split = torch.tensor([[1.0, NAN, NAN, NAN], [2, 3, 4, NAN], [5, 6, NAN, NAN]], dtype=d)
+    split_mask = torch.tensor([[1, 0, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]])
+    lengths = torch.tensor([4.0, 4.0, 2.0], dtype=d)  # each row's sequence's tokens
+    shares = split_mask.sum(-1) / lengths  # 1/4, 3/4, 1
+    expected = aggregate(unsplit, unsplit_mask, mode, max_len=4)
+    counts = {"num_tokens": 6, "num_seqs": shares.sum(), "max_len": 4}
+    got = aggregate(split, split_mask, mode, seq_lengths=lengths, **counts)
+    torch.testing.assert_close(got, expected, rtol=1e-15, atol=1e-15)
+    parts = [
+        aggregate(split[i : i + 1], split_mask[i : i + 1], mode, seq_lengths=lengths[i : i + 1], **counts)
+        for i in range(3)
+    ]
+    torch.testing.assert_close(torch.stack(parts).sum(), expected, rtol=1e-15, atol=1e-15)
+    if mode == "seq-mean-token-mean":
+        assert expected.item() == 4.0
+        naive = aggregate(split, split_mask, mode)  # each row its own sequence: the bias
+        assert abs(naive.item() - (1 + 3 + 5.5) / 3) < 1e-12

@@ -192,3 +192,16 @@ async def finish_reason(client, row):
         model="policy", messages=[{"role": "user", "content": row["prompt"]}]
     )
     return 1.0 if reply.choices[0].finish_reason == "length" else 0.0
+
+
+async def restarts_huge(client, row):
+    """Rewrites its history into one enormous message after the first turn."""
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}]
+    )
+    huge = [{"role": "user", "content": "x " * 1_000_000}]
+    try:
+        await client.chat.completions.create(model="policy", messages=huge)
+    except openai.BadRequestError:
+        return 0.5
+    return 1.0

@@ -375,3 +375,34 @@ def test_a_turn_cut_by_a_limit_comes_back_with_finish_reason_length(isolation):
         assert episodes.errors == [None] * 6
         assert episodes.final_rewards.tolist() == rollout.truncated.float().tolist()
         assert bool(rollout.truncated.any()) and (max_new_tokens == 1) == bool(rollout.truncated.all())
+
+
+def test_a_restarted_prompt_counts_in_the_episode_budget():
+    """guess_summary's restart prompts are longer than the first turn: with a budget of 30
+    tokens after the opening, a restart's prompt (the opening and the summary, ~40 tokens) no
+    longer fits, so an episode that would restart stops on budget instead, without a segment;
+    the same run without the budget restarts."""
+    free, _ = make_runner(agent_env("guess_summary"))
+    assert run(free, rows=ROWS[:1], G=3, seeds=[8])[2].restarts.sum() > 0
+    runner, _ = make_runner(agent_env("guess_summary"), max_episode_tokens=30)
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=3, seeds=[8])
+    assert episodes.segments is None and episodes.restarts.tolist() == [0, 0, 0]
+    budget, done = STOP_REASONS.index("budget"), STOP_REASONS.index("done")
+    assert all(stop in (budget, done) for stop in episodes.stop.tolist()), episodes.stop
+    assert budget in episodes.stop.tolist()
+
+
+def test_a_huge_restart_is_refused_before_it_is_tokenised(monkeypatch):
+    runner, _ = make_runner(agent_env("restarts_huge"), max_episode_tokens=200)
+    prompt = runner.delta.prompt
+
+    def guarded(messages, **kwargs):
+        assert sum(len(m["content"]) for m in messages) < 100_000, "a huge history was rendered"
+        return prompt(messages, **kwargs)
+
+    monkeypatch.setattr(runner.delta, "prompt", guarded)
+    start = time.monotonic()
+    _, _, episodes, _ = run(runner, rows=ROWS[:1], G=2, seeds=[3])
+    assert time.monotonic() - start < 15
+    assert episodes.stop.tolist() == [STOP_REASONS.index("budget")] * 2 and episodes.segments is None
+    assert episodes.final_rewards.tolist() == [0.5, 0.5]  # its call refused: the episode is over

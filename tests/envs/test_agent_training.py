@@ -264,4 +264,9 @@ def test_an_agent_that_rewrites_its_history_trains_each_segment_with_its_episode
             assert torch.equal(exp.loss_mask[row], exp.rollout.response_mask[row] * valid)
             # A segment's prompt is the conversation it was sampled from: never its episode's last.
             assert not torch.equal(exp.rollout.prompt_ids[row], exp.rollout.prompt_ids[episode])
+        # Each row carries its episode's loss tokens over all its rows: GRPO's seq-mean-token-mean
+        # counts the episode once (tests/core/test_masking.py: as the unsplit episode).
+        tokens = exp.loss_mask.sum(-1)
+        episode_tokens = tokens[:B].index_add(0, owner, tokens[B:])
+        assert torch.equal(exp.sample_tokens, torch.cat([episode_tokens, episode_tokens[owner]]))
     assert segments > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
 from policygrad.envs.base import (
     STOP_REASONS,
@@ -112,6 +113,16 @@ def test_done_must_be_true_or_false(done):
 def test_restart_must_be_true_or_false(restart):
     with pytest.raises(EnvironmentFailure, match=r"^StepResult\.restart must be True or False"):
         check_step_result(StepResult([{"role": "user", "content": "x"}], restart=restart))
+
+
+def test_numpy_and_torch_booleans_are_booleans():
+    np = pytest.importorskip("numpy")
+    message = [{"role": "user", "content": "x"}]
+    for true in (np.True_, np.bool_(True), torch.tensor(True)):
+        result = check_step_result(StepResult(message, done=true, restart=true))
+        assert result.done is True and result.restart is True
+    with pytest.raises(EnvironmentFailure, match=r"^StepResult\.done must be True or False"):
+        check_step_result(StepResult(done=np.array([True, False])))
 
 
 def test_a_restart_needs_the_conversation_it_restarts_with():

@@ -293,7 +293,9 @@ def test_eval_agent_plays_the_sessions_an_equivalent_environment_plays(eos_model
         "load_seconds",
         "env/tool_calls",
         "env/malformed_tool_calls",
+        "env/history_rewrites",
     }
+    assert by_agent["env/history_rewrites"] == 0.0  # its calls extend their history
     assert {k: v for k, v in by_env.items() if k not in volatile} == {
         k: v for k, v in by_agent.items() if k not in volatile
     }

@@ -151,6 +151,7 @@ def test_positive_example_lm_loss_by_hand(make_config):
             ref_logprobs=None,
             cov_selected=None,
             positive=positive[rows],
+            sample_tokens=None,
         )
 
     loss, metrics, _ = objective(logprobs, torch.zeros(2, 2), logprobs.detach(), micro([0, 1]), counts)
@@ -223,3 +224,16 @@ def test_entropy_options_are_checked(make_config):
         make_config(loss={"positive_lm_coef": -0.1})
     with pytest.raises(ConfigError, match="kl_cov_ratio|ratio must be in"):
         make_config(loss={"policy_loss": "kl_cov", "options": {"kl_cov_ratio": 2.0}})
+
+
+def test_a_sample_spread_over_rows_counts_once_in_num_seqs():
+    # Rows: an episode's last segment (2 loss tokens) and its earlier segment (2 more: the episode
+    # has 4), a plain sample (3), a row with no loss token. Shares 2/4 + 2/4 + 3/3 = 2 sequences.
+    mask = torch.tensor([[1.0, 1, 0], [1, 1, 0], [1, 1, 1], [0, 0, 0]])
+    counts = MinibatchCounts.of(mask, sample_tokens=torch.tensor([4.0, 4.0, 3.0, 0.0]))
+    assert (counts.num_tokens.item(), counts.num_seqs.item()) == (7.0, 2.0)
+    # A minibatch holding only the earlier segment counts half a sequence.
+    half = MinibatchCounts.of(mask[1:2], sample_tokens=torch.tensor([4.0]))
+    assert half.num_seqs.item() == 0.5
+    plain = MinibatchCounts.of(mask)  # without sample_tokens: rows with a loss token, as ever
+    assert plain.num_seqs.item() == 3 and plain.num_seqs.dtype == torch.int64

@@ -45,7 +45,7 @@ def test_a_segment_row_holds_its_episodes_advantage_and_return_on_its_own_tokens
     )
     token_rewards = torch.tensor([[0.0, 1.0, 0.0], [0.25, 0.0, 0.0]], dtype=torch.float64)
     non_score = torch.tensor([0.0, 0.0], dtype=torch.float64)
-    adv, ret, loss_mask, rewards, kl = extend_to_segments(
+    adv, ret, loss_mask, rewards, kl, sample_tokens = extend_to_segments(
         batch_of([True, False], [1, 0]), mask, advantages, returns, token_rewards, non_score
     )
     # Segment 0 (episode 1: advantage -0.5, return from its first token 0.25) on its 3 tokens;
@@ -57,6 +57,9 @@ def test_a_segment_row_holds_its_episodes_advantage_and_return_on_its_own_tokens
     # The rewards stay on the episodes' rows.
     assert rewards.tolist() == [[0.0, 1.0, 0.0], [0.25, 0.0, 0.0], [0.0] * 3, [0.0] * 3]
     assert kl.tolist() == [0.0] * 4
+    # Each row carries its episode's loss tokens: episode 0 has 2 on its row and 1 on its segment;
+    # episode 1 carries no loss (0), nor does its segment.
+    assert sample_tokens.tolist() == [3.0, 0.0, 0.0, 3.0]
 
 
 def test_an_episode_whose_advantages_vary_over_its_tokens_is_refused():

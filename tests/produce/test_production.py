@@ -12,9 +12,11 @@ import torch
 
 from policygrad.envs.episodes import Episodes
 from policygrad.envs.records import Segments
+from policygrad.errors import TrainingError
 from policygrad.produce.production import (
     Production,
     RawRound,
+    check_segments_trainable,
     chosen_positions,
     fail_overflowing_episodes,
     production_from_state,
@@ -195,3 +197,24 @@ def test_no_group_left_suggests_the_step_timeout_only_after_a_timeout():
         + " (or raise rollout.env_step_timeout_s)"
     )
     assert no_group_left("m:E", 1, []) == head + "on another rank; fix the environment"
+
+
+def test_an_environments_restart_stops_a_config_that_cannot_train_segments():
+    """An agent's config is refused at start; an environment's restarts show when they happen:
+    then a critic, a KL in the reward or a discount stop the run with one line naming the
+    environment, the option and the fix; an outcome estimator goes on."""
+    from policygrad.config.train import load_config  # the config of a run with an environment
+
+    env = ["--env.name=builtin:guess"]
+    check_segments_trainable(load_config(None, env))  # grpo, no KL in the reward: trains them
+    for extra, words in (
+        (["--algorithm=ppo"], "which the gae estimator's per-token advantages (a critic) does not give"),
+        (["--kl.placement=reward", "--kl.beta=0.1"], "which kl.placement=reward (a KL penalty"),
+    ):
+        with pytest.raises(TrainingError) as info:
+            check_segments_trainable(load_config(None, env + extra))
+        assert str(info.value).startswith(
+            "the environment env.name=builtin:guess restarted an episode's history (StepResult.restart)"
+        )
+        assert words in str(info.value)
+        assert "use an outcome estimator (grpo, rloo, reinforce)" in str(info.value)

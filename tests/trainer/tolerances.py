@@ -321,6 +321,7 @@ PLAIN = (
     "episode/stop_<reason>",
     "episode/action_tokens_mean",
     "episode/observation_tokens_mean",
+    "episode/restarts_mean",
     "env/turn_reward_mean",
     "env/final_reward_mean",
     "env/failed_frac",
