@@ -47,6 +47,15 @@ def test_the_site_builds_strictly(tmp_path):
     index = (tmp_path / "site" / "index.html").read_text(encoding="utf-8")
     assert "Quick start" in index and 'href="agents/"' in index  # the README, its links rewritten
     assert "estimate_advantages" in (tmp_path / "site" / "api" / "index.html").read_text(encoding="utf-8")
+    # A list that fell apart (a block inside an item not indented as Markdown's lists need, an
+    # indented paragraph swallowing the next item) shows its "- " as text: no page may.
+    broken = {}
+    for page in (tmp_path / "site").rglob("*.html"):
+        text = re.sub(r"<pre.*?</pre>", "", page.read_text(encoding="utf-8"), flags=re.S)
+        found = [line for line in text.splitlines() if re.match(r"\s*- \S", line)]
+        if found:
+            broken[str(page.relative_to(tmp_path / "site"))] = found[:2]
+    assert broken == {}
 
 
 def test_the_readme_is_a_front_page_whose_links_resolve():

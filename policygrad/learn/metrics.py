@@ -297,7 +297,8 @@ def _masked_mean_value(values: torch.Tensor, mask: torch.Tensor) -> float:
 def metrics_markdown() -> str:
     """The docs' metric table (docs/metrics.md), generated from :data:`METRICS` (a test keeps them equal)."""
     lines = ["| metric | meaning |", "|:--|:--|"]
-    lines += [f"| `{name}` | {meaning} |" for name, meaning in METRICS.items()]
+    escape = str.maketrans({"<": "&lt;", ">": "&gt;"})  # "<reason>" is text, not a tag, in a page
+    lines += [f"| `{name}` | {meaning.translate(escape)} |" for name, meaning in METRICS.items()]
     return "\n".join(lines)
 
 
