@@ -59,8 +59,12 @@ def post(url: str, path: str, body: dict | None, timeout_s: float) -> dict:
 
 
 def describe(err: BaseException) -> str:
-    """What went wrong with a request, in a few words (a timeout says so)."""
-    if isinstance(err, (TimeoutError, socket.timeout)) or "timed out" in str(err):
+    """What went wrong with a request, in a few words (a timeout says so, whichever timer fired:
+    the HTTP request's, or the process-group store's while the server never joined the push,
+    ``DistStoreError: wait timeout``, which wins under load)."""
+    if isinstance(err, (TimeoutError, socket.timeout)) or any(
+        words in str(err) for words in ("timed out", "wait timeout")
+    ):
         return "no answer within the timeout"
     reason = getattr(err, "reason", None)
     return f"{type(err).__name__}: {reason if reason is not None else err}"

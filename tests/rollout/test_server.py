@@ -25,7 +25,7 @@ import torch
 from policygrad.models.loading import load_causal_lm, load_tokenizer
 from policygrad.rollout import VLLMRolloutEngine
 from policygrad.rollout.server import ServerError, ServerRolloutEngine, StaleWeightsError
-from policygrad.rollout.server_api import post
+from policygrad.rollout.server_api import describe, post
 from policygrad.rollout.transfer import GlooTransferEndpoint, GlooUpdateInfo, broadcast_options, open_group
 
 pytestmark = pytest.mark.integration
@@ -378,3 +378,20 @@ def test_prompts_of_one_routing_key_go_to_one_server(rollout_servers, server_mod
         assert where[tuple(PROMPTS[2])] == urls[8 % 2]
     finally:
         engine.close()
+
+
+def test_a_timeout_reads_the_same_whichever_timer_fired():
+    """A server that never answers fails the push on the HTTP request's timeout or, under load,
+    first on the process-group store's wait (torch's DistStoreError): both read as a timeout, so
+    the run's message does not depend on the machine's load."""
+    from torch.distributed import DistStoreError  # the store's timeout while the server never joined
+
+    for err in (
+        TimeoutError("timed out"),
+        OSError("timed out"),  # urllib's socket timeout, as its message says it
+        DistStoreError("wait timeout after 2000ms, keys: /0/1"),
+    ):
+        assert describe(err) == "no answer within the timeout", err
+    assert describe(ConnectionRefusedError(111, "Connection refused")) == (
+        "ConnectionRefusedError: [Errno 111] Connection refused"
+    )

@@ -478,7 +478,7 @@ def _one_step_gradients(
     if local_counts:
         # Normalise each micro-batch by its own counts (what omitting the global counts does).
         objective = run.trainer.objective
-        objective.reduce = lambda loss_matrix, mask, _counts: aggregate(
+        objective.reduce = lambda loss_matrix, mask, _counts, _sample_tokens=None: aggregate(
             loss_matrix, mask, objective.agg_mode, max_len=objective.max_len
         )
     with mock.patch.object(OptimizerStep, "backward", measuring):
