@@ -70,43 +70,48 @@ def to_rollout(first: Rollout, episodes: list[EpisodeState], pad_id: int) -> Rol
     prompt (right-padded with ``pad_id``), the action and observation masks, the sampler's
     log-probs, and ``truncated`` where the episode stopped on a cut turn; where an episode
     restarted, the prompt of its last segment (left-padded with ``pad_id``)."""
-    if any(e.segments for e in episodes):
-        first = _with_prompts(first, [e.prompt for e in episodes], pad_id)
-    T = max(len(e.ids) for e in episodes)
-    B = len(episodes)
-    ids = torch.full((B, T), pad_id, dtype=torch.long)
-    action = torch.zeros(B, T, dtype=torch.float32)
-    observed = torch.zeros(B, T, dtype=torch.float32)
-    logprobs = torch.zeros(B, T, dtype=torch.float32)
-    for r, e in enumerate(episodes):
-        n = len(e.ids)
-        ids[r, :n] = torch.tensor(e.ids, dtype=torch.long)
-        mask = torch.tensor(e.action, dtype=torch.bool)
-        action[r, :n] = mask.float()
-        observed[r, :n] = (~mask).float()
-        logprobs[r, :n] = torch.tensor(e.logprobs, dtype=torch.float32)
-    truncated = torch.tensor([e.stop in TRUNCATING_STOPS for e in episodes], dtype=torch.bool)
     device = first.response_ids.device
-    return dataclasses.replace(
-        first,
-        response_ids=ids.to(device),
-        response_mask=action.to(device),
-        sampler_logprobs=logprobs.to(device),
-        truncated=truncated.to(device),
-        observation_mask=observed.to(device) if bool(observed.any()) else None,
-    )
+    if any(e.segments for e in episodes):
+        ids, mask = _prompt_columns([e.prompt for e in episodes], pad_id)
+        first = dataclasses.replace(first, prompt_ids=ids.to(device), prompt_mask=mask.to(device))
+    columns = _response_columns([(e.ids, e.action, e.logprobs) for e in episodes], pad_id, device)
+    truncated = torch.tensor([e.stop in TRUNCATING_STOPS for e in episodes], dtype=torch.bool)
+    return dataclasses.replace(first, truncated=truncated.to(device), **columns)
 
 
-def _with_prompts(rollout: Rollout, prompts: list[list[int]], pad_id: int) -> Rollout:
-    """``rollout`` with prompt columns holding ``prompts`` (left-padded with ``pad_id``)."""
+def _prompt_columns(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(prompt_ids, prompt_mask)`` [R, P] of ``prompts``, left-padded with ``pad_id``."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
     mask = torch.zeros(len(prompts), P, dtype=torch.long)
     for r, prompt in enumerate(prompts):
         ids[r, P - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
         mask[r, P - len(prompt) :] = 1
-    device = rollout.prompt_ids.device
-    return dataclasses.replace(rollout, prompt_ids=ids.to(device), prompt_mask=mask.to(device))
+    return ids, mask
+
+
+def _response_columns(rows: list[tuple], pad_id: int, device) -> dict[str, torch.Tensor | None]:
+    """The response fields of a :class:`Rollout` of ``rows`` (``(ids, action flags, log-probs)``
+    each, right-padded with ``pad_id``) on ``device``: ids, the action and observation masks
+    (None when nothing is observed) and the sampler's log-probs."""
+    R, T = len(rows), max(len(ids) for ids, _, _ in rows)
+    ids = torch.full((R, T), pad_id, dtype=torch.long)
+    action = torch.zeros(R, T, dtype=torch.float32)
+    observed = torch.zeros(R, T, dtype=torch.float32)
+    logprobs = torch.zeros(R, T, dtype=torch.float32)
+    for r, (row_ids, row_action, row_logprobs) in enumerate(rows):
+        n = len(row_ids)
+        ids[r, :n] = torch.tensor(row_ids, dtype=torch.long)
+        mask = torch.tensor(row_action, dtype=torch.bool)
+        action[r, :n] = mask.float()
+        observed[r, :n] = (~mask).float()
+        logprobs[r, :n] = torch.tensor(row_logprobs, dtype=torch.float32)
+    return {
+        "response_ids": ids.to(device),
+        "response_mask": action.to(device),
+        "sampler_logprobs": logprobs.to(device),
+        "observation_mask": observed.to(device) if bool(observed.any()) else None,
+    }
 
 
 def to_episodes(episodes: list[EpisodeState], env_seconds: float, rollout: Rollout, pad_id: int) -> Episodes:
@@ -159,36 +164,17 @@ def to_segments(episodes: list[EpisodeState], rollout: Rollout, pad_id: int) -> 
     if not rows:
         return None
     S = len(rows)
-    P = max(len(prompt) for _, (prompt, *_) in rows)
-    T = max(len(ids) for _, (_, ids, _, _) in rows)
-    prompt_ids = torch.full((S, P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(S, P, dtype=torch.long)
-    ids = torch.full((S, T), pad_id, dtype=torch.long)
-    action = torch.zeros(S, T, dtype=torch.float32)
-    observed = torch.zeros(S, T, dtype=torch.float32)
-    logprobs = torch.zeros(S, T, dtype=torch.float32)
-    for s, (_, (prompt, seg_ids, seg_action, seg_logprobs)) in enumerate(rows):
-        p, n = len(prompt), len(seg_ids)
-        prompt_ids[s, P - p :] = torch.tensor(prompt, dtype=torch.long)
-        prompt_mask[s, P - p :] = 1
-        ids[s, :n] = torch.tensor(seg_ids, dtype=torch.long)
-        mask = torch.tensor(seg_action, dtype=torch.bool)
-        action[s, :n] = mask.float()
-        observed[s, :n] = (~mask).float()
-        logprobs[s, :n] = torch.tensor(seg_logprobs, dtype=torch.float32)
+    prompt_ids, prompt_mask = _prompt_columns([prompt for _, (prompt, *_) in rows], pad_id)
     owner = torch.tensor([r for r, _ in rows], dtype=torch.long)
     device = rollout.response_ids.device
     segments = Rollout(
         prompt_ids=prompt_ids.to(device),
         prompt_mask=prompt_mask.to(device),
-        response_ids=ids.to(device),
-        response_mask=action.to(device),
         truncated=torch.zeros(S, dtype=torch.bool, device=device),  # a segment's turns all ended
-        sampler_logprobs=logprobs.to(device),
         group_index=owner.to(device),  # a placeholder: a segment's group is its episode's
         group_size=rollout.group_size,
         sampling=rollout.sampling,
-        observation_mask=observed.to(device) if bool(observed.any()) else None,
+        **_response_columns([segment[1:] for _, segment in rows], pad_id, device),
     )
     return Segments(segments, owner)
 
