@@ -256,6 +256,10 @@ def cmd_memory(argv: list[str]) -> int:
     # imported per command: each command loads only its own modules (help and argument errors come fast)
     from policygrad.lab import memory
 
+    if "--config" in argv:  # a training run's plan: the arguments are policygrad train's
+        config_path, resume, rest = _split_train_args([a for a in argv if a != "--config"])
+        print(memory.plan_config(_load_train_config(config_path, resume, rest)))
+        return 0
     print(memory.main(argv))
     return 0
 

@@ -42,19 +42,24 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from typing import TYPE_CHECKING
 
 from policygrad.arguments import OneLineArgumentParser
 from policygrad.lab.common import (
     DEFAULT_OUTPUT_DIR,
     check_output_dir,
     ensure_output_dir,
+    format_table,
     pyplot,
     save_figure,
     write_json,
 )
 from policygrad.lab.memory_bill import STRATEGIES, MemoryPlan, format_count
 from policygrad.lab.memory_plan import algorithm_models, check_options, plan_memory
-from policygrad.parallel.footprint import ModelShape, llama_linear_shapes, model_shape_from_config
+from policygrad.parallel.footprint import ModelShape, format_gb, llama_linear_shapes, model_shape_from_config
+
+if TYPE_CHECKING:
+    from policygrad.parallel.run_memory import RunPlan
 
 # The bill's parts are priced in :mod:`policygrad.parallel.footprint` (the model's shape and
 # activations, shared with the trainer's ``gradient_checkpointing: auto``),
@@ -261,7 +266,11 @@ policy's master weights); reward model, critic and
 inference engine as the algorithm needs; KV cache and the B x T x V logits tensor; per rank with
 --world-size and --strategy.
 Parameter counts come from the model's config.json (no weights are read); --params and the shape
-options describe a hypothetical model instead."""
+options describe a hypothetical model instead.
+
+policygrad memory --config [CONFIG.yaml] [--key=value ...] plans a training run instead, as
+policygrad train would run it on this host's CPU: the peak of its process, and whether it fits
+the memory available (a run that does not is refused by policygrad train before a model loads)."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -311,7 +320,59 @@ def build_parser() -> argparse.ArgumentParser:
         help="ddp: whole models on every rank; fsdp: policy, critic and reference sharded N ways",
     )
     p.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help="where memory.json and memory.png go")
+    p.add_argument(
+        "--config",
+        action="store_true",
+        help="plan a training run: policygrad memory --config [CONFIG.yaml] [--key=value ...]",
+    )
     return p
+
+
+def run_plan_table(plan: RunPlan) -> str:
+    """A run's plan (:class:`~policygrad.parallel.run_memory.RunPlan`) as text: one line per item,
+    then the peak."""
+    rows = [
+        [it.component, it.state, format_count(it.params), format_gb(it.bytes), it.note]
+        for it in plan.items
+    ]
+    return "\n".join(
+        [
+            f"planned peak of the trainer process: {plan.engine} engine, {plan.precision}, "
+            f"B {plan.sequences} x T {plan.seq_len} (longest prompt {plan.prompt_tokens} tokens)",
+            format_table(["component", "state", "params", "GB", "how"], rows),
+            "",
+            f"planned peak: {format_gb(plan.peak_bytes)} GB (the resident lines and the largest working "
+            f"line; {format_gb(plan.floor_bytes)} GB with gradient checkpointing where "
+            "model.gradient_checkpointing=auto turns it on)",
+        ]
+    )
+
+
+def plan_config(cfg) -> str:
+    """``policygrad memory --config``: the plan of the run ``cfg`` on this host, and whether it
+    fits the memory available.
+
+    Raises:
+        ValueError / ConfigError: the model or data cannot be read; the plan cannot be made.
+    """
+    # imported here: they load torch, which the other uses of this command do not need
+    from policygrad.config.train import ConfigError
+    from policygrad.parallel.before_loading import plan_run_from_config
+    from policygrad.parallel.footprint import available_memory_bytes
+    from policygrad.parallel.run_memory import check_run_fits
+
+    plan = plan_run_from_config(cfg)
+    if plan is None:
+        raise ValueError(
+            "model.adapter: a run that starts from a trained adapter has no plan before it loads"
+        )
+    available = available_memory_bytes()
+    try:
+        check_run_fits(cfg, plan, available_bytes=available)
+        verdict = f"fits: {format_gb(available)} GB available on this host"
+    except ConfigError as refusal:
+        verdict = f"does not fit; policygrad train refuses it: {refusal}"
+    return run_plan_table(plan) + "\n" + verdict
 
 
 def main(argv: list[str]) -> str:

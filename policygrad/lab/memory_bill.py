@@ -9,6 +9,7 @@ import dataclasses
 from typing import Any
 
 from policygrad.parallel.footprint import ModelShape, format_gb
+from policygrad.parallel.run_memory import MemoryItem
 
 __all__ = [
     "BYTES_FP32",
@@ -39,27 +40,6 @@ BYTES_FROZEN = 2
 
 BYTES_FP32 = 4
 """Bytes per parameter of a float32 copy."""
-
-
-@dataclasses.dataclass
-class MemoryItem:
-    """One line of the bill.
-
-    Fields:
-        component: e.g. ``policy``, ``reference``, ``critic (LoRA adapters)``, ``KV cache``.
-        state: ``trainable``, ``frozen``, ``shared``, or ``activation``.
-        params: parameters (None for activations).
-        bytes_per_param: 16, 2 or 0 (None for activations).
-        bytes: the item's bytes.
-        note: how it was counted.
-    """
-
-    component: str
-    state: str
-    params: int | None
-    bytes_per_param: float | None
-    bytes: int
-    note: str = ""
 
 
 @dataclasses.dataclass

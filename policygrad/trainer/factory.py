@@ -24,6 +24,7 @@ from policygrad.core.advantages import get_advantage_estimator
 from policygrad.core.entropy import AdaptiveEntropyController
 from policygrad.data.sources import build_train_source
 from policygrad.data.stream import PromptStream
+from policygrad.parallel.before_loading import check_before_loading
 from policygrad.parallel.distributed import Dist
 from policygrad.parallel.precision import resolve_precision, resumed_precision
 from policygrad.parallel.recompute import Recompute, pending_state_bytes
@@ -189,6 +190,10 @@ def build_trainer(
     )
     if checkpoint is not None and cfg.model.precision == "auto":
         log.info("model.precision=auto: %s, as the checkpoint was trained", precision.name)
+    if model is None and device.type == "cpu":  # a planned out-of-memory run stops before any model loads
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        plan = {"precision": precision.name, "world_size": dist.world_size, "processes": local}
+        check_before_loading(cfg, train_source=train_source, **plan)
     m = build_models(
         cfg,
         device=device,

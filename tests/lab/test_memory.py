@@ -101,3 +101,19 @@ def test_bad_memory_arguments_are_one_error_line(args, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ")
     assert "--world-size" in err[0] or "--strategy" in err[0]
+
+
+def test_cli_memory_config_plans_a_training_run(tiny_model_dir, capsys, monkeypatch):
+    # the same arguments as policygrad train: a config (here none) and --key=value overrides
+    args = [f"--model.name={tiny_model_dir}", "--rollout.engine=hf", "--model.precision=fp32"]
+    assert main(["memory", "--config", *args, "--optim.micro_batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "planned peak of the trainer process: hf engine, fp32" in out
+    assert "micro-batch of 4 sequences" in out and "fits:" in out
+    # a machine with too little memory: the plan says train would refuse it, and why
+    monkeypatch.setattr("policygrad.parallel.footprint.available_memory_bytes", lambda _device=None: 10**8)
+    assert main(["memory", "--config", *args]) == 0
+    assert "does not fit; policygrad train refuses it: this run is planned to need" in capsys.readouterr().out
+    # a bad override is the config's own one-line error
+    assert main(["memory", "--config", "--optim.micro_batch_sise=4"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown config key optim.micro_batch_sise")

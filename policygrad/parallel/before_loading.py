@@ -1,0 +1,113 @@
+"""A run's memory plan from its files (:func:`plan_run_from_config`: the policy's ``config.json``,
+its tokenizer and the first training rows, no weights), and the check every CPU run makes with it
+before its first model loads (:func:`check_before_loading`). The arithmetic is
+:mod:`policygrad.parallel.run_memory`'s."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from policygrad.data.chat import encode_prompts
+from policygrad.data.sources import build_train_source
+from policygrad.models.adapters import resolve_model_source
+from policygrad.models.loading import load_tokenizer
+from policygrad.parallel.footprint import available_memory_bytes, format_gb, model_shape_from_config
+from policygrad.parallel.precision import resolve_precision
+from policygrad.parallel.run_memory import RunPlan, check_run_fits, plan_run
+
+__all__ = ["PROMPT_SAMPLE", "check_before_loading", "longest_prompt", "plan_run_from_config"]
+
+log = logging.getLogger("policygrad")
+
+PROMPT_SAMPLE = 256
+"""Training rows read to find the longest prompt."""
+
+
+def longest_prompt(cfg, tokenizer, train_source) -> int:
+    """The longest of the first :data:`PROMPT_SAMPLE` training prompts, in tokens, as the run
+    formats and tokenizes them; ``data.max_prompt_length`` when one is longer (the run refuses it
+    by name later) or when the rows have no prompt to read (an environment's opening)."""
+    try:
+        rows = [train_source.train_row(i) for i in range(PROMPT_SAMPLE)]
+        return max(map(len, encode_prompts(tokenizer, rows, cfg.data)))
+    except (ValueError, KeyError, TypeError, IndexError):
+        return cfg.data.max_prompt_length
+
+
+def plan_run_from_config(
+    cfg, *, tokenizer=None, train_source=None, world_size: int = 1, precision: str | None = None
+) -> RunPlan | None:
+    """:func:`~policygrad.parallel.run_memory.plan_run` of ``cfg`` on this host's CPU: the policy's
+    shape from its ``config.json`` (no weights read), ``precision`` (None: what ``model.precision``
+    resolves to here), the engine ``rollout.engine`` resolves to, and the longest prompt
+    (:func:`longest_prompt`; the tokenizer and the training rows are read when not given).
+
+    Returns:
+        the plan, or None for a run that starts from a trained adapter (its rank and targets are
+        the adapter's, unknown until it loads).
+
+    Raises:
+        ValueError / ConfigError: the model or data cannot be read, or the model's config lacks
+            the sizes the plan needs (named).
+    """
+    source = resolve_model_source(cfg.model.name, cfg.model.adapter)
+    if source.adapter is not None:
+        return None
+    if precision is None:
+        m = cfg.model
+        precision = resolve_precision(
+            m.precision, torch.device("cpu"), model_dtype=m.dtype, lm_head_dtype=m.lm_head_dtype
+        ).name
+    shape = model_shape_from_config(source.base)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+    if train_source is None:
+        train_source = build_train_source(cfg.data, seed=cfg.seed)
+    engine, _ = cfg.rollout.resolved_engine()
+    model_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4  # ``auto`` is float32 on a CPU
+    return plan_run(
+        cfg,
+        shape,
+        prompt_tokens=longest_prompt(cfg, tokenizer, train_source),
+        precision=precision,
+        engine=engine,
+        model_dtype_bytes=model_bytes,
+        world_size=world_size,
+    )
+
+
+def check_before_loading(
+    cfg, *, train_source, precision: str, world_size: int = 1, processes: int = 1, read_available=None
+) -> RunPlan | None:
+    """The run's plan (:func:`plan_run_from_config`), refused by
+    :func:`~policygrad.parallel.run_memory.check_run_fits` when it cannot fit the memory available
+    on this host. A plan that cannot be made (a model config without layer sizes, an adapter to
+    start from) is skipped, logged at debug level: the run goes on as before.
+
+    Args:
+        processes: the run's processes on this host (``LOCAL_WORLD_SIZE`` under torchrun).
+        read_available: a seam for tests (None: the host's available memory).
+
+    Raises:
+        ConfigError: the plan does not fit.
+    """
+    try:
+        plan = plan_run_from_config(
+            cfg, train_source=train_source, world_size=world_size, precision=precision
+        )
+    except ValueError as e:  # the model's own loading names the problem next, if there is one
+        log.debug("memory plan skipped: %s", e)
+        return None
+    if plan is None:
+        log.debug("memory plan skipped: the run starts from an adapter")
+        return None
+    available = (read_available or available_memory_bytes)()
+    check_run_fits(cfg, plan, available_bytes=available, processes=processes)
+    log.info(
+        "memory: planned peak %s GB of %s GB available (policygrad memory --config prints the plan)",
+        format_gb(plan.peak_bytes * processes),
+        format_gb(available),
+    )
+    return plan

@@ -1,0 +1,67 @@
+"""Every CPU run plans its memory before its first model loads
+(:mod:`policygrad.parallel.before_loading`): the plan reads the prompts as the run tokenizes
+them, and a run whose plan does not fit the machine is refused in one line, before any model
+loads and before its folder is made."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import yaml
+
+from policygrad.cli import main
+from policygrad.data.chat import encode_prompts
+from policygrad.data.sources import build_train_source
+from policygrad.models.loading import load_tokenizer
+from policygrad.parallel.before_loading import PROMPT_SAMPLE, plan_run_from_config
+
+pytestmark = pytest.mark.integration
+
+
+def test_the_plan_reads_the_longest_prompt_as_the_run_tokenizes_it(make_config, eos_model_dir):
+    cfg = make_config("plan")
+    plan = plan_run_from_config(cfg)
+    source = build_train_source(cfg.data, seed=cfg.seed)
+    rows = [source.train_row(i) for i in range(PROMPT_SAMPLE)]
+    longest = max(map(len, encode_prompts(load_tokenizer(eos_model_dir), rows, cfg.data)))
+    assert plan.prompt_tokens == longest
+    assert plan.seq_len == longest + cfg.rollout.max_new_tokens
+    assert plan.engine == "hf" and plan.precision == "fp32"
+    assert plan.sequences == cfg.rollout.prompts_per_step * cfg.rollout.group_size
+
+
+def test_a_planned_out_of_memory_run_is_refused_before_any_model_loads(
+    make_config, tmp_path, monkeypatch, capsys
+):
+    cfg = make_config("oom")
+    path = tmp_path / "oom.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    loaded = []
+
+    def build_models(*_args, **_kwargs):
+        loaded.append(True)
+        raise AssertionError("a model loaded")
+
+    monkeypatch.setattr("policygrad.trainer.factory.build_models", build_models)
+    monkeypatch.setattr("policygrad.parallel.before_loading.available_memory_bytes", lambda: 10**8)  # 0.1 GB
+    assert main(["train", str(path)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, errors
+    assert "planned to need" in errors[0] and "0.10 GB available" in errors[0]
+    assert "policygrad memory --config" in errors[0]
+    assert not loaded
+    assert not os.path.exists(cfg.output_dir)
+
+
+def test_a_run_that_fits_logs_its_plan_and_builds(make_config, caplog):
+    # the plan is made on every CPU run; one that fits says so in one line and goes on to load
+    from policygrad.run import Run
+
+    cfg = make_config("fits", steps=1)
+    with caplog.at_level("INFO", logger="policygrad"):
+        Run(cfg).close()
+    said = [r.getMessage() for r in caplog.records]
+    plan = [i for i, m in enumerate(said) if m.startswith("memory: planned peak")]
+    engine = [i for i, m in enumerate(said) if m.startswith("rollout engine:")]
+    assert len(plan) == 1 and plan[0] < engine[0]  # before the models and the engine
