@@ -1,13 +1,18 @@
 """policygrad against TRL's GRPOTrainer: one GRPO step, side by side on the same machine.
 
-Both sides train the bundled SmolLM2-135M-Instruct (the safetensors folder policygrad caches) in
-float32 on the same prompts of the built-in arithmetic task, in the same order, through the same
-chat template: 4 prompts x G = 4 samples = 16 sequences per step, at most 64 new tokens,
+Both sides train the bundled SmolLM2-135M-Instruct (the safetensors folder policygrad caches),
+float32 weights, on the same prompts of the built-in arithmetic task, in the same order, through
+the same chat template: 4 prompts x G = 4 samples = 16 sequences per step, at most 64 new tokens,
 temperature 1.0, AdamW at a constant learning rate of 2e-5, gradient clipping at 1.0, reward =
 policygrad's ``answer_correctness``; once with beta = 0 (no reference model) and once with
 beta = 0.04 (policygrad: ``kl.placement=loss``, ``kl.kind=k3``). Batch size, G, length,
 temperature and learning rate are read from the policygrad config, so a ``--pg-override`` of one
-of them changes both sides.
+of them changes both sides. Each side computes in its own default precision, as its users run
+it: policygrad in ``model.precision: auto`` (bf16 autocast on CPUs with AVX512-BF16 or AMX, else
+fp32), TRL in ``GRPOConfig``'s default (``bf16`` defaults to true in trl 1.16.0: bf16 autocast);
+``--trl-override bf16=false`` gives TRL in fp32, the same-precision row against a policygrad run in
+fp32 (``--pg-override model.precision=fp32``). Every table names each side's precision and
+allocator.
 
 Each side is a worker process of its own (its own peak RSS), kept alive and driven one step at a
 time: a warm-up step each (not measured), then ``--steps`` measured steps each, in turn
@@ -193,10 +198,11 @@ def trl_trainer(spec: dict[str, Any]):
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt"]}], "answer": r.get("answer")} for r in rows]
     )
+    # No precision here: TRL computes in GRPOConfig's default, bf16 autocast (its ``bf16`` defaults
+    # to ``not fp16``), as its users run it; ``--trl-override bf16=false`` gives fp32.
     kwargs = {
         "output_dir": spec["output_dir"],
         "use_cpu": True,
-        "bf16": False,
         "per_device_train_batch_size": spec["batch"],
         "num_generations": spec["group_size"],
         "max_completion_length": spec["max_new_tokens"],
@@ -221,6 +227,20 @@ def trl_trainer(spec: dict[str, Any]):
         train_dataset=dataset,
     )
     return trainer, config
+
+
+def trl_precision(bf16: bool | None, fp16: bool | None) -> str:
+    """The name of TRL's compute precision for GRPOConfig's ``bf16`` and ``fp16`` fields; ``bf16``
+    None is GRPOConfig's default, which trl 1.16.0 resolves to ``not fp16``."""
+    if bf16 is None:
+        bf16 = not fp16
+    return "bf16 (autocast)" if bf16 else ("fp16" if fp16 else "fp32")
+
+
+def expected_trl_precision(trl_overrides: dict[str, Any]) -> str:
+    """TRL's precision under ``--trl-override`` (its default, bf16 autocast, without one); the
+    worker reports what its GRPOConfig resolved to."""
+    return trl_precision(trl_overrides.get("bf16"), trl_overrides.get("fp16"))
 
 
 def trl_spec_from(
@@ -392,7 +412,7 @@ def serve_trl(spec: dict[str, Any]) -> None:
                 "event": "ready",
                 "load_s": time.perf_counter() - t0,
                 "dtype": str(next(model.parameters()).dtype),
-                "precision": "bf16 (autocast)" if config.bf16 else ("fp16" if config.fp16 else "fp32"),
+                "precision": trl_precision(config.bf16, config.fp16),
                 "compute_dtype": "bfloat16" if config.bf16 else ("float16" if config.fp16 else "float32"),
                 "allocator": os.environ.get("LD_PRELOAD") or "glibc",
                 "n_params": counts["n_params"],
@@ -779,7 +799,8 @@ def report(result: dict[str, Any]) -> str:
         f"{length}, temperature {s['temperature']}, "
         f"lr {s['lr']:g} constant, AdamW, clip 1.0; float32 weights and AdamW state on both sides, the "
         "compute precision and the allocator of each side in its column header (policygrad: its defaults "
-        "on this CPU; TRL: bf16=False unless a --trl-override sets it). TRL's loss forward includes its "
+        "on this CPU; TRL: GRPOConfig's default, bf16 autocast, unless a --trl-override sets bf16/fp16). "
+        "TRL's loss forward includes its "
         "log-prob forward with gradients; with gradient checkpointing its backward recomputes the "
         "forward. Peak RSS: `ru_maxrss` of each worker process. "
         + (
@@ -809,7 +830,8 @@ def main() -> int:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
+        help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false; bf16=false for "
+        "TRL in fp32 (default: GRPOConfig's bf16 autocast)",
     )
     parser.add_argument(
         "--equal-length",
@@ -880,6 +902,10 @@ def main() -> int:
             "pg_engine": args.pg_engine,
             "pg_overrides": args.pg_override,
             "trl_overrides": args.trl_override,
+            # GRPOConfig's default unless an override sets it; each run's TRL ``ready`` reply has
+            # what the worker's config resolved to, and its allocator
+            "trl_precision": expected_trl_precision(parse_trl_overrides(args.trl_override)),
+            "trl_allocator": args.trl_allocator,
             "equal_length": args.equal_length,
             "prompts_per_step": r.prompts_per_step,
             "group_size": r.group_size,

@@ -1,42 +1,54 @@
-"""Learning per minute: policygrad's default job against TRL's GRPOTrainer, the same training wall
-time each, one after the other on the same machine, both final models scored by one evaluator.
+"""Time to a target accuracy: policygrad's default job against TRL's GRPOTrainer, the same
+training minutes each, checkpoints about every minute, every checkpoint scored afterwards by one
+evaluator, over several seeds per side.
 
-Both sides train the bundled SmolLM2-135M-Instruct (float32 weights) on the built-in arithmetic task
-with the settings of policygrad's default job (``policygrad train`` with no arguments): 4 prompts
-x G = 8 samples per step, at most 32 new tokens, temperature 1.0, AdamW at a constant 2e-5,
-gradient clipping at 1.0, beta = 0 (no reference model), reward = policygrad's
-``answer_correctness``. policygrad computes in its default precision on this machine
-(``model.precision: auto``: bf16 autocast on CPUs with AVX512-BF16 or AMX, else fp32), TRL in
-fp32 unless ``--trl-override bf16=true`` (its own default); the allocator is what the
-environment gives each (the ``policygrad`` command preloads tcmalloc when installed; set
-``LD_PRELOAD`` to give TRL the same). The report says which each side ran with.
-The shared settings are read from the policygrad config, so a ``--pg-override`` of one
-of them (``kl.placement=loss kl.beta=0.04`` for beta) changes both sides. TRL gets policygrad's
-train rows in policygrad's order as conversational prompts (its shuffling off) and keeps its own
-defaults otherwise (gradient checkpointing, ``loss_type="dapo"``); ``--trl-override`` changes
-them.
+Both sides train the bundled SmolLM2-135M-Instruct (float32 weights) on the built-in arithmetic
+task with the settings of policygrad's default job (``policygrad train`` with no arguments): 4
+prompts x G = 8 samples per step, at most 32 new tokens, temperature 1.0, AdamW at a constant
+2e-5, gradient clipping at 1.0, beta = 0 (no reference model), reward = policygrad's
+``answer_correctness``. Each side computes in its own default precision, as its users run it:
+policygrad in ``model.precision: auto`` (bf16 autocast on CPUs with AVX512-BF16 or AMX, else
+fp32), TRL in ``GRPOConfig``'s default (``bf16`` defaults to true in trl 1.16.0: bf16 autocast;
+``--trl-override bf16=false`` gives fp32). The allocator is what the environment gives each (the
+``policygrad`` command preloads tcmalloc when installed; set ``LD_PRELOAD`` to give TRL the same).
+The report names both. The shared settings are read from the policygrad config, so a
+``--pg-override`` of one of them (``kl.placement=loss kl.beta=0.04`` for beta) changes both sides.
+TRL gets policygrad's train rows in policygrad's order as conversational prompts (its shuffling
+off) and keeps its own defaults otherwise (gradient checkpointing, ``loss_type="dapo"``);
+``--trl-override`` changes them.
 
-Training wall time is counted the same way on both sides, from the start of the first step; a
-side starts another step while less than ``--minutes`` have passed (policygrad: ``max_minutes``,
-checked before each step; TRL: a callback that stops training after the step that passes the
-limit). Model loading, the final save and the evaluations are outside it. policygrad runs as
-``python -m policygrad train`` (evaluation, periodic checkpoints and trackers off; its final
-checkpoint is the model evaluated); TRL in a worker process that saves its final model with
-``trainer.save_model``.
+Tasks (``--tasks``): ``builtin:arithmetic`` at difficulty ``hard`` (a + b, a - b or a * b with
+a, b in 1..99; the start model scores 0.07 on its 200 held-out problems, room to rise over the
+budget) as the main row, and ``medium`` (the default
+job's task, a + b in 1..50, whose accuracy plateaus within a dozen steps) as the second.
 
-Then ``policygrad eval`` (greedy, the same ``--eval-size`` held-out problems, at most the
-training's ``max_new_tokens``, as the in-run evaluation of ``policygrad train``) scores the start
-model, policygrad's final model and TRL's. Reported: accuracy before and after, the gain of each
-side, the gain ratio (policygrad / TRL), steps, seconds per step.
+Per task and seed, one side after the other (policygrad first on even seeds, TRL first on odd
+ones): train for ``--minutes`` with a checkpoint about every ``--save-every`` minutes, then (off
+the clock) score every checkpoint with ``policygrad eval`` (greedy, the task's first
+``--eval-size`` held-out problems, at most the training's ``max_new_tokens``) and delete them.
+The start model is scored once per task: the 0 s point of every curve. policygrad runs as
+``python -m policygrad train`` (its ``max_minutes`` and ``save_every_minutes``; evaluation and
+trackers off); TRL in a worker process with a callback that keeps the same clock. What
+"training seconds" are, and the budget, are in ``benchmarks/_learning.py``'s docstring: the sum of
+the steps' wall times, saves excluded, on both sides.
+
+Reported per task: accuracy against training seconds (each checkpoint, medians over the seeds
+with the range), and the training seconds each side needs to reach each target accuracy (the
+first checkpoint at or above it; median over the seeds, a seed that never reaches it counted as
+slower than any that did, and the range), with the ratio policygrad / TRL of the medians at every
+target both reach. Targets: ``--targets`` (accuracies), or by default 25, 50, 75 and 90 % of the
+way from the start accuracy to the best any checkpoint reached.
 
 Usage::
 
-    python benchmarks/learn_vs_trl.py                        # 10 minutes per side
-    python benchmarks/learn_vs_trl.py --minutes 1 --eval-size 20   # a quick check of the script
+    python benchmarks/learn_vs_trl.py                        # hard and medium, 3 seeds, 10 min per side
+    python benchmarks/learn_vs_trl.py --seeds 1 --minutes 1.5 --save-every 0.5 --eval-size 20 --tasks hard
     python benchmarks/learn_vs_trl.py --update-readme
 
-Writes ``benchmarks/results/<date>-learn-vs-trl.json``; the run folders (model weights) go to a
-temporary folder deleted at the end, the logs to another one that stays (its path is printed).
+Writes ``benchmarks/results/<date>-learn-vs-trl-time-to-target.json`` (rewritten after every run,
+so an interrupted measurement keeps what it finished); the run folders (model weights) go to a
+temporary folder, each run's deleted once scored; the logs (training logs, each evaluation's log
+and completions) to another one that stays (its path is printed).
 """
 
 from __future__ import annotations
@@ -59,11 +71,9 @@ from _common import (
     Channel,
     Worker,
     add_common_options,
-    fmt,
     log_dir,
     machine_description,
     machine_line,
-    markdown_table,
     median,
     new_result_path,
     peak_rss_gb,
@@ -76,21 +86,42 @@ from _common import (
     worker_env,
     write_json,
 )
-from grpo_vs_trl import MODEL, parse_trl_overrides, trl_spec_from, trl_trainer
+from _learning import (
+    TrimCheckpoints,
+    auto_targets,
+    curve_table,
+    parse_targets,
+    parse_tasks,
+    policygrad_points,
+    side_line,
+    target_rows,
+    target_table,
+    trl_checkpoints,
+)
+from grpo_vs_trl import (
+    MODEL,
+    expected_trl_precision,
+    parse_trl_overrides,
+    trl_precision,
+    trl_spec_from,
+    trl_trainer,
+)
 
 README_SECTION = "learn-vs-trl"
+RESULTS_NAME = "learn-vs-trl-time-to-target"
+SIDES = ("policygrad", "trl")
 
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def policygrad_base(*, minutes: float, max_steps: int, seed: int, engine: str, threads: int, output_dir: str):
-    """The benchmark's settings on top of the default job: the time limit, a step cap above what
-    fits in it, float32 frozen weights (the vLLM engine's), no evaluation, checkpoint or tracker
-    during the run (nothing but steps inside the time limit)."""
+def policygrad_base(args, *, task: str, minutes: float, seed: int, output_dir: str) -> dict[str, Any]:
+    """The benchmark's settings on top of the default job: the task, the time limit, a step cap
+    above what fits in it, a checkpoint every ``--save-every`` minutes, float32 frozen weights (the
+    vLLM engine's), no evaluation or tracker during the run."""
     return {
-        "steps": max_steps,
+        "steps": int(minutes * 60) + 10,  # no step takes under a second here
         "max_minutes": minutes,
         "seed": seed,
         "output_dir": output_dir,
@@ -98,13 +129,15 @@ def policygrad_base(*, minutes: float, max_steps: int, seed: int, engine: str, t
         "eval_after": False,
         "eval_every": 0,
         "save_every": 0,
-        "save_every_minutes": 0,
+        "save_every_minutes": args.save_every,
+        "keep_checkpoints": None,
         "log_completions": 0,
-        "num_threads": threads,
+        "num_threads": args.threads,
         "tensorboard": False,
         "progress": False,
         "model": {"dtype": "float32"},
-        "rollout": {"engine": engine},
+        "data": {"difficulty": task},
+        "rollout": {"engine": args.pg_engine},
     }
 
 
@@ -120,62 +153,44 @@ def flat_overrides(tree: dict[str, Any], prefix: str = "") -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
-# The TRL worker: train for the time limit, save, report.
-
-
-def _time_limit(seconds: float, record: dict[str, Any]):
-    """A callback that stops TRL's training after the first step that ends past ``seconds`` from
-    the start of the first step, recording each step's wall time and TRL's logged metrics."""
-    from transformers import TrainerCallback
-
-    class TimeLimit(TrainerCallback):
-        def __init__(self):
-            self.start: float | None = None
-            self.step_start = 0.0
-
-        def on_step_begin(self, _args, _state, _control, **_kw):
-            self.step_start = time.perf_counter()
-            if self.start is None:
-                self.start = self.step_start
-
-        def on_step_end(self, _args, state, control, **_kw):
-            now = time.perf_counter()
-            record["step_s"].append(now - self.step_start)
-            record["steps"] = state.global_step
-            record["train_s"] = now - self.start
-            if now - self.start > seconds:
-                control.should_training_stop = True
-
-        def on_log(self, _args, _state, _control, logs=None, **_kw):
-            if logs:
-                record["logs"].append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
-
-    return TimeLimit()
+# The TRL worker: train for the time limit with checkpoints, report.
 
 
 def serve_trl(spec: dict[str, Any]) -> None:
-    """Worker: build TRL's GRPOTrainer, train until the time limit, save the final model and its
-    tokenizer to ``spec["final_dir"]``, reply ``done`` with the steps, times and logs."""
+    """Worker: build TRL's GRPOTrainer, train until the time limit with the checkpoints of
+    :func:`_learning.trl_checkpoints`, reply ``done`` with the steps, times and checkpoints."""
     chan = Channel.claim()
     try:
         t0 = time.perf_counter()
         threads = set_threads(int(spec["threads"]))
         trainer, config = trl_trainer(spec)
-        record: dict[str, Any] = {"steps": 0, "train_s": math.nan, "step_s": [], "logs": []}
-        trainer.add_callback(_time_limit(float(spec["seconds"]), record))
+        record: dict[str, Any] = {
+            "steps": 0,
+            "wall_s": math.nan,
+            "step_s": [],
+            "checkpoints": [],
+            "reward_mean": [],
+        }
+        trainer.add_callback(
+            trl_checkpoints(
+                trainer,
+                record,
+                budget_s=float(spec["seconds"]),
+                save_every_s=float(spec["save_every_s"]),
+                root=spec["checkpoint_dir"],
+            )
+        )
         load_s = time.perf_counter() - t0
         trainer.train()
-        t1 = time.perf_counter()
-        trainer.save_model(spec["final_dir"])
-        trainer.processing_class.save_pretrained(spec["final_dir"])
         chan.send(
             {
                 "ok": True,
                 "event": "done",
                 **record,
                 "load_s": load_s,
-                "save_s": time.perf_counter() - t1,
                 "threads": threads,
+                "precision": trl_precision(config.bf16, config.fp16),
+                "allocator": os.environ.get("LD_PRELOAD") or "glibc",
                 "gradient_checkpointing": bool(config.gradient_checkpointing),
                 "loss_type": str(config.loss_type),
                 "optim": str(config.optim),
@@ -192,7 +207,7 @@ def serve_trl(spec: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# The coordinator.
+# The coordinator: one training run of a side, the evaluations.
 
 
 def run_logged(cmd: list[str], log: Path, *, threads: int, timeout: float) -> str:
@@ -201,121 +216,185 @@ def run_logged(cmd: list[str], log: Path, *, threads: int, timeout: float) -> st
     with open(log, "w", encoding="utf-8") as err:
         err.write("$ " + " ".join(cmd) + "\n")
         err.flush()
+        proc = subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=worker_env(threads), stdout=subprocess.PIPE, stderr=err, text=True
+        )
         try:
-            done = subprocess.run(
-                cmd,
-                cwd=REPO_ROOT,
-                env=worker_env(threads),
-                stdout=subprocess.PIPE,
-                stderr=err,
-                text=True,
-                timeout=timeout,
-                check=False,
-            )
+            out, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
             raise SystemExit(f"error: {cmd[3]} took over {timeout:.0f} s; see {log}") from None
-        err.write(done.stdout)
-    if done.returncode:
-        raise SystemExit(f"error: {' '.join(cmd[2:4])} failed (exit {done.returncode}); see {log}")
-    return done.stdout
+        err.write(out)
+    if proc.returncode:
+        raise SystemExit(f"error: {' '.join(cmd[2:4])} failed (exit {proc.returncode}); see {log}")
+    return out
 
 
-def train_policygrad(args, cfg_overrides: list[str], run_dir: Path, logs: Path) -> dict[str, Any]:
-    """``policygrad train`` for the time limit; its steps, times and final model folder."""
-    cmd = [sys.executable, "-m", "policygrad", "train", *cfg_overrides]
-    say(f"[policygrad] training for {args.minutes:g} min (log {logs / 'policygrad-train.log'})")
+def train_policygrad(args, task: str, minutes: float, seed: int, scratch: Path, logs: Path) -> dict[str, Any]:
+    """``policygrad train`` for the time limit; its steps, times and checkpoints."""
+    run_dir = scratch / "policygrad-run"
+    base = policygrad_base(args, task=task, minutes=minutes, seed=seed, output_dir=str(run_dir))
+    cmd = [sys.executable, "-m", "policygrad", "train", *flat_overrides(base)]
+    cmd += [o if o.startswith("--") else f"--{o}" for o in args.pg_override]
+    log = logs / f"{task}-seed{seed}-policygrad-train.log"
+    say(f"[{task} seed {seed}] policygrad: training for {minutes:g} min (log {log})")
     start = time.perf_counter()
-    run_logged(cmd, logs / "policygrad-train.log", threads=args.threads, timeout=args.minutes * 60 + 3600)
-    wall = time.perf_counter() - start
+    with TrimCheckpoints(run_dir) as trim:
+        run_logged(cmd, log, threads=args.threads, timeout=minutes * 60 + 3600)
     summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    with open(run_dir / "metrics.jsonl", encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in rows if "time/step_s" in r]
+    step_s, checkpoints = policygrad_points(run_dir)
     return {
         "command": " ".join(["python", *cmd[1:]]),
         "steps": summary["steps"],
-        "train_s": summary["train_minutes"] * 60,
+        "wall_s": summary["train_minutes"] * 60,
         "stopped_by_time": summary.get("stopped_by_max_minutes"),
         "engine": summary.get("rollout_engine"),
-        "step_s": [r["time/step_s"] for r in steps],
-        "reward_mean": [r.get("reward/mean") for r in steps],
-        "response_length_mean": [r.get("response/length_mean") for r in steps],
-        "process_wall_s": wall,
+        "step_s": step_s,
+        "checkpoints": checkpoints,
+        "process_wall_s": time.perf_counter() - start,
         "peak_rss_gb": summary.get("peak_rss_gb"),
-        "model_dir": str(run_dir / "checkpoints" / f"step_{summary['steps']}" / "model"),
+        "optimizer_state_deleted_gb": trim.freed_gb,
     }
 
 
-def train_trl(args, spec: dict[str, Any], scratch: Path, logs: Path) -> dict[str, Any]:
-    """TRL's GRPOTrainer for the time limit in a worker process; its steps, times and model."""
+def train_trl(args, cfg, task: str, minutes: float, seed: int, scratch: Path, logs: Path) -> dict[str, Any]:
+    """TRL's GRPOTrainer for the time limit in a worker process; its steps, times and checkpoints."""
+    spec = trl_spec_from(
+        cfg,
+        beta=cfg.kl.beta if cfg.kl.placement != "none" else 0.0,
+        steps_total=int(minutes * 60) + 10,
+        threads=args.threads,
+        output_dir=str(scratch / "trl-run"),
+        trl_overrides=parse_trl_overrides(args.trl_override),
+    )
+    spec.update(
+        {
+            "seconds": minutes * 60,
+            "save_every_s": args.save_every * 60,
+            "checkpoint_dir": str(scratch / "trl-checkpoints"),
+        }
+    )
     path = scratch / "trl-spec.json"
     path.write_text(json.dumps(spec), encoding="utf-8")
-    say(f"[trl] training for {args.minutes:g} min (log {logs / 'trl-train.log'})")
+    log = logs / f"{task}-seed{seed}-trl-train.log"
+    say(f"[{task} seed {seed}] TRL: training for {minutes:g} min (log {log})")
     worker = Worker(
         [sys.executable, str(Path(__file__).resolve()), "--worker", "--spec", str(path)],
         name="TRL worker",
-        log_path=logs / "trl-train.log",
+        log_path=log,
         threads=args.threads,
     )
     try:
-        done = worker.receive(args.load_timeout + args.minutes * 60 + args.step_timeout)
+        done = worker.receive(args.load_timeout + minutes * 60 + args.step_timeout)
     finally:
         worker.close()
-    done.update(
-        {
-            "model_dir": spec["final_dir"],
-            "reward_mean": [log.get("reward") for log in done.get("logs", []) if "reward" in log],
-            "peak_rss_tree_gb": worker.tree_rss_peak_gb,
-        }
-    )
+    done["peak_rss_tree_gb"] = worker.tree_rss_peak_gb
     return done
 
 
-def evaluate(name: str, model: str, args, max_new_tokens: int, logs: Path) -> dict[str, Any]:
-    """``policygrad eval`` of ``model`` (greedy, the first ``--eval-size`` held-out problems)."""
+def evaluate(args, task: str, name: str, model: str, max_new_tokens: int, logs: Path) -> dict[str, Any]:
+    """``policygrad eval`` of ``model`` (greedy, the task's first ``--eval-size`` held-out problems)."""
     cmd = [sys.executable, "-m", "policygrad", "eval", "--model", model, "--dataset", "builtin:arithmetic"]
-    cmd += [
-        "--limit",
-        str(args.eval_size),
-        "--max-new-tokens",
-        str(max_new_tokens),
-        "--engine",
-        args.pg_engine,
-    ]
-    cmd += [
-        "--num-threads",
-        str(args.threads),
-        "--seed",
-        str(args.seed),
-        "--output",
-        str(logs / f"eval-{name}.jsonl"),
-    ]
-    say(f"[eval] {name}")
-    out = run_logged(cmd, logs / f"eval-{name}.log", threads=args.threads, timeout=3600)
+    cmd += ["--difficulty", task, "--limit", str(args.eval_size), "--max-new-tokens", str(max_new_tokens)]
+    cmd += ["--engine", args.eval_engine, "--num-threads", str(args.threads), "--seed", "0"]
+    cmd += ["--output", str(logs / f"eval-{task}-{name}.jsonl")]
+    out = run_logged(cmd, logs / f"eval-{task}-{name}.log", threads=args.threads, timeout=3600)
     start = out.rfind("\n{")
     result = json.loads(out[start + 1 :] if start >= 0 else out)
-    result["command"] = " ".join(["python", *cmd[1:]])
-    return result
+    return {k: result.get(k) for k in ("accuracy", "n", "engine", "seconds", "load_seconds")}
 
 
-def _gain_ratio(pg_gain: float, trl_gain: float) -> float:
-    """policygrad's gain / TRL's; NaN unless TRL gained (a ratio to a loss or to 0 means nothing)."""
-    return pg_gain / trl_gain if trl_gain > 0 else math.nan
+def score_run(
+    args, task: str, side: str, seed: int, run: dict[str, Any], max_new_tokens: int, logs: Path
+) -> None:
+    """Score every checkpoint of one run (in place: ``accuracy`` and ``eval`` of each)."""
+    for point in run["checkpoints"]:
+        name = f"seed{seed}-{side}-step{point['step']}"
+        point["eval"] = evaluate(args, task, name, point["model_dir"], max_new_tokens, logs)
+        point["accuracy"] = point["eval"]["accuracy"]
+        say(
+            f"[{task} seed {seed}] {side} step {point['step']} ({point['train_s']:.0f} training s): "
+            f"accuracy {point['accuracy']:.3f}"
+        )
 
 
-def summarise(result: dict[str, Any]) -> None:
-    """Add each side's gain and step statistics, and the ratios, to ``result``."""
-    before = result["eval"]["before"]["accuracy"]
-    for side in ("policygrad", "trl"):
-        s = result["sides"][side]
-        s["accuracy_after"] = result["eval"][side]["accuracy"]
-        s["accuracy_gain"] = s["accuracy_after"] - before
-        s["seconds_per_step"] = s["train_s"] / s["steps"] if s["steps"] else math.nan
-        s["step_s_median"] = median(s["step_s"])
-    pg, trl = result["sides"]["policygrad"], result["sides"]["trl"]
-    result["accuracy_before"] = before
-    result["gain_ratio"] = _gain_ratio(pg["accuracy_gain"], trl["accuracy_gain"])
-    result["steps_ratio"] = pg["steps"] / trl["steps"] if trl["steps"] else math.nan
+def finish_run(run: dict[str, Any]) -> None:
+    """Add the derived numbers of one run: training seconds, seconds per step, time outside steps."""
+    run["train_s"] = sum(run["step_s"])
+    run["seconds_per_step"] = median(run["step_s"])
+    run["outside_steps_s"] = run["wall_s"] - run["train_s"] if run.get("wall_s") is not None else None
+    for point in run["checkpoints"]:
+        point.pop("model_dir", None)  # deleted with the run folder
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries and the report.
+
+
+def summarise_task(entry: dict[str, Any], targets: list[float] | None, eval_size: int) -> None:
+    """Each side's curves and the time-to-target rows of one task (in place)."""
+    start = entry["start"]["accuracy"]
+    curves = {
+        side: [[(0.0, start)] + [(p["train_s"], p.get("accuracy")) for p in r["checkpoints"]] for r in runs]
+        for side, runs in entry["runs"].items()
+    }
+    best = max((a for side in curves.values() for c in side for _, a in c if a is not None), default=start)
+    entry["best_accuracy"] = best
+    entry["targets"] = targets if targets is not None else auto_targets(start, best, 1 / eval_size)
+    entry["time_to_target"] = target_rows(curves, entry["targets"])
+
+
+def report(result: dict[str, Any]) -> str:
+    """The markdown block printed at the end and written into the README section."""
+    m, s = result["machine"], result["settings"]
+    load = m.get("loadavg_at_start") or [math.nan]
+    lines = [
+        f"Measured {result['date']} with `{result['command']}` on {machine_line(m)}; "
+        f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} per side; "
+        f"load average {load[0]:.2f} at the start"
+        + (f", {m['loadavg_at_end'][0]:.2f} at the end" if m.get("loadavg_at_end") else "")
+        + f"; {result['wall_minutes']:.0f} min in all.",
+        "",
+    ]
+    for task, entry in result["tasks"].items():
+        if "time_to_target" not in entry:
+            continue
+        start = entry["start"]["accuracy"]
+        if entry["targets"]:
+            lines += [target_table(task, start, entry["time_to_target"], s["seeds"]), ""]
+        else:
+            lines += [f"{task}: no target: no checkpoint scored above the start model's {start:.3f}.", ""]
+        lines += [curve_table(task, start, entry["runs"]), ""]
+        lines += [
+            f"{task}, {entry['minutes']:g} min per side: "
+            + "; ".join(
+                side_line("policygrad" if side == "policygrad" else "TRL", runs)
+                for side, runs in entry["runs"].items()
+            )
+            + ".",
+            "",
+        ]
+    beta = f"beta {s['beta']:g}" + (f" ({s['kl_placement']})" if s["beta"] else "")
+    pg_engine, eval_engine = (
+        s.get("pg_engine_used") or s["pg_engine"],
+        s.get("eval_engine_used") or s["eval_engine"],
+    )
+    lines.append(
+        f"builtin:arithmetic; {s['prompts_per_step']} prompts x G = {s['group_size']} per step, at most "
+        f"{s['max_new_tokens']} new tokens, temperature {s['temperature']:g}, lr {s['lr']:g} constant, "
+        f"{beta}, float32 weights, reward `answer_correctness`. Compute and allocator: policygrad "
+        f"{s['pg_precision']}, {_lib(s['pg_allocator'])} ({pg_engine} engine); TRL "
+        f"{s['trl_precision']}, {_lib(s['trl_allocator'])}, its defaults otherwise (`loss_type="
+        f"{s.get('trl_loss_type')}`, gradient checkpointing {s.get('trl_gradient_checkpointing')}). "
+        f"Training seconds: the steps' wall times summed (saves and loading excluded, both sides); "
+        f"each side trains until {s['minutes_note']} of wall time since its first step (saves included) "
+        f"and checkpoints about every {s['save_every']:g} min; seeds {s['seed_list']}, one side after the "
+        f"other. Accuracy: `policygrad eval`, greedy, the task's first {s['eval_size']} held-out problems "
+        f"({eval_engine} engine). Time to target: the first checkpoint at or above it; median over "
+        "the seeds [fastest-slowest], a seed that never reached it counted as slower than any that did."
+    )
+    return "\n".join(lines)
 
 
 def _lib(path: str | None) -> str:
@@ -323,94 +402,34 @@ def _lib(path: str | None) -> str:
     return os.path.basename(path or "glibc").split(".so")[0].removeprefix("lib")
 
 
-def report(result: dict[str, Any]) -> str:
-    """The markdown block printed at the end and written into the README section."""
-    m, s = result["machine"], result["settings"]
-    pg, trl = result["sides"]["policygrad"], result["sides"]["trl"]
-    gc = "on" if trl.get("gradient_checkpointing") else "off"
-    header = [
-        "",
-        f"policygrad ({pg.get('engine')})",
-        f"TRL {m['packages'].get('trl')} (grad. ckpt {gc})",
-        "policygrad / TRL",
-    ]
-    before = fmt(result["accuracy_before"], 3)
-
-    def ratio(a, b, digits=2):
-        return fmt(a / b, digits) if b and math.isfinite(a) and math.isfinite(b) else "-"
-
-    rows = [
-        ["accuracy before", before, before, ""],
-        ["accuracy after", fmt(pg["accuracy_after"], 3), fmt(trl["accuracy_after"], 3), ""],
-        [
-            "**accuracy gain**",
-            f"**{pg['accuracy_gain']:+.3f}**",
-            f"**{trl['accuracy_gain']:+.3f}**",
-            f"**{fmt(result['gain_ratio'])}**",
-        ],
-        ["steps", pg["steps"], trl["steps"], ratio(pg["steps"], trl["steps"])],
-        ["training time (min)", fmt(pg["train_s"] / 60), fmt(trl["train_s"] / 60), ""],
-        [
-            "seconds per step (mean)",
-            fmt(pg["seconds_per_step"]),
-            fmt(trl["seconds_per_step"]),
-            ratio(pg["seconds_per_step"], trl["seconds_per_step"]),
-        ],
-        [
-            "seconds per step (median)",
-            fmt(pg["step_s_median"]),
-            fmt(trl["step_s_median"]),
-            ratio(pg["step_s_median"], trl["step_s_median"]),
-        ],
-    ]
-    load = m.get("loadavg_at_start") or [math.nan]
-    load_end = m.get("loadavg_at_end") or [math.nan]
-    beta = f"beta {s['beta']:g}" + (f" ({s['kl_placement']}, {s['kl_kind']})" if s["beta"] else "")
-    return "\n".join(
-        [
-            f"Measured {result['date']} with `{result['command']}` on {machine_line(m)}; "
-            f"{s['threads']} threads per side; load average {fmt(load[0])} at the start, "
-            f"{fmt(load_end[0])} at the end.",
-            "",
-            markdown_table(header, rows),
-            "",
-            f"{s['minutes']:g} min of training per side, one side after the other; {s['prompts_per_step']} "
-            f"prompts x G = {s['group_size']} per step, at most {s['max_new_tokens']} new tokens, "
-            f"temperature {s['temperature']:g}, lr {s['lr']:g} constant, {beta}, float32 weights; compute "
-            f"and allocator: policygrad {s.get('pg_precision', '?')}, {_lib(s.get('pg_allocator'))}; TRL "
-            f"{s.get('trl_precision', '?')}, {_lib(s.get('trl_allocator'))}; reward "
-            "`answer_correctness`; TRL with its defaults otherwise "
-            f"(`loss_type={trl.get('loss_type')}`). Accuracy: `policygrad eval`, greedy, the same "
-            f"{s['eval_size']} held-out problems, at most {s['max_new_tokens']} new tokens. "
-            "Gain ratio = policygrad's gain / TRL's (blank unless TRL gained).",
-        ]
-    )
-
-
-def settings(args, cfg) -> dict[str, Any]:
+def settings(args, cfg, tasks: list[tuple[str, float]], seeds: list[int]) -> dict[str, Any]:
     r = cfg.rollout
     beta = cfg.kl.beta if cfg.kl.placement != "none" else 0.0
-    import torch
+    import torch  # imported here: the policygrad precision resolves on torch's device
 
     from policygrad.allocator import plan_preload
     from policygrad.parallel.precision import resolve_precision
 
     inherited = os.environ.get("LD_PRELOAD") or None
     return {
-        # what each side computes in and allocates with: policygrad as its command resolves them on
-        # this machine, TRL as its GRPOConfig (bf16=False unless --trl-override bf16=true) and the
+        # policygrad's precision and allocator as its command resolves them on this machine; TRL's
+        # as its GRPOConfig resolves --trl-override (the workers' replies replace it) and the
         # environment it inherits
         "pg_precision": resolve_precision(
             cfg.model.precision, torch.device("cpu"), model_dtype=cfg.model.dtype
         ).name,
         "pg_allocator": inherited or plan_preload(os.environ, sys.platform) or "glibc",
-        "trl_precision": "bf16 (autocast)" if parse_trl_overrides(args.trl_override).get("bf16") else "fp32",
+        "trl_precision": expected_trl_precision(parse_trl_overrides(args.trl_override)),
         "trl_allocator": inherited or "glibc",
         "model": cfg.model.name,
-        "dataset": cfg.data.dataset,
-        "minutes": args.minutes,
+        "tasks": dict(tasks),
+        "minutes_note": ", ".join(f"{m:g} min ({t})" for t, m in tasks),
+        "save_every": args.save_every,
+        "seeds": len(seeds),
+        "seed_list": seeds,
         "eval_size": args.eval_size,
-        "seed": args.seed,
+        "eval_engine": args.eval_engine,
+        "targets": args.targets,
         "threads": args.threads,
         "pg_engine": args.pg_engine,
         "pg_overrides": args.pg_override,
@@ -420,44 +439,28 @@ def settings(args, cfg) -> dict[str, Any]:
         "max_new_tokens": r.max_new_tokens,
         "temperature": r.temperature,
         "lr": cfg.optim.lr,
-        "lr_schedule": cfg.optim.schedule,
         "beta": beta,
         "kl_placement": cfg.kl.placement,
-        "kl_kind": cfg.kl.resolved_kind() if beta else None,
-        "training_time": "wall time from the start of the first step; a step starts while under --minutes",
+        "training_seconds": "the sum of the steps' wall times up to a checkpoint (saves, loading excluded)",
+        "budget": "a side starts a step while under the task's minutes of wall time since its first step",
     }
 
 
-def run(args) -> dict[str, Any]:
+def run(args, out: Path) -> dict[str, Any]:
     machine = machine_description()
     warn_if_busy(machine)
+    tasks = parse_tasks(args.tasks, args.minutes)
+    seeds = [args.seed + i for i in range(args.seeds)]
+    targets = parse_targets(args.targets)
     logs = log_dir("learn-vs-trl")
-    scratch = Path(tempfile.mkdtemp(prefix="pg-bench-learn-vs-trl-runs-"))
-    say(f"logs: {logs}; run folders (deleted at the end): {scratch}")
-    # a step cap far above what fits in the time limit (no step takes under a second here)
-    max_steps = int(args.minutes * 60) + 10
-    base = policygrad_base(
-        minutes=args.minutes,
-        max_steps=max_steps,
-        seed=args.seed,
-        engine=args.pg_engine,
-        threads=args.threads,
-        output_dir=str(scratch / "policygrad-run"),
-    )
-    cfg = policygrad_config(base, args.pg_override)  # validates the overrides before anything runs
-    if cfg.data.dataset != "builtin:arithmetic":
-        raise SystemExit("error: the evaluation is on builtin:arithmetic; keep data.dataset")
-    s = settings(args, cfg)
-    spec = trl_spec_from(
-        cfg,
-        beta=s["beta"],
-        steps_total=max_steps,
-        threads=args.threads,
-        output_dir=str(scratch / "trl-run"),
-        trl_overrides=parse_trl_overrides(args.trl_override),
-    )
-    spec.update({"seconds": args.minutes * 60, "final_dir": str(scratch / "trl-final")})
-    pg_cmd = flat_overrides(base) + [o if o.startswith("--") else f"--{o}" for o in args.pg_override]
+    say(f"logs: {logs}")
+    configs = {}
+    for task, minutes in tasks:  # validates the overrides before anything runs
+        base = policygrad_base(args, task=task, minutes=minutes, seed=args.seed, output_dir=str(logs / "x"))
+        configs[task] = policygrad_config(base, args.pg_override)
+        if configs[task].data.dataset != "builtin:arithmetic":
+            raise SystemExit("error: the evaluation is on builtin:arithmetic; keep data.dataset")
+    cfg = configs[tasks[0][0]]
     result: dict[str, Any] = {
         "benchmark": "learn_vs_trl",
         "date": today(),
@@ -467,57 +470,113 @@ def run(args) -> dict[str, Any]:
             + ["benchmarks/learn_vs_trl.py", *sys.argv[1:]]
         ),
         "machine": machine,
-        "settings": s,
+        "settings": settings(args, cfg, tasks, seeds),
         "logs": str(logs),
-        "sides": {},
-        "eval": {},
+        "complete": False,
+        "tasks": {},
     }
     started = time.perf_counter()
-    try:
-        result["sides"]["policygrad"] = train_policygrad(args, pg_cmd, scratch / "policygrad-run", logs)
-        result["sides"]["trl"] = train_trl(args, spec, scratch, logs)
-        models = {"before": MODEL, **{k: v["model_dir"] for k, v in result["sides"].items()}}
-        for name, model in models.items():
-            result["eval"][name] = evaluate(name, model, args, s["max_new_tokens"], logs)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    max_new = cfg.rollout.max_new_tokens
+    for task, minutes in tasks:
+        say(f"[{task}] scoring the start model")
+        entry = result["tasks"][task] = {
+            "minutes": minutes,
+            "start": evaluate(args, task, "start", MODEL, max_new, logs),
+            "runs": {side: [] for side in SIDES},
+        }
+        result["settings"]["eval_engine_used"] = entry["start"].get("engine")
+        for seed in seeds:
+            seed_cfg = policygrad_config(
+                policygrad_base(args, task=task, minutes=minutes, seed=seed, output_dir=str(logs / "x")),
+                args.pg_override,
+            )
+            for side in SIDES if seed % 2 == 0 else SIDES[::-1]:
+                scratch = Path(tempfile.mkdtemp(prefix=f"pg-bench-learn-{task}-{side}-"))
+                try:
+                    if side == "policygrad":
+                        one = train_policygrad(args, task, minutes, seed, scratch, logs)
+                    else:
+                        one = train_trl(args, seed_cfg, task, minutes, seed, scratch, logs)
+                        result["settings"].update(
+                            trl_precision=one["precision"],
+                            trl_allocator=one["allocator"],
+                            trl_loss_type=one["loss_type"],
+                            trl_gradient_checkpointing="on" if one["gradient_checkpointing"] else "off",
+                        )
+                    one["seed"] = seed
+                    score_run(args, task, side, seed, one, max_new, logs)
+                    if side == "policygrad":
+                        result["settings"]["pg_engine_used"] = one.get("engine")
+                finally:
+                    shutil.rmtree(scratch, ignore_errors=True)
+                finish_run(one)
+                entry["runs"][side].append(one)
+                result["wall_minutes"] = (time.perf_counter() - started) / 60
+                write_json(out, result)  # what is finished survives an interruption
+        summarise_task(entry, targets, args.eval_size)
+        write_json(out, result)
     result["wall_minutes"] = (time.perf_counter() - started) / 60
     try:
         machine["loadavg_at_end"] = list(os.getloadavg())
     except OSError:
         pass
-    summarise(result)
+    result["complete"] = True
     return result
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--minutes", type=float, default=10.0, help="training wall time per side (default 10)"
+        "--minutes", type=float, default=10.0, help="training minutes per side and seed (default 10)"
+    )
+    parser.add_argument(
+        "--tasks",
+        default="hard,medium",
+        help="builtin:arithmetic difficulties, the main one first, each NAME or NAME:MINUTES "
+        "(default hard,medium)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="seeds per side and task: --seed, --seed+1, ... (default 3)"
+    )
+    parser.add_argument(
+        "--save-every",
+        type=float,
+        default=1.0,
+        help="a checkpoint after the step that ends this many minutes after the last save (default 1)",
+    )
+    parser.add_argument(
+        "--targets",
+        default=None,
+        help="comma-separated target accuracies (default: 25/50/75/90 %% of the way from the start "
+        "accuracy to the best reached)",
     )
     parser.add_argument(
         "--eval-size", type=int, default=200, help="held-out problems evaluated (default 200)"
     )
-    add_common_options(parser, "learn-vs-trl")
+    parser.add_argument(
+        "--eval-engine", default="auto", choices=("hf", "vllm", "auto"), help="policygrad eval's --engine"
+    )
+    add_common_options(parser, RESULTS_NAME)
     parser.set_defaults(threads=2)
     parser.add_argument(
         "--trl-override",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false",
+        help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false; bf16=false for "
+        "TRL in fp32 (default: GRPOConfig's bf16 autocast)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         serve_trl(json.loads(args.spec.read_text(encoding="utf-8")))
         return 0
-    if args.minutes <= 0 or args.eval_size < 1 or args.threads < 1:
-        parser.error("--minutes must be > 0, --eval-size >= 1, --threads >= 1")
+    if args.minutes <= 0 or args.eval_size < 1 or args.threads < 1 or args.seeds < 1 or args.save_every <= 0:
+        parser.error("--minutes and --save-every must be > 0, --eval-size, --threads and --seeds >= 1")
     if importlib.util.find_spec("trl") is None:
         parser.error('TRL is not installed: pip install -e ".[bench]" (trl 1.16.0)')
-    result = run(args)
-    out = args.output or new_result_path("learn-vs-trl", result["date"])
+    out = args.output or new_result_path(RESULTS_NAME)
+    result = run(args, out)
     write_json(out, result)
     text = report(result)
     print(text)
