@@ -87,8 +87,9 @@ def measured(overrides: list[str], scratch: str) -> dict:
     with open(os.path.join(scratch + ".log"), "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"error: {shlex.join(cmd)} failed; see {scratch}.log")
+    if os.waitstatus_to_exitcode(status) != 0:  # kept as a row: the others still run
+        with open(scratch + ".log", encoding="utf-8", errors="replace") as log:
+            return {"error": f"{shlex.join(cmd)} failed: " + log.read()[-2000:]}
     return {"peak_rss_gb": usage.ru_maxrss * 1024 / 1e9, "seconds": time.perf_counter() - start}
 
 
@@ -114,36 +115,39 @@ def main() -> int:
     machine = machine_description()
     load = (machine.get("loadavg_at_start") or [float("nan")])[0]
     rows = []
+    out = Path(args.output) if args.output else new_result_path("memory-check")
+    command = shlex.join([sys.executable, *sys.argv])
     with tempfile.TemporaryDirectory(prefix="pg-memory-check-") as tmp:
         for i, (name, overrides) in enumerate(chosen.items()):
             plan = planned(COMMON + overrides)
             got = measured(COMMON + overrides, os.path.join(tmp, f"run{i}"))
-            row = {
-                "name": name,
-                "overrides": overrides,
-                "planned_gb": plan["peak_gb"],
-                "measured_gb": got["peak_rss_gb"],
-                "ratio": plan["peak_gb"] / got["peak_rss_gb"],
-                "seconds": got["seconds"],
-                "plan": plan,
-            }
+            row = {"name": name, "overrides": overrides, "planned_gb": plan["peak_gb"], "plan": plan, **got}
+            if "error" in got:
+                print(f"{name}: {got['error'][-600:]}", flush=True)
+            else:
+                row.update(measured_gb=got["peak_rss_gb"], ratio=plan["peak_gb"] / got["peak_rss_gb"])
+                print(
+                    f"{name}: planned {row['planned_gb']:.2f} GB, measured {row['measured_gb']:.2f} GB "
+                    f"({row['ratio']:.3f})",
+                    flush=True,
+                )
             rows.append(row)
-            print(
-                f"{name}: planned {row['planned_gb']:.2f} GB, measured {row['measured_gb']:.2f} GB "
-                f"({row['ratio']:.3f})",
-                flush=True,
+            # written after every run: an interrupted check keeps what it measured
+            write_json(
+                out, {"command": command, "machine": machine, "load_average_at_start": load, "rows": rows}
             )
-    worst = max(abs(r["ratio"] - 1) for r in rows)
-    command = shlex.join([sys.executable, *sys.argv])
+    done = [r for r in rows if "ratio" in r]
+    worst = max((abs(r["ratio"] - 1) for r in done), default=float("nan"))
     text = (
         f"Measured {time.strftime('%Y-%m-%d')} with `{' '.join(['python', *sys.argv])}` "
         f"on {machine_line(machine)}; "
         f"load average {load:.2f} at start; each run `policygrad train {' '.join(COMMON)}` plus its options "
         "(the policygrad command preloads tcmalloc where the machine has it). "
-        f"Largest error: {100 * worst:.1f} %.\n\n" + table(rows)
+        f"Largest error: {100 * worst:.1f} %.\n\n"
+        + table(done)
+        + "".join(f"\n\n{r['name']}: the run failed (see the JSON)." for r in rows if "error" in r)
     )
     print(text)
-    out = Path(args.output) if args.output else new_result_path("memory-check")
     write_json(
         out,
         {

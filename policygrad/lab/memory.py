@@ -342,8 +342,10 @@ def run_plan_table(plan: RunPlan) -> str:
             format_table(["component", "state", "params", "GB", "how"], rows),
             "",
             f"planned peak: {format_gb(plan.peak_bytes)} GB (the resident lines and the largest working "
-            f"line; {format_gb(plan.floor_bytes)} GB with gradient checkpointing where "
-            "model.gradient_checkpointing=auto turns it on)",
+            "line)",
+            f"at least: {format_gb(plan.floor_bytes)} GB (the resident lines and a training micro-batch, "
+            "checkpointed where model.gradient_checkpointing=auto may turn it on; what policygrad train "
+            "compares with the memory available)",
         ]
     )
 
@@ -357,8 +359,7 @@ def plan_config(cfg) -> str:
     """
     # imported here: they load torch, which the other uses of this command do not need
     from policygrad.config.train import ConfigError
-    from policygrad.parallel.before_loading import plan_run_from_config
-    from policygrad.parallel.footprint import available_memory_bytes
+    from policygrad.parallel.before_loading import available_to_a_run, plan_run_from_config
     from policygrad.parallel.run_memory import check_run_fits
 
     plan = plan_run_from_config(cfg)
@@ -366,7 +367,7 @@ def plan_config(cfg) -> str:
         raise ValueError(
             "model.adapter: a run that starts from a trained adapter has no plan before it loads"
         )
-    available = available_memory_bytes()
+    available = available_to_a_run()
     try:
         check_run_fits(cfg, plan, available_bytes=available)
         verdict = f"fits: {format_gb(available)} GB available on this host"

@@ -6,6 +6,7 @@ before its first model loads (:func:`check_before_loading`). The arithmetic is
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -17,7 +18,13 @@ from policygrad.parallel.footprint import available_memory_bytes, format_gb, mod
 from policygrad.parallel.precision import resolve_precision
 from policygrad.parallel.run_memory import RunPlan, check_run_fits, plan_run
 
-__all__ = ["PROMPT_SAMPLE", "check_before_loading", "longest_prompt", "plan_run_from_config"]
+__all__ = [
+    "PROMPT_SAMPLE",
+    "available_to_a_run",
+    "check_before_loading",
+    "longest_prompt",
+    "plan_run_from_config",
+]
 
 log = logging.getLogger("policygrad")
 
@@ -37,7 +44,12 @@ def longest_prompt(cfg, tokenizer, train_source) -> int:
 
 
 def plan_run_from_config(
-    cfg, *, tokenizer=None, train_source=None, world_size: int = 1, precision: str | None = None
+    cfg,
+    *,
+    tokenizer=None,
+    train_source=None,
+    world_size: int = 1,
+    precision: str | None = None,
 ) -> RunPlan | None:
     """:func:`~policygrad.parallel.run_memory.plan_run` of ``cfg`` on this host's CPU: the policy's
     shape from its ``config.json`` (no weights read), ``precision`` (None: what ``model.precision``
@@ -75,7 +87,24 @@ def plan_run_from_config(
         engine=engine,
         model_dtype_bytes=model_bytes,
         world_size=world_size,
+        sharded=cfg.distributed.resolved("cpu") == "fsdp",
     )
+
+
+def available_to_a_run(read_available=None) -> int:
+    """The memory a run started by this process can use: the host's available memory and what this
+    process already holds (a plan's "process" line counts it). ``read_available``: a seam for
+    tests (None: :func:`~policygrad.parallel.footprint.available_memory_bytes`)."""
+    return (read_available or available_memory_bytes)() + _resident_bytes()
+
+
+def _resident_bytes() -> int:
+    """This process's resident set size in bytes (``/proc/self/statm``; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def check_before_loading(
@@ -103,7 +132,7 @@ def check_before_loading(
     if plan is None:
         log.debug("memory plan skipped: the run starts from an adapter")
         return None
-    available = (read_available or available_memory_bytes)()
+    available = available_to_a_run(read_available)
     check_run_fits(cfg, plan, available_bytes=available, processes=processes)
     log.info(
         "memory: planned peak %s GB of %s GB available (policygrad memory --config prints the plan)",

@@ -67,6 +67,7 @@ class ModelShape:
     param_rows: list[tuple[int, int]] | None = None  # (first dim, elements) of every parameter
     intermediate_size: int | None = None
     num_heads: int | None = None
+    max_positions: int | None = None  # the context: max_position_embeddings (None when unknown)
 
     def kv_cache_bytes(self, batch: int, seq_len: int) -> int:
         """``2 * layers * kv_heads * head_dim * B * T * 2`` bytes (K and V, bf16).
@@ -166,6 +167,7 @@ def model_shape_from_config(spec: str) -> ModelShape:
         param_rows=[(p.shape[0] if p.dim() else 1, p.numel()) for p in model.parameters()],
         intermediate_size=getattr(text, "intermediate_size", None),
         num_heads=heads,
+        max_positions=getattr(text, "max_position_embeddings", None),
     )
 
 

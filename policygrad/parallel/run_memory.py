@@ -111,8 +111,11 @@ class RunPlan:
         items: the lines of the plan (``state`` ``resident`` for what stays from start to end,
             ``working`` for a phase's working memory, of which only the largest counts).
         peak_bytes: the resident lines plus the largest working line.
-        floor_bytes: the same with gradient checkpointing on where ``model.gradient_checkpointing``
-            is ``auto`` (the least the run can need; what :func:`check_run_fits` compares).
+        floor_bytes: the least the run can need, what :func:`check_run_fits` compares: the resident
+            lines and the larger of a training micro-batch's lines with gradient checkpointing on
+            where ``model.gradient_checkpointing`` is ``auto`` and the hf engine's KV cache
+            (vLLM's sampling line, measured at one shape, is left out).
+        world_size, sharded, model_dtype_bytes: the inputs of :func:`plan_run`.
         engine: the rollout engine (``vllm`` or ``hf``).
         precision: the training precision (``bf16-mixed``, ``fp32``, ...).
         sequences, seq_len: B sequences per step and T tokens each (prompt + response).
@@ -132,6 +135,9 @@ class RunPlan:
     checkpointing: bool
     prompt_tokens: int
     shape: ModelShape = dataclasses.field(repr=False, default=None)
+    world_size: int = 1
+    sharded: bool = False
+    model_dtype_bytes: int = BYTES_FP32
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -154,15 +160,39 @@ def _item(component: str, state: str, nbytes: float, note: str, params: int | No
     return MemoryItem(component, state, params, per_param, int(nbytes), note)
 
 
-def _response_tokens(cfg) -> int:
+def _response_tokens(cfg, prompt_tokens: int, context: int | None) -> int:
     """The most tokens after a prompt: ``max_new_tokens``; a multi-turn episode's actions and
-    observations (``max_episode_tokens``, else each turn's action and observation limits)."""
+    observations (the least of ``max_episode_tokens`` and each turn's action and observation
+    limits); at most what the model's ``context`` leaves after the prompt."""
     r = cfg.rollout
     if not cfg.env.name and cfg.agent.function is None:
-        return r.max_new_tokens
-    if r.max_episode_tokens is not None:
-        return r.max_episode_tokens
-    return r.max_turns * (r.max_new_tokens + (r.max_observation_tokens or r.max_new_tokens))
+        room = r.max_new_tokens
+    else:
+        room = r.max_turns * (r.max_new_tokens + (r.max_observation_tokens or r.max_new_tokens))
+        if r.max_episode_tokens is not None:
+            room = min(room, r.max_episode_tokens)
+    return max(1, min(room, context - prompt_tokens)) if context else room
+
+
+def _critic_items(c, shape: ModelShape, param_bytes: int, trainable: int) -> list[MemoryItem]:
+    """The critic's resident lines: a backbone of the policy's size, trained whole or through
+    ``critic.lora`` adapters on its frozen base."""
+    p = shape.params
+    if not c.lora.rank:
+        note = "a backbone of the policy's size and a value head"
+        return [_item("critic", "resident", p * trainable, note, p, trainable)]
+    adapters = shape.lora_params(c.lora.rank, c.lora.target_modules)
+    return [
+        _item("critic (base)", "resident", p * param_bytes, "frozen weights", p, param_bytes),
+        _item(
+            "critic (LoRA adapters)",
+            "resident",
+            adapters * trainable,
+            f"r={c.lora.rank}",
+            adapters,
+            trainable,
+        ),
+    ]
 
 
 def train_tokens(micro: int, group_size: int, prompt_tokens: int, response_tokens: int) -> int:
@@ -182,6 +212,7 @@ def plan_run(
     engine: str,
     model_dtype_bytes: int = BYTES_FP32,
     world_size: int = 1,
+    sharded: bool = False,
 ) -> RunPlan:
     """The planned peak of one trainer process of ``cfg`` (see the module docstring).
 
@@ -194,6 +225,8 @@ def plan_run(
         model_dtype_bytes: bytes per element of ``model.dtype`` resolved (4 for float32, the CPU
             default): the vLLM engine's weights under ``rollout.dtype: auto``.
         world_size: data-parallel processes; each plans B / N sequences.
+        sharded: ``distributed.strategy`` fsdp over ``world_size`` > 1 ranks: the policy, reference
+            and critic hold 1/N of their weights, gradients and AdamW moments.
 
     Returns:
         :class:`RunPlan`.
@@ -207,7 +240,7 @@ def plan_run(
     p = shape.params
     lora = shape.lora_params(cfg.model.lora.rank, cfg.model.lora.target_modules) if cfg.model.lora.rank else 0
     sequences = -(-r.prompts_per_step * r.group_size // world_size)
-    response = _response_tokens(cfg)
+    response = _response_tokens(cfg, prompt_tokens, shape.max_positions)
     seq_len = prompt_tokens + response
     minibatch = -(-sequences // max(1, o.num_minibatches))
     micro = min(o.micro_batch_size, minibatch)
@@ -235,9 +268,18 @@ def plan_run(
         )
     if cfg.kl_placement.needs_reference and not lora:
         items.append(_item("reference", "resident", p * param_bytes, "a frozen copy", p, param_bytes))
+    critic_micro = min(cfg.critic.micro_batch_size or o.micro_batch_size, minibatch)
     if cfg.uses_critic:
-        note = "a backbone of the policy's size and a value head"
-        items.append(_item("critic", "resident", p * trainable, note, p, trainable))
+        items += _critic_items(cfg.critic, shape, param_bytes, trainable)
+    if sharded and world_size > 1:  # FSDP: 1/N of each trained or reference model per rank
+        items = [
+            dataclasses.replace(
+                it, bytes=-(-it.bytes // world_size), note=f"{it.note}, 1/{world_size} (fsdp)"
+            )
+            if it.component.startswith(("policy", "reference", "critic"))
+            else it
+            for it in items
+        ]
     gen_working = 0
     if engine == "vllm":
         wbytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(r.dtype, model_dtype_bytes)
@@ -286,7 +328,7 @@ def plan_run(
 
     def training(checkpointing: bool, critic: bool = False) -> int:
         # the critic's forward is padded: micro x T tokens, each masking a row of T
-        n, mask = (micro * seq_len, seq_len) if critic else (tokens, row)
+        n, mask = (critic_micro * seq_len, seq_len) if critic else (tokens, row)
         per_token = activation_bytes_per_token(
             shape, precision=precision, seq_len=mask, checkpointing=checkpointing
         )
@@ -299,9 +341,11 @@ def plan_run(
     )
     note = f"micro-batch of {micro} sequences, {tokens:,} packed tokens"
     items.append(_item("training micro-batch", "working", training(checkpointing), note + suffix))
-    phases = [gen_working, training(checkpointing or gc == "auto")]
+    # the least the run needs: vLLM's sampling estimate (measured at one shape; its scheduler bounds
+    # the tokens of a forward) is left out, so a refusal rests on arithmetic alone
+    phases = [0 if engine == "vllm" else gen_working, training(checkpointing or gc == "auto")]
     if cfg.uses_critic:
-        note = f"micro-batch of {micro} sequences x T {seq_len}, padded"
+        note = f"micro-batch of {critic_micro} sequences x T {seq_len}, padded"
         items.append(_item("critic micro-batch", "working", training(checkpointing, True), note + suffix))
         phases.append(training(checkpointing or gc == "auto", True))
     resident = sum(it.bytes for it in items if it.state == "resident")
@@ -319,6 +363,9 @@ def plan_run(
         checkpointing=checkpointing,
         prompt_tokens=prompt_tokens,
         shape=shape,
+        world_size=world_size,
+        sharded=sharded,
+        model_dtype_bytes=model_dtype_bytes,
     )
 
 
@@ -337,7 +384,7 @@ def _remedies(cfg, plan: RunPlan) -> list[tuple[str, dict[str, Any]]]:
             if gb < r.vllm_kv_cache_gb:
                 out.append((f"rollout.vllm_kv_cache_gb={gb:g}", {"rollout": {"vllm_kv_cache_gb": gb}}))
         out.append(("rollout.engine=hf", {"rollout": {"engine": "hf"}}))
-    if not m.lora.rank:
+    if not m.lora.rank and not plan.sharded:  # fsdp refuses LoRA
         out.append(("model.lora.rank=16", {"model": {"lora": {"rank": 16}}}))
     return out
 
@@ -379,23 +426,32 @@ def check_run_fits(cfg, plan: RunPlan, *, available_bytes: int, processes: int =
                 prompt_tokens=plan.prompt_tokens,
                 precision=plan.precision,
                 engine=c.rollout.engine if c.rollout.engine != "auto" else plan.engine,
+                model_dtype_bytes=plan.model_dtype_bytes,
+                world_size=plan.world_size,
+                sharded=plan.sharded,
             )
 
-    fits = [
-        name
-        for name, change in _remedies(cfg, plan)
-        if replan(_replace(cfg, change)).floor_bytes * processes <= available_bytes
-    ]
+    fits: dict[str, str] = {}  # option -> its first (largest) value that fits
+    for name, change in _remedies(cfg, plan):
+        option = name.split("=")[0]
+        if option in fits:
+            continue
+        try:
+            changed = _replace(cfg, change)
+        except ValueError:  # a change the config refuses with its other options is no remedy
+            continue
+        if replan(changed).floor_bytes * processes <= available_bytes:
+            fits[option] = name
     largest = sorted((it for it in plan.items if it.bytes), key=lambda it: -it.bytes)[:3]
     where = ", ".join(f"{it.component} {format_gb(it.bytes)}" for it in largest)
     fix = (
-        f"set {' or '.join(fits[:3])}"
+        f"set {' or '.join(list(fits.values())[:3])}"
         if fits
         else "no single option fits it: combine a smaller micro-batch, LoRA and the hf engine, or use a "
         "larger machine"
     )
     raise ConfigError(
-        f"this run is planned to need {format_gb(need)} GB at its peak"
+        f"this run is planned to need at least {format_gb(need)} GB"
         + (f" ({processes} processes)" if processes > 1 else "")
         + f" and the machine has {format_gb(available_bytes)} GB available (largest: {where} GB); {fix}; "
         "policygrad memory --config prints the whole plan"

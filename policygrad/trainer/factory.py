@@ -190,8 +190,9 @@ def build_trainer(
     )
     if checkpoint is not None and cfg.model.precision == "auto":
         log.info("model.precision=auto: %s, as the checkpoint was trained", precision.name)
-    if model is None and device.type == "cpu":  # a planned out-of-memory run stops before any model loads
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    if model is None and device.type == "cpu" and dist.rank == 0:  # a planned out-of-memory run stops
+        # before any model loads; rank 0 plans for its host's processes (the others' errors are not shown)
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if dist.active else 1
         plan = {"precision": precision.name, "world_size": dist.world_size, "processes": local}
         check_before_loading(cfg, train_source=train_source, **plan)
     m = build_models(

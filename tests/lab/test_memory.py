@@ -111,9 +111,12 @@ def test_cli_memory_config_plans_a_training_run(tiny_model_dir, capsys, monkeypa
     assert "planned peak of the trainer process: hf engine, fp32" in out
     assert "micro-batch of 4 sequences" in out and "fits:" in out
     # a machine with too little memory: the plan says train would refuse it, and why
-    monkeypatch.setattr("policygrad.parallel.footprint.available_memory_bytes", lambda _device=None: 10**8)
+    monkeypatch.setattr("policygrad.parallel.before_loading.available_memory_bytes", lambda: 10**8)
+    monkeypatch.setattr("policygrad.parallel.before_loading._resident_bytes", lambda: 0)
     assert main(["memory", "--config", *args]) == 0
-    assert "does not fit; policygrad train refuses it: this run is planned to need" in capsys.readouterr().out
+    assert "does not fit; policygrad train refuses it: this run is planned to need at least" in (
+        capsys.readouterr().out
+    )
     # a bad override is the config's own one-line error
     assert main(["memory", "--config", "--optim.micro_batch_sise=4"]) == 2
     assert capsys.readouterr().err.startswith("error: unknown config key optim.micro_batch_sise")

@@ -45,6 +45,7 @@ def test_a_planned_out_of_memory_run_is_refused_before_any_model_loads(
 
     monkeypatch.setattr("policygrad.trainer.factory.build_models", build_models)
     monkeypatch.setattr("policygrad.parallel.before_loading.available_memory_bytes", lambda: 10**8)  # 0.1 GB
+    monkeypatch.setattr("policygrad.parallel.before_loading._resident_bytes", lambda: 0)  # and none held
     assert main(["train", str(path)]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1, errors

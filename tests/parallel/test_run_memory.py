@@ -153,3 +153,75 @@ def test_a_plan_that_fits_passes_and_one_that_does_not_names_what_would_fit():
     # far too little: no single option is enough, and the message says so
     with pytest.raises(ConfigError, match="no single option fits"):
         check_run_fits(cfg, plan, available_bytes=10**8)
+
+
+def test_a_multi_turn_episode_is_planned_at_its_tightest_limit_and_the_context():
+    env = {"name": "builtin:guess"}
+    # 4 turns x (6 new + 5 observation) = 44 after the prompt
+    assert _plan(_cfg(env=env, rollout={"max_observation_tokens": 5})).seq_len == 10 + 44
+    # max_episode_tokens 20 is tighter; 1000 is not
+    for limit, seq_len in ((20, 30), (1000, 54)):
+        rollout = {"max_observation_tokens": 5, "max_episode_tokens": limit}
+        assert _plan(_cfg(env=env, rollout=rollout)).seq_len == seq_len
+    # and never past the model's context: 32 positions leave 22 after a 10-token prompt
+    short = dataclasses.replace(SHAPE, max_positions=32)
+    assert _plan(_cfg(env=env, rollout={"max_observation_tokens": 5}), shape=short).seq_len == 32
+
+
+def test_the_floor_leaves_out_vllms_measured_sampling_line():
+    # the refusal rests on arithmetic: resident lines + the checkpointed micro-batch (68 x 636 B)
+    plan = _plan()
+    resident = sum(it.bytes for it in plan.items if it.state == "resident")
+    assert plan.floor_bytes == resident + 68 * 636
+    # the hf engine's KV cache (8 x 16 x 2 x 2 x 4 x 4 = 8192) is arithmetic, so it counts
+    hf = _plan(engine="hf")
+    resident = sum(it.bytes for it in hf.items if it.state == "resident")
+    assert hf.floor_bytes == resident + max(8192, 68 * 636)
+
+
+def test_fsdp_shards_the_trained_models_and_never_names_lora():
+    plan = plan_run(
+        _cfg(kl={"beta": 0.04, "placement": "loss"}),
+        SHAPE,
+        prompt_tokens=10,
+        precision="fp32",
+        engine="hf",
+        world_size=2,
+        sharded=True,
+    )
+    lines = {it.component: it.bytes for it in plan.items}
+    assert lines["policy"] == 8_000 and lines["reference"] == 2_000  # 16 000 and 4 000 over 2 ranks
+    with pytest.raises(ConfigError) as err:
+        check_run_fits(_cfg(), plan, available_bytes=10**6)
+    assert "model.lora.rank" not in str(err.value)
+
+
+def test_the_critics_own_lora_and_micro_batch_are_planned():
+    cfg = _cfg(algorithm="ppo", critic={"lora": {"rank": 2}, "micro_batch_size": 2})
+    lines = {it.component: it.bytes for it in _plan(cfg).items}
+    # base 4 B/param; adapters 2 x 2 x (8 + 8) = 64 at 16 B
+    assert lines["critic (base)"] == 4_000 and lines["critic (LoRA adapters)"] == 64 * 16
+    assert lines["critic micro-batch"] == 2 * 16 * 964  # 2 sequences x T 16, 964 B/token
+
+
+def test_remedies_are_judged_per_rank_and_one_the_config_refuses_is_skipped():
+    cfg = _cfg(rollout={"max_new_tokens": 4000}, model={"gradient_checkpointing": False})
+
+    def plan(c, world):
+        return plan_run(c, SHAPE, prompt_tokens=10, precision="fp32", engine="hf", world_size=world)
+
+    two = plan(cfg, 2)
+    auto = _cfg(rollout={"max_new_tokens": 4000}, model={"gradient_checkpointing": "auto"})
+    # enough for checkpointing with each rank's 4 sequences, not with all 8 in one process
+    available = plan(auto, 2).floor_bytes
+    assert plan(auto, 1).floor_bytes > available
+    with pytest.raises(ConfigError) as err:
+        check_run_fits(cfg, two, available_bytes=available)
+    assert "model.gradient_checkpointing=auto" in str(err.value)
+    # rollout.dtype set: the hf-engine remedy is a config the config refuses, so it is left out,
+    # and the error is the plan's own
+    vllm_cfg = _cfg(rollout={"dtype": "float32"})
+    plan = _plan(vllm_cfg)
+    with pytest.raises(ConfigError, match="planned to need at least") as err:
+        check_run_fits(vllm_cfg, plan, available_bytes=plan.floor_bytes - 2**28)
+    assert "rollout.engine=hf" not in str(err.value) and "rollout.vllm_kv_cache_gb=0.25" in str(err.value)
