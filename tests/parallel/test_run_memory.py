@@ -67,14 +67,14 @@ def test_every_line_of_the_default_plan_worked_by_hand():
     assert lines["weight push buffers"] == 1_000
     assert lines["vLLM KV cache"] == 2**29  # 0.5 GiB
     assert lines["process"] == PROCESS_BYTES and lines["vLLM runtime"] == VLLM_RUNTIME_BYTES
-    # sampling: B 8 x T (10 + 6) tokens at the measured bytes per token
-    assert lines["sampling"] == 8 * 16 * VLLM_WORKING_BYTES_PER_TOKEN
+    # sampling: vLLM's prefill of B 8 x 10 prompt tokens at the measured bytes per token
+    assert lines["sampling"] == 8 * 10 * VLLM_WORKING_BYTES_PER_TOKEN
     # training: 68 packed tokens; a packed row's mask 10 + min(4 x 6, 512) = 34 positions;
     # per layer and token (fp32: r = c = 4, q = 1): 3*8*4 + 2*4 + 8*4 + 3*8*4 + 8*4 + 2*4 + 34*4
     # + 2*16*4 = 96 + 8 + 32 + 96 + 32 + 8 + 136 + 128 = 536; 2 layers + final norm 8*4 + 4 = 1108
     assert lines["training micro-batch"] == 68 * 1108
     resident = 16_000 + 4_000 + 1_000 + 2**29 + PROCESS_BYTES + VLLM_RUNTIME_BYTES
-    assert plan.peak_bytes == resident + 8 * 16 * VLLM_WORKING_BYTES_PER_TOKEN
+    assert plan.peak_bytes == resident + 8 * 10 * VLLM_WORKING_BYTES_PER_TOKEN
     assert "reference" not in lines and "critic" not in lines
     assert (plan.sequences, plan.seq_len, plan.micro_tokens) == (8, 16, 68)
 
