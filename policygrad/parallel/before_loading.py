@@ -20,6 +20,7 @@ from policygrad.parallel.run_memory import RunPlan, check_run_fits, plan_run
 
 __all__ = [
     "PROMPT_SAMPLE",
+    "NotPlanned",
     "available_to_a_run",
     "check_before_loading",
     "longest_prompt",
@@ -30,6 +31,11 @@ log = logging.getLogger("policygrad")
 
 PROMPT_SAMPLE = 256
 """Training rows read to find the longest prompt."""
+
+
+class NotPlanned(ValueError):
+    """The policy's config lacks a size the plan's activation arithmetic needs (its hidden size,
+    layer count or MLP width: GPT-2's configs name no ``intermediate_size``, for one)."""
 
 
 def longest_prompt(cfg, tokenizer, train_source) -> int:
@@ -61,8 +67,8 @@ def plan_run_from_config(
         the adapter's, unknown until it loads).
 
     Raises:
-        ValueError / ConfigError: the model or data cannot be read, or the model's config lacks
-            the sizes the plan needs (named).
+        NotPlanned: the model's config lacks the sizes the plan needs (named).
+        ValueError / ConfigError: the model or data cannot be read.
     """
     source = resolve_model_source(cfg.model.name, cfg.model.adapter)
     if source.adapter is not None:
@@ -73,6 +79,17 @@ def plan_run_from_config(
             m.precision, torch.device("cpu"), model_dtype=m.dtype, lm_head_dtype=m.lm_head_dtype
         ).name
     shape = model_shape_from_config(source.base)
+    missing = [
+        name
+        for name, value in (
+            ("hidden_size", shape.hidden_size),
+            ("num_hidden_layers", shape.num_layers),
+            ("intermediate_size", shape.intermediate_size),
+        )
+        if not value
+    ]
+    if missing:
+        raise NotPlanned(f"{source.base}'s config.json names no {', '.join(missing)}")
     if tokenizer is None:
         tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     if train_source is None:
@@ -112,8 +129,9 @@ def check_before_loading(
 ) -> RunPlan | None:
     """The run's plan (:func:`plan_run_from_config`), refused by
     :func:`~policygrad.parallel.run_memory.check_run_fits` when it cannot fit the memory available
-    on this host. A plan that cannot be made (a model config without layer sizes, an adapter to
-    start from) is skipped, logged at debug level: the run goes on as before.
+    on this host. A plan that cannot be made is skipped and the run goes on unchecked: a model
+    config without the sizes the plan needs says so at info level; an adapter to start from, or a
+    model or data that cannot be read (their loading names the problem next), at debug level.
 
     Args:
         processes: the run's processes on this host (``LOCAL_WORLD_SIZE`` under torchrun).
@@ -126,6 +144,9 @@ def check_before_loading(
         plan = plan_run_from_config(
             cfg, train_source=train_source, world_size=world_size, precision=precision
         )
+    except NotPlanned as e:
+        log.info("memory: not planned, so not checked against this machine (%s)", e)
+        return None
     except ValueError as e:  # the model's own loading names the problem next, if there is one
         log.debug("memory plan skipped: %s", e)
         return None

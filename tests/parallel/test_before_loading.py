@@ -66,3 +66,30 @@ def test_a_run_that_fits_logs_its_plan_and_builds(make_config, caplog):
     plan = [i for i, m in enumerate(said) if m.startswith("memory: planned peak")]
     engine = [i for i, m in enumerate(said) if m.startswith("rollout engine:")]
     assert len(plan) == 1 and plan[0] < engine[0]  # before the models and the engine
+
+
+def test_a_model_without_the_plans_sizes_runs_unchecked_and_says_so(make_config, monkeypatch, caplog):
+    # GPT-2's config.json names no intermediate_size: the activation arithmetic has no MLP width,
+    # so the run is not checked, and says so at info level instead of being refused or silent
+    import dataclasses
+
+    from policygrad.parallel import before_loading
+    from policygrad.parallel.footprint import model_shape_from_config
+
+    cfg = make_config("gpt2-like")
+    real = model_shape_from_config
+
+    def without_width(spec):
+        return dataclasses.replace(real(spec), intermediate_size=None)
+
+    monkeypatch.setattr(before_loading, "model_shape_from_config", without_width)
+    monkeypatch.setattr(before_loading, "available_memory_bytes", lambda: 10**8)  # would refuse a plan
+    with pytest.raises(before_loading.NotPlanned, match="names no intermediate_size"):
+        plan_run_from_config(cfg)
+    source = build_train_source(cfg.data, seed=cfg.seed)
+    with caplog.at_level("INFO", logger="policygrad"):
+        assert before_loading.check_before_loading(cfg, train_source=source, precision="fp32") is None
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("memory:")]
+    assert len(said) == 1, said
+    assert said[0].startswith("memory: not planned, so not checked against this machine (")
+    assert said[0].endswith("config.json names no intermediate_size)")
