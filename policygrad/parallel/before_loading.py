@@ -56,10 +56,12 @@ def plan_run_from_config(
     train_source=None,
     world_size: int = 1,
     precision: str | None = None,
+    engine: str | None = None,
 ) -> RunPlan | None:
     """:func:`~policygrad.parallel.run_memory.plan_run` of ``cfg`` on this host's CPU: the policy's
     shape from its ``config.json`` (no weights read), ``precision`` (None: what ``model.precision``
-    resolves to here), the engine ``rollout.engine`` resolves to, and the longest prompt
+    resolves to here), ``engine`` (None: what ``rollout.engine`` resolves to; ``given`` for an
+    engine object the run is given, whose memory is not planned), and the longest prompt
     (:func:`longest_prompt`; the tokenizer and the training rows are read when not given).
 
     Returns:
@@ -94,7 +96,8 @@ def plan_run_from_config(
         tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
     if train_source is None:
         train_source = build_train_source(cfg.data, seed=cfg.seed)
-    engine, _ = cfg.rollout.resolved_engine()
+    if engine is None:
+        engine, _ = cfg.rollout.resolved_engine()
     model_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4  # ``auto`` is float32 on a CPU
     return plan_run(
         cfg,
@@ -125,7 +128,14 @@ def _resident_bytes() -> int:
 
 
 def check_before_loading(
-    cfg, *, train_source, precision: str, world_size: int = 1, processes: int = 1, read_available=None
+    cfg,
+    *,
+    train_source,
+    precision: str,
+    world_size: int = 1,
+    processes: int = 1,
+    engine: str | None = None,
+    read_available=None,
 ) -> RunPlan | None:
     """The run's plan (:func:`plan_run_from_config`), refused by
     :func:`~policygrad.parallel.run_memory.check_run_fits` when it cannot fit the memory available
@@ -135,6 +145,7 @@ def check_before_loading(
 
     Args:
         processes: the run's processes on this host (``LOCAL_WORLD_SIZE`` under torchrun).
+        engine: as :func:`plan_run_from_config`'s (``given``: the run was given an engine object).
         read_available: a seam for tests (None: the host's available memory).
 
     Raises:
@@ -142,7 +153,7 @@ def check_before_loading(
     """
     try:
         plan = plan_run_from_config(
-            cfg, train_source=train_source, world_size=world_size, precision=precision
+            cfg, train_source=train_source, world_size=world_size, precision=precision, engine=engine
         )
     except NotPlanned as e:
         log.info("memory: not planned, so not checked against this machine (%s)", e)

@@ -205,6 +205,12 @@ def train_tokens(micro: int, group_size: int, prompt_tokens: int, response_token
     return prompts * prompt_tokens + micro * response_tokens
 
 
+_OUTSIDE_ENGINES = {
+    "server": "sampled by rollout servers (other processes)",
+    "given": "sampled by the engine given to the run (its memory not planned)",
+}
+
+
 def plan_run(
     cfg,
     shape: ModelShape,
@@ -223,7 +229,8 @@ def plan_run(
         shape: the policy's :class:`~policygrad.parallel.footprint.ModelShape` (with its layer sizes).
         prompt_tokens: the longest prompt, in tokens.
         precision: ``model.precision`` resolved (a key of ``ACTIVATION_PRECISIONS``).
-        engine: ``rollout.engine`` resolved: ``vllm``, ``hf`` or ``server``.
+        engine: ``rollout.engine`` resolved: ``vllm``, ``hf`` or ``server``; or ``given``, an
+            engine object given to the run (its memory is its own: not planned).
         model_dtype_bytes: bytes per element of ``model.dtype`` resolved (4 for float32, the CPU
             default): the vLLM engine's weights under ``rollout.dtype: auto``.
         world_size: data-parallel processes; each plans B / N sequences.
@@ -316,8 +323,8 @@ def plan_run(
             sequences * seq_len * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
         )
         gen_note = f"generate's KV cache, B {sequences} x T {seq_len}"
-    else:
-        gen_note = "sampled by rollout servers (other processes)"
+    else:  # sampled in other processes, or by an engine object given to the run
+        gen_note = _OUTSIDE_ENGINES.get(engine, _OUTSIDE_ENGINES["given"])
     items.append(_item("sampling", "working", gen_working, gen_note))
     tokens = train_tokens(micro, r.group_size, prompt_tokens, response)
     # imported here: it loads torch, and the plan's arithmetic must import without it
@@ -423,12 +430,14 @@ def check_run_fits(cfg, plan: RunPlan, *, available_bytes: int, processes: int =
     if replan is None:
 
         def replan(c):
+            # a remedy that names the engine prices it; an engine object the run was given stays
+            named = c.rollout.engine != "auto" and plan.engine != "given"
             return plan_run(
                 c,
                 plan.shape,
                 prompt_tokens=plan.prompt_tokens,
                 precision=plan.precision,
-                engine=c.rollout.engine if c.rollout.engine != "auto" else plan.engine,
+                engine=c.rollout.engine if named else plan.engine,
                 model_dtype_bytes=plan.model_dtype_bytes,
                 world_size=plan.world_size,
                 sharded=plan.sharded,

@@ -194,6 +194,7 @@ def build_trainer(
         # before any model loads; rank 0 plans for its host's processes (the others' errors are not shown)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if dist.active else 1
         plan = {"precision": precision.name, "world_size": dist.world_size, "processes": local}
+        plan["engine"] = "given" if engine is not None else None  # an engine object's memory is its own
         check_before_loading(cfg, train_source=train_source, **plan)
     m = build_models(
         cfg,

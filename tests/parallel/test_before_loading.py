@@ -93,3 +93,24 @@ def test_a_model_without_the_plans_sizes_runs_unchecked_and_says_so(make_config,
     assert len(said) == 1, said
     assert said[0].startswith("memory: not planned, so not checked against this machine (")
     assert said[0].endswith("config.json names no intermediate_size)")
+
+
+def test_a_run_given_an_engine_object_plans_it_as_given(make_config, monkeypatch):
+    # the engine object's memory is its own: the plan must not price rollout.engine's
+    from policygrad.trainer import factory
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def check(_cfg, **kwargs):
+        seen.append(kwargs["engine"])
+        raise Stop
+
+    monkeypatch.setattr(factory, "check_before_loading", check)
+    cfg = make_config("given")
+    for engine, planned in ((object(), "given"), (None, None)):
+        with pytest.raises(Stop):
+            factory.build_trainer(cfg, engine=engine)
+        assert seen.pop() == planned

@@ -225,3 +225,21 @@ def test_remedies_are_judged_per_rank_and_one_the_config_refuses_is_skipped():
     with pytest.raises(ConfigError, match="planned to need at least") as err:
         check_run_fits(vllm_cfg, plan, available_bytes=plan.floor_bytes - 2**28)
     assert "rollout.engine=hf" not in str(err.value) and "rollout.vllm_kv_cache_gb=0.25" in str(err.value)
+
+
+def test_an_engine_object_given_to_the_run_is_not_priced_as_the_configs_engine():
+    # rollout.engine=vllm in the config, but the run was given its own engine object: no vLLM
+    # lines, a sampling line of 0 that says why, and remedies replanned with the given engine
+    cfg = _cfg(rollout={"engine": "vllm"})
+    given = _plan(cfg, engine="given")
+    lines = {it.component: it for it in given.items}
+    assert not any(name.startswith(("vLLM", "weight push")) for name in lines)
+    assert lines["sampling"].bytes == 0 and "engine given to the run" in lines["sampling"].note
+    vllm = _plan(cfg, engine="vllm")
+    # exactly what the vLLM lines add: runtime, weights 4 B/param, KV cache 0.5 GiB, pushes 1 B/param
+    assert vllm.floor_bytes - given.floor_bytes == VLLM_RUNTIME_BYTES + 4_000 + 2**29 + 1_000
+    # 1 byte short: LoRA's 12 KB saving fits with the given engine's replan; priced as vLLM
+    # (0.5 GiB more) no option would, and the message would say "no single option fits"
+    with pytest.raises(ConfigError) as err:
+        check_run_fits(cfg, given, available_bytes=given.floor_bytes - 1)
+    assert "model.lora.rank=16" in str(err.value) and "no single option" not in str(err.value)
