@@ -34,6 +34,11 @@ Levers:
 - ``micro_batch``: ``optim.micro_batch_size`` 4 (one prompt's G samples per forward), 8 and 16
   (the whole batch in one forward, as TRL runs it and as policygrad's default of 32 does here):
   fewer, larger matmuls against more activation memory (the peak RSS column).
+- ``compile``: every decoder layer of the policy compiled by ``torch.compile`` (inductor,
+  ``dynamic=True``: the packed token counts change from step to step) against eager. The first
+  (warm-up) step pays the compilation; the measured steps run the compiled code. A benchmark
+  patch, not an option: measured 6x slower on this path (transformers' KV cache recompiles every
+  layer; see benchmarks/README.md).
 - ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
   affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
   threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
@@ -130,6 +135,8 @@ def variants(lever: str) -> list[dict[str, Any]]:
         return [
             {"label": f"micro-batch {n}", "overrides": [f"optim.micro_batch_size={n}"]} for n in (4, 8, 16)
         ]
+    if lever == "compile":
+        return [{"label": "eager"}, {"label": "decoder layers compiled", "patch": "compile_layers"}]
     if lever == "binding":
         return [
             {"label": "vLLM threads bound"},
@@ -146,6 +153,7 @@ LEVERS = (
     "lean_mlp",
     "checkpointing",
     "micro_batch",
+    "compile",
     "binding",
 )
 
@@ -164,6 +172,27 @@ def serve(spec: dict[str, Any]) -> None:
         import policygrad.trainer.models as models
 
         models.use_memory_efficient_mlp = lambda _model: 0
+    if spec.get("patch") == "compile_layers":
+        import torch._dynamo
+
+        import policygrad.trainer.models as models
+
+        # each layer's own index (its KV-cache slot) is a constant of its graph: one compilation
+        # per layer and call shape, more than dynamo's default limit of 8 before it falls back
+        torch._dynamo.config.recompile_limit = 256
+        torch._dynamo.config.accumulated_recompile_limit = 4096
+
+        lean = models.use_memory_efficient_mlp
+
+        def lean_then_compile(model):
+            # after the lean layers are put in, so the compiled code is the one the run trains
+            replaced = lean(model)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            for layer in base.model.layers:
+                layer.compile(dynamic=True)
+            return replaced
+
+        models.use_memory_efficient_mlp = lean_then_compile
     serve_policygrad(spec)
 
 
