@@ -17,6 +17,7 @@ from policygrad.models.loading import load_tokenizer
 from policygrad.parallel.footprint import available_memory_bytes, format_gb, model_shape_from_config
 from policygrad.parallel.precision import resolve_precision
 from policygrad.parallel.run_memory import RunPlan, check_run_fits, plan_run
+from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
 
 __all__ = [
     "PROMPT_SAMPLE",
@@ -25,6 +26,7 @@ __all__ = [
     "check_before_loading",
     "longest_prompt",
     "plan_run_from_config",
+    "reward_model_params",
 ]
 
 log = logging.getLogger("policygrad")
@@ -49,6 +51,25 @@ def longest_prompt(cfg, tokenizer, train_source) -> int:
         return cfg.data.max_prompt_length
 
 
+def reward_model_params(folder: str) -> int:
+    """Parameters of the ``AutoModelForSequenceClassification`` saved in ``folder``, from its
+    ``config.json`` on the ``meta`` device (no weights read).
+
+    Raises:
+        ValueError: the folder has no readable config (its loading names the problem next).
+    """
+    # imported here: transformers is heavy, and only a run with a reward model needs this
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    try:
+        config = AutoConfig.from_pretrained(os.path.expanduser(folder), trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reward model {folder!r}: cannot read its config.json ({e})") from None
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
 def plan_run_from_config(
     cfg,
     *,
@@ -60,8 +81,9 @@ def plan_run_from_config(
 ) -> RunPlan | None:
     """:func:`~policygrad.parallel.run_memory.plan_run` of ``cfg`` on this host's CPU: the policy's
     shape from its ``config.json`` (no weights read), ``precision`` (None: what ``model.precision``
-    resolves to here), ``engine`` (None: what ``rollout.engine`` resolves to; ``given`` for an
-    engine object the run is given, whose memory is not planned), and the longest prompt
+    resolves to here), each reward model's parameters (:func:`reward_model_params`), ``engine``
+    (None: what ``rollout.engine`` resolves to; ``given`` for an engine object the run is given,
+    whose memory is not planned), and the longest prompt
     (:func:`longest_prompt`; the tokenizer and the training rows are read when not given).
 
     Returns:
@@ -99,6 +121,11 @@ def plan_run_from_config(
     if engine is None:
         engine, _ = cfg.rollout.resolved_engine()
     model_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4  # ``auto`` is float32 on a CPU
+    folders = [
+        spec.strip()[len(REWARD_MODEL_PREFIX) :].strip()
+        for spec in cfg.reward.functions
+        if isinstance(spec, str) and spec.strip().startswith(REWARD_MODEL_PREFIX)
+    ]
     return plan_run(
         cfg,
         shape,
@@ -108,6 +135,7 @@ def plan_run_from_config(
         model_dtype_bytes=model_bytes,
         world_size=world_size,
         sharded=cfg.distributed.resolved("cpu") == "fsdp",
+        reward_models=tuple((f, reward_model_params(f)) for f in folders),
     )
 
 

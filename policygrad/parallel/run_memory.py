@@ -18,6 +18,9 @@ resident set size):
 - the reference, a float32 copy, when the KL placement needs one (none with LoRA: the base with
   the adapters off is the reference);
 - a critic (PPO, Schulman et al. 2017): a second backbone with its own model states;
+- each reward model (``reward_model:`` entries of ``reward.functions``; Ouyang et al. 2022), its
+  weights in the run's ``model.dtype`` (the working memory of its scoring forward, under
+  inference mode and apart from training, is not counted);
 - the engine: vLLM (Kwon et al. 2023) holds its own runtime (:data:`VLLM_RUNTIME_BYTES`,
   measured), its copy of the weights in ``rollout.dtype`` and the KV cache it reserves
   (``rollout.vllm_kv_cache_gb`` GiB); the hf engine samples with the policy itself (a copy when
@@ -117,8 +120,8 @@ class RunPlan:
             lines and the larger of a training micro-batch's lines with gradient checkpointing on
             where ``model.gradient_checkpointing`` is ``auto`` and the hf engine's KV cache
             (vLLM's sampling line, measured at one shape, is left out).
-        world_size, sharded, model_dtype_bytes: the inputs of :func:`plan_run`.
-        engine: the rollout engine (``vllm`` or ``hf``).
+        world_size, sharded, model_dtype_bytes, reward_models: the inputs of :func:`plan_run`.
+        engine: the rollout engine (``vllm``, ``hf``, ``server`` or ``given``).
         precision: the training precision (``bf16-mixed``, ``fp32``, ...).
         sequences, seq_len: B sequences per step and T tokens each (prompt + response).
         micro_tokens: tokens of the largest training micro-batch.
@@ -140,6 +143,7 @@ class RunPlan:
     world_size: int = 1
     sharded: bool = False
     model_dtype_bytes: int = BYTES_FP32
+    reward_models: tuple[tuple[str, int], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
@@ -197,6 +201,21 @@ def _critic_items(c, shape: ModelShape, param_bytes: int, trainable: int) -> lis
     ]
 
 
+def _reward_model_items(reward_models, nbytes: int) -> list[MemoryItem]:
+    """A resident line per reward model: its frozen weights at ``nbytes`` per parameter."""
+    return [
+        _item(
+            "reward model",
+            "resident",
+            n * nbytes,
+            f"reward_model:{folder}, frozen, {nbytes} B/param",
+            n,
+            nbytes,
+        )
+        for folder, n in reward_models
+    ]
+
+
 def train_tokens(micro: int, group_size: int, prompt_tokens: int, response_tokens: int) -> int:
     """Tokens one packed training micro-batch of ``micro`` sequences runs through the decoder:
     each distinct prompt once (a group's samples sit together, so ``ceil(micro / G)`` prompts,
@@ -221,6 +240,7 @@ def plan_run(
     model_dtype_bytes: int = BYTES_FP32,
     world_size: int = 1,
     sharded: bool = False,
+    reward_models: tuple[tuple[str, int], ...] = (),
 ) -> RunPlan:
     """The planned peak of one trainer process of ``cfg`` (see the module docstring).
 
@@ -236,6 +256,8 @@ def plan_run(
         world_size: data-parallel processes; each plans B / N sequences.
         sharded: ``distributed.strategy`` fsdp over ``world_size`` > 1 ranks: the policy, reference
             and critic hold 1/N of their weights, gradients and AdamW moments.
+        reward_models: ``(folder, parameters)`` of each ``reward_model:`` entry of
+            ``reward.functions``; every rank holds each whole.
 
     Returns:
         :class:`RunPlan`.
@@ -280,6 +302,7 @@ def plan_run(
     critic_micro = min(cfg.critic.micro_batch_size or o.micro_batch_size, minibatch)
     if cfg.uses_critic:
         items += _critic_items(cfg.critic, shape, param_bytes, trainable)
+    items += _reward_model_items(reward_models, model_dtype_bytes)
     if sharded and world_size > 1:  # FSDP: 1/N of each trained or reference model per rank
         items = [
             dataclasses.replace(
@@ -376,6 +399,7 @@ def plan_run(
         world_size=world_size,
         sharded=sharded,
         model_dtype_bytes=model_dtype_bytes,
+        reward_models=tuple(reward_models),
     )
 
 
@@ -441,6 +465,7 @@ def check_run_fits(cfg, plan: RunPlan, *, available_bytes: int, processes: int =
                 model_dtype_bytes=plan.model_dtype_bytes,
                 world_size=plan.world_size,
                 sharded=plan.sharded,
+                reward_models=plan.reward_models,
             )
 
     fits: dict[str, str] = {}  # option -> its first (largest) value that fits

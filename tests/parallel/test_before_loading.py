@@ -114,3 +114,19 @@ def test_a_run_given_an_engine_object_plans_it_as_given(make_config, monkeypatch
         with pytest.raises(Stop):
             factory.build_trainer(cfg, engine=engine)
         assert seen.pop() == planned
+
+
+def test_a_reward_model_is_planned_at_its_exact_parameter_count(make_config, tmp_path):
+    from policygrad.parallel.before_loading import reward_model_params
+    from tests.models.test_value import make_tiny_reward_model
+
+    folder = tmp_path / "rm"
+    make_tiny_reward_model(str(folder))
+    model, _ = make_tiny_reward_model(None)
+    exact = sum(p.numel() for p in model.parameters())
+    assert reward_model_params(str(folder)) == exact
+    cfg = make_config("rm", reward={"functions": ["answer_correctness", f"reward_model:{folder}"]})
+    lines = [it for it in plan_run_from_config(cfg).items if it.component == "reward model"]
+    assert [(it.params, it.bytes) for it in lines] == [(exact, 4 * exact)]  # float32 on a CPU
+    with pytest.raises(ValueError, match="cannot read its config.json"):
+        reward_model_params(str(tmp_path / "nowhere"))

@@ -243,3 +243,36 @@ def test_an_engine_object_given_to_the_run_is_not_priced_as_the_configs_engine()
     with pytest.raises(ConfigError) as err:
         check_run_fits(cfg, given, available_bytes=given.floor_bytes - 1)
     assert "model.lora.rank=16" in str(err.value) and "no single option" not in str(err.value)
+
+
+def test_a_reward_model_adds_its_frozen_weights_at_the_runs_dtype_on_every_rank():
+    # 500 parameters: 2,000 B in float32, 1,000 B in bf16; not sharded by fsdp (every rank scores)
+    base = _plan()
+    plan = plan_run(
+        _cfg(), SHAPE, prompt_tokens=10, precision="fp32", engine="vllm", reward_models=(("rm", 500),)
+    )
+    lines = [it for it in plan.items if it.component == "reward model"]
+    assert [(it.bytes, it.params, it.bytes_per_param) for it in lines] == [(2_000, 500, 4)]
+    assert "reward_model:rm" in lines[0].note
+    assert plan.floor_bytes - base.floor_bytes == 2_000 and plan.peak_bytes - base.peak_bytes == 2_000
+    two = plan_run(
+        _cfg(),
+        SHAPE,
+        prompt_tokens=10,
+        precision="fp32",
+        engine="vllm",
+        model_dtype_bytes=2,
+        reward_models=(("a", 500), ("b", 300)),
+    )
+    assert [it.bytes for it in two.items if it.component == "reward model"] == [1_000, 600]
+    sharded = plan_run(
+        _cfg(),
+        SHAPE,
+        prompt_tokens=10,
+        precision="fp32",
+        engine="vllm",
+        world_size=2,
+        sharded=True,
+        reward_models=(("rm", 500),),
+    )
+    assert [it.bytes for it in sharded.items if it.component == "reward model"] == [2_000]
