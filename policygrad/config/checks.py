@@ -1,11 +1,13 @@
 """The base of the configuration tree: :class:`ConfigError`, the bounds every section shares and
-the checks it validates with (:func:`check_choice`, :func:`check_positive`, :func:`check_at_most`).
+the checks it validates with (:func:`check_choice`, :func:`check_positive`, :func:`check_at_most`),
+and :func:`read_chat_template`, which resolves ``data.chat_template`` for the run and its plan.
 
 Every error is one line that names the dotted field and says how to fix it.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 __all__ = [
@@ -16,6 +18,7 @@ __all__ = [
     "check_choice",
     "check_positive",
     "parse_cpus",
+    "read_chat_template",
 ]
 
 
@@ -73,3 +76,24 @@ def parse_cpus(path: str, spec) -> list[int]:
     if not cpus:
         raise ConfigError(f"{path}: {spec!r} names no CPU; give a CPU list like \"1\" or \"2-3\"")
     return cpus
+
+
+def read_chat_template(value: str) -> str:
+    """``data.chat_template``: the text of the file it names, or the template itself.
+
+    Raises:
+        ConfigError: a file that cannot be read.
+    """
+    path = os.path.expanduser(value)
+    if "{" not in value and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                return handle.read()
+        except OSError as exc:
+            raise ConfigError(f"data.chat_template: cannot read {path!r} ({exc})") from exc
+    if "{" not in value:
+        raise ConfigError(
+            f"data.chat_template={value!r} is neither a Jinja template nor an existing file; give the "
+            "template text or its path"
+        )
+    return value

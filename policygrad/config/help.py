@@ -22,6 +22,7 @@ OPTION_HELP: dict[str, str] = {
     "save_every_minutes": "checkpoint every N minutes of training (0: off)",
     "keep_checkpoints": "keep only the newest N complete checkpoints (null: keep every one)",
     "max_skipped_updates": "stop with an error after N steps in a row that applied no update (0: never)",
+    "memory_check": "CPU runs: plan the memory before loading and refuse a run that cannot fit (false: skip)",
     "log_completions": "completions printed every 10 steps (0: none)",
     "drop_zero_variance_groups": "DAPO's dynamic sampling: groups whose samples score alike carry no loss",
     "num_threads": "torch's intra-op threads (null: fitted to the machine's load before each step)",

@@ -114,6 +114,10 @@ class TrainConfig:
     applied no update (every optimizer step skipped as non-finite, no token carried loss, or every
     gradient exactly 0: every advantage 0 and no other loss term);
     0 never stops. A run that ends with no update applied is an error however short it was.
+    ``memory_check``: a CPU run plans its peak memory before its first model loads and stops
+    with an error when its least need exceeds the memory available (the plan prices every
+    response at full length; see :mod:`policygrad.parallel.before_loading`); false skips the
+    check, for a run known to stay under its plan.
 
     ``report_to``: the trackers that receive every step's metrics besides ``metrics.jsonl``:
     ``tensorboard`` (``RUN_DIR/tensorboard``), ``wandb`` (offline unless ``WANDB_MODE`` says
@@ -148,6 +152,7 @@ class TrainConfig:
     save_every_minutes: float = 10.0
     keep_checkpoints: int | None = None
     max_skipped_updates: int = 20
+    memory_check: bool = True
     log_completions: int = 2
     drop_zero_variance_groups: bool = False
     num_threads: int | None = None

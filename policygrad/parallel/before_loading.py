@@ -10,13 +10,14 @@ import os
 
 import torch
 
+from policygrad.config.checks import read_chat_template
 from policygrad.data.chat import encode_prompts
 from policygrad.data.sources import build_train_source
 from policygrad.models.adapters import resolve_model_source
 from policygrad.models.loading import load_tokenizer
 from policygrad.parallel.footprint import available_memory_bytes, format_gb, model_shape_from_config
 from policygrad.parallel.precision import resolve_precision
-from policygrad.parallel.run_memory import RunPlan, check_run_fits, plan_run
+from policygrad.parallel.run_memory import PROCESS_BYTES, RunPlan, check_run_fits, plan_run
 from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
 
 __all__ = [
@@ -116,6 +117,8 @@ def plan_run_from_config(
         raise NotPlanned(f"{source.base}'s config.json names no {', '.join(missing)}")
     if tokenizer is None:
         tokenizer = load_tokenizer(source.tokenizer, trust_remote_code=cfg.model.trust_remote_code)
+        if cfg.data.chat_template:  # as the run formats its prompts
+            tokenizer.chat_template = read_chat_template(cfg.data.chat_template)
     if train_source is None:
         train_source = build_train_source(cfg.data, seed=cfg.seed)
     if engine is None:
@@ -126,6 +129,8 @@ def plan_run_from_config(
         for spec in cfg.reward.functions
         if isinstance(spec, str) and spec.strip().startswith(REWARD_MODEL_PREFIX)
     ]
+    # a local model folder only, as the loader reads it (which names any other entry's problem)
+    folders = [f for f in folders if f and os.path.isfile(os.path.join(os.path.expanduser(f), "config.json"))]
     return plan_run(
         cfg,
         shape,
@@ -139,11 +144,14 @@ def plan_run_from_config(
     )
 
 
-def available_to_a_run(read_available=None) -> int:
-    """The memory a run started by this process can use: the host's available memory and what this
-    process already holds (a plan's "process" line counts it). ``read_available``: a seam for
+def available_to_a_run(read_available=None, processes: int = 1) -> int:
+    """The memory a run of ``processes`` processes on this host (this one and its peers at the
+    same point) can use: the host's available memory and what each already holds, up to the
+    plan's "process" line (:data:`~policygrad.parallel.run_memory.PROCESS_BYTES`), which counts
+    it; more than that (a notebook holding a model) stays used. ``read_available``: a seam for
     tests (None: :func:`~policygrad.parallel.footprint.available_memory_bytes`)."""
-    return (read_available or available_memory_bytes)() + _resident_bytes()
+    held = min(_resident_bytes(), PROCESS_BYTES)
+    return (read_available or available_memory_bytes)() + processes * held
 
 
 def _resident_bytes() -> int:
@@ -167,9 +175,10 @@ def check_before_loading(
 ) -> RunPlan | None:
     """The run's plan (:func:`plan_run_from_config`), refused by
     :func:`~policygrad.parallel.run_memory.check_run_fits` when it cannot fit the memory available
-    on this host. A plan that cannot be made is skipped and the run goes on unchecked: a model
-    config without the sizes the plan needs says so at info level; an adapter to start from, or a
-    model or data that cannot be read (their loading names the problem next), at debug level.
+    on this host. A plan that cannot be made is skipped and the run goes on unchecked, saying so
+    at info level (a model config without the sizes the plan needs; a model or data that cannot
+    be read, whose loading names the problem next), or at debug level for an adapter to start
+    from.
 
     Args:
         processes: the run's processes on this host (``LOCAL_WORLD_SIZE`` under torchrun).
@@ -183,16 +192,13 @@ def check_before_loading(
         plan = plan_run_from_config(
             cfg, train_source=train_source, world_size=world_size, precision=precision, engine=engine
         )
-    except NotPlanned as e:
+    except ValueError as e:  # NotPlanned, or files the models' own loading names next
         log.info("memory: not planned, so not checked against this machine (%s)", e)
-        return None
-    except ValueError as e:  # the model's own loading names the problem next, if there is one
-        log.debug("memory plan skipped: %s", e)
         return None
     if plan is None:
         log.debug("memory plan skipped: the run starts from an adapter")
         return None
-    available = available_to_a_run(read_available)
+    available = available_to_a_run(read_available, processes)
     check_run_fits(cfg, plan, available_bytes=available, processes=processes)
     log.info(
         "memory: planned peak %s GB of %s GB available (policygrad memory --config prints the plan)",

@@ -82,7 +82,6 @@ BYTES_SYNC_PER_PARAM = 1
 """The staging buffers of a weight push to the engine, per parameter (measured 0.12 GB for a
 134.5M-parameter policy)."""
 
-
 BYTES_FP32 = 4
 
 
@@ -117,9 +116,9 @@ class RunPlan:
             ``working`` for a phase's working memory, of which only the largest counts).
         peak_bytes: the resident lines plus the largest working line.
         floor_bytes: the least the run can need, what :func:`check_run_fits` compares: the resident
-            lines and the larger of a training micro-batch's lines with gradient checkpointing on
-            where ``model.gradient_checkpointing`` is ``auto`` and the hf engine's KV cache
-            (vLLM's sampling line, measured at one shape, is left out).
+            lines and the largest of a training micro-batch (the policy's, and the critic's under
+            PPO) with gradient checkpointing on where ``model.gradient_checkpointing`` is ``auto``
+            and the hf engine's KV cache (vLLM's sampling line, measured at one shape, is left out).
         world_size, sharded, model_dtype_bytes, reward_models: the inputs of :func:`plan_run`.
         engine: the rollout engine (``vllm``, ``hf``, ``server`` or ``given``).
         precision: the training precision (``bf16-mixed``, ``fp32``, ...).
@@ -201,8 +200,7 @@ def _critic_items(c, shape: ModelShape, param_bytes: int, trainable: int) -> lis
     ]
 
 
-def _reward_model_items(reward_models, nbytes: int) -> list[MemoryItem]:
-    """A resident line per reward model: its frozen weights at ``nbytes`` per parameter."""
+def _reward_model_items(reward_models, nbytes: int) -> list[MemoryItem]:  # frozen weights
     return [
         _item(
             "reward model",
@@ -333,15 +331,16 @@ def plan_run(
         if lora:
             note = "LoRA: the adapters merged into a copy of the weights for each push"
             items.append(_item("merged weights", "resident", p * param_bytes, note, p, param_bytes))
-        prefill = seq_len - r.max_new_tokens  # the prompt, or an episode's history before its last turn
+        # the prompt, or an episode's history before its last turn (which the context may cut short)
+        prefill = max(prompt_tokens, seq_len - min(r.max_new_tokens, response))
         gen_working = sequences * prefill * VLLM_WORKING_BYTES_PER_TOKEN
         gen_note = f"vLLM's prefill of B {sequences} x {prefill} tokens (measured per token)"
     elif engine == "hf":
         if r.max_staleness > 0:
             items.append(
-                _item("sampler copy", "resident", p * BYTES_FP32, "the hf engine's copy (max_staleness > 0)")
+                _item("sampler copy", "resident", p * param_bytes, "the hf engine's copy (max_staleness > 0)")
             )
-        kv_bytes = 2 if autocast else 4
+        kv_bytes = compute_bytes  # generate caches keys and values in the dtype it computes in
         gen_working = (
             sequences * seq_len * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * kv_bytes
         )
@@ -353,7 +352,8 @@ def plan_run(
     # imported here: it loads torch, and the plan's arithmetic must import without it
     from policygrad.models.packing import PACK_ROW_TOKENS
 
-    row = prompt_tokens + min(min(micro, r.group_size) * response, PACK_ROW_TOKENS)  # a packed row's mask
+    # a packed row's mask: as many whole responses of a prompt as fit PACK_ROW_TOKENS, at least one
+    row = prompt_tokens + max(1, min(micro, r.group_size, PACK_ROW_TOKENS // response)) * response
 
     # autocast's bf16 copies of the weights live from a forward to its backward (each linear layer
     # saves its copy): one model's, as the policy and the critic update apart
@@ -477,7 +477,11 @@ def check_run_fits(cfg, plan: RunPlan, *, available_bytes: int, processes: int =
             changed = _replace(cfg, change)
         except ValueError:  # a change the config refuses with its other options is no remedy
             continue
-        if replan(changed).floor_bytes * processes <= available_bytes:
+        try:
+            fits_now = replan(changed).floor_bytes * processes <= available_bytes
+        except ValueError:  # a remedy this model cannot take (LoRA with no linear layer to adapt)
+            continue
+        if fits_now:
             fits[option] = name
     largest = sorted((it for it in plan.items if it.bytes), key=lambda it: -it.bytes)[:3]
     where = ", ".join(f"{it.component} {format_gb(it.bytes)}" for it in largest)
@@ -491,5 +495,5 @@ def check_run_fits(cfg, plan: RunPlan, *, available_bytes: int, processes: int =
         f"this run is planned to need at least {format_gb(need)} GB"
         + (f" ({processes} processes)" if processes > 1 else "")
         + f" and the machine has {format_gb(available_bytes)} GB available (largest: {where} GB); {fix}; "
-        "policygrad memory --config prints the whole plan"
+        "policygrad memory --config prints the whole plan (memory_check=false skips this check)"
     )

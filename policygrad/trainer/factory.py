@@ -18,6 +18,7 @@ import logging
 import math
 import os
 
+from policygrad.config.checks import read_chat_template
 from policygrad.config.train import ConfigError, TrainConfig
 from policygrad.config.training import MAX_LOSS_COEF
 from policygrad.core.advantages import get_advantage_estimator
@@ -190,12 +191,15 @@ def build_trainer(
     )
     if checkpoint is not None and cfg.model.precision == "auto":
         log.info("model.precision=auto: %s, as the checkpoint was trained", precision.name)
-    if model is None and device.type == "cpu" and dist.rank == 0:  # a planned out-of-memory run stops
-        # before any model loads; rank 0 plans for its host's processes (the others' errors are not shown)
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if dist.active else 1
-        plan = {"precision": precision.name, "world_size": dist.world_size, "processes": local}
-        plan["engine"] = "given" if engine is not None else None  # an engine object's memory is its own
-        check_before_loading(cfg, train_source=train_source, **plan)
+    if model is None and device.type == "cpu" and cfg.memory_check:  # a planned out-of-memory run
+        # stops before any model loads; rank 0 plans for its host's processes (the others' errors
+        # are not shown), and the others wait: memory they loaded meanwhile would read as used
+        if dist.rank == 0:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1) if dist.active else 1
+            plan = {"precision": precision.name, "world_size": dist.world_size, "processes": local}
+            plan["engine"] = "given" if engine is not None else None  # an engine object's memory is its own
+            check_before_loading(cfg, train_source=train_source, **plan)
+        dist.barrier()
     m = build_models(
         cfg,
         device=device,
@@ -429,24 +433,3 @@ def build_recompute(cfg: TrainConfig, policy, critic_trainer, optimizer, *, prec
         "micro-batch would not fit without it)"
     )
     return recompute
-
-
-def read_chat_template(value: str) -> str:
-    """``data.chat_template``: the text of the file it names, or the template itself.
-
-    Raises:
-        ConfigError: a file that cannot be read.
-    """
-    path = os.path.expanduser(value)
-    if "{" not in value and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as handle:
-                return handle.read()
-        except OSError as exc:
-            raise ConfigError(f"data.chat_template: cannot read {path!r} ({exc})") from exc
-    if "{" not in value:
-        raise ConfigError(
-            f"data.chat_template={value!r} is neither a Jinja template nor an existing file; give the "
-            "template text or its path"
-        )
-    return value

@@ -130,3 +130,51 @@ def test_a_reward_model_is_planned_at_its_exact_parameter_count(make_config, tmp
     assert [(it.params, it.bytes) for it in lines] == [(exact, 4 * exact)]  # float32 on a CPU
     with pytest.raises(ValueError, match="cannot read its config.json"):
         reward_model_params(str(tmp_path / "nowhere"))
+
+
+def test_what_a_process_already_holds_counts_up_to_the_plans_process_line(monkeypatch):
+    from policygrad.parallel import before_loading
+    from policygrad.parallel.run_memory import PROCESS_BYTES
+
+    # a notebook holding a 20 GB model: only the plan's process line of it counts as available
+    monkeypatch.setattr(before_loading, "_resident_bytes", lambda: 20 * 10**9)
+    assert before_loading.available_to_a_run(lambda: 10**9) == 10**9 + PROCESS_BYTES
+    # 4 torchrun processes at the same point: each one's process line
+    assert before_loading.available_to_a_run(lambda: 10**9, processes=4) == 10**9 + 4 * PROCESS_BYTES
+    monkeypatch.setattr(before_loading, "_resident_bytes", lambda: 10**8)
+    assert before_loading.available_to_a_run(lambda: 10**9, processes=2) == 10**9 + 2 * 10**8
+
+
+def test_memory_check_false_skips_the_plan(make_config, monkeypatch):
+    from policygrad.trainer import factory
+
+    called = []
+    monkeypatch.setattr(factory, "check_before_loading", lambda *_a, **_k: called.append(True))
+
+    class Stop(Exception):
+        pass
+
+    def build_models(*_args, **_kwargs):
+        raise Stop
+
+    monkeypatch.setattr(factory, "build_models", build_models)
+    for check, expected in ((False, []), (True, [True])):
+        with pytest.raises(Stop):
+            factory.build_trainer(make_config("skip", memory_check=check))
+        assert called == expected
+
+
+def test_the_plan_reads_prompts_in_the_runs_chat_template(make_config):
+    # a template that wraps every message in a long preamble: the plan's prompts grow by it
+    template = "{% for m in messages %}" + "x " * 40 + "{{ m['content'] }}{% endfor %}"
+    plain = plan_run_from_config(make_config("plain"))
+    templated = plan_run_from_config(make_config("templated", data={"chat_template": template}))
+    assert templated.prompt_tokens > plain.prompt_tokens + 30
+
+
+def test_a_reward_model_entry_that_is_no_local_folder_is_left_to_its_loader(make_config, tmp_path):
+    cfg = make_config(
+        "rm-missing", reward={"functions": ["answer_correctness", f"reward_model:{tmp_path}/none"]}
+    )
+    plan = plan_run_from_config(cfg)
+    assert plan is not None and "reward model" not in {it.component for it in plan.items}

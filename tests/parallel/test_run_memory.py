@@ -276,3 +276,55 @@ def test_a_reward_model_adds_its_frozen_weights_at_the_runs_dtype_on_every_rank(
         reward_models=(("rm", 500),),
     )
     assert [it.bytes for it in sharded.items if it.component == "reward model"] == [2_000]
+
+
+def test_a_packed_row_holds_whole_responses_and_at_least_one():
+    # The mask row of a packed micro-batch: the prompt plus as many whole responses of a group as
+    # fit 512 tokens. Per layer and token in fp32 the row adds 4 B per position (see the worked
+    # default plan: 400 B without it), so the line is tokens x (2 x (400 + 4 x row) + 36).
+    def line(new_tokens):
+        cfg = _cfg(rollout={"max_new_tokens": new_tokens})
+        plan = _plan(cfg, engine="hf", shape=dataclasses.replace(SHAPE, max_positions=None))
+        return plan.micro_tokens, {it.component: it.bytes for it in plan.items}["training micro-batch"]
+
+    # 300 tokens: one response a row (two would be 600 > 512): row 10 + 300, not 10 + 512
+    tokens, got = line(300)
+    assert got == tokens * (2 * (400 + 4 * 310) + 36)
+    # 600 tokens: longer than a row, it gets its own: 10 + 600, not 10 + 512
+    tokens, got = line(600)
+    assert got == tokens * (2 * (400 + 4 * 610) + 36)
+    # 100 tokens: 5 whole responses fit, but a group has 4: 10 + 400
+    tokens, got = line(100)
+    assert got == tokens * (2 * (400 + 4 * 410) + 36)
+
+
+def test_bf16_pure_prices_the_hf_engines_cache_and_copy_in_bf16():
+    # bf16-pure: no autocast, but the weights and generate's KV cache are bf16 (2 B)
+    cfg = _cfg(rollout={"max_staleness": 1})
+    pure = {it.component: it.bytes for it in _plan(cfg, engine="hf", precision="bf16-pure").items}
+    fp32 = {it.component: it.bytes for it in _plan(cfg, engine="hf").items}
+    # B 8 x T 16 x 2 (K, V) x 2 layers x width 4 x 2 B, half of fp32's
+    assert pure["sampling"] == 8 * 16 * 2 * 2 * 4 * 2 == fp32["sampling"] // 2
+    assert pure["sampler copy"] == 2_000 and fp32["sampler copy"] == 4_000
+
+
+def test_vllms_prefill_is_never_negative_when_the_context_cuts_the_response():
+    # a 12-token context after a 10-token prompt leaves 2 response tokens of the 6 asked for: the
+    # prefill is the prompt's 10 tokens (seq_len 12 - min(6, 2))
+    plan = _plan(shape=dataclasses.replace(SHAPE, max_positions=12))
+    assert plan.seq_len == 12
+    assert {it.component: it.bytes for it in plan.items}["sampling"] == 8 * 10 * VLLM_WORKING_BYTES_PER_TOKEN
+
+
+def test_a_remedy_the_model_cannot_take_is_skipped_not_raised():
+    cfg = _cfg()
+    plan = _plan(cfg)
+
+    def replan(c):
+        if c.model.lora.rank:
+            raise ValueError("no linear layer to adapt")
+        return _plan(c)
+
+    with pytest.raises(ConfigError, match="planned to need") as err:
+        check_run_fits(cfg, plan, available_bytes=plan.floor_bytes - 1, replan=replan)
+    assert "model.lora.rank" not in str(err.value)

@@ -10,12 +10,13 @@ import dataclasses
 import pytest
 import torch
 
+from policygrad.config.checks import read_chat_template
 from policygrad.config.train import ConfigError, ModelConfig
 from policygrad.envs import Environment, StepResult
 from policygrad.parallel.distributed import Dist
 from policygrad.rollout.base import SamplingParams
 from policygrad.rollout.samplers import SingleTurnSampler
-from policygrad.trainer.factory import build_trainer, prepare_config, read_chat_template
+from policygrad.trainer.factory import build_trainer, prepare_config
 from tests.training import config_with
 
 pytestmark = pytest.mark.integration  # the last test builds a trainer of the tiny model
