@@ -243,6 +243,36 @@ def expected_trl_precision(trl_overrides: dict[str, Any]) -> str:
     return trl_precision(trl_overrides.get("bf16"), trl_overrides.get("fp16"))
 
 
+def slow_trl_precision(trl_overrides: dict[str, Any], fast_bf16: bool | None = None) -> str | None:
+    """Why TRL's precision cannot be measured here, or None: its default, bf16 autocast (no
+    ``bf16`` in ``--trl-override``), on a CPU without AVX512-BF16 or AMX, which emulates bf16 (a
+    2048^3 bf16 matmul measured about 1 GFLOP/s on an AVX2-only EPYC against 181 in fp32), so a
+    TRL step would take many minutes. An explicit ``bf16=true`` runs it anyway.
+    ``fast_bf16``: a seam for tests (None: :func:`policygrad.parallel.precision.cpu_has_fast_bf16`)."""
+    if "bf16" in trl_overrides or "fp16" in trl_overrides:
+        return None
+    if fast_bf16 is None:
+        # imported here: keeps torch out of the coordinator's start
+        from policygrad.parallel.precision import cpu_has_fast_bf16
+
+        fast_bf16 = cpu_has_fast_bf16()
+    if fast_bf16:
+        return None
+    return (
+        "TRL's default precision, bf16 autocast, is emulated on this CPU (no AVX512-BF16 or AMX: its "
+        "bf16 matmuls run near 1 GFLOP/s), so a TRL step would take many minutes; pass --trl-override "
+        "bf16=false for both sides in fp32 (policygrad's model.precision=auto is fp32 here), or "
+        "--trl-override bf16=true to run it anyway"
+    )
+
+
+def refuse_slow_trl_precision(parser: argparse.ArgumentParser, trl_override: list[str]) -> None:
+    """``parser.error`` with :func:`slow_trl_precision`'s reason, when there is one."""
+    slow = slow_trl_precision(parse_trl_overrides(trl_override))
+    if slow:
+        parser.error(slow)
+
+
 def trl_spec_from(
     cfg, *, beta: float, steps_total: int, threads: int, output_dir: str, trl_overrides: dict[str, Any]
 ) -> dict[str, Any]:
@@ -857,6 +887,7 @@ def main() -> int:
         (serve_policygrad if args.worker == "policygrad" else serve_trl)(spec)
         return 0
 
+    refuse_slow_trl_precision(parser, args.trl_override)
     if args.quick:
         args.steps = 3
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:

@@ -102,6 +102,7 @@ from grpo_vs_trl import (
     MODEL,
     expected_trl_precision,
     parse_trl_overrides,
+    refuse_slow_trl_precision,
     trl_precision,
     trl_spec_from,
     trl_trainer,
@@ -575,6 +576,7 @@ def main() -> int:
         parser.error("--minutes and --save-every must be > 0, --eval-size, --threads and --seeds >= 1")
     if importlib.util.find_spec("trl") is None:
         parser.error('TRL is not installed: pip install -e ".[bench]" (trl 1.16.0)')
+    refuse_slow_trl_precision(parser, args.trl_override)
     out = args.output or new_result_path(RESULTS_NAME)
     result = run(args, out)
     write_json(out, result)
