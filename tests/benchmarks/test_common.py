@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -17,12 +16,7 @@ BENCH = os.path.join(ROOT, "benchmarks")
 @pytest.fixture
 def common(monkeypatch, tmp_path):
     monkeypatch.syspath_prepend(BENCH)  # _common imports _roofline by its bare name
-    if "_common" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_common", os.path.join(BENCH, "_common.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_common"] = module
-        spec.loader.exec_module(module)
-    module = sys.modules["_common"]
+    module = importlib.import_module("_common")
     monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
     return module
 

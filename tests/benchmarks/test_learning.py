@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 
 import pytest
 
@@ -18,12 +17,7 @@ BENCH = os.path.join(ROOT, "benchmarks")
 @pytest.fixture
 def learning(monkeypatch):
     monkeypatch.syspath_prepend(BENCH)  # _learning imports _common by its bare name
-    if "_learning" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("_learning", os.path.join(BENCH, "_learning.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["_learning"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["_learning"]
+    return importlib.import_module("_learning")
 
 
 class FakeClock:
