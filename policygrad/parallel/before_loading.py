@@ -18,7 +18,7 @@ from policygrad.models.loading import load_tokenizer
 from policygrad.parallel.footprint import available_memory_bytes, format_gb, model_shape_from_config
 from policygrad.parallel.precision import resolve_precision
 from policygrad.parallel.run_memory import PROCESS_BYTES, RunPlan, check_run_fits, plan_run
-from policygrad.rewards.reward_model import REWARD_MODEL_PREFIX
+from policygrad.rewards.reward_model import reward_model_folder
 
 __all__ = [
     "PROMPT_SAMPLE",
@@ -124,13 +124,9 @@ def plan_run_from_config(
     if engine is None:
         engine, _ = cfg.rollout.resolved_engine()
     model_bytes = 2 if cfg.model.dtype in ("bfloat16", "float16") else 4  # ``auto`` is float32 on a CPU
-    folders = [
-        spec.strip()[len(REWARD_MODEL_PREFIX) :].strip()
-        for spec in cfg.reward.functions
-        if isinstance(spec, str) and spec.strip().startswith(REWARD_MODEL_PREFIX)
-    ]
     # a local model folder only, as the loader reads it (which names any other entry's problem)
-    folders = [f for f in folders if f and os.path.isfile(os.path.join(os.path.expanduser(f), "config.json"))]
+    folders = [f for f in map(reward_model_folder, cfg.reward.functions) if f]
+    folders = [f for f in folders if os.path.isfile(os.path.join(os.path.expanduser(f), "config.json"))]
     return plan_run(
         cfg,
         shape,

@@ -37,7 +37,7 @@ import torch
 from policygrad.models.loading import disable_dropout, resolve_torch_dtype, zero_dropout_config
 from policygrad.models.value import is_sequence_classifier, score_head
 
-__all__ = ["REWARD_MODEL_PREFIX", "RewardModel", "resolve_reward_functions"]
+__all__ = ["REWARD_MODEL_PREFIX", "RewardModel", "resolve_reward_functions", "reward_model_folder"]
 
 REWARD_MODEL_PREFIX = "reward_model:"
 
@@ -224,6 +224,14 @@ class RewardModel:
         return f"RewardModel({type(self.model).__name__}, batch_size={self.batch_size})"
 
 
+def reward_model_folder(spec) -> str | None:
+    """The folder of a ``reward_model:PATH`` entry of ``reward.functions`` (``""`` when it names
+    none), or None for any other entry (a built-in name, ``module:function``, an object)."""
+    if isinstance(spec, str) and spec.strip().startswith(REWARD_MODEL_PREFIX):
+        return spec.strip()[len(REWARD_MODEL_PREFIX) :].strip()
+    return None
+
+
 def resolve_reward_functions(
     specs: Sequence,
     *,
@@ -241,8 +249,8 @@ def resolve_reward_functions(
     """
     out: list[str | Callable] = []
     for spec in specs:
-        if isinstance(spec, str) and spec.strip().startswith(REWARD_MODEL_PREFIX):
-            path = spec.strip()[len(REWARD_MODEL_PREFIX) :].strip()
+        path = reward_model_folder(spec)
+        if path is not None:
             if not path:
                 raise ValueError(
                     f"reward.functions entry {spec!r} names no folder; write reward_model:/path/to/folder"

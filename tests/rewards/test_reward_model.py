@@ -140,3 +140,12 @@ def test_bad_reward_model_entries(tmp_path, spiky_dir):
         rm(["a", "b"], ["c"])
     with pytest.raises(ValueError, match="has no real token"):
         rm.score_ids(torch.tensor([[5, 6]]), torch.tensor([[0, 0]]))
+
+
+def test_reward_model_folder_reads_only_reward_model_entries():
+    from policygrad.rewards.reward_model import reward_model_folder
+
+    assert reward_model_folder("  reward_model: /m/rm ") == "/m/rm"
+    assert reward_model_folder("reward_model:") == ""  # names none: the loader refuses it
+    for other in ("answer_correctness", "rewards.py:score", len, None):
+        assert reward_model_folder(other) is None
