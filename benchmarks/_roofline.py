@@ -396,6 +396,42 @@ def side_roofline(
     return out
 
 
+def step_floor(phases: dict[str, dict[str, float]], peaks: dict[str, Any] | None) -> float:
+    """Seconds of one step with every counted phase at its roofline: per phase the larger of its
+    GFLOP over the matmul peak of its dtype and its GB over the bandwidth peak, never more than the
+    phase measured (a count that overstates a phase's traffic, as the optimizer's 40 B per
+    parameter does where caches serve part of it, keeps the measured time); the phases with no
+    count (weight sync, other) at zero. ``phases`` is :func:`side_roofline`'s output; NaN when
+    ``peaks`` is missing or no phase has a count.
+
+    A lower bound on the step at this precision and this work: a step that must beat it needs
+    less work (fewer tokens, a cheaper dtype), not faster code."""
+    if not peaks:
+        return math.nan
+    bw = bandwidth_peak(peaks)
+    total, counted = 0.0, False
+    for row in phases.values():
+        mm = matmul_peak(peaks, row.get("matmul_peak_dtype") or "float32")
+        bounds = [
+            amount * 1e9 / peak
+            for amount, peak in ((row.get("gflop"), mm), (row.get("gb"), bw))
+            if amount is not None
+            and math.isfinite(amount)
+            and amount > 0
+            and math.isfinite(peak)
+            and peak > 0
+        ]
+        if not bounds:
+            continue
+        floor = max(bounds)
+        seconds = row.get("seconds")
+        if seconds is not None and math.isfinite(seconds):
+            floor = min(floor, seconds)
+        total += floor
+        counted = True
+    return total if counted else math.nan
+
+
 def _cell(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if value is not None and math.isfinite(value) else "-"
 

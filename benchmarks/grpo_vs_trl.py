@@ -102,6 +102,7 @@ from _roofline import (
     roofline_markdown,
     side_roofline,
     step_counts,
+    step_floor,
 )
 
 MODEL = "bundled:smollm2-135m-instruct"
@@ -774,6 +775,28 @@ def beta_table(run: dict[str, Any], trl_version: str | None) -> str:
     return markdown_table(header, rows)
 
 
+def floor_line(run: dict[str, Any], peaks: dict[str, Any] | None) -> str:
+    """One sentence per beta: each side's step at the roofline (``_roofline.step_floor``) and
+    what that is as a fraction of TRL's measured step; empty without peaks or TRL's step."""
+    trl = as_float(run["sides"].get("trl", {}).get("summary", {}).get("step"))
+    floors = {
+        ("policygrad" if side == "policygrad" else "TRL"): step_floor(roof["phases"], peaks)
+        for side, roof in (run.get("roofline") or {}).items()
+        if roof
+    }
+    parts = [
+        f"{side} {floor:.2f} s ({floor / trl:.2f}x TRL's measured {trl:.2f} s)"
+        for side, floor in floors.items()
+        if math.isfinite(floor) and math.isfinite(trl) and trl > 0
+    ]
+    if not parts:
+        return ""
+    return (
+        f"At the roofline, beta = {run['beta']:g} (each counted phase at the matmul peak of its dtype or "
+        f"the bandwidth peak, whichever binds; weight sync and other at zero): " + "; ".join(parts) + "."
+    )
+
+
 def roofline_report(result: dict[str, Any]) -> str:
     """The roofline tables (one per beta) with the measured peaks and what the counts assume."""
     lines = [peaks_line(result["peaks"]), ""]
@@ -785,6 +808,9 @@ def roofline_report(result: dict[str, Any]) -> str:
         }
         if sides:
             lines += [roofline_markdown(f"roofline, beta = {run['beta']:g}", sides), ""]
+            floor = floor_line(run, result["peaks"])
+            if floor:
+                lines += [floor, ""]
     lines.append(
         "Medians per step. FLOPs counted on the useful tokens each side computes (no padding; "
         "policygrad: each distinct prompt once; TRL: every row's prompt): forward = 2 N_body x tokens + "

@@ -39,6 +39,9 @@ Levers:
   (warm-up) step pays the compilation; the measured steps run the compiled code. A benchmark
   patch, not an option: measured 6x slower on this path (transformers' KV cache recompiles every
   layer; see benchmarks/README.md).
+- ``vllm_compile``: the vLLM sampler as policygrad builds it (``enforce_eager=True``) against
+  vLLM's own ``torch.compile`` of the model (``enforce_eager=False``): a slower start (the load
+  time is reported) for a possibly faster decode. A benchmark patch, not an option.
 - ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
   affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
   threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
@@ -137,6 +140,8 @@ def variants(lever: str) -> list[dict[str, Any]]:
         ]
     if lever == "compile":
         return [{"label": "eager"}, {"label": "decoder layers compiled", "patch": "compile_layers"}]
+    if lever == "vllm_compile":
+        return [{"label": "vLLM eager"}, {"label": "vLLM compiled", "patch": "vllm_compiled"}]
     if lever == "binding":
         return [
             {"label": "vLLM threads bound"},
@@ -154,6 +159,7 @@ LEVERS = (
     "checkpointing",
     "micro_batch",
     "compile",
+    "vllm_compile",
     "binding",
 )
 
@@ -193,6 +199,19 @@ def serve(spec: dict[str, Any]) -> None:
             return replaced
 
         models.use_memory_efficient_mlp = lean_then_compile
+    if spec.get("patch") == "vllm_compiled":
+        import vllm
+
+        eager_llm = vllm.LLM
+
+        class CompiledLLM(eager_llm):
+            """vLLM's own compilation of the sampler's model (the engine asks for eager mode)."""
+
+            def __init__(self, *args, **kwargs):
+                kwargs["enforce_eager"] = False
+                super().__init__(*args, **kwargs)
+
+        vllm.LLM = CompiledLLM  # the engine looks the class up on the module when it starts
     serve_policygrad(spec)
 
 
@@ -261,7 +280,9 @@ def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:
         side["summary"]["peak_rss_tree_gb"] = w.tree_rss_peak_gb
         for s in side["steps"]:  # keep the JSON small: the metrics the table and a reader need
             s["metrics"] = {
-                k: v for k, v in s.get("metrics", {}).items() if k.startswith(("time/", "train/", "memory/"))
+                k: v
+                for k, v in s.get("metrics", {}).items()
+                if k.startswith(("time/", "train/", "memory/", "mismatch/"))
             }
     first = sides[0]["summary"]["step"]
     for side in sides:
@@ -279,6 +300,20 @@ def lever_table(run: dict[str, Any]) -> str:
             continue
         rows.append([f"  {label}", *(fmt(v) for v in values)])
     rows.append(["peak RSS (GB)", *(fmt(s["summary"]["peak_rss_gb"]) for s in sides)])
+    gaps = [
+        median(
+            st.get("metrics", {}).get("mismatch/logprob_abs_mean") for st in s["steps"] if not st["warmup"]
+        )
+        for s in sides
+    ]
+    if any(math.isfinite(g) for g in gaps):
+        # the sampler's log-probs against the trainer's: a lever that changes the sampler shows here
+        rows.append(
+            ["sampler - trainer log-prob, mean abs", *(f"{g:.1e}" if math.isfinite(g) else "-" for g in gaps)]
+        )
+    rows.append(
+        ["load, before the first step (s)", *(fmt(as_float(s["ready"].get("load_s"))) for s in sides)]
+    )
     rows.append(["step time / first column", *(fmt(s["ratio_to_first"]) for s in sides)])
     return markdown_table(header, rows)
 

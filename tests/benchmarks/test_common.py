@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(ROOT, "benchmarks")
-
 
 @pytest.fixture
-def common(monkeypatch, tmp_path):
-    monkeypatch.syspath_prepend(BENCH)  # _common imports _roofline by its bare name
-    module = importlib.import_module("_common")
+def common(import_script, monkeypatch, tmp_path):
+    module = import_script("_common")
     monkeypatch.setattr(module, "RESULTS_DIR", tmp_path)
     return module
 

@@ -1,25 +1,19 @@
 """benchmarks/grpo_vs_trl.py (and learn_vs_trl.py, which shares it): TRL's default precision is
-refused, saying why and what to pass, only where the CPU would emulate it."""
+refused, saying why and what to pass, only where the CPU would emulate it; the roofline's floor
+line."""
 
 from __future__ import annotations
 
-import os
+import math
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
-BENCH = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks"
-)
-
 
 @pytest.fixture
-def gvt(monkeypatch):
-    monkeypatch.syspath_prepend(BENCH)  # the script imports _common by its bare name
-    import grpo_vs_trl
-
-    return grpo_vs_trl
+def gvt(import_script):
+    return import_script("grpo_vs_trl")
 
 
 def test_trls_default_bf16_is_refused_only_where_the_cpu_emulates_it(gvt):
@@ -42,3 +36,26 @@ def test_the_refusal_is_one_argparse_error(gvt, capsys, monkeypatch):
         gvt.refuse_slow_trl_precision(parser, [])
     assert stop.value.code == 2
     assert capsys.readouterr().err.strip().endswith("error: slow here")
+
+
+def test_the_floor_line_divides_each_sides_roofline_by_trls_measured_step(gvt):
+    # policygrad: 18 GFLOP at 1e9 FLOP/s = 18 s; TRL: 30 GFLOP = 30 s; TRL measured 40 s
+    peaks = {"fp32_square_flops": 1e9, "copy_bytes_per_s": 1e9}
+
+    def side(gflop, step):
+        return {
+            "phases": {
+                "forward": {"seconds": step, "gflop": gflop, "gb": math.nan, "matmul_peak_dtype": "float32"}
+            }
+        }
+
+    run = {
+        "beta": 0.04,
+        "sides": {"policygrad": {"summary": {"step": 20.0}}, "trl": {"summary": {"step": 40.0}}},
+        "roofline": {"policygrad": side(18.0, 20.0), "trl": side(30.0, 40.0)},
+    }
+    line = gvt.floor_line(run, peaks)
+    assert "beta = 0.04" in line
+    assert "policygrad 18.00 s (0.45x TRL's measured 40.00 s)" in line
+    assert "TRL 30.00 s (0.75x TRL's measured 40.00 s)" in line
+    assert gvt.floor_line(run, None) == ""  # no peaks measured: no line

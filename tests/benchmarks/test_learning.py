@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
 
 pytestmark = pytest.mark.unit
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(ROOT, "benchmarks")
-
 
 @pytest.fixture
-def learning(monkeypatch):
-    monkeypatch.syspath_prepend(BENCH)  # _learning imports _common by its bare name
-    return importlib.import_module("_learning")
+def learning(import_script):
+    return import_script("_learning")
 
 
 class FakeClock:

@@ -105,3 +105,32 @@ def test_step_counts_and_table(rl):
     text = rl.roofline_markdown("t", {"side": table})
     assert "side: loss forward" in text and "log-prob" not in text
     assert "132 % (fp32)" in text
+
+
+def test_step_floor(rl):
+    # matmul peak 1e9 FLOP/s (the better of square and model-shaped), bandwidth 2e9 B/s (the
+    # better of copy and read); seconds per phase at the roofline:
+    #   generation: max(4 GFLOP / 1e9, 6 GB / 2e9) = max(4, 3) = 4, measured 10 -> 4
+    #   forward:    2 GFLOP -> 2, measured 5 -> 2
+    #   optimizer:  1 GB -> 0.5, measured 0.2 -> 0.2 (the count overstates its traffic)
+    #   logprob_passes: no work counted -> 0
+    # floor = 4 + 2 + 0.2 = 6.2
+    peaks = {
+        "fp32_square_flops": 1e9,
+        "fp32_model_flops": 0.5e9,
+        "copy_bytes_per_s": 1e9,
+        "read_bytes_per_s": 2e9,
+    }
+    nan = math.nan
+    phases = {
+        "generation": {"seconds": 10.0, "gflop": 4.0, "gb": 6.0, "matmul_peak_dtype": "float32"},
+        "logprob_passes": {"seconds": nan, "gflop": 0.0, "gb": nan, "matmul_peak_dtype": "float32"},
+        "forward": {"seconds": 5.0, "gflop": 2.0, "gb": nan, "matmul_peak_dtype": "float32"},
+        "optimizer": {"seconds": 0.2, "gflop": nan, "gb": 1.0, "matmul_peak_dtype": "float32"},
+    }
+    assert rl.step_floor(phases, peaks) == pytest.approx(6.2, abs=1e-12)
+    # a phase run in bf16 is bounded by the bf16 peak: 2 GFLOP at 4e9 -> 0.5 instead of 2
+    bf16 = {**phases, "forward": {**phases["forward"], "matmul_peak_dtype": "bfloat16"}}
+    assert rl.step_floor(bf16, {**peaks, "bf16_square_flops": 4e9}) == pytest.approx(4.7, abs=1e-12)
+    assert math.isnan(rl.step_floor(phases, None))
+    assert math.isnan(rl.step_floor({"forward": {"seconds": 1.0, "gflop": 0.0}}, peaks))
