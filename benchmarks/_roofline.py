@@ -405,7 +405,10 @@ def step_floor(phases: dict[str, dict[str, float]], peaks: dict[str, Any] | None
     ``peaks`` is missing or no phase has a count.
 
     A lower bound on the step at this precision and this work: a step that must beat it needs
-    less work (fewer tokens, a cheaper dtype), not faster code."""
+    less work (fewer tokens, a cheaper dtype), not faster code. The bound per phase is the
+    roofline model's (Williams, Waterman and Patterson 2009, "Roofline: an insightful visual
+    performance model for multicore architectures": attainable FLOP/s = min(peak, intensity x
+    bandwidth), so time >= max(FLOP / peak, bytes / bandwidth))."""
     if not peaks:
         return math.nan
     bw = bandwidth_peak(peaks)
