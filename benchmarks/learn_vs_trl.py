@@ -385,7 +385,9 @@ def report(result: dict[str, Any]) -> str:
         f"builtin:arithmetic; {s['prompts_per_step']} prompts x G = {s['group_size']} per step, at most "
         f"{s['max_new_tokens']} new tokens, temperature {s['temperature']:g}, lr {s['lr']:g} constant, "
         f"{beta}, float32 weights, reward `answer_correctness`. Compute and allocator: policygrad "
-        f"{s['pg_precision']}, {_lib(s['pg_allocator'])} ({pg_engine} engine); TRL "
+        f"{s['pg_precision']}, {_lib(s['pg_allocator'])} ({pg_engine} engine"
+        + (f", loss aggregation `{s['pg_agg_mode']}`" if s.get("pg_agg_mode") else "")
+        + "); TRL "
         f"{s['trl_precision']}, {_lib(s['trl_allocator'])}, its defaults otherwise (`loss_type="
         f"{s.get('trl_loss_type')}`, gradient checkpointing {s.get('trl_gradient_checkpointing')}). "
         f"Training seconds: the steps' wall times summed (saves and loading excluded, both sides); "
@@ -422,6 +424,8 @@ def settings(args, cfg, tasks: list[tuple[str, float]], seeds: list[int]) -> dic
         "pg_allocator": inherited or plan_preload(os.environ, sys.platform) or "glibc",
         "trl_precision": expected_trl_precision(parse_trl_overrides(args.trl_override)),
         "trl_allocator": inherited or "glibc",
+        # the loss aggregation: the preset's unless --pg-override sets loss.agg_mode
+        "pg_agg_mode": cfg.agg_mode,
         "model": cfg.model.name,
         "tasks": dict(tasks),
         "minutes_note": ", ".join(f"{m:g} min ({t})" for t, m in tasks),
@@ -567,6 +571,12 @@ def main() -> int:
         help="extra GRPOConfig field (repeatable), e.g. gradient_checkpointing=false; bf16=false for "
         "TRL in fp32 (default: GRPOConfig's bf16 autocast)",
     )
+    parser.add_argument(
+        "--readme-section",
+        default=README_SECTION,
+        help=f"the benchmarks/README.md section --update-readme rewrites (default {README_SECTION}; "
+        "another name keeps a variant's table beside the main one)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -584,8 +594,8 @@ def main() -> int:
     print(text)
     say(f"wrote {out} ({result['wall_minutes']:.1f} min); logs in {result['logs']}")
     if args.update_readme:
-        update_readme_section(README_SECTION, text)
-        say(f"updated the '{README_SECTION}' section of benchmarks/README.md")
+        update_readme_section(args.readme_section, text)
+        say(f"updated the '{args.readme_section}' section of benchmarks/README.md")
     return 0
 
 
