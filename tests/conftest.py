@@ -22,6 +22,37 @@ from policygrad.models.bundled import DEFAULT_MODEL  # noqa: E402
 from policygrad.models.loading import resolve_model_path  # noqa: E402
 from tests.tiny import make_tiny_llama  # noqa: E402
 
+# What the environment and reward workers of the suite import: their classes live in test modules,
+# which import the trainer, transformers and the agents' OpenAI client (~7 s a worker on a busy
+# 2-core machine, most of the suite's wall time). Workers fork from the forkserver, which imports
+# its preload list once (a module that is not installed is skipped).
+WORKER_PRELOAD = (
+    "policygrad.rewards.remote",
+    "policygrad.envs.worker_process",
+    "policygrad.run",
+    "tests.training",
+    "openai",
+)
+
+
+def pytest_sessionstart(session):
+    """Start the forkserver with ``WORKER_PRELOAD`` (it imports them in the background while the
+    session collects); policygrad's own preload (``worker_context``) is its first entry, and a
+    forkserver already running keeps its list, so every worker forks with the test modules'
+    imports done. Not in a pytest-xdist controller, which runs no test."""
+    if getattr(session.config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    import multiprocessing.forkserver
+
+    from policygrad.rewards.remote import main_module_hidden, worker_context
+
+    context = worker_context()
+    if context.get_start_method() != "forkserver":
+        return
+    context.set_forkserver_preload(list(WORKER_PRELOAD))
+    with main_module_hidden():  # the server would import pytest's script as its main module
+        multiprocessing.forkserver.ensure_running()
+
 
 @pytest.fixture(scope="session")
 def bundled_model() -> str:
@@ -69,12 +100,30 @@ def tiny_model_dir(tmp_path_factory) -> str:
     return str(path)
 
 
-def pytest_collection_modifyitems(items):
-    """Every test belongs to one tier: ``unit`` (no model, seconds) or ``integration``."""
+# Session fixtures one pytest-xdist worker builds for the files that share it: the files using one
+# run in the same worker, so the suite starts two vLLM servers and converts the bundled model once.
+SHARED_SESSION_FIXTURES = ("rollout_servers", "bundled_model")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to one tier: ``unit`` (no model, seconds) or ``integration``.
+
+    Under pytest-xdist (``make test`` runs ``--dist loadgroup``) each file is one group, run by one
+    worker, so its module fixtures are built once; the files that use a fixture of
+    ``SHARED_SESSION_FIXTURES`` join that fixture's group."""
     for item in items:
         tiers = {m.name for m in item.iter_markers()} & {"unit", "integration"}
         if len(tiers) != 1:
             raise pytest.UsageError(f"{item.nodeid}: mark it unit or integration (found {sorted(tiers)})")
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    used: dict[str, set[str]] = {}
+    for item in items:
+        used.setdefault(item.location[0], set()).update(getattr(item, "fixturenames", ()))
+    for item in items:
+        path = item.location[0]
+        group = next((name for name in SHARED_SESSION_FIXTURES if name in used[path]), path)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,12 @@ re-execution where tcmalloc is installed."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -102,6 +104,11 @@ def test_find_library_looks_in_the_usual_folders():
 def test_reexec_keeps_interpreter_flags_and_arguments(monkeypatch):
     monkeypatch.setattr(allocator, "find_library", lambda name: TC if name == "tcmalloc" else None)
     monkeypatch.setattr(allocator.sys, "platform", "linux")
+    # This process as argv says it started (-m policygrad), whatever started pytest: a
+    # pytest-xdist worker reads its program from stdin, which is never re-executed.
+    main = types.ModuleType("__main__")
+    main.__file__, main.__spec__ = "/venv/lib/policygrad/__main__.py", importlib.util.find_spec("policygrad")
+    monkeypatch.setitem(sys.modules, "__main__", main)
     calls = []
     argv = ["/venv/bin/python", "-X", "utf8", "-m", "policygrad", "train", "--steps=2"]
     preload_and_reexec(argv, {"LD_PRELOAD": "/opt/other.so", "KEEP": "1"}, execve=lambda *a: calls.append(a))
