@@ -43,6 +43,13 @@ __all__ = ["Run"]
 log = logging.getLogger("policygrad")
 
 
+def progress_label(max_minutes: float | None) -> str:
+    """The progress bar's label: with ``max_minutes`` it names the time limit, since the bar's ETA
+    counts ``steps`` only (the default job's 300 steps read as two hours on a busy CPU, but it stops
+    after 24 minutes)."""
+    return "train" if max_minutes is None else f"train (stops after {max_minutes:g} min)"
+
+
 class Run:
     """Runs a :class:`TrainConfig`: checks, builds the :class:`Trainer`, takes the run directory,
     then :meth:`train`.
@@ -272,7 +279,7 @@ class Run:
             total=cfg.steps,
             initial=trainer.step_idx,
             disable=not cfg.progress or not self.dist.is_main,
-            desc="train",
+            desc=progress_label(cfg.max_minutes),
             dynamic_ncols=True,
         )
         signals.at_once = False  # Ctrl-C / SIGTERM: stop after the current step

@@ -16,6 +16,7 @@ from policygrad.parallel.distributed import Dist
 from policygrad.run import Run
 from policygrad.run.checkpoint import checkpoint_problem, load_trainer_state
 from policygrad.run.directory import RunLock
+from policygrad.run.run import progress_label
 
 pytestmark = pytest.mark.integration  # the last test trains the tiny model; the others need none
 
@@ -91,3 +92,9 @@ def test_checkpoints_follow_save_every_and_the_final_step(tiny_model_dir, tmp_pa
     assert json.load(open(run_dir / "summary.json"))["steps"] == 3
     run.close()  # after train(): safe, and the folder is free
     RunLock.acquire(str(run_dir)).release()
+
+
+def test_the_progress_bar_names_the_time_limit_its_eta_does_not_count():
+    assert progress_label(None) == "train"
+    assert progress_label(24) == "train (stops after 24 min)"  # the default job's max_minutes
+    assert progress_label(0.5) == "train (stops after 0.5 min)"
