@@ -11,14 +11,11 @@ import types
 
 import pytest
 
+from tests.benchmarks.conftest import BENCH
+
 pytestmark = pytest.mark.unit
 
-RESULT = os.path.join(
-    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-    "benchmarks",
-    "results",
-    "2026-12-05-learn-vs-trl-time-to-target.json",
-)
+RESULT = os.path.join(BENCH, "results", "2026-12-05-learn-vs-trl-time-to-target.json")
 
 
 @pytest.fixture
