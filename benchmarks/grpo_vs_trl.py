@@ -5,7 +5,8 @@ float32 weights, on the same prompts of the built-in arithmetic task, in the sam
 the same chat template: 4 prompts x G = 4 samples = 16 sequences per step, at most 64 new tokens,
 temperature 1.0, AdamW at a constant learning rate of 2e-5, gradient clipping at 1.0, reward =
 policygrad's ``answer_correctness``; once with beta = 0 (no reference model) and once with
-beta = 0.04 (policygrad: ``kl.placement=loss``, ``kl.kind=k3``). Batch size, G, length,
+beta = 0.04 (policygrad: ``kl.placement=loss``, ``kl.kind=k3``; TRL's default also weights
+that term by pi/pi_old, ``use_bias_correction_kl``: one multiply per token more). Batch size, G, length,
 temperature and learning rate are read from the policygrad config, so a ``--pg-override`` of one
 of them changes both sides. Each side computes in its own default precision, as its users run
 it: policygrad in ``model.precision: auto`` (bf16 autocast on CPUs with AVX512-BF16 or AMX, else
