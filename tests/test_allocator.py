@@ -207,12 +207,20 @@ def test_the_tcmalloc_advice_is_dropped_from_vllm_own_logger(monkeypatch):
     log = logging.getLogger("vllm.v1.worker.cpu_worker")
     handler = Keep()
     log.addHandler(handler)
+    # The filter is under test, not the level: vLLM sets its loggers' level from the environment
+    # when it configures logging, which an earlier test in this process may have done (the suite
+    # once failed here in a pytest-xdist worker, with neither line reaching the handler).
+    level, disabled = log.level, log.disabled
+    log.setLevel(logging.WARNING)
+    log.disabled = False
     try:
         with engine._quiet(engine._start_notes()):
             log.warning("%s is not found in LD_PRELOAD. For best performance ...", "libtcmalloc")
             log.warning("%s is not found in LD_PRELOAD. For best performance ...", "libiomp5.so")
     finally:
         log.removeHandler(handler)
+        log.setLevel(level)
+        log.disabled = disabled
     assert seen == ["libiomp5.so is not found in LD_PRELOAD. For best performance ..."]
 
 
