@@ -15,11 +15,15 @@ TRL ``loss_type`` that computes the same objective:
 - a second epoch over the batch with the policy moved (ratios away from 1, some clipped, the
   asymmetric range of ``clip_high``) and a k3 KL in the loss to the reference (TRL's ``beta``).
 
-Tolerance: both sides run the same float32 forward and backward of the same model, summing the
-same per-token terms in different orders (TRL's logits for the response positions only, its own
-log-softmax); tests/trainer/tolerances.py derives ``REL`` = 1e-5 for such plain sums, so the
-gradients may differ by 1e-5 of their norm. A wrong normaliser (a factor of T/mean length, of B,
-or of max_new_tokens) or a dropped token moves them by far more than that.
+Tolerance: both sides compute the same function of the same float32 weights in two
+implementations (TRL: position ids 0..P+T-1 whatever the left padding, logits of the response
+positions only, its own log-softmax; policygrad: position ids counted from the attention mask,
+which gives the same attention since RoPE is relative), so their gradients differ by rounding.
+The gap is measured against the gradient's norm, the convention of tests/trainer/tolerances.py
+(``REL`` = 1e-5 for one micro-batch's float32 sums in another order): measured 2.4e-7 on the first
+step and 1.1-1.6e-6 on the clipped second epoch, whose group-centred advantages make the gradient
+a sum that partly cancels. A wrong normaliser (a factor of T/mean length, of B, or of
+max_new_tokens), a dropped token, a clip bound or a KL weight not applied moves it by 1e-2 or more.
 """
 
 from __future__ import annotations
@@ -103,6 +107,9 @@ def trl_gradient(trainer, exp, weights, *, loss_type, old=False, **config):
     model.train()
     model.zero_grad(set_to_none=True)
     ro, mask = exp.rollout, exp.loss_mask
+    # TRL's completion mask is also its attention mask, and its grpo/dr_grpo count all B rows: the
+    # comparison holds where every response token carries loss (every score valid, as here)
+    assert torch.equal(mask, ro.response_mask.to(mask))
     assert torch.equal((exp.advantages - exp.advantages[:, :1]) * mask, torch.zeros_like(mask))
     inputs = {
         "prompt_ids": ro.prompt_ids,
@@ -180,5 +187,10 @@ def test_a_second_epoch_with_clipping_and_a_kl_in_the_loss_is_trls(
         other = trl_gradient(trainer, exp, weights[1], **same, use_bias_correction_kl=not importance_weighted)
         with pytest.raises(AssertionError, match="gradients differ"):
             assert_same_gradient(grads[1], other)
+        # and the upper clip bound acts: TRL with the symmetric range is another gradient
+        same["epsilon_high"] = 0.2
+        symmetric = trl_gradient(trainer, exp, weights[1], **same, use_bias_correction_kl=importance_weighted)
+        with pytest.raises(AssertionError, match="gradients differ"):
+            assert_same_gradient(grads[1], symmetric)
     finally:
         trainer.close()
