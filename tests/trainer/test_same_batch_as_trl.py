@@ -39,7 +39,7 @@ from tests.training import config_with
 
 pytestmark = pytest.mark.integration
 
-trl = pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
+pytest.importorskip("trl", reason="TRL is in the test extra: pip install -e '.[test]'")
 
 
 def varied_reward(prompts, completions, **_):  # noqa: ARG001 - the reward signature
@@ -188,8 +188,8 @@ def test_a_second_epoch_with_clipping_and_a_kl_in_the_loss_is_trls(
         with pytest.raises(AssertionError, match="gradients differ"):
             assert_same_gradient(grads[1], other)
         # and the upper clip bound acts: TRL with the symmetric range is another gradient
-        same["epsilon_high"] = 0.2
-        symmetric = trl_gradient(trainer, exp, weights[1], **same, use_bias_correction_kl=importance_weighted)
+        narrow = {**same, "epsilon_high": 0.2, "use_bias_correction_kl": importance_weighted}
+        symmetric = trl_gradient(trainer, exp, weights[1], **narrow)
         with pytest.raises(AssertionError, match="gradients differ"):
             assert_same_gradient(grads[1], symmetric)
     finally:
