@@ -15,6 +15,10 @@ TRL ``loss_type`` that computes the same objective:
 - a second epoch over the batch with the policy moved (ratios away from 1, some clipped, the
   asymmetric range of ``clip_high``) and a k3 KL in the loss to the reference (TRL's ``beta``).
 
+Across steps, what carries one update into the next (AdamW's moments, the gradient clip, the
+learning-rate schedule) is checked by feeding policygrad's pre-clip gradients of several steps to
+the optimizer and scheduler TRL's Trainer builds: the weights must be equal, bit for bit.
+
 Tolerance: both sides compute the same function of the same float32 weights in two
 implementations (TRL: position ids 0..P+T-1 whatever the left padding, logits of the response
 positions only, its own log-softmax; policygrad: position ids counted from the attention mask,
@@ -192,5 +196,97 @@ def test_a_second_epoch_with_clipping_and_a_kl_in_the_loss_is_trls(
         symmetric = trl_gradient(trainer, exp, weights[1], **narrow)
         with pytest.raises(AssertionError, match="gradients differ"):
             assert_same_gradient(grads[1], symmetric)
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_several_steps_of_the_optimizer_clip_and_schedule_are_trls(
+    tmp_path, tiny_model_dir, monkeypatch, schedule
+):
+    # The gradient of one batch is checked above; what carries one step into the next is the
+    # optimizer's state, the clip and the learning rate. policygrad's pre-clip gradients of four
+    # steps go to the optimizer and scheduler TRL's Trainer builds (create_optimizer_and_scheduler:
+    # fused AdamW, weight decay 0, the schedule over max_steps) and its clip (Trainer._clip_grad_norm);
+    # the same kernels on the same inputs give the same bits, so the weights must be equal after
+    # every step.
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM
+    from trl import GRPOConfig, GRPOTrainer
+
+    steps, lr, max_norm = 4, 1e-3, 0.05  # a clip the tiny model's gradients exceed
+    cfg = config_with(
+        tmp_path,
+        tiny_model_dir,
+        steps=steps,
+        data={"eval_size": 0, "difficulty": "easy"},
+        algorithm="grpo",
+        optim={"lr": lr, "max_grad_norm": max_norm, "schedule": schedule},
+    )
+    cfg, rewards = prepare_config(cfg, reward_functions=[varied_reward])
+    trainer = build_trainer(cfg, reward_objects=rewards)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        ours = dict(trainer.policy.named_parameters())
+        theirs = dict(model.named_parameters())
+        assert all(torch.equal(ours[n], p) for n, p in theirs.items())
+        args = GRPOConfig(
+            output_dir=str(tmp_path / "trl"),
+            use_cpu=True,
+            bf16=False,
+            per_device_train_batch_size=cfg.rollout.prompts_per_step * cfg.rollout.group_size,
+            num_generations=cfg.rollout.group_size,
+            report_to="none",
+            learning_rate=lr,
+            lr_scheduler_type=schedule,
+            max_grad_norm=max_norm,
+            max_steps=steps,
+        )
+        rows = Dataset.from_list(
+            [{"prompt": [{"role": "user", "content": "1+1"}]}] * args.per_device_train_batch_size
+        )
+        grpo = GRPOTrainer(
+            model=model,
+            reward_funcs=[varied_reward],
+            args=args,
+            train_dataset=rows,
+            processing_class=trainer.tokenizer,
+        )
+        grpo.create_optimizer_and_scheduler(num_training_steps=steps)
+        by_id = {id(p): n for n, p in ours.items()}
+        captured = []
+        real_clip = torch.nn.utils.clip_grad_norm_
+
+        def clip(params, *args, **kwargs):
+            params = list(params)
+            captured.append({by_id[id(p)]: p.grad.detach().clone() for p in params if id(p) in by_id})
+            return real_clip(params, *args, **kwargs)
+
+        clipped = 0
+        for _ in range(steps):
+            captured.clear()
+            with monkeypatch.context() as m:
+                m.setattr(torch.nn.utils, "clip_grad_norm_", clip)
+                metrics = trainer.step()
+            assert len(captured) == 1 and set(captured[0]) == set(theirs)  # one optimizer step, every weight
+            for n, p in theirs.items():
+                p.grad = captured[0][n]
+            norm = float(grpo._clip_grad_norm(model))
+            assert norm == pytest.approx(metrics["optim/grad_norm"], rel=1e-6)
+            clipped += norm > max_norm
+            grpo.optimizer.step()
+            grpo.lr_scheduler.step()
+            grpo.optimizer.zero_grad(set_to_none=True)
+            # optim/lr is the rate after the step (the next step's), as TRL's Trainer logs it
+            assert metrics["optim/lr"] == pytest.approx(
+                grpo.lr_scheduler.get_last_lr()[0], rel=1e-12, abs=1e-15
+            )
+            moved = [n for n, p in theirs.items() if not torch.equal(ours[n], p)]
+            assert not moved, f"after step {trainer.step_idx}: {moved[:3]} differ"
+        assert clipped > 0  # the clip acted in a step compared
+        start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+        assert any(
+            not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())
+        )  # it trained
     finally:
         trainer.close()
