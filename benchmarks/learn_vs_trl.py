@@ -18,8 +18,9 @@ off) and keeps its own defaults otherwise (gradient checkpointing, ``loss_type="
 a beta the KL term weighted by pi/pi_old, ``use_bias_correction_kl``, which is policygrad's
 ``kl.importance_weighted``); ``--trl-override`` changes them. On the same batch and weights the
 two libraries' gradients agree to 1e-5 when their options match, and over several steps their
-optimizers, clips and schedules give the same weights (tests/trainer/test_same_batch_as_trl.py),
-so curves that differ differ by their samples.
+optimizers, clips and schedules give the same weights (tests/trainer/test_same_batch_as_trl.py);
+with matching options, curves that differ differ by their samples and by rounding (by default the
+options differ as listed above).
 
 Tasks (``--tasks``): ``builtin:arithmetic`` at difficulty ``hard`` (a + b, a - b or a * b with
 a, b in 1..99; the start model scores 0.07 on its 200 held-out problems, room to rise over the

@@ -67,10 +67,13 @@ def lr_schedule(optim, total: int) -> Callable[[int], float]:
             return (step + 1) / optim.warmup_steps
         if optim.schedule == "constant":
             return 1.0
-        progress = (step - optim.warmup_steps) / max(1, total - optim.warmup_steps)
-        progress = min(max(progress, 0.0), 1.0)
+        span = max(1, total - optim.warmup_steps)
         if optim.schedule == "linear":
-            return 1.0 - progress
+            # (total - k) / span rather than 1 - (k - W) / span: the same number, rounded as
+            # transformers' get_linear_schedule_with_warmup rounds it (1 - x differs in the last
+            # bit for horizons that are not powers of two), so a run's rates are TRL's exactly.
+            return min(max((total - step) / span, 0.0), 1.0)
+        progress = min(max((step - optim.warmup_steps) / span, 0.0), 1.0)
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor

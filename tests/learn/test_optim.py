@@ -200,6 +200,34 @@ def test_lr_schedule_cosine_and_constant():
     assert lr_schedule(_cfg("linear"), total=1)(0) == 1.0 and lr_schedule(_cfg("linear"), total=1)(1) == 0.0
 
 
+@pytest.mark.parametrize("total", [3, 5, 12, 300])
+@pytest.mark.parametrize("schedule", ["linear", "cosine", "constant"])
+def test_lr_schedule_after_warmup_is_transformers_to_the_bit(schedule, total):
+    # Past the warmup the factors are transformers' own (their schedules' lambdas, which TRL's
+    # Trainer uses), compared with ==: a horizon that is not a power of two once showed 1 - x
+    # against (total - k) / span differing in the last bit.
+    from transformers.optimization import (
+        _get_constant_schedule_with_warmup_lr_lambda,
+        _get_cosine_schedule_with_warmup_lr_lambda,
+        _get_linear_schedule_with_warmup_lr_lambda,
+    )
+
+    warmup = 2
+    theirs = {
+        "linear": lambda k: _get_linear_schedule_with_warmup_lr_lambda(
+            k, num_warmup_steps=warmup, num_training_steps=total
+        ),
+        "cosine": lambda k: _get_cosine_schedule_with_warmup_lr_lambda(
+            k, num_warmup_steps=warmup, num_training_steps=total, num_cycles=0.5
+        ),
+        "constant": lambda k: _get_constant_schedule_with_warmup_lr_lambda(k, num_warmup_steps=warmup),
+    }[schedule]
+    ours = lr_schedule(_cfg(schedule, warmup=warmup), total=total)
+    assert [ours(k) for k in range(warmup, total + 1)] == [theirs(k) for k in range(warmup, total + 1)]
+    # the warmup itself differs by design: transformers' first step runs at rate 0, ours at 1/W
+    assert theirs(0) == 0.0 and ours(0) == 1 / warmup
+
+
 # ----------------------------------------------------------------------------- fp16 loss scaling
 
 

@@ -205,16 +205,18 @@ def test_several_steps_of_the_optimizer_clip_and_schedule_are_trls(
     tmp_path, tiny_model_dir, monkeypatch, schedule
 ):
     # The gradient of one batch is checked above; what carries one step into the next is the
-    # optimizer's state, the clip and the learning rate. policygrad's pre-clip gradients of four
-    # steps go to the optimizer and scheduler TRL's Trainer builds (create_optimizer_and_scheduler:
-    # fused AdamW, weight decay 0, the schedule over max_steps) and its clip (Trainer._clip_grad_norm);
-    # the same kernels on the same inputs give the same bits, so the weights must be equal after
-    # every step.
+    # optimizer's state, the clip and the learning rate. policygrad's pre-clip gradients of five
+    # steps (a horizon that is not a power of two, where the linear schedule's rounding showed)
+    # go to the optimizer and scheduler TRL's Trainer builds (create_optimizer_and_scheduler:
+    # fused AdamW, weight decay 0, no warmup, the schedule over max_steps) and its clip
+    # (Trainer._clip_grad_norm, through accelerate: the same total norm, and one more norm of that
+    # single number, which is exact). The same computation on the same inputs gives the same bits,
+    # so the weights must be equal after every step.
     from datasets import Dataset
     from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
-    steps, lr, max_norm = 4, 1e-3, 0.05  # a clip the tiny model's gradients exceed
+    steps, lr, max_norm = 5, 1e-3, 0.05  # a clip the tiny model's gradients exceed in every step
     cfg = config_with(
         tmp_path,
         tiny_model_dir,
@@ -262,7 +264,6 @@ def test_several_steps_of_the_optimizer_clip_and_schedule_are_trls(
             captured.append({by_id[id(p)]: p.grad.detach().clone() for p in params if id(p) in by_id})
             return real_clip(params, *args, **kwargs)
 
-        clipped = 0
         for _ in range(steps):
             captured.clear()
             with monkeypatch.context() as m:
@@ -272,18 +273,14 @@ def test_several_steps_of_the_optimizer_clip_and_schedule_are_trls(
             for n, p in theirs.items():
                 p.grad = captured[0][n]
             norm = float(grpo._clip_grad_norm(model))
-            assert norm == pytest.approx(metrics["optim/grad_norm"], rel=1e-6)
-            clipped += norm > max_norm
+            assert norm == metrics["optim/grad_norm"] and norm > max_norm  # a signal, clipped
             grpo.optimizer.step()
             grpo.lr_scheduler.step()
             grpo.optimizer.zero_grad(set_to_none=True)
-            # optim/lr is the rate after the step (the next step's), as TRL's Trainer logs it
-            assert metrics["optim/lr"] == pytest.approx(
-                grpo.lr_scheduler.get_last_lr()[0], rel=1e-12, abs=1e-15
-            )
+            # policygrad's optim/lr is the next step's rate (TRL's Trainer logs the one the step used)
+            assert metrics["optim/lr"] == grpo.lr_scheduler.get_last_lr()[0]
             moved = [n for n, p in theirs.items() if not torch.equal(ours[n], p)]
             assert not moved, f"after step {trainer.step_idx}: {moved[:3]} differ"
-        assert clipped > 0  # the clip acted in a step compared
         start = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
         assert any(
             not torch.equal(p, q) for p, q in zip(model.parameters(), start.parameters())
