@@ -381,13 +381,23 @@ def steps(args) -> dict[str, Any]:
         cmd = [sys.executable, "-m", "policygrad", "train", *overrides, f"--save_every={args.steps}"]
         say(f"[seed {seed}] policygrad: {args.steps} steps")
         start = time.perf_counter()
-        run_logged(cmd, scratch / f"policygrad-seed{seed}.log", args.threads)
+        log = scratch / f"policygrad-seed{seed}.log"
+        try:
+            run_logged(cmd, log, args.threads)
+            model = str(sorted(out.glob("checkpoints/step_*/model"))[-1])
+        except RuntimeError:
+            # a seed whose few steps found no reward signal: the run stops with an error and the
+            # weights are the start model's (TRL's trainer takes the same empty steps silently)
+            if "nothing was trained" not in log.read_text(encoding="utf-8"):
+                raise
+            from policygrad.models.loading import resolve_model_path
+
+            model = str(resolve_model_path(load_config(str(CONFIG)).model.name))
         wall = time.perf_counter() - start
         metrics = [
             json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()
         ]
-        model = sorted(out.glob("checkpoints/step_*/model"))[-1]
-        acc = evaluate(args, str(model), scratch / f"eval-policygrad-seed{seed}.log")
+        acc = evaluate(args, model, scratch / f"eval-policygrad-seed{seed}.log")
         rewards = [m["reward/mean"] for m in metrics if "reward/mean" in m]
         runs["policygrad"].append({"seed": seed, "accuracy": acc, "train_reward": rewards, "wall_s": wall})
         say(f"[seed {seed}] policygrad accuracy {acc:.3f}")
