@@ -44,3 +44,15 @@ def test_hodges_lehmann_with_too_few_values_has_no_finite_interval(parity):
     # 3 and 3: P(U = 0) = 1/20 = 0.05 > 0.025, so no k reaches 95 %: the interval is unbounded
     shift, low, high, coverage = parity.hodges_lehmann([1.0, 2.0, 3.0], [0.0, 0.0, 0.0])
     assert shift == 2.0 and low == float("-inf") and high == float("inf") and coverage == 1.0
+
+
+def test_the_null_counts_are_the_enumerated_ones_and_many_seeds_stay_cheap(parity):
+    # 2 and 2: the 6 orderings give U = 0, 1, 2, 2, 3, 4 (the pairs won by the first sample)
+    assert parity.u_null_counts(2, 2) == [1, 1, 2, 1, 1]
+    assert sum(parity.u_null_counts(6, 6)) == 924 and sum(parity.u_null_counts(12, 12)) == 2_704_156
+    # 12 and 12 fully separated: more splits than are enumerated, so p comes from the seeded
+    # random splits; none reaches U = 144, p = 1 / (200000 + 1)
+    high, low = [float(100 + i) for i in range(12)], [float(i) for i in range(12)]
+    assert parity.rank_sum(high, low) == (144.0, pytest.approx(1 / 200_001, rel=1e-12))
+    shift, lo, hi, coverage = parity.hodges_lehmann(high, low)
+    assert shift == 100.0 and lo < shift < hi and 0.95 <= coverage < 1.0
