@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import tempfile
 
 # The suite sees what a new machine sees, whatever this one has cached: an empty model cache of
@@ -11,6 +12,7 @@ import tempfile
 # fixture) and an empty Hugging Face cache. Set before anything imports huggingface_hub, which
 # reads HF_HOME once. trackio reads TRACKIO_DIR once too: no test writes the user's trackio store.
 _SESSION_DIR = tempfile.mkdtemp(prefix="policygrad-tests-")
+_SESSION_PID = os.getpid()
 for _name, _sub in (("POLICYGRAD_HOME", "home"), ("HF_HOME", "hf"), ("TRACKIO_DIR", "trackio")):
     os.environ[_name] = os.path.join(_SESSION_DIR, _sub)
     os.makedirs(os.environ[_name])
@@ -52,6 +54,14 @@ def pytest_sessionstart(session):
     context.set_forkserver_preload(list(WORKER_PRELOAD))
     with main_module_hidden():  # the server would import pytest's script as its main module
         multiprocessing.forkserver.ensure_running()
+
+
+def pytest_unconfigure():
+    """Delete the session's caches (the converted bundled model is ~0.5 GB): a suite run leaves
+    nothing behind in the temporary folder. Only the process that made them deletes them (each
+    pytest-xdist worker has its own)."""
+    if os.getpid() == _SESSION_PID:
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
