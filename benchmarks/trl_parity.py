@@ -232,6 +232,11 @@ def sampler(args) -> dict[str, Any]:
         ids[i, width - len(p) :], mask[i, width - len(p) :] = torch.tensor(p), 1
     ids, mask = ids.repeat_interleave(g, 0), mask.repeat_interleave(g, 0)
     scores: dict[str, list] = {"policygrad": [], "generate": []}
+    # response lengths in tokens (through the first EOS) and whether EOS never came: the same
+    # model sampled at temperature 1 must give both sides the same distribution of both
+    lengths: dict[str, list] = {"policygrad": [], "generate": []}
+    truncated: dict[str, list] = {"policygrad": [], "generate": []}
+    eos = torch.tensor(engine.eos_token_ids)
     for rep in range(args.reps):
         ro = engine.generate(
             prompts,
@@ -242,6 +247,8 @@ def sampler(args) -> dict[str, Any]:
         )
         responses = [ro.response_ids[b][ro.response_mask[b].bool()] for b in range(n * g)]
         scores["policygrad"].append(score(tok.batch_decode(responses, skip_special_tokens=True)))
+        lengths["policygrad"].append(ro.response_mask.sum(1).double())
+        truncated["policygrad"].append(ro.truncated.double())
         torch.manual_seed(args.seed * 1000 + rep)
         with torch.no_grad():
             out = model.generate(
@@ -255,6 +262,10 @@ def sampler(args) -> dict[str, Any]:
                 pad_token_id=tok.pad_token_id,
             )
         scores["generate"].append(score(tok.batch_decode(out[:, width:], skip_special_tokens=True)))
+        is_eos = torch.isin(out[:, width:], eos)
+        has_eos = is_eos.any(1)
+        lengths["generate"].append(torch.where(has_eos, is_eos.int().argmax(1) + 1, new).double())
+        truncated["generate"].append((~has_eos).double())
         say(
             f"repetition {rep + 1}/{args.reps}: "
             + ", ".join(f"{k} {int(v[-1].sum())}" for k, v in scores.items())
@@ -266,6 +277,8 @@ def sampler(args) -> dict[str, Any]:
             "correct": int(s.sum()),
             "samples": s.numel(),
             "groups_with_signal": float((s.max(1).values > s.min(1).values).double().mean()),
+            "mean_length": float(torch.cat(lengths[name]).mean()),
+            "truncated_share": float(torch.cat(truncated[name]).mean()),
         }
     a, b = sides["policygrad"], sides["generate"]
     pooled = (a["correct"] + b["correct"]) / (a["samples"] + b["samples"])
@@ -289,7 +302,9 @@ def sampler_report(result: dict[str, Any]) -> str:
     s = result["sides"]
     return (
         "; ".join(
-            f"{k}: {v['correct']}/{v['samples']} correct, groups with a signal {v['groups_with_signal']:.3f}"
+            f"{k}: {v['correct']}/{v['samples']} correct, "
+            f"groups with a signal {v['groups_with_signal']:.3f}, "
+            f"mean length {v['mean_length']:.2f} tokens, truncated {v['truncated_share']:.3f}"
             for k, v in s.items()
         )
         + f"; two-proportion z {result['z_generate_minus_policygrad']:.2f}"
