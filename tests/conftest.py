@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -56,12 +57,20 @@ def pytest_sessionstart(session):
         multiprocessing.forkserver.ensure_running()
 
 
+def _delete_session_dir() -> None:
+    if os.getpid() == _SESSION_PID:  # not a forked child: each process deletes only its own
+        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+# At exit too: after a usage error pytest never unconfigures, and atexit handlers registered later
+# (trackio finishing a run into TRACKIO_DIR) run before this one.
+atexit.register(_delete_session_dir)
+
+
 def pytest_unconfigure():
     """Delete the session's caches (the converted bundled model is ~0.5 GB): a suite run leaves
-    nothing behind in the temporary folder. Only the process that made them deletes them (each
-    pytest-xdist worker has its own)."""
-    if os.getpid() == _SESSION_PID:
-        shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+    nothing behind in the temporary folder. Each pytest-xdist worker has its own."""
+    _delete_session_dir()
 
 
 @pytest.fixture(scope="session")
