@@ -233,12 +233,28 @@ class TrimCheckpoints:
 # Time to target.
 
 
-def time_to_target(curve: Sequence[tuple[float, float]], target: float) -> float | None:
+def time_to_target(curve: Sequence[tuple[float, float]], target: float, hold: int = 1) -> float | None:
     """Training seconds of the first point of ``curve`` (``(seconds, accuracy)``, in time order,
-    the start model at 0 s first) at or above ``target``; None when none reaches it."""
-    for seconds, accuracy in curve:
-        if accuracy is not None and accuracy >= target - 1e-9:
-            return seconds
+    the start model at 0 s first) at or above ``target`` and held there by the ``hold - 1``
+    points after it; None when none does (a crossing too near the curve's end to be held counts
+    as not reached).
+
+    ``hold`` > 1 guards the first-crossing time against the noise of single evaluations: a side
+    with more checkpoints has more chances of one evaluation landing above a line by luck, and
+    needing the next checkpoints to stay above it takes most of that away.
+
+    Raises:
+        ValueError: ``hold`` < 1.
+    """
+    if hold < 1:
+        raise ValueError(f"hold must be >= 1, got {hold}")
+
+    def above(accuracy):
+        return accuracy is not None and accuracy >= target - 1e-9
+
+    for i in range(len(curve) - hold + 1):
+        if all(above(accuracy) for _, accuracy in curve[i : i + hold]):
+            return curve[i][0]
     return None
 
 
@@ -267,14 +283,17 @@ def auto_targets(start: float, best: float, resolution: float) -> list[float]:
     return out
 
 
-def target_rows(curves: dict[str, list[list[tuple[float, float]]]], targets: list[float]) -> list[dict]:
-    """Per target: each side's seconds per seed (None: not reached), median, range, count, and
-    the ratio policygrad / TRL of the medians where both reach it."""
+def target_rows(
+    curves: dict[str, list[list[tuple[float, float]]]], targets: list[float], hold: int = 1
+) -> list[dict]:
+    """Per target: each side's seconds per seed (None: not reached; ``hold`` as in
+    :func:`time_to_target`), median, range, count, and the ratio policygrad / TRL of the medians
+    where both reach it."""
     rows = []
     for target in targets:
         row: dict[str, Any] = {"target": target}
         for side, seeds in curves.items():
-            seconds = [time_to_target(c, target) for c in seeds]
+            seconds = [time_to_target(c, target, hold) for c in seeds]
             reached = [s for s in seconds if s is not None]
             row[side] = {
                 "seconds": seconds,
@@ -312,10 +331,12 @@ def _seconds_cell(cell: dict[str, Any]) -> str:
     return f"{fmt(cell['median'], 0)}{spread}"
 
 
-def target_table(task: str, start: float, rows: list[dict[str, Any]], seeds: int) -> str:
-    """Time to each target, both sides: median seconds [fastest-slowest seed] and the ratio."""
+def target_table(task: str, start: float, rows: list[dict[str, Any]], seeds: int, hold: int = 1) -> str:
+    """Time to each target, both sides: median seconds [fastest-slowest seed] and the ratio;
+    ``hold`` > 1 names the rows' rule (:func:`time_to_target`) in the first column's header."""
+    held = f", held {hold} checkpoints" if hold > 1 else ""
     header = [
-        f"{task}: target accuracy (start {start:.3f})",
+        f"{task}: target accuracy (start {start:.3f}){held}",
         f"policygrad, s to target (median of {seeds} [range])",
         f"TRL, s to target (median of {seeds} [range])",
         "policygrad / TRL",

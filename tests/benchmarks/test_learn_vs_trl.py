@@ -73,3 +73,24 @@ def test_a_result_saved_before_the_aggregation_was_recorded_still_renders(lvt):
     text = lvt.report(saved_result())
     assert "loss aggregation" not in text  # not guessed: that run's JSON did not record it
     assert "| 0.115 | 66 [62-68] | 64 [64-191] | **1.03** |" in text  # the README's table, unchanged
+
+
+def test_the_summary_adds_the_held_table_and_the_report_renders_it(lvt):
+    result = saved_result()
+    entry = result["tasks"]["hard"]
+    assert ", held 2 checkpoints" not in lvt.report(result)  # saved before the held rows: as it was
+    lvt.summarise_task(entry, entry["targets"], 200)
+    assert entry["hold"] == lvt.HOLD == 2
+    held = entry.pop("time_to_target_held")
+    plain = lvt.report(result)
+    entry["time_to_target_held"] = held
+    text = lvt.report(result)
+    assert plain.split("\n\n")[1] in text  # the first-crossing table, unchanged
+    assert f"(start {entry['start']['accuracy']:.3f}), held 2 checkpoints |" in text
+    assert "Held 2 checkpoints: the first of 2 consecutive checkpoints" in text
+    assert "Held 2" not in plain
+    for first_rows, held_rows in zip(entry["time_to_target"], held, strict=True):
+        for side in ("policygrad", "trl"):
+            for first, kept in zip(first_rows[side]["seconds"], held_rows[side]["seconds"], strict=True):
+                # holding can only make a target later or unreached, never sooner
+                assert kept is None or (first is not None and kept >= first)

@@ -64,6 +64,25 @@ def test_time_to_target_and_the_median_over_seeds(learning):
     assert rows[0]["ratio"] == pytest.approx(0.4)
 
 
+def test_a_held_crossing_needs_the_next_checkpoints_above_the_target(learning):
+    # one lucky evaluation at 30 s (0.40) dips back to 0.25; the curve holds 0.35+ from 90 s on
+    curve = [(0.0, 0.2), (30.0, 0.40), (60.0, 0.25), (90.0, 0.35), (120.0, 0.36), (150.0, 0.34)]
+    assert learning.time_to_target(curve, 0.35) == 30.0  # the first crossing takes the lucky one
+    assert learning.time_to_target(curve, 0.35, hold=2) == 90.0  # 0.35 and 0.36 both at or above
+    assert learning.time_to_target(curve, 0.36, hold=2) is None  # 0.36 at 120 s, 0.34 after it
+    assert learning.time_to_target(curve, 0.35, hold=3) is None  # 0.34 at 150 s breaks the run
+    assert learning.time_to_target(curve, 0.2, hold=6) == 0.0  # the whole curve at or above 0.2
+    assert learning.time_to_target(curve, 0.2, hold=7) is None  # longer than the curve
+    assert learning.time_to_target(curve, 0.35, hold=1) == learning.time_to_target(curve, 0.35)
+    with pytest.raises(ValueError, match="hold"):
+        learning.time_to_target(curve, 0.35, hold=0)
+    rows = learning.target_rows(
+        {"policygrad": [curve], "trl": [[(0.0, 0.2), (100.0, 0.35), (200.0, 0.4)]]}, [0.35], 2
+    )
+    assert rows[0]["policygrad"]["seconds"] == [90.0] and rows[0]["trl"]["seconds"] == [100.0]
+    assert rows[0]["ratio"] == pytest.approx(0.9)
+
+
 def test_automatic_targets_lie_between_the_start_and_the_best(learning):
     assert learning.auto_targets(0.07, 0.27, 1 / 200) == [0.12, 0.17, 0.22, 0.25]
     assert learning.auto_targets(0.3, 0.3, 1 / 200) == []
