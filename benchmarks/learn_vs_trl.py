@@ -43,8 +43,9 @@ first checkpoint at or above it; median over the seeds, a seed that never reache
 slower than any that did, and the range), with the ratio policygrad / TRL of the medians at every
 target both reach; a second table the same with the target held (the first of ``HOLD`` = 2
 consecutive checkpoints at or above it), since with a checkpoint every step or so a side with
-faster steps gets more evaluations, each a chance of crossing a line by noise alone. Targets: ``--targets`` (accuracies), or by default 25, 50, 75 and 90 % of the
-way from the start accuracy to the best any checkpoint reached.
+faster steps gets more evaluations, each a chance of crossing a line by noise alone. Targets:
+``--targets`` (accuracies), or by default 25, 50, 75 and 90 % of the way from the start accuracy
+to the best any checkpoint reached.
 
 Usage::
 
