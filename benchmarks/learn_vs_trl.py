@@ -393,6 +393,8 @@ def report(result: dict[str, Any]) -> str:
             "",
         ]
     beta = f"beta {s['beta']:g}" + (f" ({s['kl_placement']})" if s["beta"] else "")
+    # the rule the saved result's held rows were computed with (none before they existed)
+    hold = next((e["hold"] for e in result["tasks"].values() if "time_to_target_held" in e), None)
     pg_engine, eval_engine = (
         s.get("pg_engine_used") or s["pg_engine"],
         s.get("eval_engine_used") or s["eval_engine"],
@@ -413,10 +415,10 @@ def report(result: dict[str, Any]) -> str:
         f"({eval_engine} engine). Time to target: the first checkpoint at or above it; median over "
         "the seeds [fastest-slowest], a seed that never reached it counted as slower than any that did."
         + (
-            f" Held {HOLD} checkpoints: the first of {HOLD} consecutive checkpoints at or above the "
+            f" Held {hold} checkpoints: the first of {hold} consecutive checkpoints at or above the "
             "target (a crossing too near a side's last checkpoint cannot be held and counts as not "
             "reached), so one lucky evaluation does not decide it."
-            if any("time_to_target_held" in e for e in result["tasks"].values())
+            if hold
             else ""
         )
     )
