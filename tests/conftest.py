@@ -12,9 +12,17 @@ import tempfile
 # its own (the bundled model is converted at most once per session, by the ``bundled_model``
 # fixture) and an empty Hugging Face cache. Set before anything imports huggingface_hub, which
 # reads HF_HOME once. trackio reads TRACKIO_DIR once too: no test writes the user's trackio store.
+# vLLM names its ZeroMQ IPC sockets under VLLM_RPC_BASE_PATH (default: the temp folder); a server
+# a test kills cannot remove its socket, so they go where the session deletes them.
 _SESSION_DIR = tempfile.mkdtemp(prefix="policygrad-tests-")
 _SESSION_PID = os.getpid()
-for _name, _sub in (("POLICYGRAD_HOME", "home"), ("HF_HOME", "hf"), ("TRACKIO_DIR", "trackio")):
+_CACHES = (
+    ("POLICYGRAD_HOME", "home"),
+    ("HF_HOME", "hf"),
+    ("TRACKIO_DIR", "trackio"),
+    ("VLLM_RPC_BASE_PATH", "rpc"),
+)
+for _name, _sub in _CACHES:
     os.environ[_name] = os.path.join(_SESSION_DIR, _sub)
     os.makedirs(os.environ[_name])
 

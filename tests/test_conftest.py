@@ -23,7 +23,7 @@ def test_probe_records_the_session_cache():
     if PROBE not in os.environ:
         pytest.skip("only inside test_a_session_deletes_its_cache_folders")
     with open(os.environ[PROBE], "a", encoding="utf-8") as f:
-        f.write(os.environ["POLICYGRAD_HOME"] + "\n")
+        f.write(os.environ["POLICYGRAD_HOME"] + " " + os.environ["VLLM_RPC_BASE_PATH"] + "\n")
 
 
 @pytest.mark.parametrize("workers", [0, 2], ids=["one-process", "xdist-workers"])
@@ -41,9 +41,11 @@ def test_a_session_deletes_its_cache_folders(tmp_path, workers):
         result = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "1 passed" in result.stdout
-        homes = probe.read_text(encoding="utf-8").split()
+        homes, rpc = zip(*(line.split() for line in probe.read_text(encoding="utf-8").splitlines()))
         assert len(homes) == 1 and Path(homes[0]).parent.parent == tmp
         assert not Path(homes[0]).exists()
+        # vLLM's sockets went into the same session folder, deleted with it
+        assert Path(rpc[0]).parent == Path(homes[0]).parent and not Path(rpc[0]).exists()
         assert sorted(p.name for p in tmp.glob("policygrad-tests-*")) == []
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
