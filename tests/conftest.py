@@ -12,8 +12,8 @@ import tempfile
 # its own (the bundled model is converted at most once per session, by the ``bundled_model``
 # fixture) and an empty Hugging Face cache. Set before anything imports huggingface_hub, which
 # reads HF_HOME once. trackio reads TRACKIO_DIR once too: no test writes the user's trackio store.
-# vLLM names its ZeroMQ IPC sockets under VLLM_RPC_BASE_PATH (default: the temp folder); a server
-# a test kills cannot remove its socket, so they go where the session deletes them.
+# vLLM names its ZeroMQ IPC sockets under VLLM_RPC_BASE_PATH (default: the temp folder) and leaves
+# the files behind when its servers stop, so they go where the session deletes them.
 _SESSION_DIR = tempfile.mkdtemp(prefix="policygrad-tests-")
 _SESSION_PID = os.getpid()
 _CACHES = (
