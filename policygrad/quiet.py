@@ -29,8 +29,10 @@ FILTERS: dict[str, tuple[str, str]] = {
     ),
     "progress-bars": (
         "the libraries' loading and saving bars (transformers' 'Loading weights' and 'Writing model "
-        "shards', vLLM's 'Loading safetensors checkpoint shards'); policygrad's own bar stays",
-        "HF_HUB_DISABLE_PROGRESS_BARS=1, and vLLM's use_tqdm_on_load=False",
+        "shards', transformers' one-time 'Converting and de-quantizing GGUF tensors' of the bundled model, "
+        "vLLM's 'Loading safetensors checkpoint shards'); policygrad's own bar stays",
+        "HF_HUB_DISABLE_PROGRESS_BARS=1, disable=True for the GGUF conversion's bar, and vLLM's "
+        "use_tqdm_on_load=False",
     ),
     "library-deprecations": (
         "FutureWarning and DeprecationWarning raised inside vllm, torch, transformers, peft, "

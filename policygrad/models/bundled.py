@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import logging
 import os
@@ -138,6 +139,29 @@ def _file_lock(lock_path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
+@contextlib.contextmanager
+def _conversion_bar_hidden() -> Iterator[None]:
+    """Under :mod:`policygrad.quiet`, hide transformers' one-time 'Converting and de-quantizing GGUF
+    tensors' bar for the conversion only.
+
+    transformers draws it with a bare ``tqdm`` that none of its settings turns off, so the module's
+    ``tqdm`` is given ``disable=True`` for the duration and restored after, error or not.
+    """
+    from policygrad.quiet import is_quiet
+
+    if not is_quiet():
+        yield
+        return
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def convert_gguf_to_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> None:
     """Convert a GGUF causal LM to a float32 safetensors model folder (no atomicity; see below).
 
@@ -156,9 +180,10 @@ def convert_gguf_to_folder(gguf_path: str | os.PathLike, out_dir: str | os.PathL
 
     gguf_path = Path(gguf_path)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
-    )
+    with _conversion_bar_hidden():
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32
+        )
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is not None:
         quantizer.remove_quantization_config(model)

@@ -141,3 +141,27 @@ def test_the_lock_is_exclusive_while_held_and_released_after(tmp_path):
     with open(path) as other:
         fcntl.flock(other.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)  # free again
         fcntl.flock(other.fileno(), fcntl.LOCK_UN)
+
+
+@pytest.mark.parametrize("quiet", ["1", "0"])
+def test_the_conversion_bar_is_hidden_only_while_quiet_and_restored_after(monkeypatch, capfd, quiet):
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    monkeypatch.setenv("POLICYGRAD_QUIET", quiet)
+    bar = gguf_utils.tqdm
+    with pytest.raises(RuntimeError, match="boom"), bundled._conversion_bar_hidden():
+        list(gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."))
+        raise RuntimeError("boom")
+    assert gguf_utils.tqdm is bar  # restored, though the conversion raised
+    drawn = "Converting and de-quantizing" in capfd.readouterr().err
+    assert drawn == (quiet == "0")  # --verbose keeps the library's bar
+
+
+def test_transformers_draws_the_conversion_bar_with_its_modules_tqdm():
+    """The name the quiet filter swaps is the one the loader calls: if transformers drew the bar
+    any other way, the filter would silently stop working."""
+    import inspect
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    assert "tqdm(reader.tensors" in inspect.getsource(gguf_utils.load_gguf_checkpoint)
