@@ -50,6 +50,16 @@ def progress_label(max_minutes: float | None) -> str:
     return "train" if max_minutes is None else f"train (stops after {max_minutes:g} min)"
 
 
+def write_above(bar: tqdm, line: str) -> None:
+    """Print ``line`` on stdout above the progress bar (which draws on stderr).
+
+    The bar is cleared, the line printed and flushed, then the bar redrawn: stdout piped to a file
+    is block-buffered, so without the flush the line would land later, inside a redrawn bar.
+    """
+    with bar.external_write_mode():
+        print(line, flush=True)
+
+
 class Run:
     """Runs a :class:`TrainConfig`: checks, builds the :class:`Trainer`, takes the run directory,
     then :meth:`train`.
@@ -374,7 +384,7 @@ class Run:
         if cfg.log_completions and step % 10 == 1 and self.dist.is_main:  # rank 0 reports
             for sample in trainer.last_samples[: cfg.log_completions]:
                 text = sample["completion"][:120]
-                bar.write(f"  [step {step}] reward={sample['reward']:.2f} {text!r}")
+                write_above(bar, f"  [step {step}] reward={sample['reward']:.2f} {text!r}")
         self.watch.observe(metrics)
 
     def _agreed_signal(self, received: str | None) -> str | None:

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -98,3 +101,28 @@ def test_the_progress_bar_names_the_time_limit_its_eta_does_not_count():
     assert progress_label(None) == "train"
     assert progress_label(24) == "train (stops after 24 min)"  # the default job's max_minutes
     assert progress_label(0.5) == "train (stops after 0.5 min)"
+
+
+WRITER = """
+import sys
+from tqdm import tqdm
+from policygrad.run.run import write_above
+bar = tqdm(total=3, file=sys.stderr, desc="train")
+bar.update(1)
+write_above(bar, "  [step 1] reward=1.00 'x'")
+bar.update(2)
+bar.close()
+"""
+
+
+def test_a_line_written_above_the_bar_lands_whole_and_in_order_when_both_streams_share_a_file():
+    """stdout piped to a file is block-buffered and the bar writes to stderr unbuffered: the
+    line must reach the file before the bar is redrawn, on a line of its own."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # as a user's shell
+    out = subprocess.run(
+        [sys.executable, "-c", WRITER], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, check=True
+    ).stdout.decode()
+    pieces = [p.strip() for p in re.split(r"[\r\n]", out) if p.strip()]
+    line = pieces.index("[step 1] reward=1.00 'x'")  # whole: neither bar text nor spaces inside
+    # the bar at 1/3 is drawn after the line (tqdm redraws it on leaving external_write_mode)
+    assert [i for i, p in enumerate(pieces) if "3/3" in p or "1/3" in p][0] == line + 1
