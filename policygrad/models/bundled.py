@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from policygrad.quiet import is_quiet
+
 logger = logging.getLogger(__name__)
 
 BUNDLED_PREFIX = "bundled:"
@@ -147,12 +149,10 @@ def _conversion_bar_hidden() -> Iterator[None]:
     transformers draws it with a bare ``tqdm`` that none of its settings turns off, so the module's
     ``tqdm`` is given ``disable=True`` for the duration and restored after, error or not.
     """
-    from policygrad.quiet import is_quiet
-
     if not is_quiet():
         yield
         return
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils  # heavy: only to convert
 
     bar = gguf_utils.tqdm
     gguf_utils.tqdm = functools.partial(bar, disable=True)
