@@ -11,9 +11,17 @@ bundled model on the built-in arithmetic task, where the learning comparisons of
   and scheduler trl's Trainer builds (``create_optimizer_and_scheduler``) and its clip
   (``Trainer._clip_grad_norm``); the weights of both are compared after every step (the L2 norm
   of their difference and its largest entry: 0 when the two are the same computation).
+- ``batch``: per seed, policygrad's first update of the default job on the bundled model
+  (``rollout.engine=hf``, float32, clipping off, the aggregation of ``--pg-override
+  loss.agg_mode=...``) and TRL's ``_compute_loss`` gradient on the same Experience and weights
+  (with the ``loss_type`` of the same objective; the helper of
+  tests/trainer/test_same_batch_as_trl.py, which checks this on the tiny model): the gap against
+  TRL's norm, the cosine, and the share of weights whose gradients have the same sign where either
+  exceeds AdamW's eps (a first AdamW step moves those by about ``lr * sign(g)``).
 - ``sampler``: the start model, the task's first ``--prompts`` train prompts x ``--group``
   samples x ``--reps`` repetitions, sampled by policygrad's hf engine with per-prompt seeds (the
-  default ``rollout.per_prompt_seeds``: Gumbel-max draws) and by transformers' ``generate`` with
+  default ``rollout.per_prompt_seeds``: Gumbel-max draws; ``--engine vllm``: the default job's
+  float32 vLLM engine, the same seeds as vLLM request seeds) and by transformers' ``generate`` with
   ``do_sample=True, top_k=0, top_p=1.0`` (what TRL passes), temperature 1; correct samples and
   groups with a signal under ``answer_correctness``, and the two-proportion z of the hit rates.
 - ``steps``: per seed, ``policygrad train --steps K`` and TRL's GRPOTrainer for K steps (the
@@ -26,6 +34,7 @@ bundled model on the built-in arithmetic task, where the learning comparisons of
 Usage::
 
     python benchmarks/trl_parity.py replay --seed 3 --steps 12
+    python benchmarks/trl_parity.py batch --task medium --seeds 3 [--pg-override loss.agg_mode=token-mean]
     python benchmarks/trl_parity.py sampler --prompts 48 --group 8 --reps 4
     python benchmarks/trl_parity.py steps --steps 12 --seeds 6 [--pg-override loss.agg_mode=token-mean]
 
@@ -194,6 +203,120 @@ def replay_report(result: dict[str, Any]) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# batch
+
+# policygrad's aggregation -> the TRL loss_type that computes the same objective
+# (tests/trainer/test_same_batch_as_trl.py pairs them on the tiny model)
+TRL_LOSS_TYPE = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-token-sum-norm": "dr_grpo"}
+ADAM_EPS = 1e-8  # AdamW's eps in both libraries: a first step moves a weight by ~lr where |g| >> eps
+
+
+def first_update(trainer) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, Any]:
+    """Run ``trainer``'s first step; returns its metrics, the policy's gradients and weights at
+    its (single) optimizer step (None when it took none) and the step's Experience."""
+    grads, weights, captured = [], [], {}
+    real_step, real_update = trainer.optimizer.step, trainer.update
+
+    def step(*a, **kw):
+        params = dict(trainer.policy.named_parameters())
+        grads.append({n: p.grad.detach().clone() for n, p in params.items()})
+        weights.append({n: p.detach().clone() for n, p in params.items()})
+        return real_step(*a, **kw)
+
+    def update(exp):
+        captured["exp"] = exp
+        return real_update(exp)
+
+    trainer.optimizer.step, trainer.update = step, update
+    metrics = trainer.step()
+    if len(grads) > 1:
+        raise RuntimeError(f"expected at most one optimizer step, saw {len(grads)}")
+    return metrics, grads[0] if grads else None, weights[0] if weights else None, captured.get("exp")
+
+
+def compare_gradients(ours: dict[str, Any], theirs: dict[str, Any], eps: float = ADAM_EPS) -> dict[str, Any]:
+    """Two gradients (parameter name -> tensor, the same names and shapes) compared in float64:
+    their norms, ``||ours - theirs|| / ||theirs||``, the cosine, the number of entries where either
+    exceeds ``eps`` in magnitude, and the share of those where the signs agree."""
+    if set(ours) != set(theirs):
+        raise ValueError(f"the gradients name different parameters: {sorted(set(ours) ^ set(theirs))[:5]}")
+    sq_ours = sq_theirs = sq_gap = dot = 0.0
+    above = same = 0
+    for name, g in theirs.items():
+        a, b = ours[name].double(), g.double()
+        sq_ours += float(a.pow(2).sum())
+        sq_theirs += float(b.pow(2).sum())
+        sq_gap += float((a - b).pow(2).sum())
+        dot += float((a * b).sum())
+        big = (a.abs() > eps) | (b.abs() > eps)
+        above += int(big.sum())
+        same += int((big & (a.sign() == b.sign())).sum())
+    n_ours, n_theirs = math.sqrt(sq_ours), math.sqrt(sq_theirs)
+    return {
+        "policygrad_norm": n_ours,
+        "trl_norm": n_theirs,
+        "relative_gap": math.sqrt(sq_gap) / n_theirs,
+        "cosine": dot / (n_ours * n_theirs),
+        "weights_above_eps": above,
+        "same_sign_share": same / above if above else float("nan"),
+    }
+
+
+def batch(args) -> dict[str, Any]:
+    """Per seed: policygrad's first update of the default job on the bundled model (hf engine,
+    float32, gradient clipping off) and TRL's ``_compute_loss`` gradient on the same Experience
+    and weights; the gap relative to TRL's norm, the cosine, and the share of weights whose
+    gradient has the same sign (where either exceeds AdamW's eps: AdamW's first step is about
+    ``lr * sign(g)`` there, so a flipped sign is a weight moved the other way)."""
+    from policygrad.config.train import load_config
+    from policygrad.trainer.factory import build_trainer, prepare_config
+
+    sys.path.insert(0, str(REPO_ROOT))
+    # the tiny-model test's own TRL side, so the benchmark and the test compare one computation
+    from tests.trainer.test_same_batch_as_trl import trl_gradient
+
+    rows = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        scratch = Path(tempfile.mkdtemp(prefix="pg-bench-trl-parity-"))
+        overrides = policygrad_overrides(args, seed, 1, str(scratch / "run"))
+        overrides += ["--optim.max_grad_norm=1e9", "--model.precision=fp32"]
+        cfg, rewards = prepare_config(load_config(str(CONFIG), overrides=overrides))
+        agg = cfg.agg_mode
+        if agg not in TRL_LOSS_TYPE:
+            raise SystemExit(
+                f"error: loss.agg_mode={agg} has no TRL loss_type; use one of {sorted(TRL_LOSS_TYPE)}"
+            )
+        trainer = build_trainer(cfg, reward_objects=rewards)
+        try:
+            metrics, ours, weights, exp = first_update(trainer)
+            row: dict[str, Any] = {"seed": seed, "agg_mode": agg, "reward_mean": metrics.get("reward/mean")}
+            if ours is None or not any(bool(g.any()) for g in ours.values()):
+                row["note"] = "no group with a signal in the first step: nothing to compare"
+            else:
+                theirs = trl_gradient(trainer, exp, weights, loss_type=TRL_LOSS_TYPE[agg])
+                row.update(compare_gradients(ours, theirs))
+            rows.append(row)
+            say(json.dumps(row))
+        finally:
+            trainer.close()
+    return {"rows": rows}
+
+
+def batch_report(result: dict[str, Any]) -> str:
+    lines = []
+    for r in result["rows"]:
+        if "relative_gap" not in r:
+            lines.append(f"seed {r['seed']}: {r['note']}")
+            continue
+        lines.append(
+            f"seed {r['seed']} ({r['agg_mode']}): gradient norm {r['policygrad_norm']:.5g} vs TRL "
+            f"{r['trl_norm']:.5g}, gap {r['relative_gap']:.2e} of TRL's norm, cosine {r['cosine']:.8f}, "
+            f"same sign at {100 * r['same_sign_share']:.4f} % of {r['weights_above_eps']} weights"
+        )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
 # sampler
 
 
@@ -218,7 +341,23 @@ def sampler(args) -> dict[str, Any]:
     n, g, new = args.prompts, args.group, cfg.rollout.max_new_tokens
     rows = [source.train_row(i) for i in range(n)]
     prompts = [tok(format_prompt(tok, r["prompt"]), add_special_tokens=False)["input_ids"] for r in rows]
-    engine = HFRolloutEngine(model, tok)
+    if args.engine == "vllm":
+        from policygrad.models.loading import eos_token_ids
+        from policygrad.rollout.vllm import VLLMRolloutEngine
+
+        # the default job's sampler: float32 weights, the per-prompt seeds as vLLM request seeds
+        engine = VLLMRolloutEngine(
+            path,
+            tok,
+            eos_token_ids(tok, model),
+            dtype="float32",
+            seed=args.seed,
+            max_model_len=cfg.data.max_prompt_length + new,
+            kv_cache_gb=cfg.rollout.vllm_kv_cache_gb,
+            cpu_threads=args.threads,
+        )
+    else:
+        engine = HFRolloutEngine(model, tok)
 
     def score(texts):
         keys = [(r["prompt"], r["answer"]) for r in rows for _ in range(g)]
@@ -270,6 +409,8 @@ def sampler(args) -> dict[str, Any]:
             f"repetition {rep + 1}/{args.reps}: "
             + ", ".join(f"{k} {int(v[-1].sum())}" for k, v in scores.items())
         )
+    if args.engine == "vllm":
+        engine.close()
     sides = {}
     for name, parts in scores.items():
         s = torch.cat(parts, dim=0)  # [reps * n, g]
@@ -286,6 +427,7 @@ def sampler(args) -> dict[str, Any]:
     z = (b["correct"] / b["samples"] - a["correct"] / a["samples"]) / se if se > 0 else 0.0
     return {
         "settings": {
+            "engine": args.engine,
             "prompts": n,
             "group": g,
             "reps": args.reps,
@@ -299,10 +441,11 @@ def sampler(args) -> dict[str, Any]:
 
 
 def sampler_report(result: dict[str, Any]) -> str:
-    s = result["sides"]
+    s, engine = result["sides"], result["settings"].get("engine", "hf")
     return (
         "; ".join(
-            f"{k}: {v['correct']}/{v['samples']} correct, "
+            f"{k}{f' ({engine} engine)' if k == 'policygrad' else ''}: "
+            f"{v['correct']}/{v['samples']} correct, "
             f"groups with a signal {v['groups_with_signal']:.3f}, "
             f"mean length {v['mean_length']:.2f} tokens, truncated {v['truncated_share']:.3f}"
             for k, v in s.items()
@@ -500,7 +643,7 @@ def steps_report(result: dict[str, Any]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=("replay", "sampler", "steps", "trl-worker"))
+    parser.add_argument("mode", choices=("replay", "batch", "sampler", "steps", "trl-worker"))
     parser.add_argument("--task", default="hard", help="builtin:arithmetic difficulty (default hard)")
     parser.add_argument("--seed", type=int, default=0, help="run seed (steps: the first of --seeds)")
     parser.add_argument("--steps", type=int, default=12, help="training steps (replay, steps; default 12)")
@@ -510,6 +653,12 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=48, help="sampler: train prompts (default 48)")
     parser.add_argument("--group", type=int, default=8, help="sampler: samples per prompt (default 8)")
     parser.add_argument("--reps", type=int, default=4, help="sampler: repetitions (default 4)")
+    parser.add_argument(
+        "--engine",
+        choices=("hf", "vllm"),
+        default="hf",
+        help="sampler: policygrad's engine (default hf; vllm: the default job's, float32)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1)")
     parser.add_argument(
         "--pg-override",
@@ -528,9 +677,11 @@ def main() -> int:
         parser.error("--steps, --seeds, --eval-size, --prompts, --group, --reps and --threads must be >= 1")
     set_threads(args.threads)
     machine = machine_description()
-    run, report = {"replay": (replay, replay_report), "sampler": (sampler, sampler_report)}.get(
-        args.mode, (steps, steps_report)
-    )
+    run, report = {
+        "replay": (replay, replay_report),
+        "batch": (batch, batch_report),
+        "sampler": (sampler, sampler_report),
+    }.get(args.mode, (steps, steps_report))
     start = time.perf_counter()
     result = {
         "benchmark": f"trl_parity {args.mode}",

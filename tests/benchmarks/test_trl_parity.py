@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.unit
 
@@ -56,3 +57,27 @@ def test_the_null_counts_are_the_enumerated_ones_and_many_seeds_stay_cheap(parit
     assert parity.rank_sum(high, low) == (144.0, pytest.approx(1 / 200_001, rel=1e-12))
     shift, lo, hi, coverage = parity.hodges_lehmann(high, low)
     assert shift == 100.0 and lo < shift < hi and 0.95 <= coverage < 1.0
+
+
+def test_compare_gradients_by_hand(parity):
+    # ours a = [1, -2, 1e-9], b = [[3]]; theirs a = [1, 2, -1e-9], b = [[3]]:
+    # ||ours||^2 = ||theirs||^2 = 1 + 4 + 1e-18 + 9 = 14 + 1e-18; the gap is 4 on a[1] and 2e-9 on
+    # a[2]: ||gap||^2 = 16 + 4e-18; dot = 1 - 4 - 1e-18 + 9 = 6 - 1e-18. Entries above eps = 1e-8 on
+    # either side: a[0], a[1], b[0, 0] (a[2] is below it on both), signs agree on a[0] and b: 2 of 3.
+    ours = {"a": torch.tensor([1.0, -2.0, 1e-9]), "b": torch.tensor([[3.0]])}
+    theirs = {"a": torch.tensor([1.0, 2.0, -1e-9]), "b": torch.tensor([[3.0]])}
+    got = parity.compare_gradients(ours, theirs)
+    assert got["policygrad_norm"] == pytest.approx(14**0.5, rel=1e-12)
+    assert got["trl_norm"] == pytest.approx(14**0.5, rel=1e-12)
+    assert got["relative_gap"] == pytest.approx(4 / 14**0.5, rel=1e-12)
+    assert got["cosine"] == pytest.approx(6 / 14, rel=1e-12)
+    assert got["weights_above_eps"] == 3
+    assert got["same_sign_share"] == pytest.approx(2 / 3, rel=1e-15)
+    # with eps below 1e-9 the opposite signs of a[2] count too: 2 of 4
+    assert parity.compare_gradients(ours, theirs, eps=1e-10)["same_sign_share"] == 0.5
+    # a gradient compared with itself: no gap, cosine 1, every sign the same
+    same = parity.compare_gradients(theirs, theirs)
+    assert same["relative_gap"] == 0.0 and same["cosine"] == pytest.approx(1.0, rel=1e-15)
+    assert same["same_sign_share"] == 1.0
+    with pytest.raises(ValueError, match="different parameters"):
+        parity.compare_gradients({"a": ours["a"]}, theirs)
