@@ -1,4 +1,4 @@
-"""benchmarks/trl_parity.py: the two statistics its ``steps`` report rests on."""
+"""benchmarks/trl_parity.py: the statistics its ``steps`` and ``batch`` reports rest on."""
 
 from __future__ import annotations
 
