@@ -211,33 +211,13 @@ TRL_LOSS_TYPE = {"seq-mean-token-mean": "grpo", "token-mean": "dapo", "seq-mean-
 ADAM_EPS = 1e-8  # AdamW's eps in both libraries: a first step moves a weight by ~lr where |g| >> eps
 
 
-def first_update(trainer) -> tuple[dict[str, Any], dict[str, Any] | None, dict[str, Any] | None, Any]:
-    """Run ``trainer``'s first step; returns its metrics, the policy's gradients and weights at
-    its (single) optimizer step (None when it took none) and the step's Experience."""
-    grads, weights, captured = [], [], {}
-    real_step, real_update = trainer.optimizer.step, trainer.update
-
-    def step(*a, **kw):
-        params = dict(trainer.policy.named_parameters())
-        grads.append({n: p.grad.detach().clone() for n, p in params.items()})
-        weights.append({n: p.detach().clone() for n, p in params.items()})
-        return real_step(*a, **kw)
-
-    def update(exp):
-        captured["exp"] = exp
-        return real_update(exp)
-
-    trainer.optimizer.step, trainer.update = step, update
-    metrics = trainer.step()
-    if len(grads) > 1:
-        raise RuntimeError(f"expected at most one optimizer step, saw {len(grads)}")
-    return metrics, grads[0] if grads else None, weights[0] if weights else None, captured.get("exp")
-
-
 def compare_gradients(ours: dict[str, Any], theirs: dict[str, Any], eps: float = ADAM_EPS) -> dict[str, Any]:
     """Two gradients (parameter name -> tensor, the same names and shapes) compared in float64:
     their norms, ``||ours - theirs|| / ||theirs||``, the cosine, the number of entries where either
-    exceeds ``eps`` in magnitude, and the share of those where the signs agree."""
+    exceeds ``eps`` in magnitude, and the share of those where the signs agree (NaN when none does).
+
+    Raises:
+        ValueError: the two name different parameters."""
     if set(ours) != set(theirs):
         raise ValueError(f"the gradients name different parameters: {sorted(set(ours) ^ set(theirs))[:5]}")
     sq_ours = sq_theirs = sq_gap = dot = 0.0
@@ -272,13 +252,14 @@ def batch(args) -> dict[str, Any]:
     from policygrad.trainer.factory import build_trainer, prepare_config
 
     sys.path.insert(0, str(REPO_ROOT))
-    # the tiny-model test's own TRL side, so the benchmark and the test compare one computation
-    from tests.trainer.test_same_batch_as_trl import trl_gradient
+    # the tiny-model test's own capture and TRL side, so the benchmark and the test compare one
+    # computation
+    from tests.trainer.test_same_batch_as_trl import captured_step, trl_gradient
 
     rows = []
     for seed in range(args.seed, args.seed + args.seeds):
-        scratch = Path(tempfile.mkdtemp(prefix="pg-bench-trl-parity-"))
-        overrides = policygrad_overrides(args, seed, 1, str(scratch / "run"))
+        scratch = tempfile.TemporaryDirectory(prefix="pg-bench-trl-parity-")
+        overrides = policygrad_overrides(args, seed, 1, str(Path(scratch.name) / "run"))
         overrides += ["--optim.max_grad_norm=1e9", "--model.precision=fp32"]
         cfg, rewards = prepare_config(load_config(str(CONFIG), overrides=overrides))
         agg = cfg.agg_mode
@@ -288,17 +269,20 @@ def batch(args) -> dict[str, Any]:
             )
         trainer = build_trainer(cfg, reward_objects=rewards)
         try:
-            metrics, ours, weights, exp = first_update(trainer)
+            exp, weights, grads, metrics = captured_step(trainer)
+            if len(grads) > 1:
+                raise RuntimeError(f"expected at most one optimizer step, saw {len(grads)}")
             row: dict[str, Any] = {"seed": seed, "agg_mode": agg, "reward_mean": metrics.get("reward/mean")}
-            if ours is None or not any(bool(g.any()) for g in ours.values()):
+            if not grads or not any(bool(g.any()) for g in grads[0].values()):
                 row["note"] = "no group with a signal in the first step: nothing to compare"
             else:
-                theirs = trl_gradient(trainer, exp, weights, loss_type=TRL_LOSS_TYPE[agg])
-                row.update(compare_gradients(ours, theirs))
+                theirs = trl_gradient(trainer, exp, weights[0], loss_type=TRL_LOSS_TYPE[agg])
+                row.update(compare_gradients(grads[0], theirs))
             rows.append(row)
             say(json.dumps(row))
         finally:
             trainer.close()
+            scratch.cleanup()
     return {"rows": rows}
 
 

@@ -51,13 +51,12 @@ def varied_reward(prompts, completions, **_):  # noqa: ARG001 - the reward signa
     return [float(len(c) % 3) for c in completions]
 
 
-def policygrad_update(tmp_path, tiny_model_dir, **sections):
-    """Build a trainer and run one step; returns ``(trainer, exp, weights, grads, metrics)``, where
+def captured_step(trainer):
+    """Run one step of ``trainer``; returns ``(exp, weights, grads, metrics)``, where
     ``weights[k]`` / ``grads[k]`` are the policy's tensors before optimizer step k of the update and
-    its gradients at that step (after clipping, which the configs below disable)."""
-    cfg = config_with(tmp_path, tiny_model_dir, data={"eval_size": 0, "difficulty": "easy"}, **sections)
-    cfg, rewards = prepare_config(cfg, reward_functions=[varied_reward])
-    trainer = build_trainer(cfg, reward_objects=rewards)
+    its gradients at that step (after clipping, which the configs below disable), and ``exp`` the
+    step's Experience (None when the step made none). benchmarks/trl_parity.py's ``batch`` mode
+    runs the same capture on the bundled model."""
     weights, grads, captured = [], [], {}
     real_step, real_update = trainer.optimizer.step, trainer.update
 
@@ -74,7 +73,17 @@ def policygrad_update(tmp_path, tiny_model_dir, **sections):
     trainer.optimizer.step = step
     trainer.update = update
     metrics = trainer.step()
-    return trainer, captured["exp"], weights, grads, metrics
+    return captured.get("exp"), weights, grads, metrics
+
+
+def policygrad_update(tmp_path, tiny_model_dir, **sections):
+    """Build a trainer on the tiny model and run one step (:func:`captured_step`); returns
+    ``(trainer, exp, weights, grads, metrics)``."""
+    cfg = config_with(tmp_path, tiny_model_dir, data={"eval_size": 0, "difficulty": "easy"}, **sections)
+    cfg, rewards = prepare_config(cfg, reward_functions=[varied_reward])
+    trainer = build_trainer(cfg, reward_objects=rewards)
+    exp, weights, grads, metrics = captured_step(trainer)
+    return trainer, exp, weights, grads, metrics
 
 
 def trl_gradient(trainer, exp, weights, *, loss_type, old=False, **config):
