@@ -386,3 +386,97 @@ def side_line(side: str, runs: list[dict[str, Any]]) -> str:
         f"{fmt(med('train_s'), 0)} training s, {fmt(med('outside_steps_s'), 0)} s outside the steps "
         f"(medians of {len(runs)} seed(s))"
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Joining runs made on other seeds.
+
+MERGE_FREE_SETTINGS = ("seeds", "seed_list", "targets")
+"""Settings the runs a merge joins may differ in: their seeds, and the targets (the merge's own)."""
+MERGE_MACHINE_KEYS = ("cpu_model", "cpu_flags", "logical_cores", "physical_cores", "packages")
+"""What must be the same machine for training seconds to be comparable across the runs."""
+
+
+def merge_results(parts: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One result from finished runs of the same measurement on other seeds (``(name, result)``
+    pairs, in the order given): every task's runs concatenated side by side, the seed lists joined,
+    each part's command, date, load averages and minutes kept under ``merged_from``. The
+    summaries (targets, time-to-target rows) are left for the caller to compute again.
+
+    Raises:
+        ValueError: fewer than two parts, a part that did not finish, parts whose settings, machine,
+            tasks or start accuracies differ (naming the field), or a seed in two parts.
+    """
+    if len(parts) < 2:
+        raise ValueError("a merge needs at least two results")
+    first_name, first = parts[0]
+    seen: dict[int, str] = {}
+    for name, part in parts:
+        _check_same_measurement(name, part, first_name, first)
+        for seed in part["settings"]["seed_list"]:
+            if seed in seen:
+                raise ValueError(f"{name}: seed {seed} is in {seen[seed]} too")
+            seen[seed] = name
+    merged = {
+        "benchmark": first["benchmark"],
+        "machine": dict(first["machine"]),
+        "settings": dict(first["settings"], seed_list=list(seen), seeds=len(seen)),
+        "complete": True,
+        "merged_from": [
+            {
+                "name": name,
+                "command": part["command"],
+                "date": part["date"],
+                "loadavg_at_start": part["machine"].get("loadavg_at_start"),
+                "loadavg_at_end": part["machine"].get("loadavg_at_end"),
+                "wall_minutes": part.get("wall_minutes"),
+                "logs": part.get("logs"),
+            }
+            for name, part in parts
+        ],
+        "wall_minutes": sum(part.get("wall_minutes") or 0.0 for _, part in parts),
+        "tasks": {},
+    }
+    for key in ("loadavg_at_start", "loadavg_at_end"):  # a merge has one per part (above)
+        merged["machine"].pop(key, None)
+    for task, entry in first["tasks"].items():
+        runs = {side: [r for _, p in parts for r in p["tasks"][task]["runs"][side]] for side in entry["runs"]}
+        merged["tasks"][task] = {"minutes": entry["minutes"], "start": entry["start"], "runs": runs}
+    return merged
+
+
+def _check_same_measurement(name: str, part: dict[str, Any], first_name: str, first: dict[str, Any]) -> None:
+    """Raise ValueError naming the first field in which ``part`` is not ``first``'s measurement."""
+    if part.get("benchmark") != first.get("benchmark"):
+        raise ValueError(f"{name}: benchmark {part.get('benchmark')!r}, not {first.get('benchmark')!r}")
+    if not part.get("complete"):
+        raise ValueError(f"{name}: an interrupted run (complete: false); merge only finished runs")
+    for key in sorted(set(part["settings"]) | set(first["settings"])):
+        if key not in MERGE_FREE_SETTINGS and part["settings"].get(key) != first["settings"].get(key):
+            raise ValueError(
+                f"{name}: setting {key!r} is {part['settings'].get(key)!r}, "
+                f"{first_name} has {first['settings'].get(key)!r}"
+            )
+    for key in MERGE_MACHINE_KEYS:
+        if part["machine"].get(key) != first["machine"].get(key):
+            raise ValueError(f"{name}: machine {key!r} differs from {first_name}'s")
+    if list(part["tasks"]) != list(first["tasks"]):
+        raise ValueError(f"{name}: tasks {list(part['tasks'])}, {first_name} has {list(first['tasks'])}")
+    for task, entry in part["tasks"].items():
+        # the evaluator is deterministic: another start accuracy means another evaluation
+        if entry["start"]["accuracy"] != first["tasks"][task]["start"]["accuracy"]:
+            raise ValueError(f"{name}: {task}'s start accuracy differs from {first_name}'s")
+
+
+def merged_line(result: dict[str, Any]) -> str:
+    """The report's first sentence's list of the runs a merged result joins."""
+    out = []
+    for p in result["merged_from"]:
+        load = p.get("loadavg_at_start") or [math.nan]
+        end = p.get("loadavg_at_end")
+        out.append(
+            f"`{p['command']}` ({p['date']}, load average {load[0]:.2f} at the start"
+            + (f", {end[0]:.2f} at the end" if end else "")
+            + f", {fmt(p.get('wall_minutes') or math.nan, 0)} min)"
+        )
+    return "; ".join(out)

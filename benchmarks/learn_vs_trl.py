@@ -52,6 +52,11 @@ Usage::
     python benchmarks/learn_vs_trl.py                        # hard and medium, 3 seeds, 10 min per side
     python benchmarks/learn_vs_trl.py --seeds 1 --minutes 1.5 --save-every 0.5 --eval-size 20 --tasks hard
     python benchmarks/learn_vs_trl.py --update-readme
+    python benchmarks/learn_vs_trl.py --merge A.json B.json --output C.json   # seeds of two runs as one
+
+``--merge`` joins finished results of the same measurement on other seeds (same settings, machine
+and start accuracy, no seed twice; it refuses otherwise) into one, the targets and tables computed
+again over all the seeds and each run's command and load averages kept; nothing is trained.
 
 Writes ``benchmarks/results/<date>-learn-vs-trl-time-to-target.json`` (rewritten after every run,
 so an interrupted measurement keeps what it finished); the run folders (model weights) go to a
@@ -98,6 +103,8 @@ from _learning import (
     TrimCheckpoints,
     auto_targets,
     curve_table,
+    merge_results,
+    merged_line,
     parse_targets,
     parse_tasks,
     policygrad_points,
@@ -363,14 +370,20 @@ def report(result: dict[str, Any]) -> str:
     """The markdown block printed at the end and written into the README section."""
     m, s = result["machine"], result["settings"]
     load = m.get("loadavg_at_start") or [math.nan]
-    lines = [
-        f"Measured {result['date']} with `{result['command']}` on {machine_line(m)}; "
-        f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} per side; "
-        f"load average {load[0]:.2f} at the start"
-        + (f", {m['loadavg_at_end'][0]:.2f} at the end" if m.get("loadavg_at_end") else "")
-        + f"; {result['wall_minutes']:.0f} min in all.",
-        "",
-    ]
+    threads = f"{s['threads']} thread{'s' if s['threads'] != 1 else ''} per side"
+    if result.get("merged_from"):
+        first = (
+            f"Joined {result['date']} with `{result['command']}` from {len(result['merged_from'])} runs "
+            f"on {machine_line(m)}, {threads}: {merged_line(result)}."
+        )
+    else:
+        first = (
+            f"Measured {result['date']} with `{result['command']}` on {machine_line(m)}; {threads}; "
+            f"load average {load[0]:.2f} at the start"
+            + (f", {m['loadavg_at_end'][0]:.2f} at the end" if m.get("loadavg_at_end") else "")
+            + f"; {result['wall_minutes']:.0f} min in all."
+        )
+    lines = [first, ""]
     for task, entry in result["tasks"].items():
         if "time_to_target" not in entry:
             continue
@@ -554,6 +567,41 @@ def run(args, out: Path) -> dict[str, Any]:
     return result
 
 
+def merge(args) -> int:
+    """``--merge``: one result from finished results on other seeds (see ``merge_results``)."""
+    parts = []
+    for path in args.merge:
+        try:
+            parts.append((path.name, json.loads(path.read_text(encoding="utf-8"))))
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: --merge {path}: cannot read it as a result ({e})") from None
+    try:
+        result = merge_results(parts)
+    except ValueError as e:
+        raise SystemExit(f"error: --merge: {e}") from None
+    result["date"] = today()
+    result["command"] = " ".join(["python", "benchmarks/learn_vs_trl.py", *sys.argv[1:]])
+    targets = parse_targets(args.targets)
+    eval_size = result["settings"]["eval_size"]
+    result["settings"]["targets"] = args.targets
+    for entry in result["tasks"].values():
+        summarise_task(entry, targets, eval_size)
+    out = args.output or new_result_path(RESULTS_NAME)
+    write_json(out, result)
+    publish(args, result, f"wrote {out}")
+    return 0
+
+
+def publish(args, result: dict[str, Any], wrote: str) -> None:
+    """Print the report, say where the result went, and with --update-readme put it in the README."""
+    text = report(result)
+    print(text)
+    say(wrote)
+    if args.update_readme:
+        update_readme_section(args.readme_section, text)
+        say(f"updated the '{args.readme_section}' section of benchmarks/README.md")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -602,11 +650,21 @@ def main() -> int:
         help=f"the benchmarks/README.md section --update-readme rewrites (default {README_SECTION}; "
         "another name keeps a variant's table beside the main one)",
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="RESULT",
+        help="join finished results of the same measurement on other seeds into one (--output), "
+        "the targets and tables computed again over all the seeds; nothing is trained",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         serve_trl(json.loads(args.spec.read_text(encoding="utf-8")))
         return 0
+    if args.merge:
+        return merge(args)
     if args.minutes <= 0 or args.eval_size < 1 or args.threads < 1 or args.seeds < 1 or args.save_every <= 0:
         parser.error("--minutes and --save-every must be > 0, --eval-size, --threads and --seeds >= 1")
     if importlib.util.find_spec("trl") is None:
@@ -615,12 +673,7 @@ def main() -> int:
     out = args.output or new_result_path(RESULTS_NAME)
     result = run(args, out)
     write_json(out, result)
-    text = report(result)
-    print(text)
-    say(f"wrote {out} ({result['wall_minutes']:.1f} min); logs in {result['logs']}")
-    if args.update_readme:
-        update_readme_section(args.readme_section, text)
-        say(f"updated the '{args.readme_section}' section of benchmarks/README.md")
+    publish(args, result, f"wrote {out} ({result['wall_minutes']:.1f} min); logs in {result['logs']}")
     return 0
 
 

@@ -94,3 +94,91 @@ def test_the_summary_adds_the_held_table_and_the_report_renders_it(lvt):
             for first, kept in zip(first_rows[side]["seconds"], held_rows[side]["seconds"], strict=True):
                 # holding can only make a target later or unreached, never sooner
                 assert kept is None or (first is not None and kept >= first)
+
+
+BF16 = os.path.join(BENCH, "results", "2026-12-06-learn-vs-trl-medium-bf16.json")
+
+
+def bf16_result() -> dict:
+    with open(BF16, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def on_other_seeds(result: dict, shift: int) -> dict:
+    """The same runs as if measured on seeds ``shift`` higher."""
+    other = json.loads(json.dumps(result))
+    other["settings"]["seed_list"] = [s + shift for s in result["settings"]["seed_list"]]
+    for entry in other["tasks"].values():
+        for runs in entry["runs"].values():
+            for run in runs:
+                run["seed"] += shift
+    return other
+
+
+def test_a_merge_of_a_result_with_a_copy_of_itself_keeps_every_median_and_ratio(lvt):
+    # Each seed's time to a target appears twice: the median of [a, a, b, b, c, c] is b, the
+    # median of [a, b, c]; so every median, range and ratio is the original's and only the counts
+    # double. A merge that dropped, reordered across sides or mis-paired runs would change them.
+    result = bf16_result()
+    merged = lvt.merge_results([("a.json", result), ("b.json", on_other_seeds(result, 3))])
+    assert merged["settings"]["seed_list"] == [0, 1, 2, 3, 4, 5] and merged["settings"]["seeds"] == 6
+    assert [p["name"] for p in merged["merged_from"]] == ["a.json", "b.json"]
+    assert merged["wall_minutes"] == pytest.approx(2 * result["wall_minutes"], rel=1e-12)
+    task = merged["tasks"]["medium"]
+    assert [r["seed"] for r in task["runs"]["policygrad"]] == [0, 1, 2, 3, 4, 5]
+    assert [r["seed"] for r in task["runs"]["trl"]] == [0, 1, 2, 3, 4, 5]
+    original = result["tasks"]["medium"]
+    lvt.summarise_task(task, original["targets"], 200)
+    assert task["targets"] == original["targets"]
+    for key in ("time_to_target", "time_to_target_held"):
+        for row, before in zip(task[key], original[key], strict=True):
+            assert row["ratio"] == before["ratio"]
+            for side in ("policygrad", "trl"):
+                for field in ("median", "min", "max"):
+                    assert row[side][field] == before[side][field]
+                assert row[side]["reached"] == 2 * before[side]["reached"]
+                assert row[side]["seconds"] == before[side]["seconds"] * 2
+
+
+def test_the_merged_report_names_every_joined_run_and_all_the_seeds(lvt):
+    result = bf16_result()
+    merged = lvt.merge_results([("a.json", result), ("b.json", on_other_seeds(result, 3))])
+    merged.update(date="2026-12-06", command="python benchmarks/learn_vs_trl.py --merge a.json b.json")
+    for entry in merged["tasks"].values():
+        lvt.summarise_task(entry, None, 200)
+    text = lvt.report(merged)
+    first = text.splitlines()[0]
+    assert first.startswith(f"Joined 2026-12-06 with `{merged['command']}` from 2 runs")
+    # both parts' own commands and load averages (the saved run's: 0.22 at the start, 10.50 at the end)
+    part = f"`{result['command']}` (2026-12-06, load average 0.22 at the start, 10.50 at the end"
+    assert first.count(part) == 2
+    assert "seeds [0, 1, 2, 3, 4, 5], one side after the other" in text.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.update(complete=False), "interrupted run"),
+        (lambda r: r["settings"].update(threads=1), "setting 'threads' is 1"),
+        (lambda r: r["settings"].update(pg_precision="fp32"), "setting 'pg_precision'"),
+        (lambda r: r["machine"].update(cpu_model="Intel Xeon"), "machine 'cpu_model'"),
+        (lambda r: r["tasks"]["medium"]["start"].update(accuracy=0.24), "start accuracy"),
+        (lambda r: r["settings"].update(seed_list=[2, 3, 4]), "seed 2 is in a.json too"),
+    ],
+)
+def test_a_merge_refuses_runs_that_are_not_the_same_measurement(lvt, change, message):
+    result = bf16_result()
+    other = on_other_seeds(result, 3)
+    change(other)
+    with pytest.raises(ValueError, match=message):
+        lvt.merge_results([("a.json", result), ("b.json", other)])
+    assert result == bf16_result()  # the parts themselves are not touched
+
+
+def test_a_merge_ignores_the_parts_targets_and_needs_two_parts(lvt):
+    result = bf16_result()
+    other = on_other_seeds(result, 3)
+    other["settings"]["targets"] = "0.345,0.45"  # the merge's own --targets decide
+    assert lvt.merge_results([("a.json", result), ("b.json", other)])["settings"]["seeds"] == 6
+    with pytest.raises(ValueError, match="at least two"):
+        lvt.merge_results([("a.json", result)])
