@@ -272,9 +272,12 @@ class _LogprobsFromHidden(torch.autograd.Function):
         lse = torch.empty(n, dtype=compute_dtype, device=hidden.device)
         token_z = torch.empty(n, dtype=compute_dtype, device=hidden.device)
         entropy = torch.empty(n, dtype=compute_dtype, device=hidden.device) if want_entropy else None
+        logits_dtype = hidden.dtype
         for start in range(0, n, chunk_rows):
             stop = min(n, start + chunk_rows)
-            z = torch.nn.functional.linear(hidden[start:stop], weight, bias).to(compute_dtype)
+            z = torch.nn.functional.linear(hidden[start:stop], weight, bias)
+            logits_dtype = z.dtype  # under autocast the matmul's (bf16/fp16), not hidden's
+            z = z.to(compute_dtype)
             if temperature != 1.0:
                 z.div_(temperature)
             token_z[start:stop] = z.gather(1, tokens[start:stop, None]).squeeze(1)
@@ -297,6 +300,7 @@ class _LogprobsFromHidden(torch.autograd.Function):
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk_rows = chunk_rows
+        ctx.logits_dtype = logits_dtype
         ctx.set_materialize_grads(False)
         return logprobs, entropy
 
@@ -320,10 +324,17 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_bias = None
         if need_b:
             grad_bias = torch.zeros(weight.shape[0], dtype=compute_dtype, device=weight.device)
+        # The blocks' logits again, as the forward computed them: the backward runs outside the
+        # forward's autocast, and logits recomputed in float32 against a log-sum-exp of bf16 logits
+        # give a softmax that does not sum to 1 (0.91-1.10 on SmolLM2's logits), so the gradient
+        # would not be the forward's. A no-op without autocast.
+        ld = ctx.logits_dtype
+        weight_z = weight.to(ld)
+        bias_z = bias.to(ld) if bias is not None else None
         for start in range(0, n, ctx.chunk_rows):
             stop = min(n, start + ctx.chunk_rows)
             h = hidden[start:stop]
-            z = torch.nn.functional.linear(h, weight, bias).to(compute_dtype)
+            z = torch.nn.functional.linear(h.to(ld), weight_z, bias_z).to(compute_dtype)
             if temperature != 1.0:
                 z.div_(temperature)
             z.sub_(lse[start:stop, None])  # log p

@@ -139,3 +139,49 @@ def test_a_minus_inf_logit_gives_finite_entropy_and_gradients():
     for got, want in zip(fused, reference):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_under_bf16_autocast_the_backward_differentiates_the_forward_it_ran(with_bias):
+    # Under autocast the forward's logits come from a bf16 matmul; the backward runs outside the
+    # autocast and must recompute the same logits. Logits recomputed in float32 against the
+    # forward's log-sum-exp give a softmax summing to 1 +- |lse_bf16 - lse_fp32| (up to 0.1 at
+    # logits of +-30, SmolLM2's range), a gradient of neither function. Reference: the exact
+    # (float64) gradient of the forward's own logits z, taken from the same autocast matmul:
+    # dL/dz = g_lp (onehot - p) - g_H p (log p + H), dL/dhidden = dL/dz W, dL/dW = (dL/dz)^T hidden.
+    # The fused path computes that in float32 from bit-identical logits: relative error a few
+    # float32 ulps times the logits' size (|z| <= ~60: 60 x 6e-8 ~ 4e-6), far under 1e-4; the
+    # float32-recompute bug is off by ~1e-2.
+    torch.manual_seed(0)
+    n, h_dim, vocab, temperature = 48, 64, 1024, 0.9
+    hidden = torch.randn(n, h_dim, requires_grad=True)
+    weight = (1.5 * torch.randn(vocab, h_dim)).requires_grad_()  # logits of std ~12, as an LM's
+    bias = torch.randn(vocab, requires_grad=True) if with_bias else None
+    tokens = torch.randint(0, vocab, (n,))
+    g_lp, g_h = torch.randn(n), torch.randn(n)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, ent = logprobs_from_hidden(
+            hidden, weight, tokens, temperature=temperature, bias=bias, with_entropy=True
+        )
+        z_fwd = torch.nn.functional.linear(hidden, weight, bias)
+    assert z_fwd.dtype == torch.bfloat16 and z_fwd.abs().max() > 30
+    ((lp * g_lp).sum() + (ent * g_h).sum()).backward()
+
+    z = z_fwd.detach().to(F64).requires_grad_()
+    logp = torch.log_softmax(z / temperature, dim=-1)
+    lp_ref = logp.gather(1, tokens[:, None]).squeeze(1)
+    ent_ref = -(logp.exp() * logp).sum(-1)
+    assert torch.allclose(lp.to(F64), lp_ref, rtol=0, atol=1e-5)  # the forward is the autocast one
+    ((lp_ref * g_lp.to(F64)).sum() + (ent_ref * g_h.to(F64)).sum()).backward()
+    dz = z.grad
+    expected = {"hidden": dz @ weight.detach().to(F64), "weight": dz.t() @ hidden.detach().to(F64)}
+    got = {"hidden": hidden.grad, "weight": weight.grad}
+    if with_bias:
+        expected["bias"], got["bias"] = dz.sum(0), bias.grad
+    for name, ref in expected.items():
+        gap = float((got[name].to(F64) - ref).norm() / ref.norm())
+        assert gap < 1e-4, (name, gap)
+    # the identity behind it: a softmax's gradient sums to 0 over the vocabulary, so the weight
+    # gradient's columns (and the bias gradient) sum to 0
+    scale = float(weight.grad.abs().sum(0).max())
+    assert float(weight.grad.to(F64).sum(0).abs().max()) < 1e-4 * scale
