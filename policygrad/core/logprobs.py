@@ -324,29 +324,30 @@ class _LogprobsFromHidden(torch.autograd.Function):
         grad_bias = None
         if need_b:
             grad_bias = torch.zeros(weight.shape[0], dtype=compute_dtype, device=weight.device)
-        # The blocks' logits again, as the forward computed them: the backward runs outside the
-        # forward's autocast, and logits recomputed in float32 against a log-sum-exp of bf16 logits
-        # give a softmax that does not sum to 1 (0.91-1.10 on SmolLM2's logits), so the gradient
-        # would not be the forward's. A no-op without autocast.
+        # The blocks' logits again, as the forward computed them, whatever autocast the backward
+        # is called under (the trainer's runs outside the forward's): logits recomputed in another
+        # dtype than the forward's log-sum-exp came from give a softmax that does not sum to 1
+        # (0.91-1.10 for float32 against bf16 on SmolLM2's logits), the gradient of neither.
         ld = ctx.logits_dtype
         weight_z = weight.to(ld)
         bias_z = bias.to(ld) if bias is not None else None
-        for start in range(0, n, ctx.chunk_rows):
-            stop = min(n, start + ctx.chunk_rows)
-            h = hidden[start:stop]
-            z = torch.nn.functional.linear(h.to(ld), weight_z, bias_z).to(compute_dtype)
-            if temperature != 1.0:
-                z.div_(temperature)
-            z.sub_(lse[start:stop, None])  # log p
-            d = _block_logits_grad(z, tokens, g_lp, g_h, entropy, start, stop, temperature)
-            if need_b:
-                grad_bias += d.sum(dim=0)
-            d = d.to(hidden.dtype)
-            if need_h:
-                torch.mm(d, weight, out=grad_hidden[start:stop])
-            if need_w:
-                grad_weight.addmm_(d.t().to(compute_dtype), h.to(compute_dtype))
-            del d, z
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, n, ctx.chunk_rows):
+                stop = min(n, start + ctx.chunk_rows)
+                h = hidden[start:stop]
+                z = torch.nn.functional.linear(h.to(ld), weight_z, bias_z).to(compute_dtype)
+                if temperature != 1.0:
+                    z.div_(temperature)
+                z.sub_(lse[start:stop, None])  # log p
+                d = _block_logits_grad(z, tokens, g_lp, g_h, entropy, start, stop, temperature)
+                if need_b:
+                    grad_bias += d.sum(dim=0)
+                d = d.to(hidden.dtype)
+                if need_h:
+                    torch.mm(d, weight, out=grad_hidden[start:stop])
+                if need_w:
+                    grad_weight.addmm_(d.t().to(compute_dtype), h.to(compute_dtype))
+                del d, z
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
         if need_b:
@@ -371,13 +372,16 @@ def logprobs_from_hidden(
     at a time; each block gives ``logprob = z[tok] - logsumexp(z)`` and, with ``with_entropy``,
     ``H = -sum_v p_v log p_v`` of the full tempered distribution, then is freed. Only
     ``hidden``, the per-row log-sum-exp and entropy are saved; the backward recomputes each
-    block's logits (one extra output-layer matmul) and applies
+    block's logits (one extra output-layer matmul, in the dtype the forward's matmul ran in: under
+    bf16/fp16 autocast the backward, which runs outside it, casts ``hidden`` and ``weight`` as the
+    autocast did, so it differentiates the forward's logits) and applies
     ``dL/dz = g_lp (onehot - p) - g_H p (log p + H)`` (the log-prob at the sampling temperature and
     the entropy bonus c2 H of Schulman et al. 2017, eq. 9), then ``dL/dhidden = dL/dz W / T`` and
     ``dL/dW = (dL/dz)^T hidden / T``. The result equals
     ``logprobs_from_logits(lm_head(hidden), tokens, temperature)`` and
     ``entropy_from_logits(...)`` up to float rounding (tested in float64), with no [N, V] tensor
-    alive: the largest temporary is one block (32 MiB of float32 by default). Blocks of logits
+    alive: the largest temporary is one block (32 MiB of float32 by default), and under autocast
+    the backward's low-precision copy of ``weight`` (as the autocast forward held). Blocks of logits
     computed in a bf16/fp16 model's dtype are upcast to float32 before the softmax, as in
     :func:`logprobs_from_logits`. Top-k / top-p truncation is not supported here (use
     :func:`logprobs_from_logits` on the logits).
