@@ -372,9 +372,10 @@ def logprobs_from_hidden(
     at a time; each block gives ``logprob = z[tok] - logsumexp(z)`` and, with ``with_entropy``,
     ``H = -sum_v p_v log p_v`` of the full tempered distribution, then is freed. Only
     ``hidden``, the per-row log-sum-exp and entropy are saved; the backward recomputes each
-    block's logits (one extra output-layer matmul, in the dtype the forward's matmul ran in: under
-    bf16/fp16 autocast the backward, which runs outside it, casts ``hidden`` and ``weight`` as the
-    autocast did, so it differentiates the forward's logits) and applies
+    block's logits (one extra output-layer matmul, in the dtype the forward's matmul ran in, with
+    autocast off: after a bf16/fp16 autocast forward it casts ``hidden`` and ``weight`` as the
+    autocast did, whatever autocast ``backward()`` is called under, so it differentiates the
+    forward's logits) and applies
     ``dL/dz = g_lp (onehot - p) - g_H p (log p + H)`` (the log-prob at the sampling temperature and
     the entropy bonus c2 H of Schulman et al. 2017, eq. 9), then ``dL/dhidden = dL/dz W / T`` and
     ``dL/dW = (dL/dz)^T hidden / T``. The result equals
