@@ -39,6 +39,11 @@ Levers:
   (warm-up) step pays the compilation; the measured steps run the compiled code. A benchmark
   patch, not an option: measured 6x slower on this path (transformers' KV cache recompiles every
   layer; see benchmarks/README.md).
+- ``head_matmuls``: under bf16-mixed, the fused LM head's backward with its two gradient
+  matmuls in bf16, as autocast runs an unfused linear's (policygrad's default) against float32
+  (the code until 2026-12-06). A benchmark patch: the float32 variant upcasts the bf16 block and
+  weight copies the default passes (the weight once per backward), a little more casting than the
+  old code did.
 - ``vllm_compile``: the vLLM sampler as policygrad builds it (``enforce_eager=True``) against
   vLLM's own ``torch.compile`` of the model (``enforce_eager=False``): a slower start (the load
   time is reported) for a possibly faster decode. A benchmark patch, not an option.
@@ -98,9 +103,45 @@ def command_allocator() -> str | None:
     return plan_preload(os.environ, sys.platform)
 
 
+_BF16 = "model.precision=bf16-mixed"
+# levers whose variants do not depend on the machine; the first variant is without the change
+_FIXED_VARIANTS: dict[str, list[dict[str, Any]]] = {
+    "precision": [
+        {"label": "fp32", "overrides": ["model.precision=fp32"]},
+        {"label": "bf16-mixed", "overrides": [_BF16]},
+    ],
+    "rollout_dtype": [
+        {"label": "vLLM float32", "overrides": [_BF16, "rollout.dtype=float32"]},
+        {"label": "vLLM bfloat16", "overrides": [_BF16, "rollout.dtype=bfloat16"]},
+    ],
+    "lean_mlp": [{"label": "lean SwiGLU/RMSNorm"}, {"label": "plain autograd layers", "patch": "plain_mlp"}],
+    "checkpointing": [
+        {"label": "gradient checkpointing off", "overrides": ["model.gradient_checkpointing=false"]},
+        {"label": "gradient checkpointing on", "overrides": ["model.gradient_checkpointing=true"]},
+    ],
+    # sequences per training forward: fewer, larger matmuls against more activation memory
+    "micro_batch": [
+        {"label": f"micro-batch {n}", "overrides": [f"optim.micro_batch_size={n}"]} for n in (4, 8, 16)
+    ],
+    "compile": [{"label": "eager"}, {"label": "decoder layers compiled", "patch": "compile_layers"}],
+    "head_matmuls": [
+        {"label": "head gradient matmuls bf16", "overrides": [_BF16]},
+        {"label": "head gradient matmuls float32", "overrides": [_BF16], "patch": "float32_head_matmuls"},
+    ],
+    "vllm_compile": [{"label": "vLLM eager"}, {"label": "vLLM compiled", "patch": "vllm_compiled"}],
+    "binding": [
+        {"label": "vLLM threads bound"},
+        {"label": "vLLM threads unbound", "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
+        {"label": "vLLM and torch bound", "env": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}},
+    ],
+}
+
+
 def variants(lever: str) -> list[dict[str, Any]]:
     """The variants of one lever, the first without the lever's change: label, config
     overrides, environment, and a patch the worker applies before it builds the trainer."""
+    if lever in _FIXED_VARIANTS:
+        return [dict(v) for v in _FIXED_VARIANTS[lever]]
     if lever == "allocator":
         out = [
             {"label": "glibc malloc", "env": {"LD_PRELOAD": ""}},
@@ -115,39 +156,6 @@ def variants(lever: str) -> list[dict[str, Any]]:
             else:
                 out.append({"label": label, "env": {"LD_PRELOAD": path}})
         return out
-    if lever == "precision":
-        return [
-            {"label": "fp32", "overrides": ["model.precision=fp32"]},
-            {"label": "bf16-mixed", "overrides": ["model.precision=bf16-mixed"]},
-        ]
-    if lever == "rollout_dtype":
-        bf16 = "model.precision=bf16-mixed"
-        return [
-            {"label": "vLLM float32", "overrides": [bf16, "rollout.dtype=float32"]},
-            {"label": "vLLM bfloat16", "overrides": [bf16, "rollout.dtype=bfloat16"]},
-        ]
-    if lever == "lean_mlp":
-        return [{"label": "lean SwiGLU/RMSNorm"}, {"label": "plain autograd layers", "patch": "plain_mlp"}]
-    if lever == "checkpointing":
-        return [
-            {"label": "gradient checkpointing off", "overrides": ["model.gradient_checkpointing=false"]},
-            {"label": "gradient checkpointing on", "overrides": ["model.gradient_checkpointing=true"]},
-        ]
-    if lever == "micro_batch":
-        # sequences per training forward: fewer, larger matmuls against more activation memory
-        return [
-            {"label": f"micro-batch {n}", "overrides": [f"optim.micro_batch_size={n}"]} for n in (4, 8, 16)
-        ]
-    if lever == "compile":
-        return [{"label": "eager"}, {"label": "decoder layers compiled", "patch": "compile_layers"}]
-    if lever == "vllm_compile":
-        return [{"label": "vLLM eager"}, {"label": "vLLM compiled", "patch": "vllm_compiled"}]
-    if lever == "binding":
-        return [
-            {"label": "vLLM threads bound"},
-            {"label": "vLLM threads unbound", "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
-            {"label": "vLLM and torch bound", "env": {"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}},
-        ]
     raise ValueError(f"unknown lever {lever!r}")
 
 
@@ -159,6 +167,7 @@ LEVERS = (
     "checkpointing",
     "micro_batch",
     "compile",
+    "head_matmuls",
     "vllm_compile",
     "binding",
 )
@@ -166,7 +175,13 @@ LEVERS = (
 
 def serve(spec: dict[str, Any]) -> None:
     """Worker: apply the variant's patch, then serve policygrad steps."""
-    if spec.get("patch") == "mallopt":
+    apply_patch(spec.get("patch"))
+    serve_policygrad(spec)
+
+
+def apply_patch(patch: str | None) -> None:
+    """Change this process as a variant asks, before anything is built (None: nothing)."""
+    if patch == "mallopt":
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
@@ -174,11 +189,11 @@ def serve(spec: dict[str, Any]) -> None:
         # page-fault on first touch); M_TRIM_THRESHOLD (-1): freed heap memory is kept for reuse.
         libc.mallopt(-3, 1 << 30)
         libc.mallopt(-1, (1 << 31) - 1)
-    if spec.get("patch") == "plain_mlp":
+    if patch == "plain_mlp":
         import policygrad.trainer.models as models
 
         models.use_memory_efficient_mlp = lambda _model: 0
-    if spec.get("patch") == "compile_layers":
+    if patch == "compile_layers":
         import torch._dynamo
 
         import policygrad.trainer.models as models
@@ -199,7 +214,19 @@ def serve(spec: dict[str, Any]) -> None:
             return replaced
 
         models.use_memory_efficient_mlp = lean_then_compile
-    if spec.get("patch") == "vllm_compiled":
+    if patch == "float32_head_matmuls":
+        import policygrad.core.logprobs as logprobs
+
+        in_block_dtype = logprobs._block_matmul_grads
+        upcast: dict[str, Any] = {}
+
+        def float32_matmuls(d, h, weight, grad_hidden_rows, grad_weight):
+            if upcast.get("of") is not weight:  # one float32 copy per backward, as the old code held
+                upcast.update({"of": weight, "float32": weight.float()})
+            in_block_dtype(d.float(), h.float(), upcast["float32"], grad_hidden_rows, grad_weight)
+
+        logprobs._block_matmul_grads = float32_matmuls
+    if patch == "vllm_compiled":
         import vllm
 
         eager_llm = vllm.LLM
@@ -212,7 +239,6 @@ def serve(spec: dict[str, Any]) -> None:
                 super().__init__(*args, **kwargs)
 
         vllm.LLM = CompiledLLM  # the engine looks the class up on the module when it starts
-    serve_policygrad(spec)
 
 
 def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:

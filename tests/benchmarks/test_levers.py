@@ -44,3 +44,40 @@ def test_the_table_has_the_samplers_gap_over_the_measured_steps_and_the_load(lev
         for st in v["steps"]:
             st["metrics"] = {}
     assert "sampler - trainer" not in levers.lever_table(run)
+
+
+def test_the_float32_head_patch_gives_the_float32_matmul_gradient(levers, monkeypatch):
+    # The head_matmuls lever's second variant times the backward before its matmuls ran in bf16:
+    # the patch multiplies the default's bf16 operands (the forward's logits' gradient dz rounded
+    # to bf16, the bf16 weight and hidden copies) in float32, so its products are exact up to
+    # float32 rounding (a few ulps times the sums' sizes), and to the few elements of dz that
+    # float32 may round to the other bf16 neighbour than float64 does (each moves one term by
+    # 2^-8): under 2e-4 relative. The default's bf16 matmuls round each product once more (~1e-3).
+    import torch
+
+    import policygrad.core.logprobs as logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(40, 32, requires_grad=True)
+    weight = (1.5 * torch.randn(300, 32)).requires_grad_()
+    tokens = torch.randint(0, 300, (40,))
+
+    def grads():
+        hidden.grad = weight.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            lp, _ = logprobs.logprobs_from_hidden(hidden, weight, tokens, chunk_size=16)
+        lp.sum().backward()
+        return hidden.grad.double(), weight.grad.double()
+
+    bf16_default = grads()
+    monkeypatch.setattr(logprobs, "_block_matmul_grads", logprobs._block_matmul_grads)  # restored after
+    levers.apply_patch("float32_head_matmuls")
+    patched = grads()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        z = torch.nn.functional.linear(hidden, weight).detach().double().requires_grad_()
+    torch.log_softmax(z, -1).gather(1, tokens[:, None]).sum().backward()
+    dz = z.grad.bfloat16().double()
+    refs = (dz @ weight.detach().bfloat16().double(), dz.t() @ hidden.detach().bfloat16().double())
+    for got, default, ref in zip(patched, bf16_default, refs):
+        assert float((got - ref).norm() / ref.norm()) < 2e-4  # measured 5e-8
+        assert float((default - ref).norm() / ref.norm()) > 5e-4  # measured 1.4e-3
