@@ -265,8 +265,8 @@ def _block_logits_grad(z, tokens, g_lp, g_h, entropy, start: int, stop: int, tem
 def _block_matmul_grads(d, h, weight, grad_hidden_rows, grad_weight) -> None:
     """One block's ``grad_hidden_rows = d @ weight`` and ``grad_weight += d^T h`` (either may be
     None), the matmuls in ``d``'s dtype, the forward's. Under autocast that is bf16/fp16, as
-    autocast runs an unfused linear's backward: in float32 they took 2x a bf16 matmul's time on a
-    bf16-capable CPU (the LM head's backward 0.92 s for 1024 rows of SmolLM2 instead of 0.65 s)."""
+    autocast runs an unfused linear's backward: in float32 they made a bf16-mixed step 1.06x as
+    long on an AVX512-BF16 CPU (benchmarks/levers.py --lever head_matmuls)."""
     if grad_hidden_rows is not None:
         if grad_hidden_rows.dtype == d.dtype:
             torch.mm(d, weight, out=grad_hidden_rows)
