@@ -264,19 +264,20 @@ def _block_logits_grad(z, tokens, g_lp, g_h, entropy, start: int, stop: int, tem
 
 def _block_matmul_grads(d, h, weight, grad_hidden_rows, grad_weight) -> None:
     """One block's ``grad_hidden_rows = d @ weight`` and ``grad_weight += d^T h`` (either may be
-    None), the matmuls in ``d``'s dtype, the forward's. Under autocast that is bf16/fp16, as
-    autocast runs an unfused linear's backward: in float32 they made a bf16-mixed step 1.06x as
-    long on an AVX512-BF16 CPU (benchmarks/levers.py --lever head_matmuls)."""
+    None). bfloat16 operands multiply in bf16, as autocast runs an unfused linear's backward: in
+    float32 these matmuls made a bf16-mixed step 1.06x as long on an AVX512-BF16 CPU
+    (benchmarks/levers.py --lever head_matmuls); each block's weight-gradient product is rounded
+    once to bf16 and summed in float32. Other operands keep the weight gradient in float32."""
     if grad_hidden_rows is not None:
         if grad_hidden_rows.dtype == d.dtype:
             torch.mm(d, weight, out=grad_hidden_rows)
         else:
             grad_hidden_rows.copy_(torch.mm(d, weight))
     if grad_weight is not None:
-        if grad_weight.dtype == d.dtype:
-            grad_weight.addmm_(d.t(), h)
-        else:  # each block's product rounded once to d's dtype, the sum kept in float32
+        if d.dtype == torch.bfloat16:
             grad_weight += torch.mm(d.t(), h)
+        else:
+            grad_weight.addmm_(d.t().to(grad_weight.dtype), h.to(grad_weight.dtype))
 
 
 class _LogprobsFromHidden(torch.autograd.Function):
@@ -351,8 +352,9 @@ class _LogprobsFromHidden(torch.autograd.Function):
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, n, ctx.chunk_rows):
                 stop = min(n, start + ctx.chunk_rows)
-                h = hidden[start:stop].to(ld)
-                z = torch.nn.functional.linear(h, weight_z, bias_z).to(compute_dtype)
+                h = hidden[start:stop]
+                h_ld = h.to(ld)
+                z = torch.nn.functional.linear(h_ld, weight_z, bias_z).to(compute_dtype)
                 if temperature != 1.0:
                     z.div_(temperature)
                 z.sub_(lse[start:stop, None])  # log p
@@ -360,7 +362,10 @@ class _LogprobsFromHidden(torch.autograd.Function):
                 if need_b:
                     grad_bias += d.sum(dim=0)
                 rows = grad_hidden[start:stop] if need_h else None
-                _block_matmul_grads(d.to(ld), h, weight_z, rows, grad_weight)
+                if ld == torch.bfloat16:  # float32's exponent range: a scaled gradient fits
+                    _block_matmul_grads(d.to(ld), h_ld, weight_z, rows, grad_weight)
+                else:  # float16 would overflow at |dL/dz| > 65504 (GradScaler's 2^16 x a token's weight)
+                    _block_matmul_grads(d.to(hidden.dtype), h, weight, rows, grad_weight)
                 del d, z
         if need_w:
             grad_weight = grad_weight.to(weight.dtype)
@@ -392,7 +397,10 @@ def logprobs_from_hidden(
     forward's logits) and applies
     ``dL/dz = g_lp (onehot - p) - g_H p (log p + H)`` (the log-prob at the sampling temperature and
     the entropy bonus c2 H of Schulman et al. 2017, eq. 9), then ``dL/dhidden = dL/dz W / T`` and
-    ``dL/dW = (dL/dz)^T hidden / T``. The result equals
+    ``dL/dW = (dL/dz)^T hidden / T``: in bf16 after a bf16 forward (as autocast differentiates an
+    unfused linear; each block's weight product summed in float32), otherwise with the weight
+    gradient in float32 (after a float16 forward too: float16 cannot hold a loss-scaled dL/dz).
+    The result equals
     ``logprobs_from_logits(lm_head(hidden), tokens, temperature)`` and
     ``entropy_from_logits(...)`` up to float rounding (tested in float64), with no [N, V] tensor
     alive: the largest temporary is one block (32 MiB of float32 by default), and under autocast

@@ -219,3 +219,34 @@ def test_a_float32_forward_keeps_its_float32_backward_when_backward_runs_under_a
             (lp * g).sum().backward()
         grads.append((hidden.grad.clone(), weight.grad.clone()))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_loss_scaled_gradient_stays_finite_under_autocast(dtype):
+    # fp16-mixed scales the loss by GradScaler's 2^16 before backward(), so a token's dL/dz can
+    # pass float16's largest value, 65504: the gradient matmuls must not take dL/dz in float16
+    # (they did for a while: inf and NaN gradients, every such step skipped). Under fp16 autocast
+    # they run in float32 on the float32 weights, so the gradients are the float64 products of
+    # the forward's own logits' gradient dz with them up to float32 rounding (under 1e-4
+    # relative); bf16 has float32's exponent range and stays finite in its own matmuls, within
+    # its roundings (under 1e-2; the default test above bounds it elementwise).
+    torch.manual_seed(2)
+    n, h_dim, vocab = 64, 32, 512
+    hidden = torch.randn(n, h_dim, requires_grad=True)
+    weight = (torch.randn(vocab, h_dim) / 4).requires_grad_()
+    tokens = torch.randint(0, vocab, (n,))
+    g = 2.0**16 * torch.rand(n) * 4  # scaled per-token weights up to 2.6e5 > 65504
+    with torch.autocast("cpu", dtype=dtype):
+        lp, _ = logprobs_from_hidden(hidden, weight, tokens, chunk_size=24)
+        z = torch.nn.functional.linear(hidden, weight).detach().to(F64).requires_grad_()
+    (lp * g).sum().backward()
+    (torch.log_softmax(z, -1).gather(1, tokens[:, None]).squeeze(1) * g.to(F64)).sum().backward()
+    if dtype == torch.float16:
+        w_ref, h_ref = weight.detach().to(F64), hidden.detach().to(F64)
+        bound = 1e-4
+    else:
+        w_ref, h_ref = weight.detach().bfloat16().to(F64), hidden.detach().bfloat16().to(F64)
+        bound = 1e-2
+    for got, ref in ((hidden.grad, z.grad @ w_ref), (weight.grad, z.grad.t() @ h_ref)):
+        assert torch.isfinite(got).all()
+        assert float((got.to(F64) - ref).norm() / ref.norm()) < bound  # measured 1e-7 (fp16), 2.2e-3 (bf16)
