@@ -404,7 +404,8 @@ def logprobs_from_hidden(
     ``logprobs_from_logits(lm_head(hidden), tokens, temperature)`` and
     ``entropy_from_logits(...)`` up to float rounding (tested in float64), with no [N, V] tensor
     alive: the largest temporary is one block (32 MiB of float32 by default), and under autocast
-    the backward's low-precision copy of ``weight`` (as the autocast forward held). Blocks of logits
+    the backward's low-precision copy of ``weight`` (as the autocast forward held) and, in bf16,
+    one block's [V, H] weight-gradient product before it is added. Blocks of logits
     computed in a bf16/fp16 model's dtype are upcast to float32 before the softmax, as in
     :func:`logprobs_from_logits`. Top-k / top-p truncation is not supported here (use
     :func:`logprobs_from_logits` on the logits).
