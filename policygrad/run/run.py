@@ -237,6 +237,10 @@ class Run:
         """Run ``config.steps`` steps (or until ``max_minutes``), with held-out evaluation before
         and after. Returns a summary that is also written to ``RUN_DIR/summary.json``.
 
+        ``max_minutes`` and ``summary["train_minutes"]`` count from the first step (periodic
+        evaluations and checkpoints included, the evaluation before training not);
+        ``summary["wall_minutes"]`` also counts that evaluation and the one after.
+
         Checkpoints: every ``save_every`` steps and ``save_every_minutes`` minutes; after the
         current step on the first Ctrl-C or SIGTERM (the run then stops without the final
         evaluation, ``summary["interrupted"]`` names the signal); on an error after the first
@@ -285,6 +289,7 @@ class Run:
         self._summary = summary  # so far: what a stop at once reports
         if cfg.eval_before and self.eval_rows and trainer.step_idx == 0:
             self._evaluate_before(summary)
+        train_start = time.perf_counter()  # max_minutes counts training, not the evaluation before it
         bar = tqdm(
             total=cfg.steps,
             initial=trainer.step_idx,
@@ -293,13 +298,13 @@ class Run:
             dynamic_ncols=True,
         )
         signals.at_once = False  # Ctrl-C / SIGTERM: stop after the current step
-        interrupted, stopped_early = self._steps(signals, bar, start)
+        interrupted, stopped_early = self._steps(signals, bar, train_start)
         bar.close()
         summary["steps"] = trainer.step_idx
         summary["gradient_checkpointing"] = trainer.gradient_checkpointing
         summary["updates_applied"] = self.watch.applied
         summary["stopped_by_max_minutes"] = stopped_early
-        summary["train_minutes"] = (time.perf_counter() - start) / 60
+        summary["train_minutes"] = (time.perf_counter() - train_start) / 60
         if trainer.step_idx and self.checkpoints.saved_step != trainer.step_idx:
             self.save_checkpoint()  # before the final evaluation: Ctrl-C there loses nothing
         if interrupted:

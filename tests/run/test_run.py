@@ -61,28 +61,31 @@ def count_digits(_prompts, completions, **_fields):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-@pytest.mark.usefixtures("one_thread")
-def test_checkpoints_follow_save_every_and_the_final_step(tiny_model_dir, tmp_path):
-    run_dir = tmp_path / "run"
-    cfg = load_config(
+def _tiny_config(model_dir, run_dir, *, eval_size, **top):
+    """The tiny model's two-prompt run with the given top-level options, in ``run_dir``."""
+    return load_config(
         None,
         {
-            "steps": 3,
-            "save_every": 2,
             "save_every_minutes": 0,
             "output_dir": str(run_dir),
             "progress": False,
             "tensorboard": False,
-            "eval_before": False,
             "eval_after": False,
             "log_completions": 0,
-            "model": {"name": tiny_model_dir},
-            "data": {"eval_size": 0, "difficulty": "easy"},
+            "model": {"name": model_dir},
+            "data": {"eval_size": eval_size, "difficulty": "easy"},
             "rollout": {"engine": "hf", "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4},
             "reward": {"functions": ["tests.run.test_run:count_digits"], "isolation": False},
             "optim": {"lr": 1e-3, "micro_batch_size": 4},
+            **top,
         },
     )
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_checkpoints_follow_save_every_and_the_final_step(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = _tiny_config(tiny_model_dir, run_dir, steps=3, save_every=2, eval_before=False, eval_size=0)
     run = Run(cfg)
     summary = run.train()
     assert summary["steps"] == 3
@@ -126,3 +129,45 @@ def test_a_line_written_above_the_bar_lands_whole_and_in_order_when_both_streams
     line = pieces.index("[step 1] reward=1.00 'x'")  # whole: neither bar text nor spaces inside
     # the bar at 1/3 is drawn after the line (tqdm redraws it on leaving external_write_mode)
     assert [i for i, p in enumerate(pieces) if "3/3" in p or "1/3" in p][0] == line + 1
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_max_minutes_counts_the_steps_not_the_evaluation_before_them(tiny_model_dir, tmp_path, monkeypatch):
+    """A fake clock: the evaluation before training takes an hour and each step a minute.
+    With max_minutes 2.5 the budget is checked before steps at 0, 1, 2 and 3 minutes of
+    training: steps 1-3 run, the 4th is refused (3 > 2.5). Counting the hour of evaluation, no
+    step would run."""
+    import policygrad.run.run as run_module
+
+    offset = [0.0]
+    real = run_module.time.perf_counter
+    monkeypatch.setattr(run_module.time, "perf_counter", lambda: real() + offset[0])
+    cfg = _tiny_config(
+        tiny_model_dir,
+        tmp_path / "run",
+        steps=5,
+        max_minutes=2.5,
+        save_every=0,
+        eval_before=True,
+        eval_size=2,
+    )
+    run = Run(cfg)
+
+    def evaluate_before(summary):
+        offset[0] += 3600.0
+        summary["accuracy_before"] = 0.0
+
+    step = run.trainer.step
+
+    def one_minute_step():
+        offset[0] += 60.0
+        return step()
+
+    monkeypatch.setattr(run, "_evaluate_before", evaluate_before)
+    monkeypatch.setattr(run.trainer, "step", one_minute_step)
+    summary = run.train()
+    run.close()
+    assert summary["steps"] == 3 and summary["stopped_by_max_minutes"] is True
+    # 3 fake minutes plus the real seconds of 3 tiny steps (well under 2 minutes on any CPU)
+    assert 3.0 < summary["train_minutes"] < 5.0
+    assert summary["wall_minutes"] > 60.0 + summary["train_minutes"] - 1e-9  # the hour is in it
