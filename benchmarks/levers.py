@@ -129,6 +129,12 @@ _FIXED_VARIANTS: dict[str, list[dict[str, Any]]] = {
         {"label": "head gradient matmuls float32", "overrides": [_BF16], "patch": "float32_head_matmuls"},
     ],
     "vllm_compile": [{"label": "vLLM eager"}, {"label": "vLLM compiled", "patch": "vllm_compiled"}],
+    # the training forward's attention: SDPA's flash kernel (what torch picks on CPU) or its math
+    # backend (float32 inside for bf16 inputs; keeps [B, H, Tq, Tk] probabilities for the backward)
+    "attention": [
+        {"label": "SDPA flash kernel", "overrides": [_BF16]},
+        {"label": "SDPA math backend", "overrides": [_BF16], "patch": "sdpa_math"},
+    ],
     "binding": [
         {"label": "vLLM threads bound"},
         {"label": "vLLM threads unbound", "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
@@ -170,6 +176,7 @@ LEVERS = (
     "head_matmuls",
     "vllm_compile",
     "binding",
+    "attention",
 )
 
 
@@ -179,66 +186,100 @@ def serve(spec: dict[str, Any]) -> None:
     serve_policygrad(spec)
 
 
+def _patch_mallopt() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    # M_MMAP_THRESHOLD (-3): blocks under 1 GB come from the heap, not fresh mmaps (which
+    # page-fault on first touch); M_TRIM_THRESHOLD (-1): freed heap memory is kept for reuse.
+    libc.mallopt(-3, 1 << 30)
+    libc.mallopt(-1, (1 << 31) - 1)
+
+
+def _patch_plain_mlp() -> None:
+    import policygrad.trainer.models as models
+
+    models.use_memory_efficient_mlp = lambda _model: 0
+
+
+def _patch_compile_layers() -> None:
+    import torch._dynamo
+
+    import policygrad.trainer.models as models
+
+    # each layer's own index (its KV-cache slot) is a constant of its graph: one compilation
+    # per layer and call shape, more than dynamo's default limit of 8 before it falls back
+    torch._dynamo.config.recompile_limit = 256
+    torch._dynamo.config.accumulated_recompile_limit = 4096
+
+    lean = models.use_memory_efficient_mlp
+
+    def lean_then_compile(model):
+        # after the lean layers are put in, so the compiled code is the one the run trains
+        replaced = lean(model)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        for layer in base.model.layers:
+            layer.compile(dynamic=True)
+        return replaced
+
+    models.use_memory_efficient_mlp = lean_then_compile
+
+
+def _patch_float32_head_matmuls() -> None:
+    import policygrad.core.logprobs as logprobs
+
+    in_block_dtype = logprobs._block_matmul_grads
+    upcast: dict[str, Any] = {}
+
+    def float32_matmuls(d, h, weight, grad_hidden_rows, grad_weight):
+        if upcast.get("of") is not weight:  # one float32 copy per backward, as the old code held
+            upcast.update({"of": weight, "float32": weight.float()})
+        in_block_dtype(d.float(), h.float(), upcast["float32"], grad_hidden_rows, grad_weight)
+
+    logprobs._block_matmul_grads = float32_matmuls
+
+
+def _patch_sdpa_math() -> None:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def math_sdpa(*args, **kwargs):
+        with sdpa_kernel([SDPBackend.MATH]):
+            return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("sdpa", math_sdpa)  # the trainer's model (vLLM has its own)
+
+
+def _patch_vllm_compiled() -> None:
+    import vllm
+
+    eager_llm = vllm.LLM
+
+    class CompiledLLM(eager_llm):
+        """vLLM's own compilation of the sampler's model (the engine asks for eager mode)."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs["enforce_eager"] = False
+            super().__init__(*args, **kwargs)
+
+    vllm.LLM = CompiledLLM  # the engine looks the class up on the module when it starts
+
+
+_PATCHES = {
+    "mallopt": _patch_mallopt,
+    "plain_mlp": _patch_plain_mlp,
+    "compile_layers": _patch_compile_layers,
+    "float32_head_matmuls": _patch_float32_head_matmuls,
+    "sdpa_math": _patch_sdpa_math,
+    "vllm_compiled": _patch_vllm_compiled,
+}
+
+
 def apply_patch(patch: str | None) -> None:
     """Change this process as a variant asks, before anything is built (None: nothing)."""
-    if patch == "mallopt":
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        # M_MMAP_THRESHOLD (-3): blocks under 1 GB come from the heap, not fresh mmaps (which
-        # page-fault on first touch); M_TRIM_THRESHOLD (-1): freed heap memory is kept for reuse.
-        libc.mallopt(-3, 1 << 30)
-        libc.mallopt(-1, (1 << 31) - 1)
-    if patch == "plain_mlp":
-        import policygrad.trainer.models as models
-
-        models.use_memory_efficient_mlp = lambda _model: 0
-    if patch == "compile_layers":
-        import torch._dynamo
-
-        import policygrad.trainer.models as models
-
-        # each layer's own index (its KV-cache slot) is a constant of its graph: one compilation
-        # per layer and call shape, more than dynamo's default limit of 8 before it falls back
-        torch._dynamo.config.recompile_limit = 256
-        torch._dynamo.config.accumulated_recompile_limit = 4096
-
-        lean = models.use_memory_efficient_mlp
-
-        def lean_then_compile(model):
-            # after the lean layers are put in, so the compiled code is the one the run trains
-            replaced = lean(model)
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            for layer in base.model.layers:
-                layer.compile(dynamic=True)
-            return replaced
-
-        models.use_memory_efficient_mlp = lean_then_compile
-    if patch == "float32_head_matmuls":
-        import policygrad.core.logprobs as logprobs
-
-        in_block_dtype = logprobs._block_matmul_grads
-        upcast: dict[str, Any] = {}
-
-        def float32_matmuls(d, h, weight, grad_hidden_rows, grad_weight):
-            if upcast.get("of") is not weight:  # one float32 copy per backward, as the old code held
-                upcast.update({"of": weight, "float32": weight.float()})
-            in_block_dtype(d.float(), h.float(), upcast["float32"], grad_hidden_rows, grad_weight)
-
-        logprobs._block_matmul_grads = float32_matmuls
-    if patch == "vllm_compiled":
-        import vllm
-
-        eager_llm = vllm.LLM
-
-        class CompiledLLM(eager_llm):
-            """vLLM's own compilation of the sampler's model (the engine asks for eager mode)."""
-
-            def __init__(self, *args, **kwargs):
-                kwargs["enforce_eager"] = False
-                super().__init__(*args, **kwargs)
-
-        vllm.LLM = CompiledLLM  # the engine looks the class up on the module when it starts
+    if patch is not None:
+        _PATCHES[patch]()
 
 
 def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:

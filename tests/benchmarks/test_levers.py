@@ -81,3 +81,33 @@ def test_the_float32_head_patch_gives_the_float32_matmul_gradient(levers, monkey
     for got, default, ref in zip(patched, bf16_default, refs):
         assert float((got - ref).norm() / ref.norm()) < 2e-4  # measured 5e-8
         assert float((default - ref).norm() / ref.norm()) > 5e-4  # measured 1.4e-3
+
+
+def test_the_sdpa_math_patch_routes_the_models_attention_through_the_math_backend(levers, monkeypatch):
+    # The attention lever's second variant: transformers' "sdpa" attention runs SDPA's math
+    # backend, which computes bf16 inputs in float32 and rounds the output once; torch's CPU
+    # flash kernel gives a different rounding. The patched function must give the math backend's
+    # output bit for bit, and one the flash kernel does not give.
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import AttentionInterface
+
+    monkeypatch.setattr(AttentionInterface, "_global_mapping", dict(AttentionInterface._global_mapping))
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 24, 16).bfloat16() for _ in range(3))
+    mask = torch.ones(2, 1, 24, 24, dtype=torch.bool).tril()
+    module = torch.nn.Module()
+    module.is_causal = True
+    expected = {}
+    for backend in (SDPBackend.MATH, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel([backend]):
+            expected[backend] = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    assert not torch.equal(expected[SDPBackend.MATH], expected[SDPBackend.FLASH_ATTENTION])
+    levers.apply_patch("sdpa_math")
+    out, _ = AttentionInterface._global_mapping["sdpa"](module, q, k, v, mask)
+    assert torch.equal(out, expected[SDPBackend.MATH].transpose(1, 2))
+
+
+def test_every_variants_patch_exists(levers):
+    patches = {v["patch"] for lever in levers.LEVERS for v in levers.variants(lever) if "patch" in v}
+    assert patches == set(levers._PATCHES)  # a misspelt patch would fail in the worker, after loading
