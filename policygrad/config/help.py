@@ -14,7 +14,7 @@ OPTION_HELP: dict[str, str] = {
     "seed": "the one seed every random stream of the run comes from",
     "output_dir": "the run's folder (made absolute at start)",
     "overwrite": "replace the run already in output_dir (only files a run writes are deleted)",
-    "max_minutes": "stop after this many minutes of training, with a checkpoint (null: no limit)",
+    "max_minutes": "stop this many minutes after the first step, with a checkpoint (null: no limit)",
     "eval_every": "held-out evaluation every N steps (0: only before and after)",
     "eval_before": "evaluate the held-out problems before the first step",
     "eval_after": "evaluate the held-out problems after the last step",
