@@ -47,6 +47,9 @@ Levers:
 - ``vllm_compile``: the vLLM sampler as policygrad builds it (``enforce_eager=True``) against
   vLLM's own ``torch.compile`` of the model (``enforce_eager=False``): a slower start (the load
   time is reported) for a possibly faster decode. A benchmark patch, not an option.
+- ``attention``: under bf16-mixed, the training forward's attention on SDPA's flash kernel (what
+  torch picks on CPU; policygrad's default) against SDPA's math backend (float32 inside for bf16
+  inputs; keeps each layer's [B, H, Tq, Tk] probabilities for the backward). A benchmark patch.
 - ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
   affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
   threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
