@@ -108,6 +108,10 @@ def _child_setup(cpus: list[int] | None, parent: int) -> None:
         os.sched_setaffinity(0, cpus)
 
 
+# Starts of one server on a new port after another process took the one it was given.
+PORT_RETRIES = 3
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port nothing listens on now (the OS's choice)."""
     with socket.socket() as s:
@@ -165,6 +169,7 @@ class ServerProcesses:
         self.processes: list[subprocess.Popen] = []
         self.urls: list[str] = []
         self.logs: list[str] = []
+        self.log_starts: list[int] = []  # where each server's current start begins in its log
 
     def start(self) -> list[str]:
         """Start every server and wait until all answer ``/health``; returns their base URLs."""
@@ -198,6 +203,7 @@ class ServerProcesses:
             *server_arguments(self.model, port=port, **self.settings),
         ]
         log_path = os.path.join(self.log_dir, f"server-{i}.log")
+        log_start = os.path.getsize(log_path) if os.path.exists(log_path) else 0
         cpus = self.cpus[i] if self.cpus else None
         with open(log_path, "ab") as log:
             process = subprocess.Popen(
@@ -211,19 +217,29 @@ class ServerProcesses:
         url = f"http://127.0.0.1:{port}"
         if i < len(self.processes):
             self.processes[i], self.urls[i], self.logs[i] = process, url, log_path
+            self.log_starts[i] = log_start
         else:
             self.processes.append(process)
             self.urls.append(url)
             self.logs.append(log_path)
+            self.log_starts.append(log_start)
         return url
 
     def wait(self, indices) -> None:
         """Until servers ``indices`` answer ``/health`` (raises ServerStartError)."""
         deadline = time.monotonic() + self.start_timeout_s
         pending = list(indices)
+        port_retries = dict.fromkeys(pending, 0)
         while pending:
             for i in list(pending):
                 code = self.processes[i].poll()
+                if code is not None and port_retries[i] < PORT_RETRIES and self._lost_its_port(i):
+                    # free_port() released the port before the server bound it, and another
+                    # process took it meanwhile: start again on a new one, with a fresh deadline
+                    port_retries[i] += 1
+                    self.start_one(i)
+                    deadline = time.monotonic() + self.start_timeout_s
+                    continue
                 if code is not None:
                     raise ServerStartError(
                         f"rollout server {i} exited with code {code} before it answered; see {self.logs[i]}"
@@ -238,6 +254,15 @@ class ServerProcesses:
                 )
             if pending:
                 time.sleep(0.5)
+
+    def _lost_its_port(self, i: int) -> bool:
+        """Server ``i``'s current start failed to bind its port (its log since that start says so)."""
+        try:
+            with open(self.logs[i], "rb") as log:
+                log.seek(self.log_starts[i])
+                return b"Address already in use" in log.read()
+        except OSError:
+            return False
 
     def stop(self, timeout_s: float = 20.0) -> None:
         """Stop every server: SIGTERM to its process group (also when its leader has exited:

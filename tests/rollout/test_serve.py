@@ -113,3 +113,79 @@ def test_a_killed_run_leaves_no_server_behind(server_model_dir, tmp_path):
         assert _gone(server)
     finally:
         run.kill()
+
+
+class _Exited:
+    def poll(self):
+        return 1
+
+
+class _Running:
+    def poll(self):
+        return None
+
+
+def _servers_whose_start_loses_its_port(tmp_path, monkeypatch, log_text, *, losses):
+    """ServerProcesses with one server that has exited, its log ``log_text`` (the part before
+    ``|`` written by an earlier start); each restart loses its port again until ``losses``
+    restarts have happened, then comes up healthy."""
+    import policygrad.rollout.serve as serve
+
+    earlier, _, current = log_text.partition("|")
+    log = tmp_path / "server-0.log"
+    log.write_text(earlier + current)
+    processes = ServerProcesses.__new__(ServerProcesses)
+    processes.processes, processes.urls, processes.logs = [_Exited()], ["lost"], [str(log)]
+    processes.log_starts, processes.start_timeout_s = [len(earlier)], 60.0
+    restarts = []
+
+    def start_one(i):
+        restarts.append(i)
+        processes.log_starts[i] = log.stat().st_size
+        if len(restarts) < losses:
+            log.write_text(log.read_text() + "OSError: [Errno 98] Address already in use\n")
+            processes.processes[i] = _Exited()
+        else:
+            processes.processes[i], processes.urls[i] = _Running(), "ok"
+        return processes.urls[i]
+
+    processes.start_one = start_one
+    monkeypatch.setattr(serve, "healthy", lambda url: url == "ok")
+    return processes, restarts
+
+
+@pytest.mark.unit
+def test_a_server_whose_port_was_taken_before_it_bound_starts_again_on_another(tmp_path, monkeypatch):
+    # free_port() releases the port it found; another process can bind it before the server does
+    processes, restarts = _servers_whose_start_loses_its_port(
+        tmp_path, monkeypatch, "|OSError: [Errno 98] Address already in use\n", losses=1
+    )
+    processes.wait([0])
+    assert restarts == [0] and processes.urls == ["ok"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "log_text",
+    [
+        "|ValueError: not a model folder\n",  # another reason: named at once
+        "OSError: [Errno 98] Address already in use\n|ValueError: not a model folder\n",  # an earlier start's
+    ],
+)
+def test_a_server_that_exits_for_another_reason_is_not_started_again(tmp_path, monkeypatch, log_text):
+    processes, restarts = _servers_whose_start_loses_its_port(tmp_path, monkeypatch, log_text, losses=1)
+    with pytest.raises(ServerStartError, match="rollout server 0 exited with code 1 before it answered"):
+        processes.wait([0])
+    assert restarts == []
+
+
+@pytest.mark.unit
+def test_a_port_lost_again_and_again_is_an_error_after_the_retries(tmp_path, monkeypatch):
+    import policygrad.rollout.serve as serve
+
+    processes, restarts = _servers_whose_start_loses_its_port(
+        tmp_path, monkeypatch, "|OSError: [Errno 98] Address already in use\n", losses=serve.PORT_RETRIES + 5
+    )
+    with pytest.raises(ServerStartError, match="exited with code 1"):
+        processes.wait([0])
+    assert restarts == [0] * serve.PORT_RETRIES
