@@ -50,6 +50,10 @@ Levers:
 - ``attention``: under bf16-mixed, the training forward's attention on SDPA's flash kernel (what
   torch picks on CPU; policygrad's default) against SDPA's math backend (float32 inside for bf16
   inputs; keeps each layer's [B, H, Tq, Tk] probabilities for the backward). A benchmark patch.
+- ``skip_rows``: ``optim.skip_zero_advantage_rows`` off against on (policygrad's default): the
+  training forward and backward of the rows whose advantages are all 0 (every sample of their
+  group scored alike) run, or are skipped; the update is the same either way. How much it saves
+  depends on how many groups scored alike (``reward/zero_variance_group_frac``).
 - ``binding``: vLLM's OpenMP threads bound to the CPUs (``VLLM_CPU_OMP_THREADS_BIND`` = the
   affinity list, policygrad's default) against unbound (``nobind``) and against binding torch's
   threads too (``OMP_PROC_BIND=close OMP_PLACES=cores``).
@@ -138,6 +142,11 @@ _FIXED_VARIANTS: dict[str, list[dict[str, Any]]] = {
         {"label": "SDPA flash kernel", "overrides": [_BF16]},
         {"label": "SDPA math backend", "overrides": [_BF16], "patch": "sdpa_math"},
     ],
+    # rows whose advantages are all 0 (a group that scored alike) carry no gradient
+    "skip_rows": [
+        {"label": "every row forwarded", "overrides": ["optim.skip_zero_advantage_rows=false"]},
+        {"label": "zero-advantage rows skipped", "overrides": ["optim.skip_zero_advantage_rows=true"]},
+    ],
     "binding": [
         {"label": "vLLM threads bound"},
         {"label": "vLLM threads unbound", "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}},
@@ -180,6 +189,7 @@ LEVERS = (
     "vllm_compile",
     "binding",
     "attention",
+    "skip_rows",
 )
 
 

@@ -150,6 +150,7 @@ OPTION_HELP: dict[str, str] = {
     "optim.ppo_epochs": "passes over each step's batch",
     "optim.num_minibatches": "optimizer steps per pass",
     "optim.micro_batch_size": "sequences per forward/backward",
+    "optim.skip_zero_advantage_rows": "no forward/backward for rows whose advantages are all 0 (no gradient)",
     "optim.target_kl": "stop the update when a minibatch's approx KL exceeds it (null: off)",
     # critic
     "critic.enabled": "train a value model (null: the preset's; ppo has one)",

@@ -275,7 +275,19 @@ class OptimConfig:
     loss equals the minibatch's loss exactly). ``target_kl``: stop the update (the remaining
     minibatches and epochs, critic included) before the first minibatch whose measured
     ``policy/approx_kl`` exceeds it (an early stop of the epoch, as in the reference PPO
-    implementations); ``null`` never stops."""
+    implementations); ``null`` never stops.
+
+    ``skip_zero_advantage_rows``: rows whose advantages are all 0 (a group whose samples scored
+    alike, under GRPO, RLOO and the other group baselines) have a loss and a gradient of exactly
+    0, so their training forward and backward are skipped; the loss's normalisers still count
+    them, so the update is the same (up to float rounding: the batch's shapes change), and a step
+    where every row is skipped still steps AdamW on a gradient of zeros. The forward's metrics
+    (``policy/*``, ``entropy/mean``, ``mismatch/*``) are then over the rows that trained, and a
+    step where none did logs none of them. No row is skipped when the loss has a term that does
+    not vanish with the advantages (a KL to the reference in the loss with beta > 0,
+    ``loss.entropy_coef``, ``loss.positive_lm_coef``, ``loss.entropy_target``), under
+    ``target_kl``, or with a policy loss that does not declare it (``clip_cov``, ``kl_cov``, a
+    registered loss without ``vanishes_at_zero_advantage``)."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -288,6 +300,7 @@ class OptimConfig:
     num_minibatches: int = 1
     micro_batch_size: int = 32
     target_kl: float | None = None
+    skip_zero_advantage_rows: bool = True
 
     def validate(self, path: str) -> None:
         if self.target_kl is not None:

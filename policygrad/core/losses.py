@@ -170,6 +170,11 @@ _POLICY_LOSSES: dict[str, PolicyLossFn] = {
         ("kl_cov", kl_cov_loss),
     )
 }
+# Each of these is the advantage times a function of the ratio (or of the log-prob), so a row
+# whose advantages are all 0 has a loss and a gradient of exactly 0 (the covariance losses pick
+# their tokens over the whole batch, so a row's presence can change another row's loss).
+for _fn in (vanilla_loss, ppo_loss, gspo_loss, cispo_loss):
+    _fn.vanishes_at_zero_advantage = True
 
 
 def get_policy_loss(name: str) -> PolicyLossFn:

@@ -87,6 +87,7 @@ METRICS: dict[str, str] = {
     "entropy/coef": "the entropy bonus's coefficient this step (loss.entropy_coef or its adaptive value)",
     "entropy/cov_selected_frac": "fraction of tokens the clip_cov / kl_cov loss acted on",
     "policy/nonfinite_tokens": "sampled tokens the trainer gives log-prob -inf (left out of the loss)",
+    "optim/skipped_rows_frac": "fraction of the update's rows not forwarded (every advantage 0: no gradient)",
     "optim/steps": "policy optimizer steps applied this step",
     "optim/skipped_nonfinite": "policy optimizer steps skipped for a non-finite loss or gradient",
     "optim/grad_norm": "mean gradient norm before clipping",

@@ -132,6 +132,22 @@ class PolicyObjective:
         """The covariance selection the policy loss acts on (``clip_cov``/``kl_cov``), or None."""
         return getattr(self.policy_loss, "token_selection", None)
 
+    def rows_with_gradient(self, exp: Experience) -> torch.Tensor | None:
+        """bool [B]: the rows of ``exp`` whose loss can have a gradient; the others' loss and
+        gradient are exactly 0 whatever the weights (every advantage 0, or no token in the loss),
+        so a forward and backward of them change nothing but the metrics. None when that cannot
+        be known row by row: the policy loss does not declare ``vanishes_at_zero_advantage``
+        (the covariance losses choose tokens over the whole batch), or the loss has a term that
+        does not vanish with the advantages (a KL to the reference with beta > 0, the entropy
+        bonus, the positive-example LM loss)."""
+        if not getattr(self.policy_loss, "vanishes_at_zero_advantage", False):
+            return None
+        if self.entropy_coef or self.positive_lm_coef:
+            return None
+        if exp.ref_logprobs is not None and exp.kl_coef != 0:
+            return None
+        return ((exp.advantages != 0) & (exp.loss_mask > 0)).any(dim=-1)
+
     def reduce(
         self, loss_matrix: torch.Tensor, mask: torch.Tensor, counts: MinibatchCounts, sample_tokens=None
     ) -> torch.Tensor:

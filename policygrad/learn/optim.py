@@ -170,6 +170,16 @@ class OptimizerStep:
         self.outcome = StepOutcome()
         self.finite = True
 
+    def zero_gradients(self) -> None:
+        """Give every trainable parameter a gradient of zeros, as a backward of a loss that is
+        exactly 0 leaves it (AdamW then still steps on its moments; a missing gradient would
+        leave the parameter and its state alone)."""
+        for p in self.params:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        if self.scaler is not None:
+            self.scaler.scale(torch.zeros((), device=self.device))  # the scale, if no loss made it yet
+
     @property
     def proceeding(self) -> bool:
         """More losses are wanted: every loss so far was finite, or the strategy is collective."""

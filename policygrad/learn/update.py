@@ -56,6 +56,7 @@ class UpdateStats:
     steps: int = 0
     skipped: int = 0
     nonfinite_tokens: int = 0
+    rows: list[int] = field(default_factory=lambda: [0, 0])  # minibatch rows: all, skipped as gradient-free
     early_stopped: bool = False
     timers: dict[str, float] = field(
         default_factory=lambda: {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
@@ -147,6 +148,8 @@ class UpdateStats:
         out["policy/nonfinite_tokens"] = self.nonfinite_tokens
         if self.entropy_mean is not None:
             out["entropy/mean"] = self.entropy_mean
+        if self.rows[0]:
+            out["optim/skipped_rows_frac"] = self.rows[1] / self.rows[0]
         out["optim/steps"] = self.steps
         out["optim/skipped_nonfinite"] = self.skipped
         out["optim/grad_norm"] = _mean(self.grad_norms)
@@ -201,6 +204,7 @@ class PolicyStep:
         target_kl: float | None = None,
         ptx=None,
         ptx_coef: float = 0.0,
+        skip_zero_advantage: bool = False,
         device: torch.device,
     ):
         self.policy = policy
@@ -213,6 +217,7 @@ class PolicyStep:
         self.target_kl = target_kl
         self.ptx = ptx
         self.ptx_coef = ptx_coef
+        self.skip_zero_advantage = skip_zero_advantage
         self.device = device
         self.recompute = None
 
@@ -230,7 +235,10 @@ class PolicyStep:
         """
         reduce = self.strategy.reduce
         counts = MinibatchCounts.of(mb.loss_mask, mb.positive, mb.sample_tokens).reduced(reduce)
-        micros = list(mb.micro_batches(self.micro_batch_size))
+        trained = self._rows_to_train(mb)
+        stats.rows[0] += mb.batch_size
+        stats.rows[1] += mb.batch_size - trained.batch_size
+        micros = list(trained.micro_batches(self.micro_batch_size))
         if self.recompute is not None and not self.recompute.enabled and micros:
             sizes = [micro.rollout.trim() for micro in micros]
             self.recompute.check(
@@ -239,9 +247,12 @@ class PolicyStep:
             )
         first_logprobs, kl = [], KLMeter()
         self.step.zero()
-        for _ in range(self.strategy.idle_passes(len(micros))):
+        passes = self.strategy.idle_passes(len(micros))
+        for _ in range(passes):
             logprobs, _ = self._forward(idle.rollout, with_entropy=False)
             self.step.backward(logprobs.sum() * 0.0)
+        if not micros and not passes:
+            self.step.zero_gradients()  # what the skipped rows' backward would have left: AdamW still steps
         for micro in micros:
             start = time.perf_counter()
             micro = micro.trim()
@@ -268,6 +279,16 @@ class PolicyStep:
             out = self.step.apply()
         stats.record(out)
         return first_logprobs
+
+    def _rows_to_train(self, mb: Experience) -> Experience:
+        """``mb`` without the rows whose gradient is exactly 0 (``skip_zero_advantage``), or
+        ``mb``. The minibatch's counts still include them, so the loss is unchanged."""
+        if not self.skip_zero_advantage or self.target_kl is not None:
+            return mb
+        keep = self.objective.rows_with_gradient(mb)
+        if keep is None or bool(keep.all()):
+            return mb
+        return mb.select(keep.nonzero().squeeze(1).cpu())
 
     def _forward(self, rollout, *, with_entropy):
         # the distribution the rollout was sampled from (rollout.sampling), under the precision's autocast

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 
@@ -157,6 +158,14 @@ class Dist:
         (the core functions then run their single-process code path unchanged)."""
         return self.reduce if self.active else None
 
+    def union(self, names) -> list[str]:
+        """The sorted union over ranks of the strings ``names`` (sorted ``names`` in one process)."""
+        if not self.active:
+            return sorted(names)
+        every: list[list[str]] = [[] for _ in range(self.world_size)]
+        td.all_gather_object(every, sorted(names))
+        return sorted({name for names_r in every for name in names_r})
+
     def total(self, value) -> float:
         """A local count or sum (number or 0-d tensor) summed over ranks, as a float."""
         if not self.active:
@@ -258,17 +267,20 @@ class Dist:
         if not self.active:
             return stats
         out = dataclasses.replace(stats)
-        keys = sorted(stats.sums)
+        # a rank that forwarded no row (optim.skip_zero_advantage_rows) has no metrics of its own
+        keys = self.union(stats.sums)
         if keys:
-            sums = self.reduce(torch.tensor([stats.sums[k] for k in keys], dtype=torch.float64))
+            sums = self.reduce(torch.tensor([stats.sums.get(k, 0.0) for k in keys], dtype=torch.float64))
             out.sums = dict(zip(keys, sums.tolist()))
-        keys = sorted(stats.maxima)
+        keys = self.union(stats.maxima)
         if keys:
-            maxima = self.reduce(torch.tensor([stats.maxima[k] for k in keys], dtype=torch.float64), "max")
+            local = [stats.maxima.get(k, -math.inf) for k in keys]
+            maxima = self.reduce(torch.tensor(local, dtype=torch.float64), "max")
             out.maxima = dict(zip(keys, maxima.tolist()))
         out.weight = self.total(stats.weight)
         out.entropy_before = self.reduce(torch.tensor(stats.entropy_before, dtype=torch.float64)).tolist()
         out.nonfinite_tokens = int(self.total(stats.nonfinite_tokens))
+        out.rows = [int(n) for n in self.reduce(torch.tensor(stats.rows, dtype=torch.float64)).tolist()]
         if stats.losses:
             out.losses = self.reduce(torch.tensor(stats.losses, dtype=torch.float64)).tolist()
         if stats.ptx_losses:

@@ -470,6 +470,8 @@ def build_policy_step(
         target_kl=cfg.optim.target_kl,
         ptx=ptx,
         ptx_coef=cfg.ptx.coef,
+        # the adaptive entropy controller reads the entropy of every row
+        skip_zero_advantage=cfg.optim.skip_zero_advantage_rows and cfg.loss.entropy_target is None,
         device=device,
     )
 

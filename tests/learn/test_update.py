@@ -5,6 +5,7 @@ applied and skipped steps; ``KLMeter`` is the token-weighted approx-KL."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -231,3 +232,125 @@ def test_a_target_kl_that_holds_takes_the_step(tmp_path):
     stats = UpdateStats.for_batch(exp := _experience())
     first = step(exp, stats)  # on-policy: approx-KL is exactly 0
     assert not stats.early_stopped and stats.steps == 1 and len(first) == 2
+
+
+# ----------------------------------------------------------------------------- rows without gradient
+
+
+def _half_zero_experience(dtype=torch.float64) -> Experience:
+    """Two groups of 4: group 0 scored alike (every advantage 0), group 1 did not."""
+    rollout = _rollout()
+    adv = (
+        torch.tensor([0.0, 0.0, 0.0, 0.0, -1.5, 0.5, 0.5, 0.5], dtype=dtype)[:, None] * rollout.response_mask
+    )
+    return Experience(
+        rows=torch.arange(rollout.batch_size),
+        rollout=rollout,
+        loss_mask=rollout.response_mask.to(dtype),
+        advantages=adv,
+    )
+
+
+def _step_f64(tmp_path, *, skip, optimizer="sgd", **sections):
+    step = _policy_step(tmp_path, 3, **sections)
+    step.policy.double()
+    params = list(step.policy.parameters())
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+    else:
+        opt = torch.optim.SGD(params, lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _k: 1.0)
+    step.step = OptimizerStep(opt, sched, params, max_grad_norm=1e9, device=CPU, strategy=Single(Dist()))
+    step.skip_zero_advantage = skip
+    return step
+
+
+@pytest.mark.parametrize("loss", ["ppo", "vanilla", "gspo", "cispo"])
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_skipping_the_rows_whose_advantages_are_all_zero_leaves_the_step(tmp_path, loss, agg):
+    exp = _half_zero_experience()
+    sections = {"loss": {"policy_loss": loss, "agg_mode": agg}}
+    full, skipping = _step_f64(tmp_path, skip=False, **sections), _step_f64(tmp_path, skip=True, **sections)
+    s_full, s_skip = UpdateStats.for_batch(exp), UpdateStats.for_batch(exp)
+    full(exp, s_full)
+    first = skipping(exp, s_skip)
+    # Only group 1 was forwarded; the normalisers still counted group 0's rows and tokens, so the
+    # loss and the gradient are the same: exact math, float64 sums in another order (1e-12 of
+    # weights that moved O(1e-2) with lr 1).
+    assert [r.tolist() for r, _ in first] == [[4, 5, 6], [7]]
+    assert (s_full.rows, s_skip.rows) == ([8, 0], [8, 4])
+    assert s_skip.metrics(target_kl=False, ptx=False, critic_lr=None)["optim/skipped_rows_frac"] == 0.5
+    assert s_skip.losses[0] == pytest.approx(s_full.losses[0], rel=1e-12, abs=1e-15)
+    assert s_skip.grad_norms[0] == pytest.approx(s_full.grad_norms[0], rel=1e-12)
+    moved = max(
+        (a - b).abs().max().item()
+        for a, b in zip(full.policy.parameters(), make_tiny_llama(seed=1)[0].double().parameters())
+    )
+    assert moved > 1e-3
+    for a, b in zip(full.policy.parameters(), skipping.policy.parameters()):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_a_batch_without_gradient_skips_every_row_and_still_steps_adamw(tmp_path):
+    flat = _half_zero_experience()
+    flat = dataclasses.replace(flat, advantages=torch.zeros_like(flat.advantages))
+    # every row has a gradient in the first step, so both paths take it identically
+    moving = dataclasses.replace(flat, advantages=_half_zero_experience().advantages.abs() + flat.loss_mask)
+    full, skipping = (
+        _step_f64(tmp_path, skip=False, optimizer="adamw"),
+        _step_f64(tmp_path, skip=True, optimizer="adamw"),
+    )
+    for step in (full, skipping):  # a first step with a gradient, so AdamW's moments are not 0
+        step(moving, UpdateStats.for_batch(moving))
+    before = [p.detach().clone() for p in skipping.policy.parameters()]
+    s_full, s_skip = UpdateStats.for_batch(flat), UpdateStats.for_batch(flat)
+    full(flat, s_full)
+    assert skipping(flat, s_skip) == []  # nothing forwarded
+    assert s_skip.rows == [8, 8] and s_skip.steps == 1 and s_skip.grad_norms == [0.0]
+    # AdamW stepped on its moments as after a backward of the zero loss: the same weights, bit for bit
+    assert max((a - b).abs().max().item() for a, b in zip(skipping.policy.parameters(), before)) > 1e-4
+    for a, b in zip(full.policy.parameters(), skipping.policy.parameters()):
+        assert torch.equal(a, b)
+    m = s_skip.metrics(target_kl=False, ptx=False, critic_lr=None)
+    assert m["optim/skipped_rows_frac"] == 1.0 and "policy/entropy" not in m and "entropy/mean" not in m
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"loss": {"entropy_coef": 0.01}},
+        {"loss": {"positive_lm_coef": 0.1}},
+        {"loss": {"policy_loss": "clip_cov"}},
+        {"loss": {"policy_loss": "kl_cov"}},
+    ],
+)
+def test_no_row_is_skipped_when_a_loss_term_does_not_vanish_with_the_advantages(tmp_path, sections):
+    step = _step_f64(tmp_path, skip=True, **sections)
+    assert step.objective.rows_with_gradient(_half_zero_experience()) is None
+
+
+def test_a_kl_in_the_loss_keeps_the_rows_unless_beta_is_zero(tmp_path):
+    exp = _half_zero_experience()
+    step = _step_f64(tmp_path, skip=True, kl={"placement": "loss", "beta": 0.04})
+    ref = torch.zeros_like(exp.advantages)
+    assert step.objective.rows_with_gradient(dataclasses.replace(exp, ref_logprobs=ref, kl_coef=0.04)) is None
+    keep = step.objective.rows_with_gradient(dataclasses.replace(exp, ref_logprobs=ref, kl_coef=0.0))
+    assert keep.tolist() == [False] * 4 + [True] * 4
+
+
+def test_a_registered_loss_is_skipped_only_when_it_declares_it(tmp_path):
+    step = _step_f64(tmp_path, skip=True)
+    assert step.objective.rows_with_gradient(_half_zero_experience()).tolist() == [False] * 4 + [True] * 4
+
+    def plain(logprobs, old_logprobs, advantages, response_mask):  # no declaration
+        return -(advantages * (logprobs - old_logprobs)) * response_mask, {}
+
+    step.objective.policy_loss = plain
+    assert step.objective.rows_with_gradient(_half_zero_experience()) is None
+
+
+def test_target_kl_turns_the_skip_off(tmp_path):
+    step = _step_f64(tmp_path, skip=True, target_kl=1.0)
+    stats = UpdateStats.for_batch(exp := _half_zero_experience())
+    step(exp, stats)
+    assert stats.rows == [8, 0]

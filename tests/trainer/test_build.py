@@ -144,6 +144,24 @@ def test_build_objective_carries_the_configs_choices(tmp_path):
     assert obj.is_level is None  # rollout.is_correction "none" turns the correction off
 
 
+@pytest.mark.parametrize(
+    ("sections", "skip"),
+    [
+        ({}, True),
+        ({"optim": {"skip_zero_advantage_rows": False}}, False),
+        ({"loss": {"entropy_target": 0.2}}, False),  # the controller reads every row's entropy
+    ],
+)
+def test_policy_step_skips_rows_without_gradient_unless_told_or_the_entropy_controller_reads_them(
+    tmp_path, sections, skip
+):
+    cfg = _config(tmp_path, **sections)
+    step = build.build_policy_step(
+        cfg, None, None, None, ptx=None, device=torch.device("cpu"), strategy=None, precision=None
+    )
+    assert step.skip_zero_advantage is skip
+
+
 def test_no_ptx_stream_without_a_coefficient(tmp_path):
     assert build.build_ptx(_config(tmp_path), tokenizer=None) is None
 

@@ -16,6 +16,18 @@ from policygrad.run import Run
 pytestmark = pytest.mark.integration
 
 
+@pytest.fixture
+def make_config(make_config):
+    """The tiny runs of tests/training.py with every row forwarded: these tests read the
+    forward's metrics over the whole batch, and a group that scored alike would be skipped."""
+
+    def factory(name: str = "run", **sections):
+        optim = {"skip_zero_advantage_rows": False, **sections.pop("optim", {})}
+        return make_config(name, optim=optim, **sections)
+
+    return factory
+
+
 def _shift_sampler(run: Run, shift_of_row) -> None:
     """Make the engine report ``sampler_logprobs + shift_of_row(i)`` on the valid tokens of row i."""
     generate = run.trainer.engine.generate

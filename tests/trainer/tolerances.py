@@ -297,6 +297,7 @@ PLAIN = (
     "policy/nonfinite_tokens",
     "optim/steps",
     "optim/skipped_nonfinite",
+    "optim/skipped_rows_frac",
     "optim/lr",
     "optim/early_stopped",
     "optim/loss_scale",
