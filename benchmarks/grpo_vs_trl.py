@@ -154,6 +154,9 @@ def policygrad_settings(*, beta: float, seed: int, engine: str, threads: int, st
             "weight_decay": 0.0,
             "ppo_epochs": 1,
             "num_minibatches": 1,
+            # every row forwarded, as TRL does: the same work on both sides (policygrad's default
+            # skips the rows whose advantages are all 0; benchmarks/levers.py --lever skip_rows)
+            "skip_zero_advantage_rows": False,
             # optim.micro_batch_size stays at its default (32): the 16 sequences in one forward,
             # as TRL runs them. In bf16 autocast that is 0.81x micro-batches of 4 and no more
             # peak RSS (levers.py --lever micro_batch).

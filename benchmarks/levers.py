@@ -363,6 +363,7 @@ def run_lever(args, lever: str, logs: Path) -> dict[str, Any]:
                 k: v
                 for k, v in s.get("metrics", {}).items()
                 if k.startswith(("time/", "train/", "memory/", "mismatch/"))
+                or k in ("reward/zero_variance_group_frac", "optim/skipped_rows_frac")
             }
     first = sides[0]["summary"]["step"]
     for side in sides:

@@ -1,8 +1,9 @@
 """The memory planner against measurement: for each configuration, ``policygrad memory --config``'s
 planned peak of the trainer process beside the peak resident set size a real run of it reaches.
 
-Every run samples every response to full length (``rollout.ignore_eos=true``), which is what the
-plan prices, trains 3 steps without evaluations, and is measured by ``wait4``'s ``ru_maxrss`` of
+Every run samples every response to full length (``rollout.ignore_eos=true``) and forwards every
+row, those whose advantages are all 0 too (``optim.skip_zero_advantage_rows=false``), which is
+what the plan prices, trains 3 steps without evaluations, and is measured by ``wait4``'s ``ru_maxrss`` of
 the trainer process (its whole life: start, steps, final checkpoint). Runs go one at a time.
 
     python benchmarks/memory_check.py                       # every configuration
@@ -38,6 +39,7 @@ COMMON = [
     "--eval_before=false",
     "--eval_after=false",
     "--rollout.ignore_eos=true",
+    "--optim.skip_zero_advantage_rows=false",
     "--progress=false",
 ]
 
