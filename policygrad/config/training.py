@@ -283,11 +283,12 @@ class OptimConfig:
     them, so the update is the same (up to float rounding: the batch's shapes change), and a step
     where every row is skipped still steps AdamW on a gradient of zeros. The forward's metrics
     (``policy/*``, ``entropy/mean``, ``mismatch/*``) are then over the rows that trained, and a
-    step where none did logs none of them. No row is skipped when the loss has a term that does
-    not vanish with the advantages (a KL to the reference in the loss with beta > 0,
-    ``loss.entropy_coef``, ``loss.positive_lm_coef``, ``loss.entropy_target``), under
-    ``target_kl``, or with a policy loss that does not declare it (``clip_cov``, ``kl_cov``, a
-    registered loss without ``vanishes_at_zero_advantage``)."""
+    step where none did logs none of them. No row is skipped with a loss term that does not
+    vanish with the advantages (``loss.entropy_coef``, ``loss.positive_lm_coef``,
+    ``loss.entropy_target``), with a KL to the reference and beta > 0 (in the loss; or in the
+    reward, where an advantage is rarely exactly 0 anyway), under ``target_kl``, or with a policy
+    loss that does not declare it (``clip_cov``, ``kl_cov``, a registered loss without
+    ``vanishes_at_zero_advantage``)."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0

@@ -137,9 +137,10 @@ class PolicyObjective:
         gradient are exactly 0 whatever the weights (every advantage 0, or no token in the loss),
         so a forward and backward of them change nothing but the metrics. None when that cannot
         be known row by row: the policy loss does not declare ``vanishes_at_zero_advantage``
-        (the covariance losses choose tokens over the whole batch), or the loss has a term that
-        does not vanish with the advantages (a KL to the reference with beta > 0, the entropy
-        bonus, the positive-example LM loss)."""
+        (the covariance losses choose tokens over the whole batch), the loss has a term that
+        does not vanish with the advantages (the entropy bonus, the positive-example LM loss), or
+        a KL to the reference has beta > 0 (wherever it is placed: a check that needs no knowledge
+        of the placement, and in the reward it rarely leaves an advantage of exactly 0)."""
         if not getattr(self.policy_loss, "vanishes_at_zero_advantage", False):
             return None
         if self.entropy_coef or self.positive_lm_coef:
