@@ -280,15 +280,17 @@ class OptimConfig:
     ``skip_zero_advantage_rows``: rows whose advantages are all 0 (a group whose samples scored
     alike, under GRPO, RLOO and the other group baselines) have a loss and a gradient of exactly
     0, so their training forward and backward are skipped; the loss's normalisers still count
-    them, so the update is the same (up to float rounding: the batch's shapes change), and a step
-    where every row is skipped still steps AdamW on a gradient of zeros. The forward's metrics
-    (``policy/*``, ``entropy/mean``, ``mismatch/*``) are then over the rows that trained, and a
-    step where none did logs none of them. No row is skipped with a loss term that does not
-    vanish with the advantages (``loss.entropy_coef``, ``loss.positive_lm_coef``,
-    ``loss.entropy_target``), with a KL to the reference and beta > 0 (in the loss; or in the
-    reward, where an advantage is rarely exactly 0 anyway), under ``target_kl``, or with a policy
-    loss that does not declare it (``clip_cov``, ``kl_cov``, a registered loss without
-    ``vanishes_at_zero_advantage``)."""
+    them, so the update is the same (up to float rounding, since the batch's shapes change, and
+    with dropout up to which masks the rows draw, as with another ``micro_batch_size``), and a
+    step where every row is skipped still steps AdamW on a gradient of zeros. The forward's
+    metrics (``policy/*``, ``entropy/mean``, ``mismatch/*``) are then over the rows that trained;
+    a step where none did logs none of them, and one whose first minibatch skipped every row logs
+    no ``entropy/mean`` (the entropy before the step's first optimizer step). No row is skipped
+    with a loss term that does not vanish with the advantages (``loss.entropy_coef``,
+    ``loss.positive_lm_coef``, ``loss.entropy_target``), with a KL to the reference and beta > 0
+    (in the loss; or in the reward, where an advantage is rarely exactly 0 anyway), under
+    ``target_kl``, or with a policy loss that does not declare it (``clip_cov``, ``kl_cov``, a
+    registered loss without ``vanishes_at_zero_advantage``)."""
 
     lr: float = 2e-5
     weight_decay: float = 0.0

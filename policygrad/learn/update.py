@@ -250,7 +250,8 @@ class PolicyStep:
         passes = self.strategy.idle_passes(len(micros))
         for _ in range(passes):
             logprobs, _ = self._forward(idle.rollout, with_entropy=False)
-            self.step.backward(logprobs.sum() * 0.0)
+            # with top-k/top-p a padding token's log-prob is -inf, and -inf * 0 would be NaN
+            self.step.backward(torch.nan_to_num(logprobs, neginf=0.0).sum() * 0.0)
         if not micros and not passes:
             self.step.zero_gradients()  # what the skipped rows' backward would have left: AdamW still steps
         for micro in micros:

@@ -4,8 +4,9 @@
 applied none (every optimizer step skipped as non-finite, no token carrying loss, the update
 stopped by ``optim.target_kl`` before its first step) is *empty*; so is a step whose optimizer
 steps all had a gradient of exactly 0 (every advantage 0 and no other loss term, e.g. a reward
-that gives every sample of a group the same score): AdamW's moments stay 0 and the weights do not
-move (weight decay aside, which learns nothing). A gradient of exactly 0 while a group's samples
+that gives every sample of a group the same score): it learns nothing from its batch (AdamW still
+steps on the momentum of earlier updates; before the first one no weight moves, weight decay
+aside). A gradient of exactly 0 while a group's samples
 scored differently is a diverged run (the policy saturated by a step too large), named as such
 with ``optim.lr``. ``max_skipped_updates`` empty steps in a row end
 the run with a :class:`~policygrad.errors.TrainingError` that names the cause, and so does
@@ -92,7 +93,7 @@ def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
                 scorer += f" or reward.functions={functions}"
         return (
             f"every advantage was 0 at every step: the rewards gave each group's samples the same score "
-            f"(reward/mean {mean:g}), so the gradient was exactly 0 and the weights did not move; make "
+            f"(reward/mean {mean:g}), so the gradient was exactly 0 and nothing was learned; make "
             f"{scorer} tell the completions apart{code}, or set "
             "drop_zero_variance_groups=true to skip such groups"
         )
@@ -110,7 +111,7 @@ def _why_zero_gradient(metrics: dict[str, Any], config) -> str:
         )
     return (
         "the policy's gradient was exactly 0 at every optimizer step (every advantage 0 and no other loss "
-        f"term), so the weights did not move; check that reward.functions={functions} tell the completions "
+        f"term), so nothing was learned; check that reward.functions={functions} tell the completions "
         "apart and how the advantage estimator and reward normalisation treat their scores"
     )
 

@@ -354,3 +354,27 @@ def test_target_kl_turns_the_skip_off(tmp_path):
     stats = UpdateStats.for_batch(exp := _half_zero_experience())
     step(exp, stats)
     assert stats.rows == [8, 0]
+
+
+def test_an_idle_pass_over_minus_infinity_padding_keeps_the_step(tmp_path):
+    # A rank with fewer micro-batches (FSDP; after skipped rows, one with none) runs zero-weight
+    # passes. Under top-k/top-p the trainer's log-prob of a padding token is -inf, and
+    # -inf * 0 = NaN would skip the step on every rank.
+    step = _policy_step(tmp_path, 8)
+
+    class OneIdlePass(Single):
+        def idle_passes(self, count):  # noqa: ARG002 - the strategy's signature
+            return 1
+
+    step.strategy = OneIdlePass(Dist())
+    real = step.forward
+
+    def padding_minus_inf(model, rollout, **kwargs):
+        logprobs, entropy = real(model, rollout, **kwargs)
+        return torch.where(rollout.response_mask[:, : logprobs.shape[1]] > 0, logprobs, -math.inf), entropy
+
+    step.forward = padding_minus_inf
+    exp = _experience()
+    stats = UpdateStats.for_batch(exp)
+    step(exp, stats, idle=exp.select(torch.arange(1)))
+    assert (stats.steps, stats.skipped) == (1, 0) and math.isfinite(stats.grad_norms[0])

@@ -250,8 +250,8 @@ def test_steps_with_an_exactly_zero_gradient_are_not_updates():
         watch.observe(flat)
     assert str(info.value) == (
         "2 steps in a row applied no update: every advantage was 0 at every step: the rewards gave each "
-        "group's samples the same score (reward/mean 1), so the gradient was exactly 0 and the weights did "
-        "not move; make reward.functions=['answer_correctness'] tell the completions apart (code rows: "
+        "group's samples the same score (reward/mean 1), so the gradient was exactly 0 and nothing was "
+        "learned; make reward.functions=['answer_correctness'] tell the completions apart (code rows: "
         "code_tests), or set drop_zero_variance_groups=true to skip such groups (max_skipped_updates=2)"
     )
     # With an environment the episodes are scored by it first: the message names it.
