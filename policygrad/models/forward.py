@@ -161,7 +161,10 @@ def _response_outputs(model, rollout: Rollout, *, share_prompts: bool, decoder) 
             "use_cache": use_cache,
         }
         if decoder is None:
-            out = model(**inputs, logits_to_keep=keep)
+            # Inside call_as_forward (FSDP) ``model.forward`` is the kernel itself and the root's
+            # hooks have run: the model's own forward, not ``model(...)``.
+            forward = type(model).forward.__get__(model) if _in_call_as_forward(model) else model
+            out = forward(**inputs, logits_to_keep=keep)
             return out.logits, out.past_key_values
         out = decoder(**inputs)
         hidden = out.last_hidden_state
@@ -203,12 +206,17 @@ def _response_outputs(model, rollout: Rollout, *, share_prompts: bool, decoder) 
     return out
 
 
+def _in_call_as_forward(model) -> bool:
+    """``model`` is running :func:`call_as_forward`."""
+    return bool(model.__dict__.get("_running_as_forward", False))
+
+
 def is_sharded_root(model) -> bool:
     """``model`` is an FSDP2 unit (``fully_shard``) not already running :func:`call_as_forward`."""
     # imported here: torch.distributed's FSDP loads only where a model may be sharded
     from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(model, FSDPModule) and not model.__dict__.get("_running_as_forward", False)
+    return isinstance(model, FSDPModule) and not _in_call_as_forward(model)
 
 
 def call_as_forward(model, fn, *args, **kwargs):

@@ -236,3 +236,54 @@ def varied_rollout() -> Rollout:
     rollout.response_ids = rollout.response_ids.masked_fill(mask == 0, PAD_ID)
     order = torch.randperm(rollout.batch_size, generator=torch.Generator().manual_seed(3))
     return rollout.select(order)
+
+
+_SHARDED_TRUNCATED = """
+import os, tempfile
+import torch
+import torch.distributed as td
+from torch.distributed.fsdp import fully_shard
+from policygrad.models.forward import policy_logprobs
+from tests.learn.test_update import _rollout
+from tests.tiny import make_tiny_llama
+
+torch.set_num_threads(1)
+store = "file://" + os.path.join(tempfile.mkdtemp(), "store")
+td.init_process_group("gloo", init_method=store, rank=0, world_size=1)
+try:
+    sharded, _ = make_tiny_llama(seed=1)
+    plain, _ = make_tiny_llama(seed=1)
+    for layer in sharded.model.layers:
+        fully_shard(layer)
+    fully_shard(sharded)
+    rollout = _rollout()
+    valid = rollout.response_mask > 0
+    for options in ({"top_k": 20}, {"top_p": 0.9}):
+        a, _ = policy_logprobs(sharded, rollout, **options)
+        b, _ = policy_logprobs(plain, rollout, **options)
+        assert torch.equal(a[valid].detach(), b[valid].detach()), options
+        assert a[valid].isfinite().any()
+finally:
+    td.destroy_process_group()
+print("same")
+"""
+
+
+def test_a_sharded_model_scores_under_top_k_and_top_p_as_the_plain_one():
+    # With top-k/top-p the whole model runs (not the fused head); inside call_as_forward
+    # ``model.forward`` is the kernel, so calling ``model(...)`` again recursed into it with the
+    # model's keywords. One FSDP2 rank in its own process (a process group stays out of pytest's).
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run(
+        [sys.executable, "-c", _SHARDED_TRUNCATED],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": root},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("same"), done.stderr[-2000:]
